@@ -1,0 +1,59 @@
+"""The ``onegpu`` command. Heavy libraries are imported only inside the chosen command, so ``--help``
+and validation errors come back at once."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+STAGES = ("prepare", "train", "evaluate")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="onegpu",
+        description="Fine-tune Hugging Face models on one GPU through DVC, with every run's memory, "
+                    "speed and loss in MLflow.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, text in (("prepare", "read, de-duplicate, split and tokenize the data (DVC stage)"),
+                       ("train", "fine-tune the model with the params' micro-batch, accumulation and "
+                                 "checkpointing (DVC stage)"),
+                       ("evaluate", "evaluate the trained model on the test split (DVC stage)")):
+        s = sub.add_parser(name, help=text, description=text)
+        s.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    ui = sub.add_parser("ui", help="serve the MLflow UI on the project's store (127.0.0.1)",
+                        description="Serve the MLflow UI on the project's store and print the address "
+                                    "of the experiment's runs table.")
+    ui.add_argument("--params", default="params.yaml", help="params file, for tracking.experiment_name")
+    ui.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1, this machine only)")
+    ui.add_argument("--port", type=int, default=5000, help="port (default: 5000)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from onegpu.errors import UserError
+    try:
+        from onegpu import config
+        cfg = config.load(args.params)
+        if args.command in STAGES:
+            from onegpu import models
+            if models.is_local(cfg.model.name_or_path):
+                models.go_offline()  # before transformers/datasets are imported
+            import importlib
+            stage = importlib.import_module(f"onegpu.stages.{args.command}")
+            stage.run(cfg)
+        elif args.command == "ui":
+            from onegpu import ui
+            return ui.serve(cfg.tracking.experiment_name, args.host, args.port)
+    except UserError as e:
+        print(f"onegpu {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"onegpu {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

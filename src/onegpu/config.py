@@ -1,0 +1,325 @@
+"""params.yaml: the typed schema, loading, validation and the equivalence key.
+
+Every stage calls :func:`load` first, so a typo, a wrong type or an out-of-range value stops the stage
+with one message naming the key before any data is read. Keys in ``train`` use the names of
+``transformers.TrainingArguments`` where one exists.
+
+This module imports only the standard library and OmegaConf, so validation errors come back at once.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from onegpu.errors import ConfigError
+
+PACKAGED_MODEL = "packaged:all-MiniLM-L6-v2"
+PACKAGED_DATA = "bbcnews"
+
+TASKS = ("sequence-classification", "causal-lm")
+BACKENDS = ("trainer", "accelerate")
+# transformers.SchedulerType values (transformers/trainer_utils.py).
+LR_SCHEDULERS = (
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+    "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "warmup_stable_decay",
+)
+# The subset of transformers.training_args.OptimizerNames that needs no extra package.
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
+
+
+@dataclass
+class DataConfig:
+    source: str = PACKAGED_DATA          # "bbcnews" (packaged corpus) or a path to a .csv/.jsonl file
+    text_column: str = "text"
+    label_column: str = "label"
+    max_length: int = 64                  # tokens per example after truncation
+    validation_size: float = 0.1          # share of the de-duplicated rows
+    test_size: float = 0.2
+    max_train_samples: Optional[int] = None   # cap on training examples (null = all)
+    max_eval_samples: Optional[int] = None    # cap on validation and test examples (null = all)
+    seed: int = 42                        # split and subsampling seed
+
+
+@dataclass
+class ModelConfig:
+    task: str = "sequence-classification"
+    name_or_path: Optional[str] = PACKAGED_MODEL
+    dropout: Optional[float] = None       # null keeps the model's own; a number overrides every dropout
+
+
+@dataclass
+class TrainConfig:
+    backend: str = "trainer"
+    per_device_train_batch_size: Any = 8  # micro-batch size (int; "auto" once the finder exists)
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    effective_batch_size: Optional[int] = None  # null = micro x accumulation x processes
+    memory_budget_gib: Optional[float] = None
+    gradient_checkpointing: bool = False  # activation checkpointing
+    learning_rate: float = 5e-5
+    num_train_epochs: float = 1.0
+    max_steps: int = -1                   # optimizer steps; -1 = from num_train_epochs
+    warmup_ratio: float = 0.0
+    lr_scheduler_type: str = "linear"
+    weight_decay: float = 0.0
+    optim: str = "adamw_torch"
+    max_grad_norm: float = 1.0
+    seed: int = 42
+    bf16: bool = False
+    fp16: bool = False
+    logging_steps: int = 10               # terminal progress every N optimizer steps (MLflow gets every step)
+    dataloader_num_workers: int = 0
+
+
+@dataclass
+class EvaluateConfig:
+    per_device_eval_batch_size: int = 64
+
+
+@dataclass
+class TrackingConfig:
+    experiment_name: str = "onegpu"
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _allowed_keys(section: str) -> list[str]:
+    cls = {f.name: f.type for f in fields(Config)}
+    sub = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig,
+           "evaluate": EvaluateConfig, "tracking": TrackingConfig}.get(section)
+    return [f.name for f in fields(sub)] if sub else list(cls)
+
+
+def _unknown_key_message(full_key: str) -> str:
+    section, _, key = full_key.rpartition(".")
+    allowed = _allowed_keys(section) if section else _allowed_keys("")
+    hint = difflib.get_close_matches(key, allowed, n=1)
+    did = f" Did you mean '{section + '.' if section else ''}{hint[0]}'?" if hint else ""
+    where = f"'{section}'" if section else "the top level"
+    return (f"unknown key '{full_key}'.{did} Allowed keys in {where}: {', '.join(allowed)}. "
+            "(Note: `dvc exp run -S` adds a misspelt key instead of failing.)")
+
+
+def load(path: str | os.PathLike = "params.yaml") -> Config:
+    """Read, type-check and validate a params file.
+
+    Args:
+        path: the YAML file (DVC's ``params.yaml``).
+    Returns:
+        A validated :class:`Config` (defaults filled for keys the file leaves out).
+    Raises:
+        ConfigError: the file is missing or not YAML, or a key is unknown, of a wrong type or out of
+            range; the message names the key and what is allowed.
+    """
+    if not os.path.exists(path):
+        raise ConfigError(f"{path} not found: run onegpu from the project root (where dvc.yaml is)")
+    try:
+        user = OmegaConf.load(path)
+    except Exception as e:  # yaml.YAMLError and friends: report, never a traceback
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if user is None or not OmegaConf.is_dict(user):
+        raise ConfigError(f"{path} must be a mapping with sections data, model, train, evaluate, tracking")
+    return from_container(OmegaConf.to_container(user), source=str(path))
+
+
+def from_container(raw: dict, source: str = "params") -> Config:
+    """Validate a plain dict shaped like params.yaml (see :func:`load`)."""
+    schema = OmegaConf.structured(Config)
+    OmegaConf.set_struct(schema, True)
+    try:
+        merged = OmegaConf.merge(schema, raw)
+    except ConfigKeyError as e:
+        raise ConfigError(f"{source}: {_unknown_key_message(str(e.full_key))}") from None
+    except ValidationError as e:
+        key = e.full_key or "?"
+        raise ConfigError(f"{source}: {key}: {_type_message(e, key)}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{source}: {getattr(e, 'full_key', '') or ''}: {e.msg if hasattr(e, 'msg') else e}") from None
+    cfg: Config = OmegaConf.to_object(merged)
+    validate(cfg, source)
+    return cfg
+
+
+def _type_message(e: ValidationError, key: str) -> str:
+    section, _, name = key.rpartition(".")
+    expected = "a value"
+    for cls in (DataConfig, ModelConfig, TrainConfig, EvaluateConfig, TrackingConfig):
+        for f in fields(cls):
+            if f.name == name:
+                expected = {"int": "an integer", "float": "a number", "bool": "true or false",
+                            "str": "a string", "Optional[int]": "an integer or null",
+                            "Optional[float]": "a number or null",
+                            "Optional[str]": "a string or null"}.get(str(f.type), str(f.type))
+    value = getattr(e, "value", None)
+    return f"expected {expected}, got {value!r}"
+
+
+def _fail(source: str, key: str, problem: str) -> None:
+    raise ConfigError(f"{source}: {key}: {problem}")
+
+
+def validate(cfg: Config, source: str = "params") -> None:
+    """Check ranges and combinations that types alone cannot. Raises ConfigError naming the key."""
+    d, m, t = cfg.data, cfg.model, cfg.train
+    if d.max_length < 8 or d.max_length > 8192:
+        _fail(source, "data.max_length", f"must be an integer from 8 to 8192, got {d.max_length}")
+    for k in ("validation_size", "test_size"):
+        v = getattr(d, k)
+        if not 0.0 < v < 1.0:
+            _fail(source, f"data.{k}", f"must be a fraction strictly between 0 and 1, got {v}")
+    if d.validation_size + d.test_size >= 0.9:
+        _fail(source, "data.test_size", "data.validation_size + data.test_size must leave at least 10% "
+              f"for training, got {d.validation_size} + {d.test_size}")
+    for k in ("max_train_samples", "max_eval_samples"):
+        v = getattr(d, k)
+        if v is not None and v < 1:
+            _fail(source, f"data.{k}", f"must be a positive integer or null (= all), got {v}")
+    if not d.source:
+        _fail(source, "data.source", f"must be '{PACKAGED_DATA}' or a path to a .csv or .jsonl file")
+    if d.source != PACKAGED_DATA and not d.source.lower().endswith((".csv", ".jsonl", ".json")):
+        _fail(source, "data.source", f"must be '{PACKAGED_DATA}' or a path ending in .csv or .jsonl, "
+              f"got {d.source!r}")
+
+    if m.task not in TASKS:
+        _fail(source, "model.task", f"must be one of {', '.join(TASKS)}, got {m.task!r}")
+    if m.task == "causal-lm":
+        _fail(source, "model.task", "'causal-lm' is not available in this version yet; "
+              "use 'sequence-classification'")
+    if m.name_or_path is None and m.task == "sequence-classification":
+        _fail(source, "model.name_or_path", "null (a model built from config) exists only for "
+              f"causal-lm; for sequence-classification use '{PACKAGED_MODEL}', a local directory or a hub id")
+    if m.dropout is not None and not 0.0 <= m.dropout < 1.0:
+        _fail(source, "model.dropout", f"must be null or a probability in [0, 1), got {m.dropout}")
+
+    if t.backend not in BACKENDS:
+        _fail(source, "train.backend", f"must be one of {', '.join(BACKENDS)}, got {t.backend!r}")
+    if t.backend == "accelerate":
+        _fail(source, "train.backend", "'accelerate' is not available in this version yet; use 'trainer'")
+    mb = t.per_device_train_batch_size
+    if mb == "auto":
+        _fail(source, "train.per_device_train_batch_size",
+              "'auto' is not available in this version yet; give a positive integer")
+    if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
+        _fail(source, "train.per_device_train_batch_size", f"must be a positive integer, got {mb!r}")
+    if t.gradient_accumulation_steps < 1:
+        _fail(source, "train.gradient_accumulation_steps",
+              f"must be a positive integer, got {t.gradient_accumulation_steps}")
+    if t.effective_batch_size is not None:
+        product = mb * t.gradient_accumulation_steps
+        if t.effective_batch_size != product:
+            _fail(source, "train.effective_batch_size",
+                  f"is {t.effective_batch_size}, but per_device_train_batch_size x "
+                  f"gradient_accumulation_steps = {mb} x {t.gradient_accumulation_steps} = {product} "
+                  "(one process); make them agree or set effective_batch_size: null")
+    if t.memory_budget_gib is not None and t.memory_budget_gib <= 0:
+        _fail(source, "train.memory_budget_gib", f"must be a positive number of GiB or null, got {t.memory_budget_gib}")
+    if not t.learning_rate > 0:
+        _fail(source, "train.learning_rate", f"must be a positive number, got {t.learning_rate}")
+    if not t.num_train_epochs > 0:
+        _fail(source, "train.num_train_epochs", f"must be a positive number, got {t.num_train_epochs}")
+    if t.max_steps == 0 or t.max_steps < -1:
+        _fail(source, "train.max_steps", f"must be -1 (use num_train_epochs) or a positive integer, got {t.max_steps}")
+    if not 0.0 <= t.warmup_ratio < 1.0:
+        _fail(source, "train.warmup_ratio", f"must be in [0, 1), got {t.warmup_ratio}")
+    if t.lr_scheduler_type not in LR_SCHEDULERS:
+        _fail(source, "train.lr_scheduler_type",
+              f"must be one of {', '.join(LR_SCHEDULERS)}, got {t.lr_scheduler_type!r}")
+    if t.weight_decay < 0:
+        _fail(source, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    if t.optim not in OPTIMIZERS:
+        _fail(source, "train.optim", f"must be one of {', '.join(OPTIMIZERS)}, got {t.optim!r}")
+    if t.max_grad_norm < 0:
+        _fail(source, "train.max_grad_norm", f"must be >= 0 (0 = no clipping), got {t.max_grad_norm}")
+    if t.bf16 and t.fp16:
+        _fail(source, "train.fp16", "train.bf16 and train.fp16 are both true; choose at most one")
+    if t.logging_steps < 1:
+        _fail(source, "train.logging_steps", f"must be a positive integer, got {t.logging_steps}")
+    if t.dataloader_num_workers < 0:
+        _fail(source, "train.dataloader_num_workers", f"must be >= 0, got {t.dataloader_num_workers}")
+    if cfg.evaluate.per_device_eval_batch_size < 1:
+        _fail(source, "evaluate.per_device_eval_batch_size",
+              f"must be a positive integer, got {cfg.evaluate.per_device_eval_batch_size}")
+    if not cfg.tracking.experiment_name.strip():
+        _fail(source, "tracking.experiment_name", "must be a non-empty string")
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """Flatten nested dicts with dots: ``{"train": {"seed": 1}}`` -> ``{"train.seed": 1}``."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The batch layout actually used (logged as ``resolved.*``)."""
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+
+    @property
+    def effective_batch_size(self) -> int:
+        """Examples per optimizer step: micro-batch x accumulation x processes."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+
+
+def resolve(cfg: Config, world_size: int = 1) -> Resolved:
+    """The batch layout for ``cfg`` on ``world_size`` processes (one GPU: 1)."""
+    return Resolved(int(cfg.train.per_device_train_batch_size), cfg.train.gradient_accumulation_steps,
+                    world_size)
+
+
+# Params that decide only how the work is split or observed, not the mathematics of training.
+# Left out of the equivalence key:
+NOT_IN_EQUIVALENCE_KEY = {
+    "train.per_device_train_batch_size": "how the effective batch is split (the effective batch is in)",
+    "train.gradient_accumulation_steps": "how the effective batch is split (the effective batch is in)",
+    "train.effective_batch_size": "replaced by the resolved effective batch size",
+    "train.memory_budget_gib": "only steers the micro-batch finder",
+    "train.gradient_checkpointing": "recomputes activations; the same mathematics",
+    "train.backend": "Trainer and Accelerate loops compute the same steps",
+    "train.logging_steps": "terminal output only",
+    "train.dataloader_num_workers": "where batches are collated, not which",
+    "evaluate.per_device_eval_batch_size": "evaluation only",
+    "tracking.experiment_name": "where results are logged",
+    "data.max_eval_samples": "evaluation data only",
+}
+
+
+def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = "") -> dict[str, Any]:
+    """The values that define the mathematics of a training run.
+
+    Everything in params.yaml except :data:`NOT_IN_EQUIVALENCE_KEY`, plus the resolved effective batch
+    size and the prepared data's content fingerprint (so two runs on different data files never match).
+    """
+    flat = {k: v for k, v in flatten(cfg.to_dict()).items() if k not in NOT_IN_EQUIVALENCE_KEY}
+    flat["resolved.effective_batch_size"] = resolved.effective_batch_size
+    flat["data.fingerprint"] = data_fingerprint
+    return flat
+
+
+def equivalence_key(cfg: Config, resolved: Resolved, data_fingerprint: str = "") -> str:
+    """A stable 16-hex-digit hash (SHA-256 of sorted JSON) of :func:`equivalence_fields`."""
+    blob = json.dumps(equivalence_fields(cfg, resolved, data_fingerprint), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

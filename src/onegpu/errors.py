@@ -1,0 +1,17 @@
+"""Errors that are the user's to fix: the CLI prints their message alone (no traceback) and exits 2."""
+
+
+class UserError(Exception):
+    """Bad input: params, data or model paths. The message names the problem and what is allowed."""
+
+
+class ConfigError(UserError):
+    """params.yaml has an unknown key, a wrong type or a value out of range."""
+
+
+class DataError(UserError):
+    """The data source is missing, empty or malformed."""
+
+
+class ModelError(UserError):
+    """The model path or id cannot be used for the task."""

@@ -1,0 +1,86 @@
+"""Where things live: the project root, the MLflow store, the stage outputs.
+
+DVC runs queued and ``--temp`` experiments in a temporary clone (``.dvc/tmp/exps/tmpXXXX``) that it
+deletes afterwards, and sets ``DVC_ROOT`` to the user's repository in every stage process. Everything
+that must outlive a stage (the MLflow store, its artifacts, the lock) is therefore resolved against
+:func:`project_root`, never the current directory.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Stage outputs, relative to the stage's working directory (the repo or DVC's temp clone).
+PARAMS = Path("params.yaml")
+PROCESSED = Path("data/processed")
+STATS = Path("data/stats.json")
+MODEL_DIR = Path("models/model")
+RUN_FILE = Path("models/mlflow_run.json")
+TRAIN_METRICS = Path("metrics/train.json")
+EVAL_METRICS = Path("metrics/eval.json")
+STEP_PLOT = Path("plots/train_steps.csv")
+PREDICTIONS = Path("plots/predictions.csv")
+
+
+def project_root(cwd: str | os.PathLike | None = None) -> Path:
+    """The user's repository.
+
+    ``DVC_ROOT`` when DVC set it (also in a queued experiment's temp clone, where it names the user's
+    repo); else the nearest directory at or above ``cwd`` that holds ``.dvc/`` or ``.git/``; else ``cwd``.
+    A temp clone under ``<root>/.dvc/tmp/exps/`` is mapped back to ``<root>`` as well.
+    """
+    env = os.environ.get("DVC_ROOT")
+    if env:
+        return _outside_exp_tmp(Path(env).resolve())
+    here = Path(cwd or os.getcwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / ".dvc").is_dir() or (d / ".git").exists():
+            return _outside_exp_tmp(d)
+    return here
+
+
+def _outside_exp_tmp(p: Path) -> Path:
+    parts = p.parts
+    for i in range(len(parts) - 3):
+        if parts[i:i + 3] == (".dvc", "tmp", "exps"):
+            return Path(*parts[:i])
+    return p
+
+
+def tracking_uri(root: Path | None = None) -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<root>/mlflow.db`` (absolute)."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{(root or project_root()) / 'mlflow.db'}"
+
+
+def artifact_root(root: Path | None = None) -> Path:
+    """``<root>/mlartifacts``: where a new experiment's artifacts go with the default SQLite store."""
+    return (root or project_root()) / "mlartifacts"
+
+
+def lock_file(root: Path | None = None) -> Path:
+    """A file lock that serialises creating the store and the experiment across processes."""
+    d = (root or project_root()) / ".onegpu"
+    d.mkdir(parents=True, exist_ok=True)
+    return d / "tracking.lock"
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """Write JSON to ``path`` through a temp file and a rename, so no half-written file is left."""
+    import json
+    import tempfile
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: str | os.PathLike):
+    import json
+    with open(path) as f:
+        return json.load(f)

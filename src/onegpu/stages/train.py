@@ -1,0 +1,108 @@
+"""``onegpu train``: fine-tune on data/processed -> models/, metrics/train.json, plots/train_steps.csv.
+
+Opens the training run (one per training configuration) and leaves it RUNNING for ``evaluate``,
+which logs into the same run and finishes it; the run id is kept in ``models/mlflow_run.json``.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import tempfile
+
+from onegpu import measure, models, paths, tracking
+from onegpu.config import Config, equivalence_key, flatten, resolve
+from onegpu.errors import ConfigError, DataError, ModelError
+
+
+def _device_checks(cfg: Config):
+    import torch
+    cuda = torch.cuda.is_available()
+    if cfg.train.fp16 and not cuda:
+        raise ConfigError("params.yaml: train.fp16: fp16 mixed precision needs a CUDA GPU and none is "
+                          "visible; use bf16 (CPU autocast) or neither")
+    if cfg.train.bf16 and cuda and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"params.yaml: train.bf16: {torch.cuda.get_device_name(0)} has no bf16 support; "
+                          "use fp16 or neither")
+    return "cuda:0" if cuda else "cpu"
+
+
+def _load_processed():
+    from datasets import load_from_disk
+    if not paths.PROCESSED.is_dir() or not paths.STATS.is_file():
+        raise DataError(f"{paths.PROCESSED} or {paths.STATS} is missing: run the prepare stage first (dvc repro)")
+    return load_from_disk(str(paths.PROCESSED)), paths.read_json(paths.STATS)
+
+
+def run(cfg: Config) -> dict:
+    device = _device_checks(cfg)
+    dsd, stats = _load_processed()
+    resolved = resolve(cfg)
+    key = equivalence_key(cfg, resolved, stats["fingerprint"])
+    tracker = tracking.connect(cfg.tracking.experiment_name)
+    tags = {**tracking.run_context_tags(), "stage": "train", "equivalence_key": key,
+            "device": measure.device_name(device), "data.fingerprint": stats["fingerprint"]}
+    run_id = tracker.start_run(tracking.run_name(), tags)
+    with tracker.guard(run_id, finish=False):
+        params = flatten(cfg.to_dict())
+        params.update({"resolved.per_device_train_batch_size": resolved.per_device_train_batch_size,
+                       "resolved.gradient_accumulation_steps": resolved.gradient_accumulation_steps,
+                       "resolved.effective_batch_size": resolved.effective_batch_size,
+                       "resolved.world_size": resolved.world_size})
+        tracker.log_params(run_id, params)
+
+        from transformers import set_seed
+        from onegpu.training import hf_trainer
+
+        path = models.resolve_model_path(cfg.model.name_or_path)
+        tokenizer = models.load_tokenizer(path, cfg.model.task)
+        set_seed(cfg.train.seed)
+        model = models.build_classifier(path, stats["labels"], cfg.model.dropout)
+        if cfg.train.gradient_checkpointing and not models.supports_checkpointing(model):
+            raise ModelError(f"train.gradient_checkpointing: {type(model).__name__} does not support "
+                             "activation checkpointing; set it to false")
+
+        buffer = tracker.metric_buffer(run_id)
+        trainer, steps = hf_trainer.train(model, tokenizer, dsd, cfg, resolved, sink=buffer.add)
+        buffer.flush()
+        summary = steps.summary()
+        tracker.log_metrics(run_id, {k: v for k, v in summary.items() if k.startswith("train_")
+                                     and k not in ("train_steps", "train_samples", "train_tokens")},
+                            step=summary.get("train_steps", 0))
+
+        # Outputs: written aside, then moved into place.
+        paths.MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=paths.MODEL_DIR.parent, prefix=".model-")
+        trainer.save_model(tmp)
+        tokenizer.save_pretrained(tmp)
+        for junk in ("training_args.bin",):
+            if os.path.exists(os.path.join(tmp, junk)):
+                os.remove(os.path.join(tmp, junk))
+        shutil.rmtree(paths.MODEL_DIR, ignore_errors=True)
+        shutil.move(tmp, paths.MODEL_DIR)
+        _write_steps(steps.rows)
+        paths.write_json_atomic(paths.TRAIN_METRICS, {
+            **{k: v for k, v in summary.items()},
+            "effective_batch_size": resolved.effective_batch_size,
+            "per_device_train_batch_size": resolved.per_device_train_batch_size,
+            "gradient_accumulation_steps": resolved.gradient_accumulation_steps})
+        paths.write_json_atomic(paths.RUN_FILE, {"run_id": run_id, "experiment_id": tracker.experiment_id,
+                                                 "equivalence_key": key})
+    print(f"train: {summary.get('train_steps', 0)} optimizer steps of {resolved.effective_batch_size} examples "
+          f"({resolved.per_device_train_batch_size} x {resolved.gradient_accumulation_steps}), "
+          f"train_loss {summary.get('train_loss', float('nan')):.4f}, {summary.get('train_runtime', 0):.1f} s, "
+          f"peak {summary.get('train_mem_peak_bytes', 0) / 2**20:.0f} MiB on {tags['device']}; MLflow run {run_id}")
+    return summary
+
+
+def _write_steps(rows: list[dict]) -> None:
+    """plots/train_steps.csv: one row per optimizer step (the DVC plot of the loss curve)."""
+    cols = ["step", "loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second",
+            "tokens_per_second", "mem_peak_bytes"]
+    paths.STEP_PLOT.parent.mkdir(parents=True, exist_ok=True)
+    tmp = paths.STEP_PLOT.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, paths.STEP_PLOT)

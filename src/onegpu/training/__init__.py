@@ -1,0 +1,1 @@
+"""Training backends, the exact loss, and the per-step measurement callback."""

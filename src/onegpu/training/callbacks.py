@@ -1,0 +1,112 @@
+"""Per-optimizer-step measurement for HF Trainer: time, memory, samples and tokens, plus HF's logs.
+
+Host-device syncs: one per optimizer step (to time the step and read its token count), none per
+micro-batch. Metrics go to a ``sink(metrics: dict, step: int)`` (the stage passes a batched MLflow
+writer), so this module knows nothing of MLflow.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
+
+from onegpu import measure
+
+
+class BatchCounter:
+    """Counts examples and non-padding tokens of the micro-batches fed to the model.
+
+    ``add`` keeps the token count on the device (no sync); ``take`` reads and resets it once per step.
+    """
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self._tokens = None
+
+    def add(self, inputs: dict) -> None:
+        ids = inputs["input_ids"]
+        self.samples += int(ids.shape[0])
+        mask = inputs.get("attention_mask")
+        n = mask.sum() if mask is not None else ids.numel()
+        self._tokens = n if self._tokens is None else self._tokens + n
+
+    def take(self) -> tuple[int, int]:
+        """(examples, non-padding tokens) since the last take."""
+        tokens = self._tokens
+        s, t = self.samples, (int(tokens.item()) if hasattr(tokens, "item") else int(tokens or 0))
+        self.samples, self._tokens = 0, None
+        return s, t
+
+
+class StepMetrics(TrainerCallback):
+    """Records, per optimizer step (MLflow step = ``state.global_step``, from 1):
+
+    ``loss``, ``grad_norm``, ``learning_rate`` (from Trainer's logs, ``logging_steps=1``),
+    ``step_time_s`` (wall seconds since the previous step ended, data loading and all micro-batches
+    included), ``samples_per_second``, ``tokens_per_second`` (non-padding tokens), ``mem_peak_bytes``
+    (see :mod:`onegpu.measure`). Keeps the per-step rows in ``self.rows`` for plots and summaries.
+    """
+
+    def __init__(self, sink: Callable[[dict, int], None], device, counter: BatchCounter) -> None:
+        self.sink, self.device, self.counter = sink, device, counter
+        self.rows: list[dict] = []
+        self._pending: dict[int, dict] = {}
+        self._watch = None
+
+    def on_train_begin(self, args, state, control, **kw):
+        measure.synchronize(self.device)
+        measure.reset_peak(self.device)
+        self._watch = measure.Stopwatch()
+        self.counter.take()
+
+    def on_step_end(self, args, state, control, **kw):
+        measure.synchronize(self.device)
+        dt = self._watch.lap()
+        samples, tokens = self.counter.take()
+        self._pending[state.global_step] = {
+            "step_time_s": dt,
+            "samples_per_second": samples / dt if dt > 0 else 0.0,
+            "tokens_per_second": tokens / dt if dt > 0 else 0.0,
+            "mem_peak_bytes": measure.peak_bytes(self.device),
+            "samples": samples, "tokens": tokens,
+        }
+        measure.reset_peak(self.device)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        step = state.global_step
+        if not logs or "loss" not in logs or step not in self._pending:
+            return
+        row = self._pending.pop(step)
+        row.update(loss=logs["loss"], grad_norm=logs.get("grad_norm"), learning_rate=logs.get("learning_rate"))
+        self.rows.append({"step": step, **row})
+        self.sink({k: v for k, v in row.items() if k not in ("samples", "tokens")}, step)
+
+    def summary(self) -> dict:
+        """Totals over the logged steps: train_loss (mean step loss, as HF's), runtime and throughput."""
+        if not self.rows:
+            return {}
+        runtime = sum(r["step_time_s"] for r in self.rows)
+        samples = sum(r["samples"] for r in self.rows)
+        tokens = sum(r["tokens"] for r in self.rows)
+        return {
+            "train_loss": sum(r["loss"] for r in self.rows) / len(self.rows),
+            "train_runtime": runtime,
+            "train_samples_per_second": samples / runtime if runtime else 0.0,
+            "train_tokens_per_second": tokens / runtime if runtime else 0.0,
+            "train_mem_peak_bytes": max(r["mem_peak_bytes"] for r in self.rows),
+            "train_steps": len(self.rows), "train_samples": samples, "train_tokens": tokens,
+        }
+
+
+class SparseProgress(ProgressCallback):
+    """HF's progress bar, printing the log dict every ``every`` optimizer steps instead of every step."""
+
+    def __init__(self, every: int) -> None:
+        super().__init__()
+        self.every = every
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs and state.global_step % self.every and state.global_step != state.max_steps:
+            return
+        super().on_log(args, state, control, logs=logs, **kw)

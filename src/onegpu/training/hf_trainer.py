@@ -1,0 +1,129 @@
+"""The ``trainer`` backend: HF ``Trainer`` with ``TrainingArguments`` built from params.yaml's ``train``.
+
+The loss is the exact mean over each optimizer step's effective batch (:mod:`onegpu.training.loss`),
+passed as ``compute_loss_func`` so that Trainer counts the step's labels over all its micro-batches
+(``num_items_in_batch``) and does not divide by the accumulation count again.
+"""
+from __future__ import annotations
+
+import tempfile
+from typing import Callable
+
+from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
+from transformers.trainer_callback import ProgressCallback
+
+from onegpu.config import Config, Resolved
+from onegpu.training.callbacks import BatchCounter, SparseProgress, StepMetrics
+from onegpu.training.loss import classification_loss
+
+# Columns the model consumes; prepare's other columns (text, length) are dropped before training.
+MODEL_COLUMNS = ("input_ids", "attention_mask", "token_type_ids", "labels")
+
+
+def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> TrainingArguments:
+    """``TrainingArguments`` from ``cfg.train`` under HF's own names.
+
+    Fixed by onegpu: ``logging_steps=1`` (every optimizer step is logged to MLflow; ``train.logging_steps``
+    only paces the terminal), ``report_to="none"`` (onegpu logs to MLflow itself), no checkpoints
+    (``save_strategy="no"``; models/ gets the final model), no evaluation during training.
+    ``train.warmup_ratio`` becomes ``warmup_steps`` (transformers 5 reads values below 1 as a ratio).
+    ``train.gradient_checkpointing`` becomes ``activation_checkpointing`` (its current name) with
+    non-reentrant checkpointing.
+    """
+    t = cfg.train
+    return TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=resolved.per_device_train_batch_size,
+        gradient_accumulation_steps=resolved.gradient_accumulation_steps,
+        activation_checkpointing=t.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
+        learning_rate=t.learning_rate,
+        num_train_epochs=t.num_train_epochs,
+        max_steps=t.max_steps,
+        warmup_steps=t.warmup_ratio,
+        lr_scheduler_type=t.lr_scheduler_type,
+        weight_decay=t.weight_decay,
+        optim=t.optim,
+        max_grad_norm=t.max_grad_norm,
+        seed=t.seed,
+        data_seed=t.seed,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        dataloader_num_workers=t.dataloader_num_workers,
+        dataloader_pin_memory=_cuda(),
+        logging_strategy="steps",
+        logging_steps=1,
+        logging_nan_inf_filter=False,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        remove_unused_columns=False,
+        per_device_eval_batch_size=cfg.evaluate.per_device_eval_batch_size,
+    )
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+class ExactLossTrainer(Trainer):
+    """``Trainer`` whose loss is already normalised over the whole effective batch, and that counts
+    the examples and tokens it trains on (for throughput) without a host sync."""
+
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args, counter: BatchCounter | None = None, **kwargs):
+        super().__init__(*args, compute_loss_func=classification_loss, **kwargs)
+        self.counter = counter
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.counter is not None and model.training:
+            self.counter.add(inputs)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
+
+def model_inputs(dsd):
+    """The prepared DatasetDict reduced to the model's columns, with ``label`` renamed ``labels``."""
+    dsd = dsd.rename_column("label", "labels")
+    drop = [c for c in dsd["train"].column_names if c not in MODEL_COLUMNS]
+    return dsd.remove_columns(drop)
+
+
+def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
+          sink: Callable[[dict, int], None]) -> tuple[ExactLossTrainer, StepMetrics]:
+    """Fine-tune ``model`` on ``dsd['train']``; per-step metrics go to ``sink(metrics, step)``.
+
+    Returns:
+        The trainer (model trained in place) and the step recorder (rows and summary).
+    """
+    counter = BatchCounter()
+    out = tempfile.mkdtemp(prefix="onegpu-trainer-")
+    args = training_arguments(cfg, resolved, out)
+    trainer = ExactLossTrainer(
+        model=model, args=args, train_dataset=model_inputs(dsd)["train"],
+        data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer, counter=counter)
+    steps = StepMetrics(sink, args.device, counter)
+    trainer.add_callback(steps)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(SparseProgress(cfg.train.logging_steps))
+    trainer.train()
+    return trainer, steps
+
+
+def predict(model, tokenizer, dataset, cfg: Config):
+    """Run ``model`` over ``dataset`` (prepared columns) and return HF's ``PredictionOutput``.
+
+    Its ``metrics`` hold ``eval_loss`` (mean per example), ``eval_runtime`` (seconds),
+    ``eval_samples_per_second``; ``predictions`` are logits ``(rows, num_labels)``.
+    """
+    out = tempfile.mkdtemp(prefix="onegpu-eval-")
+    args = TrainingArguments(output_dir=out, per_device_eval_batch_size=cfg.evaluate.per_device_eval_batch_size,
+                             report_to="none", remove_unused_columns=False, bf16_full_eval=False,
+                             disable_tqdm=True, dataloader_pin_memory=_cuda())
+    ds = dataset.rename_column("label", "labels")
+    ds = ds.remove_columns([c for c in ds.column_names if c not in MODEL_COLUMNS])
+    trainer = ExactLossTrainer(model=model, args=args, data_collator=DataCollatorWithPadding(tokenizer),
+                               processing_class=tokenizer)
+    return trainer.predict(ds, metric_key_prefix="eval")
