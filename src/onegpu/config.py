@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
@@ -133,7 +134,7 @@ def load(path: str | os.PathLike = "params.yaml") -> Config:
         user = OmegaConf.load(path)
     except Exception as e:  # yaml.YAMLError and friends: report, never a traceback
         raise ConfigError(f"{path} is not valid YAML: {e}") from None
-    if user is None or not OmegaConf.is_dict(user):
+    if user is None or not OmegaConf.is_dict(user) or len(user) == 0:
         raise ConfigError(f"{path} must be a mapping with sections data, model, train, evaluate, tracking")
     return from_container(OmegaConf.to_container(user), source=str(path))
 
@@ -147,8 +148,12 @@ def from_container(raw: dict, source: str = "params") -> Config:
     except ConfigKeyError as e:
         raise ConfigError(f"{source}: {_unknown_key_message(str(e.full_key))}") from None
     except ValidationError as e:
-        key = e.full_key or "?"
-        raise ConfigError(f"{source}: {key}: {_type_message(e, key)}") from None
+        if not e.full_key:  # a whole section given as a scalar or a list
+            bad = [k for k, v in raw.items() if not isinstance(v, dict)]
+            name = bad[0] if bad else "?"
+            raise ConfigError(f"{source}: {name}: must be a mapping of keys ({', '.join(_allowed_keys(name))}), "
+                              f"got {raw.get(name)!r}") from None
+        raise ConfigError(f"{source}: {e.full_key}: {_type_message(e, e.full_key)}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{source}: {getattr(e, 'full_key', '') or ''}: {e.msg if hasattr(e, 'msg') else e}") from None
     cfg: Config = OmegaConf.to_object(merged)
@@ -190,9 +195,15 @@ def validate(cfg: Config, source: str = "params") -> None:
         v = getattr(d, k)
         if v is not None and v < 1:
             _fail(source, f"data.{k}", f"must be a positive integer or null (= all), got {v}")
+    for key, value in flatten(cfg.to_dict()).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            _fail(source, key, f"must be a finite number, got {value}")
+    for key, seed in (("data.seed", d.seed), ("train.seed", t.seed)):
+        if not 0 <= seed < 2**32:
+            _fail(source, key, f"must be an integer from 0 to 2**32 - 1 (numpy's range), got {seed}")
     if not d.source:
         _fail(source, "data.source", f"must be '{PACKAGED_DATA}' or a path to a .csv or .jsonl file")
-    if d.source != PACKAGED_DATA and not d.source.lower().endswith((".csv", ".jsonl", ".json")):
+    if d.source != PACKAGED_DATA and not d.source.lower().endswith((".csv", ".jsonl")):
         _fail(source, "data.source", f"must be '{PACKAGED_DATA}' or a path ending in .csv or .jsonl, "
               f"got {d.source!r}")
 

@@ -41,7 +41,7 @@ def project_root(cwd: str | os.PathLike | None = None) -> Path:
 
 def _outside_exp_tmp(p: Path) -> Path:
     parts = p.parts
-    for i in range(len(parts) - 3):
+    for i in range(len(parts) - 2):
         if parts[i:i + 3] == (".dvc", "tmp", "exps"):
             return Path(*parts[:i])
     return p
@@ -49,10 +49,14 @@ def _outside_exp_tmp(p: Path) -> Path:
 
 def tracking_uri(root: Path | None = None) -> str:
     """``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<root>/mlflow.db`` (absolute)."""
-    env = os.environ.get("MLFLOW_TRACKING_URI")
-    if env:
-        return env
+    if not uses_default_store():
+        return os.environ["MLFLOW_TRACKING_URI"]
     return f"sqlite:///{(root or project_root()) / 'mlflow.db'}"
+
+
+def uses_default_store() -> bool:
+    """True unless ``MLFLOW_TRACKING_URI`` is set to a non-empty value."""
+    return not os.environ.get("MLFLOW_TRACKING_URI")
 
 
 def artifact_root(root: Path | None = None) -> Path:
@@ -74,10 +78,15 @@ def write_json_atomic(path: str | os.PathLike, obj) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def read_json(path: str | os.PathLike):

@@ -181,7 +181,7 @@ def connect(experiment_name: str, root: Path | None = None) -> Tracker:
     root = root or paths.project_root()
     uri = paths.tracking_uri(root)
     _check_uri(uri)
-    default_store = "MLFLOW_TRACKING_URI" not in os.environ
+    default_store = paths.uses_default_store()
     with filelock.FileLock(str(paths.lock_file(root)), timeout=120):
         try:
             client = MlflowClient(tracking_uri=uri)

@@ -1,0 +1,125 @@
+"""`dvc repro`, `dvc exp run` and a queued grid on a tiny project, checked against the contract."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .conftest import dvc, run, runs, wait_for_queue
+
+pytestmark = pytest.mark.slow
+
+STEP_METRICS = ("loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second",
+                "tokens_per_second", "mem_peak_bytes")
+MAX_STEPS = 3
+EFFECTIVE = 8  # 4 x 2 in TINY
+
+
+def _training_runs(project):
+    c, exp, all_runs = runs(project)
+    return c, exp, [r for r in all_runs if r.data.tags.get("stage") == "train"]
+
+
+def test_repro_logs_prepare_and_one_complete_training_run(project):
+    c, exp, all_runs = runs(project)
+    assert exp.artifact_location == (project / "mlartifacts").as_uri()
+
+    prep = [r for r in all_runs if r.data.tags.get("stage") == "prepare"]
+    assert len(prep) == 1
+    pm = prep[0].data.metrics
+    assert pm["prepare_runtime"] > 0 and pm["prepare_rows_per_second"] > 0
+    assert pm["prepare_mem_peak_bytes"] > 50 * 2**20  # a Python process with torch loaded
+    assert pm["rows_read"] == 2225 and pm["duplicates_removed"] == 98
+    assert (pm["rows_train"], pm["rows_validation"], pm["rows_test"]) == (24, 16, 16)
+    assert len(c.get_run(prep[0].info.run_id).inputs.dataset_inputs) == 3
+
+    train = [r for r in all_runs if r.data.tags.get("stage") == "train"]
+    assert len(train) == 1
+    run = c.get_run(train[0].info.run_id)
+    assert run.info.status == "FINISHED"
+    for key in STEP_METRICS:
+        history = c.get_metric_history(run.info.run_id, key)
+        assert sorted(m.step for m in history) == list(range(1, MAX_STEPS + 1)), key
+    for key in ("step_time_s", "samples_per_second", "tokens_per_second", "mem_peak_bytes", "grad_norm"):
+        assert all(m.value > 0 for m in c.get_metric_history(run.info.run_id, key)), key
+    # Every optimizer step sees the whole effective batch: samples/s x step time = 8 examples.
+    sps = {m.step: m.value for m in c.get_metric_history(run.info.run_id, "samples_per_second")}
+    dt = {m.step: m.value for m in c.get_metric_history(run.info.run_id, "step_time_s")}
+    assert all(abs(sps[s] * dt[s] - EFFECTIVE) < 1e-6 for s in sps)
+
+    m = run.data.metrics
+    losses = [h.value for h in c.get_metric_history(run.info.run_id, "loss")]
+    assert m["train_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-9)
+    for key in ("train_runtime", "train_samples_per_second", "train_tokens_per_second", "train_mem_peak_bytes",
+                "eval_loss", "eval_runtime", "eval_samples_per_second", "eval_mem_peak_bytes"):
+        assert m[key] > 0, key
+    assert 0.0 <= m["eval_accuracy"] <= 1.0 and 0.0 <= m["eval_f1_macro"] <= 1.0
+
+    p = run.data.params
+    assert p["train.gradient_accumulation_steps"] == "2"
+    assert p["data.max_train_samples"] == "24"
+    assert (p["resolved.per_device_train_batch_size"], p["resolved.gradient_accumulation_steps"],
+            p["resolved.effective_batch_size"], p["resolved.world_size"]) == ("4", "2", "8", "1")
+    t = run.data.tags
+    assert len(t["equivalence_key"]) == 16 and t["device"] == "cpu"
+    assert len(t["mlflow.source.git.commit"]) == 40
+    arts = {a.path for a in c.list_artifacts(run.info.run_id)}
+    assert "confusion_matrix.png" in arts
+
+    # What DVC reads: metrics files, the per-step plot, the run id.
+    ev = json.loads((project / "metrics/eval.json").read_text())
+    assert ev["eval_accuracy"] == pytest.approx(m["eval_accuracy"])
+    steps = (project / "plots/train_steps.csv").read_text().splitlines()
+    assert len(steps) == 1 + MAX_STEPS and steps[0].startswith("step,loss,")
+    assert json.loads((project / "models/mlflow_run.json").read_text())["run_id"] == run.info.run_id
+    assert (project / "models/model/model.safetensors").is_file()
+    show = dvc(project, "metrics", "show", "--json").stdout
+    assert "eval_accuracy" in show
+
+
+def test_exp_run_with_another_split_is_equivalent(project):
+    """2 x 4 against the baseline's 4 x 2: one new run, named after the experiment, same key, and (with
+    dropout 0) the same per-step losses to float error."""
+    out = dvc(project, "exp", "run", "-S", "train.per_device_train_batch_size=2",
+              "-S", "train.gradient_accumulation_steps=4").stdout
+    c, exp, train = _training_runs(project)
+    named = [r for r in train if r.data.tags.get("dvc.exp_name")]
+    assert len(named) == 1, out
+    new = named[0]
+    assert new.info.run_name == new.data.tags["dvc.exp_name"]
+    assert new.data.tags.get("dvc.baseline_rev")
+    base = [r for r in train if not r.data.tags.get("dvc.exp_name")][0]
+    assert new.data.tags["equivalence_key"] == base.data.tags["equivalence_key"]
+    assert new.data.params["resolved.per_device_train_batch_size"] == "2"
+    a = [m.value for m in sorted(c.get_metric_history(base.info.run_id, "loss"), key=lambda m: m.step)]
+    b = [m.value for m in sorted(c.get_metric_history(new.info.run_id, "loss"), key=lambda m: m.step)]
+    assert len(a) == len(b) == MAX_STEPS
+    # float32: padding per micro-batch changes shapes and summation order, not the mathematics.
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)
+
+
+def test_queued_grid_runs_in_parallel_into_the_root_store(project):
+    # Back to the committed baseline (4 x 2): `dvc exp run` above left its result in the workspace, and
+    # DVC does not re-run a queued experiment identical to an up-to-date workspace.
+    run(["git", "checkout", "--", "."], project)
+    dvc(project, "checkout", "--force")
+    dvc(project, "exp", "run", "--queue", "-S", "train.gradient_accumulation_steps=1,4")
+    dvc(project, "queue", "start", "-j", "2")
+    status = wait_for_queue(project)
+    assert status.count("Success") >= 2, status
+    c, exp, train = _training_runs(project)
+    names = {r.data.tags.get("dvc.exp_name") for r in train}
+    queued = [r for r in train if r.data.params.get("train.gradient_accumulation_steps") in ("1", "4")
+              and r.data.params.get("train.per_device_train_batch_size") == "4"]
+    assert len(queued) == 2, names
+    for r in queued:
+        full = c.get_run(r.info.run_id)
+        assert full.info.status == "FINISHED"
+        assert "/.dvc/tmp/" not in full.info.artifact_uri
+        assert len(c.get_metric_history(r.info.run_id, "loss")) == MAX_STEPS
+        assert "eval_accuracy" in full.data.metrics
+        assert full.info.run_name == full.data.tags["dvc.exp_name"]
+    # Different effective batches (4 and 16) are different training: different keys.
+    assert len({r.data.tags["equivalence_key"] for r in queued}) == 2
+    shown = dvc(project, "exp", "show", "--json").stdout
+    assert "eval_accuracy" in shown and "gradient_accumulation_steps" in shown

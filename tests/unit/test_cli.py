@@ -1,0 +1,90 @@
+"""The ``onegpu`` command: a bad params file stops a stage at once with one line naming the key."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+PARAMS = Path(__file__).parents[2] / "params.yaml"
+
+
+def _onegpu(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("DVC_ROOT", "MLFLOW_TRACKING_URI")}
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "onegpu", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+    print(f"onegpu {' '.join(args)}: exit {proc.returncode} in {time.perf_counter() - t:.2f} s")
+    return proc
+
+
+def _write_params(tmp_path: Path, mutate) -> Path:
+    with open(PARAMS) as f:
+        d = yaml.safe_load(f)
+    mutate(d)
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
+def _assert_one_error_line(proc: subprocess.CompletedProcess, command: str) -> str:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"onegpu {command}: error:"), lines[0]
+    return lines[0]
+
+
+def test_train_with_unknown_key_exits_2_naming_the_key(tmp_path):
+    p = _write_params(tmp_path, lambda d: d["train"].__setitem__("gradient_acumulation_steps", 4))
+    proc = _onegpu(["train", "--params", str(p)], cwd=tmp_path)
+    line = _assert_one_error_line(proc, "train")
+    assert "train.gradient_acumulation_steps" in line
+    assert "gradient_accumulation_steps'?" in line  # the suggestion
+    assert proc.stdout == ""
+    # validation happens before any work: nothing was written
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["params.yaml"]
+
+
+@pytest.mark.parametrize("command", ["prepare", "evaluate"])
+def test_other_stages_validate_too(tmp_path, command):
+    p = _write_params(tmp_path, lambda d: d["train"].__setitem__("per_device_train_batch_size", 0))
+    line = _assert_one_error_line(_onegpu([command, "--params", str(p)], cwd=tmp_path), command)
+    assert "train.per_device_train_batch_size" in line
+
+
+def test_missing_params_file_exits_2(tmp_path):
+    line = _assert_one_error_line(_onegpu(["train"], cwd=tmp_path), "train")
+    assert "params.yaml not found" in line
+
+
+def test_invalid_yaml_exits_2(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("train: [unclosed\n")
+    proc = _onegpu(["train", "--params", str(p)], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    # The YAML parser's message spans several lines (with the line and column); the first names the file.
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("onegpu train: error:"), first
+    assert "params.yaml is not valid YAML" in first
+    assert "line 1" in proc.stderr or "line 2" in proc.stderr
+
+
+def test_unknown_command_is_usage_error(tmp_path):
+    proc = _onegpu(["trian"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "invalid choice" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_help_lists_commands(tmp_path):
+    proc = _onegpu(["--help"], cwd=tmp_path)
+    assert proc.returncode == 0
+    for c in ("prepare", "train", "evaluate", "ui"):
+        assert c in proc.stdout

@@ -1,0 +1,332 @@
+"""params.yaml: schema, validation messages, flattening and the equivalence key."""
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from onegpu import config
+from onegpu.errors import ConfigError, UserError
+
+PARAMS = Path(__file__).parents[2] / "params.yaml"
+
+
+@pytest.fixture
+def raw() -> dict:
+    """The repo's params.yaml as a plain dict (a fresh copy per test)."""
+    with open(PARAMS) as f:
+        return yaml.safe_load(f)
+
+
+# A fixed, complete params dict (the repo's params.yaml as written when the key was pinned). The pinned
+# equivalence key below is computed from this, not from params.yaml, so editing params.yaml (or
+# `dvc exp run -S`, which rewrites it) never breaks the pin; changing the key's definition or the schema
+# does.
+PINNED = {
+    "data": {"source": "bbcnews", "text_column": "text", "label_column": "label", "max_length": 64,
+             "validation_size": 0.1, "test_size": 0.2, "max_train_samples": 500, "max_eval_samples": None,
+             "seed": 42},
+    "model": {"task": "sequence-classification", "name_or_path": "packaged:all-MiniLM-L6-v2",
+              "dropout": None},
+    "train": {"backend": "trainer", "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
+              "effective_batch_size": None, "memory_budget_gib": None, "gradient_checkpointing": False,
+              "learning_rate": 1.0e-4, "num_train_epochs": 1, "max_steps": -1, "warmup_ratio": 0.0,
+              "lr_scheduler_type": "linear", "weight_decay": 0.0, "optim": "adamw_torch",
+              "max_grad_norm": 1.0, "seed": 42, "bf16": False, "fp16": False, "logging_steps": 10,
+              "dataloader_num_workers": 0},
+    "evaluate": {"per_device_eval_batch_size": 64},
+    "tracking": {"experiment_name": "onegpu"},
+}
+PINNED_KEY = "b029d38e93bebdf3"  # equivalence_key(from_container(PINNED), resolve(...), "abc")
+
+
+# -- the repo's params.yaml ----------------------------------------------------------------------
+
+def test_repo_params_yaml_loads_and_validates():
+    cfg = config.load(PARAMS)
+    assert isinstance(cfg, config.Config)
+    with open(PARAMS) as f:
+        given = config.flatten(yaml.safe_load(f))
+    loaded = config.flatten(cfg.to_dict())
+    # every key given in the file is a schema key, and its value arrives unchanged (modulo int -> float)
+    for k, v in given.items():
+        assert k in loaded, k
+        assert loaded[k] == v, k
+    assert cfg.tracking.experiment_name
+    assert cfg.model.task in config.TASKS
+
+
+def test_defaults_fill_missing_sections():
+    cfg = config.from_container({"train": {"learning_rate": 3e-4}})
+    assert cfg.train.learning_rate == 3e-4
+    assert cfg.data.source == config.PACKAGED_DATA
+    assert cfg.model.name_or_path == config.PACKAGED_MODEL
+    assert cfg.tracking.experiment_name == "onegpu"
+
+
+# -- bad inputs ----------------------------------------------------------------------------------
+
+def _set(d: dict, dotted: str, value) -> None:
+    section, _, key = dotted.rpartition(".")
+    if section:
+        d.setdefault(section, {})[key] = value
+    else:
+        d[key] = value
+
+
+BAD = [
+    # (id, {dotted key: value}, key the message must name, other text the message must hold)
+    ("unknown-train-key", {"train.gradient_acumulation_steps": 4},
+     "train.gradient_acumulation_steps", ["gradient_accumulation_steps", "Did you mean"]),
+    ("unknown-model-key", {"model.dropuot": 0.1}, "model.dropuot", ["model.dropout"]),
+    ("unknown-section", {"trainer": {"seed": 1}}, "trainer", ["unknown key", "'train'"]),
+    ("micro-0", {"train.per_device_train_batch_size": 0}, "train.per_device_train_batch_size",
+     ["positive integer"]),
+    ("micro-abc", {"train.per_device_train_batch_size": "abc"}, "train.per_device_train_batch_size",
+     ["'abc'"]),
+    ("micro-auto", {"train.per_device_train_batch_size": "auto"}, "train.per_device_train_batch_size",
+     ["'auto'", "not available"]),
+    ("micro-bool", {"train.per_device_train_batch_size": True}, "train.per_device_train_batch_size",
+     ["positive integer"]),
+    ("micro-float", {"train.per_device_train_batch_size": 2.5}, "train.per_device_train_batch_size",
+     ["positive integer"]),
+    ("accum-neg", {"train.gradient_accumulation_steps": -1}, "train.gradient_accumulation_steps",
+     ["positive integer", "-1"]),
+    ("accum-abc", {"train.gradient_accumulation_steps": "abc"}, "train.gradient_accumulation_steps",
+     ["integer", "'abc'"]),
+    ("lr-abc", {"train.learning_rate": "abc"}, "train.learning_rate", ["a number", "'abc'"]),
+    ("lr-0", {"train.learning_rate": 0}, "train.learning_rate", ["positive"]),
+    ("lr-neg", {"train.learning_rate": -1e-4}, "train.learning_rate", ["positive"]),
+    ("max-steps-0", {"train.max_steps": 0}, "train.max_steps", ["-1"]),
+    ("max-steps-minus-2", {"train.max_steps": -2}, "train.max_steps", ["-1"]),
+    ("bf16-and-fp16", {"train.bf16": True, "train.fp16": True}, "train.fp16", ["train.bf16"]),
+    ("bf16-not-bool", {"train.bf16": "maybe"}, "train.bf16", ["true or false"]),
+    ("validation-size-1.5", {"data.validation_size": 1.5}, "data.validation_size", ["between 0 and 1"]),
+    ("test-size-0", {"data.test_size": 0.0}, "data.test_size", ["between 0 and 1"]),
+    ("splits-leave-no-train", {"data.validation_size": 0.5, "data.test_size": 0.45}, "data.test_size",
+     ["10%"]),
+    ("source-txt", {"data.source": "foo.txt"}, "data.source", ["'foo.txt'", ".csv"]),
+    ("task-xyz", {"model.task": "xyz"}, "model.task", ["'xyz'", "sequence-classification"]),
+    ("dropout-1.0", {"model.dropout": 1.0}, "model.dropout", ["[0, 1)"]),
+    ("dropout-neg", {"model.dropout": -0.1}, "model.dropout", ["[0, 1)"]),
+    ("scheduler-nope", {"train.lr_scheduler_type": "nope"}, "train.lr_scheduler_type",
+     ["'nope'", "cosine"]),
+    ("optim-nope", {"train.optim": "nope"}, "train.optim", ["'nope'", "adamw_torch"]),
+    ("max-length-2", {"data.max_length": 2}, "data.max_length", ["8 to 8192"]),
+    ("epochs-0", {"train.num_train_epochs": 0}, "train.num_train_epochs", ["positive"]),
+    ("max-train-samples-0", {"data.max_train_samples": 0}, "data.max_train_samples", ["positive"]),
+    ("max-train-samples-str", {"data.max_train_samples": "many"}, "data.max_train_samples",
+     ["integer or null"]),
+    ("warmup-1", {"train.warmup_ratio": 1.0}, "train.warmup_ratio", ["[0, 1)"]),
+    ("backend-nope", {"train.backend": "nope"}, "train.backend", ["trainer"]),
+    ("eval-batch-0", {"evaluate.per_device_eval_batch_size": 0}, "evaluate.per_device_eval_batch_size",
+     ["positive"]),
+    ("experiment-blank", {"tracking.experiment_name": "  "}, "tracking.experiment_name", ["non-empty"]),
+    ("memory-budget-0", {"train.memory_budget_gib": 0}, "train.memory_budget_gib", ["positive"]),
+]
+
+
+@pytest.mark.parametrize("changes, key, extra", [pytest.param(c, k, e, id=i) for i, c, k, e in BAD])
+def test_bad_value_raises_config_error_naming_the_key(raw, changes, key, extra):
+    for dotted, value in changes.items():
+        _set(raw, dotted, value)
+    with pytest.raises(ConfigError) as ei:
+        config.from_container(raw)
+    msg = str(ei.value)
+    assert key in msg, msg
+    for text in extra:
+        assert text in msg, msg
+    assert "\n" not in msg  # one line for the CLI
+    assert isinstance(ei.value, UserError)
+
+
+def test_effective_batch_size_disagreeing_names_the_product(raw):
+    raw["train"].update(per_device_train_batch_size=8, gradient_accumulation_steps=2, effective_batch_size=32)
+    with pytest.raises(ConfigError) as ei:
+        config.from_container(raw)
+    msg = str(ei.value)
+    assert "train.effective_batch_size" in msg
+    assert "8 x 2 = 16" in msg
+    assert "32" in msg
+
+
+def test_effective_batch_size_equal_to_product_is_accepted(raw):
+    raw["train"].update(per_device_train_batch_size=4, gradient_accumulation_steps=4, effective_batch_size=16)
+    cfg = config.from_container(raw)
+    assert cfg.train.effective_batch_size == 16
+    assert config.resolve(cfg).effective_batch_size == 16
+    assert config.resolve(cfg, world_size=2).effective_batch_size == 32
+
+
+def test_message_names_the_source_file(tmp_path, raw):
+    raw["train"]["optim"] = "nope"
+    p = tmp_path / "my-params.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"my-params\.yaml: train\.optim: "):
+        config.load(p)
+
+
+def test_load_from_file_round_trip(tmp_path, raw):
+    raw["train"]["gradient_accumulation_steps"] = 7
+    raw["model"]["dropout"] = 0.25
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    cfg = config.load(p)
+    assert cfg.train.gradient_accumulation_steps == 7
+    assert cfg.model.dropout == 0.25
+
+
+def test_yaml_exponent_without_dot_is_a_float(tmp_path, raw):
+    # PyYAML reads `1e-4` as a string; OmegaConf's loader and the float field must give a number.
+    text = PARAMS.read_text()
+    text = re.sub(r"(?m)^(\s*learning_rate:).*$", r"\1 3e-4", text)
+    p = tmp_path / "params.yaml"
+    p.write_text(text)
+    assert config.load(p).train.learning_rate == pytest.approx(3e-4)
+
+
+def test_load_missing_file_raises_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        config.load(tmp_path / "nope.yaml")
+
+
+def test_load_invalid_yaml_raises_config_error(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("train:\n  seed: [1, 2\n  lr: : :\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config.load(p)
+
+
+@pytest.mark.parametrize("text", [
+    "",
+    "- a\n- b\n",
+    "just a string\n",
+])
+def test_load_non_mapping_raises_config_error(tmp_path, text):
+    p = tmp_path / "params.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match="mapping"):
+        config.load(p)
+
+
+def test_section_given_as_scalar_names_the_section(raw):
+    raw["train"] = 5
+    with pytest.raises(ConfigError) as ei:
+        config.from_container(raw)
+    assert "train" in str(ei.value).split(":", 1)[1]
+
+
+@pytest.mark.parametrize("key", ["train.seed", "data.seed"])
+def test_negative_seed_is_rejected(raw, key):
+    _set(raw, key, -1)
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        config.from_container(raw)
+
+
+# -- flatten -------------------------------------------------------------------------------------
+
+def test_flatten_gives_dotted_keys(raw):
+    flat = config.flatten(raw)
+    assert "train.gradient_accumulation_steps" in flat
+    assert flat["train.gradient_accumulation_steps"] == raw["train"]["gradient_accumulation_steps"]
+    assert flat["tracking.experiment_name"] == raw["tracking"]["experiment_name"]
+    assert not any(isinstance(v, dict) for v in flat.values())
+    assert len(flat) == sum(len(s) for s in raw.values())
+
+
+def test_flatten_nested_and_none():
+    assert config.flatten({"a": {"b": {"c": 1}, "d": None}, "e": 2}) == {"a.b.c": 1, "a.d": None, "e": 2}
+
+
+def test_flatten_of_config_has_every_schema_key():
+    flat = config.flatten(config.Config().to_dict())
+    assert flat["train.per_device_train_batch_size"] == 8
+    assert flat["model.dropout"] is None
+    assert all(k.count(".") == 1 for k in flat)
+
+
+# -- equivalence key -----------------------------------------------------------------------------
+
+def _key(raw: dict, fingerprint: str = "abc", **train) -> str:
+    d = copy.deepcopy(raw)
+    d["train"]["effective_batch_size"] = None
+    d["train"].update(train)
+    cfg = config.from_container(d)
+    return config.equivalence_key(cfg, config.resolve(cfg), fingerprint)
+
+
+def test_equivalence_key_ignores_how_the_batch_is_split(raw):
+    a = _key(raw, per_device_train_batch_size=4, gradient_accumulation_steps=4)
+    b = _key(raw, per_device_train_batch_size=16, gradient_accumulation_steps=1)
+    c = _key(raw, per_device_train_batch_size=8, gradient_accumulation_steps=2, gradient_checkpointing=True,
+             logging_steps=1)
+    assert a == b == c
+
+
+def test_equivalence_key_ignores_observation_only_params(raw):
+    base = _key(raw)
+    d = copy.deepcopy(raw)
+    d["tracking"]["experiment_name"] = "other"
+    d["evaluate"]["per_device_eval_batch_size"] = 3
+    d["data"]["max_eval_samples"] = 11
+    d["train"]["dataloader_num_workers"] = 2
+    d["train"]["effective_batch_size"] = None
+    assert _key(d) == base
+
+
+@pytest.mark.parametrize("change", [
+    {"learning_rate": 3e-4},
+    {"seed": 7},
+    {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
+    {"max_steps": 5},
+    {"bf16": True},
+])
+def test_equivalence_key_changes_with_the_mathematics(raw, change):
+    base = _key(raw, per_device_train_batch_size=4, gradient_accumulation_steps=4)
+    assert _key(raw, **{"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4, **change}) != base
+
+
+def test_equivalence_key_effective_batch_4x2_vs_4x4_differs(raw):
+    assert (_key(raw, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+            != _key(raw, per_device_train_batch_size=4, gradient_accumulation_steps=4))
+
+
+def test_equivalence_key_changes_with_dropout_and_data(raw):
+    base = _key(raw)
+    d = copy.deepcopy(raw)
+    d["model"]["dropout"] = 0.0  # null (the model's own) and 0.0 are different trainings
+    assert _key(d) != base
+    d = copy.deepcopy(raw)
+    d["model"]["dropout"] = 0.2
+    assert _key(d) != base
+    d = copy.deepcopy(raw)
+    d["data"]["max_train_samples"] = 100
+    assert _key(d) != base
+    assert _key(raw, fingerprint="abd") != base
+
+
+def test_equivalence_key_changes_with_world_size(raw):
+    cfg = config.from_container(raw)
+    assert (config.equivalence_key(cfg, config.resolve(cfg, 1), "abc")
+            != config.equivalence_key(cfg, config.resolve(cfg, 2), "abc"))
+
+
+def test_equivalence_key_is_16_hex_and_pinned():
+    cfg = config.from_container(copy.deepcopy(PINNED))
+    key = config.equivalence_key(cfg, config.resolve(cfg), "abc")
+    assert re.fullmatch(r"[0-9a-f]{16}", key)
+    assert key == config.equivalence_key(config.from_container(copy.deepcopy(PINNED)), config.resolve(cfg), "abc")
+    assert key == PINNED_KEY
+
+
+def test_equivalence_fields_hold_resolved_batch_and_fingerprint():
+    cfg = config.from_container(copy.deepcopy(PINNED))
+    f = config.equivalence_fields(cfg, config.resolve(cfg), "abc")
+    assert f["resolved.effective_batch_size"] == 16
+    assert f["data.fingerprint"] == "abc"
+    assert f["train.learning_rate"] == 1e-4
+    for k in config.NOT_IN_EQUIVALENCE_KEY:
+        assert k not in f

@@ -1,0 +1,216 @@
+"""The MLflow store: default location, experiment creation (also concurrent), runs, batched metrics.
+
+mlflow is imported only inside the tests and fixtures that need it. Creating a fresh SQLite store costs
+a few seconds (schema migrations), so the run-level tests share one store.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from onegpu import tracking
+from onegpu.errors import UserError
+
+
+@pytest.fixture
+def fresh_root(tmp_path, monkeypatch) -> Path:
+    """An empty project root: DVC_ROOT points at it, MLFLOW_TRACKING_URI is unset, cwd is elsewhere."""
+    root = (tmp_path / "proj").resolve()
+    root.mkdir()
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("DVC_ROOT", str(root))
+    monkeypatch.chdir(cwd)  # nothing may land in the cwd (DVC's temp clone in real use)
+    return root
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One tracker on one fresh default store, shared by the run-level tests of this module."""
+    root = tmp_path_factory.mktemp("store").resolve()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        mp.setenv("DVC_ROOT", str(root))
+        mp.chdir(root)
+        yield tracking.connect("shared")
+
+
+# -- connect -------------------------------------------------------------------------------------
+
+def test_connect_creates_default_store_and_artifact_root(fresh_root, tmp_path):
+    tr = tracking.connect("exp1")
+    assert (fresh_root / "mlflow.db").is_file()
+    assert tr.uri == f"sqlite:///{fresh_root}/mlflow.db"
+    exp = tr.client.get_experiment(tr.experiment_id)
+    assert exp.name == "exp1"
+    assert exp.artifact_location == (fresh_root / "mlartifacts").as_uri()
+    assert exp.artifact_location.startswith("file:///")
+    assert os.listdir(tmp_path / "cwd") == []  # no mlruns/ or mlflow.db in the cwd
+
+    again = tracking.connect("exp1")
+    assert again.experiment_id == tr.experiment_id
+    other = tracking.connect("exp2")
+    assert other.experiment_id != tr.experiment_id
+
+
+def test_concurrent_connects_to_fresh_store_agree(fresh_root):
+    script = textwrap.dedent("""
+        from onegpu import tracking
+        tr = tracking.connect("race")
+        print("EXP", tr.experiment_id)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["DVC_ROOT"] = str(fresh_root)
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, cwd=fresh_root,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    ids = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        assert "Traceback" not in err, err
+        line = [l for l in out.splitlines() if l.startswith("EXP ")]
+        assert len(line) == 1, out
+        ids.append(line[0].split()[1])
+    assert len(set(ids)) == 1, ids
+    assert ids[0] != "0"  # never the Default experiment
+
+    from mlflow import MlflowClient
+    client = MlflowClient(tracking_uri=f"sqlite:///{fresh_root}/mlflow.db")
+    names = [e.name for e in client.search_experiments()]
+    assert names.count("race") == 1
+
+
+@pytest.mark.parametrize("uri", ["foo://bar", "sqlite://relative.db"])
+def test_malformed_uri_raises_user_error(fresh_root, monkeypatch, uri):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with pytest.raises(UserError, match="MLFLOW_TRACKING_URI"):
+        tracking.connect("exp1")
+
+
+def test_unsupported_scheme_message_redacts_password(fresh_root, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "foo://user:hunter2@host:1")
+    with pytest.raises(UserError) as ei:
+        tracking.connect("exp1")
+    assert "hunter2" not in str(ei.value)
+    assert "'foo'" in str(ei.value)
+
+
+def test_redact_hides_password():
+    red = tracking.redact("http://user:secret@host:5000")
+    assert "secret" not in red
+    assert red == "http://user:***@host:5000"
+    assert tracking.redact("http://host:5000") == "http://host:5000"
+    assert tracking.redact("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"
+
+
+# -- runs, metrics -------------------------------------------------------------------------------
+
+def test_metric_buffer_logs_every_step_once(store):
+    run_id = store.start_run("buffered", tags={"stage": "test"})
+    buf = store.metric_buffer(run_id, flush_every=7, flush_seconds=3600)
+    for step in range(1, 11):
+        buf.add({"loss": 1.0 / step, "grad_norm": float(step), "learning_rate": 1e-4 * step}, step=step)
+    assert buf.logged > 0  # 30 records with flush_every=7: some were flushed before the final flush
+    buf.flush()
+    assert buf.logged == 30
+    buf.flush()  # idempotent
+    assert buf.logged == 30
+    for name in ("loss", "grad_norm", "learning_rate"):
+        hist = store.client.get_metric_history(run_id, name)
+        assert len(hist) == 10, name
+        assert sorted(m.step for m in hist) == list(range(1, 11)), name
+    gn = {m.step: m.value for m in store.client.get_metric_history(run_id, "grad_norm")}
+    assert gn == {s: float(s) for s in range(1, 11)}
+    store.end_run(run_id)
+
+
+def test_metric_buffer_skips_none(store):
+    run_id = store.start_run("none-values", tags={})
+    buf = store.metric_buffer(run_id)
+    buf.add({"a": 1.0, "b": None}, step=1)
+    buf.flush()
+    assert len(store.client.get_metric_history(run_id, "a")) == 1
+    assert store.client.get_metric_history(run_id, "b") == []
+
+
+def test_log_params_and_tags(store):
+    run_id = store.start_run("params", tags={"stage": "test"})
+    params = {f"p{i}": i for i in range(150)}  # more than one batch of 100
+    params["none"] = None
+    store.log_params(run_id, params)
+    store.set_tags(run_id, {"equivalence_key": "0123456789abcdef"})
+    store.log_metrics(run_id, {"x": 2, "y": None}, step=3)
+    data = store.client.get_run(run_id).data
+    assert data.params["p149"] == "149"
+    assert data.params["none"] == "None"
+    assert len([k for k in data.params if k.startswith("p")]) == 150
+    assert data.tags["equivalence_key"] == "0123456789abcdef"
+    assert data.tags["stage"] == "test"
+    assert data.metrics == {"x": 2.0}
+
+
+def test_guard_finished(store):
+    run_id = store.start_run("ok", tags={})
+    assert store.run_status(run_id) == "RUNNING"
+    with store.guard(run_id):
+        pass
+    assert store.run_status(run_id) == "FINISHED"
+
+
+def test_guard_finish_false_leaves_run_open(store):
+    run_id = store.start_run("open", tags={})
+    with store.guard(run_id, finish=False):
+        pass
+    assert store.run_status(run_id) == "RUNNING"
+
+
+def test_guard_failed_on_error(store):
+    run_id = store.start_run("fails", tags={})
+    with pytest.raises(ValueError, match="boom"):
+        with store.guard(run_id):
+            raise ValueError("boom")
+    run = store.client.get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error.type"] == "ValueError"
+    assert run.data.tags["error.message"] == "boom"
+
+
+def test_guard_killed_on_keyboard_interrupt(store):
+    run_id = store.start_run("interrupted", tags={})
+    with pytest.raises(KeyboardInterrupt):
+        with store.guard(run_id):
+            raise KeyboardInterrupt
+    run = store.client.get_run(run_id)
+    assert run.info.status == "KILLED"
+    assert run.data.tags["error.type"] == "KeyboardInterrupt"
+
+
+def test_runs_table_url(store):
+    url = store.runs_table_url("http://127.0.0.1:5000/")
+    assert url == f"http://127.0.0.1:5000/#/experiments/{store.experiment_id}/runs"
+
+
+def test_run_context_tags_from_dvc_env(monkeypatch):
+    monkeypatch.setenv("DVC_EXP_NAME", "funny-cat")
+    monkeypatch.setenv("DVC_EXP_BASELINE_REV", "a" * 40)
+    tags = tracking.run_context_tags()
+    assert tags["dvc.exp_name"] == "funny-cat"
+    assert tags["dvc.baseline_rev"] == "a" * 40
+    assert tags["mlflow.source.git.commit"] == "a" * 40
+    assert tracking.run_name() == "funny-cat"
+    monkeypatch.delenv("DVC_EXP_NAME")
+    assert tracking.run_name() is None
+
+
+def test_empty_tracking_uri_env_behaves_as_unset(fresh_root, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")
+    tr = tracking.connect("exp-empty-env")
+    assert tr.uri == f"sqlite:///{fresh_root}/mlflow.db"
+    exp = tr.client.get_experiment(tr.experiment_id)
+    assert exp.artifact_location == (fresh_root / "mlartifacts").as_uri()
