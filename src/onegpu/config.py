@@ -220,8 +220,6 @@ def validate(cfg: Config, source: str = "params") -> None:
 
     if t.backend not in BACKENDS:
         _fail(source, "train.backend", f"must be one of {', '.join(BACKENDS)}, got {t.backend!r}")
-    if t.backend == "accelerate":
-        _fail(source, "train.backend", "'accelerate' is not available in this version yet; use 'trainer'")
     mb = t.per_device_train_batch_size
     if mb == "auto":
         _fail(source, "train.per_device_train_batch_size",

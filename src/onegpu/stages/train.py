@@ -14,6 +14,9 @@ from onegpu import measure, models, paths, tracking
 from onegpu.config import Config, equivalence_key, flatten, resolve
 from onegpu.errors import ConfigError, DataError, ModelError
 
+# train.backend -> the module with ``train(model, tokenizer, dsd, cfg, resolved, sink) -> (model, StepRecorder)``
+BACKENDS = {"trainer": "onegpu.training.hf_trainer", "accelerate": "onegpu.training.accel"}
+
 
 def _device_checks(cfg: Config):
     import torch
@@ -51,8 +54,10 @@ def run(cfg: Config) -> dict:
                        "resolved.world_size": resolved.world_size})
         tracker.log_params(run_id, params)
 
+        import importlib
+
         from transformers import set_seed
-        from onegpu.training import hf_trainer
+        backend = importlib.import_module(BACKENDS[cfg.train.backend])
 
         path = models.resolve_model_path(cfg.model.name_or_path)
         tokenizer = models.load_tokenizer(path, cfg.model.task)
@@ -63,7 +68,7 @@ def run(cfg: Config) -> dict:
                              "activation checkpointing; set it to false")
 
         buffer = tracker.metric_buffer(run_id)
-        trainer, steps = hf_trainer.train(model, tokenizer, dsd, cfg, resolved, sink=buffer.add)
+        model, steps = backend.train(model, tokenizer, dsd, cfg, resolved, sink=buffer.add)
         buffer.flush()
         summary = steps.summary()
         tracker.log_metrics(run_id, {k: v for k, v in summary.items() if k.startswith("train_")
@@ -73,11 +78,8 @@ def run(cfg: Config) -> dict:
         # Outputs: written aside, then moved into place.
         paths.MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=paths.MODEL_DIR.parent, prefix=".model-")
-        trainer.save_model(tmp)
+        model.save_pretrained(tmp)  # safetensors
         tokenizer.save_pretrained(tmp)
-        for junk in ("training_args.bin",):
-            if os.path.exists(os.path.join(tmp, junk)):
-                os.remove(os.path.join(tmp, junk))
         shutil.rmtree(paths.MODEL_DIR, ignore_errors=True)
         shutil.move(tmp, paths.MODEL_DIR)
         _write_steps(steps.rows)

@@ -1,4 +1,4 @@
-"""Per-optimizer-step measurement for HF Trainer: time, memory, samples and tokens, plus HF's logs.
+"""Per-optimizer-step measurement: time, memory, samples and tokens, plus the backend's loss.
 
 Host-device syncs: one per optimizer step (to time the step and read its token count), none per
 micro-batch. Metrics go to a ``sink(metrics: dict, step: int)`` (the stage passes a batched MLflow
@@ -39,13 +39,16 @@ class BatchCounter:
         return s, t
 
 
-class StepMetrics(TrainerCallback):
-    """Records, per optimizer step (MLflow step = ``state.global_step``, from 1):
+class StepRecorder:
+    """Backend-neutral per-optimizer-step measurement. Per step (MLflow step = optimizer step, from 1):
 
-    ``loss``, ``grad_norm``, ``learning_rate`` (from Trainer's logs, ``logging_steps=1``),
-    ``step_time_s`` (wall seconds since the previous step ended, data loading and all micro-batches
-    included), ``samples_per_second``, ``tokens_per_second`` (non-padding tokens), ``mem_peak_bytes``
-    (see :mod:`onegpu.measure`). Keeps the per-step rows in ``self.rows`` for plots and summaries.
+    ``loss``, ``grad_norm``, ``learning_rate`` (given by the backend), ``step_time_s`` (wall seconds
+    since the previous step ended, data loading and all micro-batches included), ``samples_per_second``,
+    ``tokens_per_second`` (non-padding tokens), ``mem_peak_bytes`` (see :mod:`onegpu.measure`).
+    Rows are kept in ``self.rows`` for plots and the summary; each is also sent to ``sink``.
+
+    Use: ``start()`` before the first step; ``end_step(step)`` right after each optimizer step;
+    ``log(step, loss, grad_norm, learning_rate)`` once the backend has those numbers.
     """
 
     def __init__(self, sink: Callable[[dict, int], None], device, counter: BatchCounter) -> None:
@@ -54,17 +57,17 @@ class StepMetrics(TrainerCallback):
         self._pending: dict[int, dict] = {}
         self._watch = None
 
-    def on_train_begin(self, args, state, control, **kw):
+    def start(self) -> None:
         measure.synchronize(self.device)
         measure.reset_peak(self.device)
         self._watch = measure.Stopwatch()
         self.counter.take()
 
-    def on_step_end(self, args, state, control, **kw):
+    def end_step(self, step: int) -> None:
         measure.synchronize(self.device)
         dt = self._watch.lap()
         samples, tokens = self.counter.take()
-        self._pending[state.global_step] = {
+        self._pending[step] = {
             "step_time_s": dt,
             "samples_per_second": samples / dt if dt > 0 else 0.0,
             "tokens_per_second": tokens / dt if dt > 0 else 0.0,
@@ -73,12 +76,11 @@ class StepMetrics(TrainerCallback):
         }
         measure.reset_peak(self.device)
 
-    def on_log(self, args, state, control, logs=None, **kw):
-        step = state.global_step
-        if not logs or "loss" not in logs or step not in self._pending:
+    def log(self, step: int, loss: float, grad_norm: float | None, learning_rate: float | None) -> None:
+        row = self._pending.pop(step, None)
+        if row is None:
             return
-        row = self._pending.pop(step)
-        row.update(loss=logs["loss"], grad_norm=logs.get("grad_norm"), learning_rate=logs.get("learning_rate"))
+        row.update(loss=loss, grad_norm=grad_norm, learning_rate=learning_rate)
         self.rows.append({"step": step, **row})
         self.sink({k: v for k, v in row.items() if k not in ("samples", "tokens")}, step)
 
@@ -97,6 +99,23 @@ class StepMetrics(TrainerCallback):
             "train_mem_peak_bytes": max(r["mem_peak_bytes"] for r in self.rows),
             "train_steps": len(self.rows), "train_samples": samples, "train_tokens": tokens,
         }
+
+
+class StepMetrics(TrainerCallback):
+    """Feeds a :class:`StepRecorder` from HF Trainer's events (``logging_steps=1``)."""
+
+    def __init__(self, recorder: StepRecorder) -> None:
+        self.recorder = recorder
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.recorder.start()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.recorder.end_step(state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs:
+            self.recorder.log(state.global_step, logs["loss"], logs.get("grad_norm"), logs.get("learning_rate"))
 
 
 class SparseProgress(ProgressCallback):

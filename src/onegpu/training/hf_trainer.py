@@ -13,8 +13,8 @@ from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 
 from onegpu.config import Config, Resolved
-from onegpu.training.callbacks import BatchCounter, SparseProgress, StepMetrics
-from onegpu.training.loss import classification_loss
+from onegpu.training.callbacks import BatchCounter, SparseProgress, StepMetrics, StepRecorder
+from onegpu.training.loss import loss_for
 
 # Columns the model consumes; prepare's other columns (text, length) are dropped before training.
 MODEL_COLUMNS = ("input_ids", "attention_mask", "token_type_ids", "labels")
@@ -73,8 +73,9 @@ class ExactLossTrainer(Trainer):
 
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args, counter: BatchCounter | None = None, **kwargs):
-        super().__init__(*args, compute_loss_func=classification_loss, **kwargs)
+    def __init__(self, *args, task: str = "sequence-classification", counter: BatchCounter | None = None,
+                 **kwargs):
+        super().__init__(*args, compute_loss_func=loss_for(task), **kwargs)
         self.counter = counter
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -92,24 +93,25 @@ def model_inputs(dsd):
 
 
 def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
-          sink: Callable[[dict, int], None]) -> tuple[ExactLossTrainer, StepMetrics]:
+          sink: Callable[[dict, int], None]) -> tuple[object, StepRecorder]:
     """Fine-tune ``model`` on ``dsd['train']``; per-step metrics go to ``sink(metrics, step)``.
 
     Returns:
-        The trainer (model trained in place) and the step recorder (rows and summary).
+        The trained model (``save_pretrained`` saves it) and the step recorder (rows and summary).
     """
     counter = BatchCounter()
     out = tempfile.mkdtemp(prefix="onegpu-trainer-")
     args = training_arguments(cfg, resolved, out)
     trainer = ExactLossTrainer(
         model=model, args=args, train_dataset=model_inputs(dsd)["train"],
-        data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer, counter=counter)
-    steps = StepMetrics(sink, args.device, counter)
-    trainer.add_callback(steps)
+        data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer, counter=counter,
+        task=cfg.model.task)
+    steps = StepRecorder(sink, args.device, counter)
+    trainer.add_callback(StepMetrics(steps))
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(SparseProgress(cfg.train.logging_steps))
     trainer.train()
-    return trainer, steps
+    return trainer.model, steps
 
 
 def predict(model, tokenizer, dataset, cfg: Config):

@@ -1,12 +1,32 @@
 """The loss of one optimizer step, exact under gradient accumulation.
 
-One optimizer step covers an effective batch of B examples split into micro-batches. Its loss is the
-mean over all B examples, so each micro-batch contributes ``sum of its per-example losses / B``
-(not the mean of per-micro-batch means, which weights examples unequally when micro-batches differ in
-size). Summed over the step's micro-batches, the contributions equal the one-big-batch loss, and so do
-the accumulated gradients, up to float rounding.
+One optimizer step covers an effective batch split into micro-batches. Its loss is the mean over all
+the step's *items*: examples for classification, non-padding target tokens for causal LM. Each
+micro-batch therefore contributes ``sum of its per-item losses / items in the whole step`` (not its own
+mean, which weights items unequally when micro-batches hold different numbers of items, e.g. with
+padding). Summed over the step's micro-batches these contributions equal the one-big-batch loss, and
+their gradients the one-big-batch gradient, up to float rounding.
+
+Causal LM is shift-aware: position t predicts token t+1, so the first token of each sequence is no
+target and labels are counted over ``labels[..., 1:]`` (as in transformers' ``ForCausalLMLoss`` and
+``Trainer._get_num_items_in_batch``). Ignored positions carry label -100.
 """
 from __future__ import annotations
+
+IGNORE_INDEX = -100
+
+
+def count_items(labels, task: str):
+    """Items (targets) in one micro-batch: a 0-dim int64 tensor on ``labels``' device.
+
+    Args:
+        labels: ``(micro_batch,)`` for ``sequence-classification``; ``(micro_batch, seq_len)`` for
+            ``causal-lm`` (unshifted, -100 at padding).
+        task: ``sequence-classification`` or ``causal-lm``.
+    """
+    if task == "causal-lm":
+        return labels[..., 1:].ne(IGNORE_INDEX).sum()
+    return labels.ne(IGNORE_INDEX).sum()
 
 
 def classification_loss(outputs, labels, num_items_in_batch=None):
@@ -22,7 +42,33 @@ def classification_loss(outputs, labels, num_items_in_batch=None):
     """
     import torch.nn.functional as F
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
-    total = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+    total = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
     if num_items_in_batch is None:
-        num_items_in_batch = labels.ne(-100).sum()
+        num_items_in_batch = count_items(labels, "sequence-classification")
     return total / num_items_in_batch
+
+
+def causal_lm_loss(outputs, labels, num_items_in_batch=None):
+    """Next-token cross-entropy summed over the micro-batch's target tokens, divided by the step's count.
+
+    Args:
+        outputs: model output with ``logits`` ``(micro_batch, seq_len, vocab)``.
+        labels: ``(micro_batch, seq_len)`` int64 token ids, unshifted, -100 at padding.
+        num_items_in_batch: target tokens (``labels[..., 1:] != -100``) over all micro-batches of the
+            optimizer step; None = this micro-batch's.
+    Returns:
+        0-dim float32 tensor: this micro-batch's share of the step's mean token loss.
+    """
+    import torch.nn.functional as F
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    shift_logits = logits[..., :-1, :].float().reshape(-1, logits.shape[-1])
+    shift_labels = labels[..., 1:].reshape(-1).to(shift_logits.device)
+    total = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    if num_items_in_batch is None:
+        num_items_in_batch = count_items(labels, "causal-lm")
+    return total / num_items_in_batch
+
+
+def loss_for(task: str):
+    """The loss function for ``task`` (signature ``(outputs, labels, num_items_in_batch)``)."""
+    return causal_lm_loss if task == "causal-lm" else classification_loss
