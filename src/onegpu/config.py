@@ -53,6 +53,12 @@ class ModelConfig:
     task: str = "sequence-classification"
     name_or_path: Optional[str] = PACKAGED_MODEL
     dropout: Optional[float] = None       # null keeps the model's own; a number overrides every dropout
+    # causal-lm with name_or_path null: a GPT-2-style model built from these sizes, and a byte-level
+    # BPE tokenizer of vocab_size trained by prepare on the training split. Context = data.max_length.
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    vocab_size: int = 4096
 
 
 @dataclass
@@ -209,9 +215,13 @@ def validate(cfg: Config, source: str = "params") -> None:
 
     if m.task not in TASKS:
         _fail(source, "model.task", f"must be one of {', '.join(TASKS)}, got {m.task!r}")
-    if m.task == "causal-lm":
-        _fail(source, "model.task", "'causal-lm' is not available in this version yet; "
-              "use 'sequence-classification'")
+    for k in ("n_layer", "n_embd", "n_head"):
+        if getattr(m, k) < 1:
+            _fail(source, f"model.{k}", f"must be a positive integer, got {getattr(m, k)}")
+    if m.n_embd % m.n_head:
+        _fail(source, "model.n_head", f"must divide model.n_embd ({m.n_embd}), got {m.n_head}")
+    if not 256 <= m.vocab_size <= 262144:
+        _fail(source, "model.vocab_size", f"must be from 256 (the byte alphabet) to 262144, got {m.vocab_size}")
     if m.name_or_path is None and m.task == "sequence-classification":
         _fail(source, "model.name_or_path", "null (a model built from config) exists only for "
               f"causal-lm; for sequence-classification use '{PACKAGED_MODEL}', a local directory or a hub id")
@@ -316,6 +326,9 @@ NOT_IN_EQUIVALENCE_KEY = {
 }
 
 
+MODEL_FROM_CONFIG_KEYS = ("model.n_layer", "model.n_embd", "model.n_head", "model.vocab_size")
+
+
 def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = "") -> dict[str, Any]:
     """The values that define the mathematics of a training run.
 
@@ -323,6 +336,9 @@ def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = 
     size and the prepared data's content fingerprint (so two runs on different data files never match).
     """
     flat = {k: v for k, v in flatten(cfg.to_dict()).items() if k not in NOT_IN_EQUIVALENCE_KEY}
+    if cfg.model.name_or_path is not None:  # the sizes apply only to a model built from config
+        for k in MODEL_FROM_CONFIG_KEYS:
+            flat.pop(k, None)
     flat["resolved.effective_batch_size"] = resolved.effective_batch_size
     flat["data.fingerprint"] = data_fingerprint
     return flat

@@ -65,8 +65,10 @@ def read_text_tree(root: Path) -> RawData:
     return RawData(texts, labels, source=root.as_uri(), undecodable=bad)
 
 
-def read_table(path: str, text_column: str, label_column: str) -> RawData:
+def read_table(path: str, text_column: str, label_column: str, label_required: bool = True) -> RawData:
     """Read a ``.csv`` or ``.jsonl`` file with pandas; keep ``text_column`` and ``label_column``.
+
+    Without ``label_required`` (causal LM) a missing label column gives every row the label ``text``.
 
     Raises:
         DataError: the file is missing, empty, unparsable, or lacks one of the columns.
@@ -84,6 +86,8 @@ def read_table(path: str, text_column: str, label_column: str) -> RawData:
             df = pd.read_json(p, lines=True, encoding_errors="replace")
     except (ValueError, pd.errors.ParserError, pd.errors.EmptyDataError) as e:
         raise DataError(f"data.source={path!r}: cannot parse: {str(e).splitlines()[0]}") from None
+    if not label_required and label_column not in df.columns:
+        df[label_column] = "text"
     for key, col in (("data.text_column", text_column), ("data.label_column", label_column)):
         if col not in df.columns:
             raise DataError(f"{key}={col!r} is not a column of {path} (columns: {', '.join(map(str, df.columns))})")
@@ -94,11 +98,12 @@ def read_table(path: str, text_column: str, label_column: str) -> RawData:
                    source=p.resolve().as_uri())
 
 
-def read(cfg: DataConfig) -> RawData:
-    """Read the configured source (see the module docstring)."""
+def read(cfg: DataConfig, task: str = "sequence-classification") -> RawData:
+    """Read the configured source (see the module docstring). Causal LM needs no label column."""
     if cfg.source == PACKAGED_DATA:
         return read_text_tree(bbcnews_dir())
-    return read_table(cfg.source, cfg.text_column, cfg.label_column)
+    return read_table(cfg.source, cfg.text_column, cfg.label_column,
+                      label_required=task == "sequence-classification")
 
 
 def deduplicate(raw: RawData) -> tuple[list[str], list[str], int]:
@@ -113,8 +118,10 @@ def deduplicate(raw: RawData) -> tuple[list[str], list[str], int]:
     return texts, labels, len(raw.texts) - len(texts)
 
 
-def split(texts: list[str], labels: list[str], cfg: DataConfig):
-    """Seeded stratified train/validation/test split with ``datasets``, then the caps.
+def split(texts: list[str], labels: list[str], cfg: DataConfig, task: str = "sequence-classification"):
+    """Seeded train/validation/test split with ``datasets``, stratified by label, then the caps.
+
+    Causal LM accepts a single label (then the split is not stratified).
 
     Returns:
         ``datasets.DatasetDict`` with splits train/validation/test, columns ``text`` (str) and
@@ -124,7 +131,7 @@ def split(texts: list[str], labels: list[str], cfg: DataConfig):
     """
     from datasets import ClassLabel, Dataset, DatasetDict
     names = sorted(set(labels))
-    if len(names) < 2:
+    if len(names) < 2 and task == "sequence-classification":
         raise DataError(f"the data has a single label ({names[0]!r}); classification needs at least two")
     counts = {n: labels.count(n) for n in names}
     few = {n: c for n, c in counts.items() if c < 3}
@@ -132,8 +139,9 @@ def split(texts: list[str], labels: list[str], cfg: DataConfig):
         raise DataError(f"labels with fewer than 3 rows cannot appear in train, validation and test: {few}")
     ds = Dataset.from_dict({"text": texts, "label": labels}).cast_column("label", ClassLabel(names=names))
     held = cfg.validation_size + cfg.test_size
-    first = ds.train_test_split(test_size=held, stratify_by_column="label", seed=cfg.seed)
-    second = first["test"].train_test_split(test_size=cfg.test_size / held, stratify_by_column="label",
+    strat = "label" if len(names) > 1 else None
+    first = ds.train_test_split(test_size=held, stratify_by_column=strat, seed=cfg.seed)
+    second = first["test"].train_test_split(test_size=cfg.test_size / held, stratify_by_column=strat,
                                             seed=cfg.seed)
     out = DatasetDict(train=first["train"], validation=second["train"], test=second["test"])
     if cfg.max_train_samples and cfg.max_train_samples < len(out["train"]):
@@ -146,18 +154,22 @@ def split(texts: list[str], labels: list[str], cfg: DataConfig):
 
 
 def _stratified_head(ds, n: int, seed: int):
-    if n < ds.features["label"].num_classes:
+    if n < ds.features["label"].num_classes or ds.features["label"].num_classes < 2:
         return ds.shuffle(seed=seed).select(range(n))
     return ds.train_test_split(train_size=n, stratify_by_column="label", seed=seed)["train"]
 
 
-def tokenize(dsd, tokenizer, max_length: int):
+def tokenize(dsd, tokenizer, max_length: int, task: str = "sequence-classification"):
     """Add ``input_ids``/``attention_mask`` (truncated to ``max_length``, unpadded) and ``length``.
 
     Padding happens per micro-batch in the collator, so a micro-batch is only as long as its longest row.
+    For causal LM each text ends with the tokenizer's EOS token (when it has one) before truncation.
     """
+    eos = tokenizer.eos_token if task == "causal-lm" and tokenizer.eos_token else ""
+
     def fn(batch):
-        enc = tokenizer(batch["text"], truncation=True, max_length=max_length)
+        texts = [t + eos for t in batch["text"]] if eos else batch["text"]
+        enc = tokenizer(texts, truncation=True, max_length=max_length)
         enc["length"] = [len(x) for x in enc["input_ids"]]
         return enc
     return dsd.map(fn, batched=True, desc="tokenize")

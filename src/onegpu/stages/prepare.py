@@ -6,6 +6,7 @@ MLflow dataset input.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 
@@ -23,11 +24,15 @@ def run(cfg: Config) -> dict:
         sections = {k: v for k, v in cfg.to_dict().items() if k in ("data", "model", "tracking")}
         tracker.log_params(run_id, flatten(sections))
 
-        raw = data.read(cfg.data)
+        task = cfg.model.task
+        raw = data.read(cfg.data, task)
         texts, labels, dups = data.deduplicate(raw)
-        dsd = data.split(texts, labels, cfg.data)
-        tokenizer = models.load_tokenizer(models.resolve_model_path(cfg.model.name_or_path), cfg.model.task)
-        dsd = data.tokenize(dsd, tokenizer, cfg.data.max_length)
+        dsd = data.split(texts, labels, cfg.data, task)
+        if cfg.model.name_or_path is None:  # causal-lm from config: a BPE tokenizer of our own
+            tokenizer = models.train_bpe_tokenizer(dsd["train"]["text"], cfg.model.vocab_size)
+        else:
+            tokenizer = models.load_tokenizer(models.resolve_model_path(cfg.model.name_or_path), task)
+        dsd = data.tokenize(dsd, tokenizer, cfg.data.max_length, task)
         stats = data.stats(dsd, rows_read=len(raw.texts), duplicates=dups, undecodable=raw.undecodable,
                            max_length=cfg.data.max_length)
 
@@ -35,6 +40,8 @@ def run(cfg: Config) -> dict:
         paths.PROCESSED.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=paths.PROCESSED.parent, prefix=".processed-")
         dsd.save_to_disk(tmp)
+        if cfg.model.name_or_path is None:
+            tokenizer.save_pretrained(os.path.join(tmp, paths.TOKENIZER.name))
         shutil.rmtree(paths.PROCESSED, ignore_errors=True)
         shutil.move(tmp, paths.PROCESSED)
         paths.write_json_atomic(paths.STATS, stats)

@@ -60,13 +60,18 @@ def run(cfg: Config) -> dict:
         backend = importlib.import_module(BACKENDS[cfg.train.backend])
 
         path = models.resolve_model_path(cfg.model.name_or_path)
-        tokenizer = models.load_tokenizer(path, cfg.model.task)
+        task = cfg.model.task
+        tokenizer = models.load_tokenizer(str(paths.TOKENIZER) if path is None else path, task)
         set_seed(cfg.train.seed)
-        model = models.build_classifier(path, stats["labels"], cfg.model.dropout)
+        if task == "causal-lm":
+            model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout)
+        else:
+            model = models.build_classifier(path, stats["labels"], cfg.model.dropout)
         if cfg.train.gradient_checkpointing and not models.supports_checkpointing(model):
             raise ModelError(f"train.gradient_checkpointing: {type(model).__name__} does not support "
                              "activation checkpointing; set it to false")
 
+        tracker.set_tags(run_id, models.describe(model))
         buffer = tracker.metric_buffer(run_id)
         model, steps = backend.train(model, tokenizer, dsd, cfg, resolved, sink=buffer.add)
         buffer.flush()

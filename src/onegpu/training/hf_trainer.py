@@ -36,7 +36,7 @@ def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> Trai
         per_device_train_batch_size=resolved.per_device_train_batch_size,
         gradient_accumulation_steps=resolved.gradient_accumulation_steps,
         activation_checkpointing=t.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
+        activation_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
         learning_rate=t.learning_rate,
         num_train_epochs=t.num_train_epochs,
         max_steps=t.max_steps,
@@ -85,11 +85,41 @@ class ExactLossTrainer(Trainer):
                                     num_items_in_batch=num_items_in_batch)
 
 
-def model_inputs(dsd):
-    """The prepared DatasetDict reduced to the model's columns, with ``label`` renamed ``labels``."""
-    dsd = dsd.rename_column("label", "labels")
-    drop = [c for c in dsd["train"].column_names if c not in MODEL_COLUMNS]
-    return dsd.remove_columns(drop)
+def model_inputs(dsd, task: str = "sequence-classification"):
+    """The prepared dataset(s) reduced to the model's columns.
+
+    Classification: ``label`` renamed ``labels``. Causal LM: the label column is dropped (the collator
+    makes token labels). Works on a ``DatasetDict`` or a single ``Dataset``.
+    """
+    if task == "causal-lm":
+        dsd = dsd.remove_columns("label")
+    else:
+        dsd = dsd.rename_column("label", "labels")
+    cols = dsd.column_names if hasattr(dsd, "features") else dsd["train"].column_names
+    return dsd.remove_columns([c for c in cols if c not in MODEL_COLUMNS])
+
+
+class CausalLMCollator:
+    """Pads a micro-batch to its longest row; ``labels`` = ``input_ids`` with -100 at padding.
+
+    Unlike ``DataCollatorForLanguageModeling``, it never masks a real EOS token when pad == EOS.
+    Labels are unshifted: the loss shifts them (:func:`onegpu.training.loss.causal_lm_loss`).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, features: list[dict]) -> dict:
+        batch = self.tokenizer.pad(features, return_tensors="pt")
+        labels = batch["input_ids"].clone()
+        labels[batch["attention_mask"] == 0] = -100
+        batch["labels"] = labels
+        return batch
+
+
+def collator_for(task: str, tokenizer):
+    """The micro-batch collator for ``task`` (padding per micro-batch)."""
+    return CausalLMCollator(tokenizer) if task == "causal-lm" else DataCollatorWithPadding(tokenizer)
 
 
 def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
@@ -103,8 +133,8 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
     out = tempfile.mkdtemp(prefix="onegpu-trainer-")
     args = training_arguments(cfg, resolved, out)
     trainer = ExactLossTrainer(
-        model=model, args=args, train_dataset=model_inputs(dsd)["train"],
-        data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer, counter=counter,
+        model=model, args=args, train_dataset=model_inputs(dsd, cfg.model.task)["train"],
+        data_collator=collator_for(cfg.model.task, tokenizer), processing_class=tokenizer, counter=counter,
         task=cfg.model.task)
     steps = StepRecorder(sink, args.device, counter)
     trainer.add_callback(StepMetrics(steps))
@@ -124,8 +154,7 @@ def predict(model, tokenizer, dataset, cfg: Config):
     args = TrainingArguments(output_dir=out, per_device_eval_batch_size=cfg.evaluate.per_device_eval_batch_size,
                              report_to="none", remove_unused_columns=False, bf16_full_eval=False,
                              disable_tqdm=True, dataloader_pin_memory=_cuda())
-    ds = dataset.rename_column("label", "labels")
-    ds = ds.remove_columns([c for c in ds.column_names if c not in MODEL_COLUMNS])
+    ds = model_inputs(dataset)
     trainer = ExactLossTrainer(model=model, args=args, data_collator=DataCollatorWithPadding(tokenizer),
                                processing_class=tokenizer)
     return trainer.predict(ds, metric_key_prefix="eval")

@@ -1,0 +1,48 @@
+"""``onegpu compare``: are runs with the same equivalence key the same training, and what does each cost?
+
+Reads the training runs from the MLflow store (:mod:`onegpu.tracking`), compares them per optimizer step
+(:mod:`onegpu.equivalence`), writes ``<out>/compare.md``, ``<out>/loss_curves.png`` and
+``<out>/memory_vs_throughput.png`` (:mod:`onegpu.report`), prints a compact table, and logs the three
+files as artifacts of a comparison run (tag ``stage=compare``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from onegpu import equivalence, report, tracking
+from onegpu.errors import UserError
+
+
+def run(experiment: str, key: str | None = None, run_ids: list[str] | None = None,
+        exp_names: list[str] | None = None, out_dir: str | Path = "reports") -> equivalence.Comparison:
+    """Compare the selected training runs of MLflow experiment ``experiment`` and report.
+
+    Raises:
+        UserError: no store or experiment, or no training run matches the filters.
+    """
+    tracker = tracking.open_existing(experiment)
+    records = [equivalence.RunRecord(**d) for d in tracking.training_runs(tracker, key, run_ids, exp_names)]
+    if not records:
+        filters = [f"{name} {' '.join(v) if isinstance(v, list) else v}"
+                   for name, v in (("--key", key), ("--runs", run_ids), ("--exp", exp_names)) if v]
+        raise UserError(f"no training runs in MLflow experiment {experiment!r} "
+                        f"({tracking.redact(tracker.uri)})"
+                        + (f" matching {', '.join(filters)}" if filters else "")
+                        + ": train first (`dvc repro`, `dvc exp run -S ...`)")
+    comparison = equivalence.compare(records)
+    if not comparison.groups:
+        raise UserError(f"none of the {len(records)} training runs has an equivalence_key tag "
+                        "(runs from an older onegpu?): nothing to compare")
+    store = tracking.redact(tracker.uri)
+    files = report.write(comparison, out_dir, experiment=experiment, store=store)
+    keys = [g.key for g in comparison.groups]
+    ids = [r.run_id for g in comparison.groups for r in g.runs]
+    counts = {"compare_runs": len(ids), "compare_groups": len(keys),
+              "compare_equivalent": sum(g.count(equivalence.EQUIVALENT) for g in comparison.groups),
+              "compare_diverged": sum(g.count(equivalence.DIVERGED) for g in comparison.groups)}
+    compare_id = tracking.log_comparison(tracker, files, ids, keys, counts)
+    print(report.terminal_table(comparison), end="")
+    for i, g in enumerate(comparison.groups, 1):
+        print(f"group {i}: {g.summary}")
+    print(f"\nreport: {files[0]} (plots {files[1].name}, {files[2].name}); MLflow comparison run {compare_id}")
+    return comparison
