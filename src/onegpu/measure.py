@@ -91,3 +91,100 @@ class Stopwatch:
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# --- the memory breakdown ------------------------------------------------------------------------
+
+def _storage_key(t) -> tuple:
+    s = t.untyped_storage()
+    return (s.device.type, s.device.index, s.data_ptr())
+
+
+def tensors_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view or a shared tensor counts once)."""
+    seen: dict = {}
+    for t in tensors:
+        if t is None or not hasattr(t, "untyped_storage"):
+            continue
+        k = _storage_key(t)
+        seen[k] = max(seen.get(k, 0), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+def state_bytes(model, optimizer=None) -> dict[str, int]:
+    """Exact bytes of parameters, gradients and optimizer states that exist now, all dtypes.
+
+    Call after the first optimizer step (before ``zero_grad``) so that gradients and lazily created
+    optimizer states (AdamW's ``exp_avg``/``exp_avg_sq``: 2 x the trainable parameters in fp32) exist.
+    Optimizer bytes count per-parameter state buffers; 0-dim counters (AdamW's ``step``) are left out.
+    Returns:
+        ``mem_params_bytes``, ``mem_grads_bytes``, ``mem_optimizer_bytes`` (int, bytes).
+    """
+    import torch
+    params = list(model.parameters())
+    out = {"mem_params_bytes": tensors_bytes(params),
+           "mem_grads_bytes": tensors_bytes(p.grad for p in params if p.grad is not None)}
+    opt_tensors = []
+    if optimizer is not None:
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        for state in inner.state.values():
+            # Per-parameter buffers only: 0-dim bookkeeping such as AdamW's ``step`` (4 bytes per
+            # parameter tensor) is left out, so AdamW reads exactly 2 x the trainable parameters.
+            opt_tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    out["mem_optimizer_bytes"] = tensors_bytes(opt_tensors)
+    return out
+
+
+def activation_bytes(model, batch: dict, loss_fn) -> int:
+    """Bytes that autograd saves for backward in one forward pass of ``batch`` (one micro-batch).
+
+    Counted with ``torch.autograd.graph.saved_tensors_hooks``: every tensor packed for backward, each
+    storage once, parameter storages left out (they exist anyway). This is what activation
+    checkpointing reduces; it is the same on CPU and GPU. The pass runs in train mode under the
+    model's current checkpointing setting, then the graph is dropped without a backward pass. RNG
+    states are restored afterwards, so the probe changes nothing the real run sees.
+
+    Args:
+        batch: collated micro-batch (tensors on the model's device) including ``labels``.
+        loss_fn: ``(outputs, labels) -> loss``.
+    Returns:
+        Bytes (int).
+    """
+    import torch
+    param_keys = {_storage_key(p) for p in model.parameters()}
+    saved: dict = {}
+
+    def pack(t):
+        try:
+            k = _storage_key(t)
+            if k not in param_keys:
+                saved[k] = max(saved.get(k, 0), t.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
+            pass
+        return t
+
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    was_training = model.training
+    model.train()
+    try:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(**inputs)
+            loss = loss_fn(out, batch["labels"])
+        del out, loss
+    finally:
+        model.train(was_training)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    return sum(saved.values())
+
+
+def cuda_peaks(device) -> dict[str, int]:
+    """``mem_allocated_peak_bytes`` and ``mem_reserved_peak_bytes`` since the last reset (CUDA only)."""
+    if not _cuda(device):
+        return {}
+    import torch
+    return {"mem_allocated_peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "mem_reserved_peak_bytes": int(torch.cuda.max_memory_reserved(device))}

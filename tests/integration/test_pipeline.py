@@ -54,6 +54,12 @@ def test_repro_logs_prepare_and_one_complete_training_run(project):
                 "eval_loss", "eval_runtime", "eval_samples_per_second", "eval_mem_peak_bytes"):
         assert m[key] > 0, key
     assert 0.0 <= m["eval_accuracy"] <= 1.0 and 0.0 <= m["eval_f1_macro"] <= 1.0
+    # The memory breakdown: every parameter trains (grads == params), AdamW keeps 2 states per parameter.
+    assert m["mem_params_bytes"] > 80e6  # MiniLM-L6 + head: ~22.7 M float32 parameters
+    assert m["mem_grads_bytes"] == m["mem_params_bytes"]
+    assert m["mem_optimizer_bytes"] == 2 * m["mem_params_bytes"]
+    assert m["mem_activation_bytes"] > 0 and m["mem_rss_peak_bytes"] >= m["train_mem_peak_bytes"]
+    assert 0.0 < m["train_mfu"] <= 1.0 and m["train_flops_per_second"] > 0
 
     p = run.data.params
     assert p["train.gradient_accumulation_steps"] == "2"

@@ -76,8 +76,10 @@ def run(cfg: Config) -> dict:
         model, steps = backend.train(model, tokenizer, dsd, cfg, resolved, sink=buffer.add)
         buffer.flush()
         summary = steps.summary()
-        tracker.log_metrics(run_id, {k: v for k, v in summary.items() if k.startswith("train_")
-                                     and k not in ("train_steps", "train_samples", "train_tokens")},
+        summary.update(steps.memory())
+        summary.update(_speed(model, summary, cfg, device, tags["device"]))
+        tracker.log_metrics(run_id, {k: v for k, v in summary.items()
+                                     if k not in ("train_steps", "train_samples", "train_tokens")},
                             step=summary.get("train_steps", 0))
 
         # Outputs: written aside, then moved into place.
@@ -100,6 +102,19 @@ def run(cfg: Config) -> dict:
           f"train_loss {summary.get('train_loss', float('nan')):.4f}, {summary.get('train_runtime', 0):.1f} s, "
           f"peak {summary.get('train_mem_peak_bytes', 0) / 2**20:.0f} MiB on {tags['device']}; MLflow run {run_id}")
     return summary
+
+
+def _speed(model, summary: dict, cfg: Config, device: str, device_name: str) -> dict:
+    """``train_flops_per_second`` (model FLOPs, :mod:`onegpu.flops`) and ``train_mfu`` against the
+    device's peak in the matmul dtype; ``model_flops_per_token`` and ``device_peak_flops`` with them."""
+    from onegpu import flops
+    if not summary.get("train_samples"):
+        return {}
+    per_token = flops.flops_per_token(model, summary["train_tokens"] / summary["train_samples"])
+    achieved = per_token * summary["train_tokens_per_second"]
+    peak, _source = flops.device_peak(device_name, flops.matmul_dtype(cfg.train.bf16, cfg.train.fp16), device)
+    return {"train_flops_per_second": achieved, "train_mfu": achieved / peak,
+            "model_flops_per_token": per_token, "device_peak_flops": peak}
 
 
 def _write_steps(rows: list[dict]) -> None:

@@ -54,8 +54,19 @@ class StepRecorder:
     def __init__(self, sink: Callable[[dict, int], None], device, counter: BatchCounter) -> None:
         self.sink, self.device, self.counter = sink, device, counter
         self.rows: list[dict] = []
+        self.breakdown: dict[str, int] = {}   # the memory breakdown, logged once per run
         self._pending: dict[int, dict] = {}
         self._watch = None
+        self._cuda_peaks: dict[str, int] = {}
+
+    def probe_activations(self, model, batch: dict, loss_fn) -> None:
+        """Record ``mem_activation_bytes`` for one micro-batch (:func:`onegpu.measure.activation_bytes`)."""
+        self.breakdown["mem_activation_bytes"] = measure.activation_bytes(model, batch, loss_fn)
+
+    def record_states(self, model, optimizer) -> None:
+        """Record params/grads/optimizer bytes once, right after the first optimizer step."""
+        if "mem_optimizer_bytes" not in self.breakdown:
+            self.breakdown.update(measure.state_bytes(model, optimizer))
 
     def start(self) -> None:
         measure.synchronize(self.device)
@@ -74,6 +85,8 @@ class StepRecorder:
             "mem_peak_bytes": measure.peak_bytes(self.device),
             "samples": samples, "tokens": tokens,
         }
+        for k, v in measure.cuda_peaks(self.device).items():
+            self._cuda_peaks[k] = max(v, self._cuda_peaks.get(k, 0))
         measure.reset_peak(self.device)
 
     def log(self, step: int, loss: float, grad_norm: float | None, learning_rate: float | None) -> None:
@@ -83,6 +96,17 @@ class StepRecorder:
         row.update(loss=loss, grad_norm=grad_norm, learning_rate=learning_rate)
         self.rows.append({"step": step, **row})
         self.sink({k: v for k, v in row.items() if k not in ("samples", "tokens")}, step)
+
+    def memory(self) -> dict[str, int]:
+        """The breakdown plus run peaks: ``mem_allocated_peak_bytes``/``mem_reserved_peak_bytes`` (CUDA,
+        max over steps) and ``mem_rss_peak_bytes`` (process peak RSS over the steps, any device)."""
+        out = dict(self.breakdown)
+        out.update(self._cuda_peaks)
+        rss = measure.rss_peak_bytes()
+        if not str(self.device).startswith("cuda") and self.rows:
+            rss = max(rss, max(r["mem_peak_bytes"] for r in self.rows))
+        out["mem_rss_peak_bytes"] = rss
+        return out
 
     def summary(self) -> dict:
         """Totals over the logged steps: train_loss (mean step loss, as HF's), runtime and throughput."""
@@ -102,13 +126,25 @@ class StepRecorder:
 
 
 class StepMetrics(TrainerCallback):
-    """Feeds a :class:`StepRecorder` from HF Trainer's events (``logging_steps=1``)."""
+    """Feeds a :class:`StepRecorder` from HF Trainer's events (``logging_steps=1``).
 
-    def __init__(self, recorder: StepRecorder) -> None:
-        self.recorder = recorder
+    ``probe``: an optional ``(batch, loss_fn)`` whose activation bytes are measured at train begin,
+    after Trainer has switched checkpointing on.
+    """
 
-    def on_train_begin(self, args, state, control, **kw):
+    def __init__(self, recorder: StepRecorder, probe: tuple | None = None) -> None:
+        self.recorder, self.probe = recorder, probe
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        if self.probe is not None and model is not None:
+            batch, loss_fn = self.probe
+            dev = next(model.parameters()).device
+            self.recorder.probe_activations(model, {k: v.to(dev) for k, v in batch.items()}, loss_fn)
         self.recorder.start()
+
+    def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
+        if model is not None:
+            self.recorder.record_states(model, optimizer)
 
     def on_step_end(self, args, state, control, **kw):
         self.recorder.end_step(state.global_step)

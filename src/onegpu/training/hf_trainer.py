@@ -122,6 +122,15 @@ def collator_for(task: str, tokenizer):
     return CausalLMCollator(tokenizer) if task == "causal-lm" else DataCollatorWithPadding(tokenizer)
 
 
+def probe_batch(train_ds, collator, resolved: Resolved) -> dict:
+    """One micro-batch for the activation probe: the first ``per_device_train_batch_size`` rows.
+
+    Taken by index, not from the training DataLoader, so the sampler's RNG is untouched.
+    """
+    n = min(resolved.per_device_train_batch_size, len(train_ds))
+    return collator([train_ds[i] for i in range(n)])
+
+
 def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
           sink: Callable[[dict, int], None]) -> tuple[object, StepRecorder]:
     """Fine-tune ``model`` on ``dsd['train']``; per-step metrics go to ``sink(metrics, step)``.
@@ -132,12 +141,14 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
     counter = BatchCounter()
     out = tempfile.mkdtemp(prefix="onegpu-trainer-")
     args = training_arguments(cfg, resolved, out)
+    train_ds = model_inputs(dsd, cfg.model.task)["train"]
+    collator = collator_for(cfg.model.task, tokenizer)
     trainer = ExactLossTrainer(
-        model=model, args=args, train_dataset=model_inputs(dsd, cfg.model.task)["train"],
-        data_collator=collator_for(cfg.model.task, tokenizer), processing_class=tokenizer, counter=counter,
-        task=cfg.model.task)
+        model=model, args=args, train_dataset=train_ds, data_collator=collator, processing_class=tokenizer,
+        counter=counter, task=cfg.model.task)
     steps = StepRecorder(sink, args.device, counter)
-    trainer.add_callback(StepMetrics(steps))
+    trainer.add_callback(StepMetrics(steps, probe=(probe_batch(train_ds, collator, resolved),
+                                                   loss_for(cfg.model.task))))
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(SparseProgress(cfg.train.logging_steps))
     trainer.train()
