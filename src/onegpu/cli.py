@@ -27,6 +27,18 @@ def _parser() -> argparse.ArgumentParser:
     ui.add_argument("--params", default="params.yaml", help="params file, for tracking.experiment_name")
     ui.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1, this machine only)")
     ui.add_argument("--port", type=int, default=5000, help="port (default: 5000)")
+    cmp = sub.add_parser("compare", help="equivalence and trade-off report over the training runs in MLflow",
+                         description="Group the training runs by equivalence_key, compare each with its "
+                                     "group's reference per optimizer step (loss, grad_norm, eval metrics) "
+                                     "and on cost (peak memory, throughput); write OUT/compare.md and two "
+                                     "PNG plots, and log them to an MLflow comparison run.")
+    cmp.add_argument("--params", default="params.yaml", help="params file, for tracking.experiment_name")
+    cmp.add_argument("--key", metavar="KEY", help="only this equivalence_key (or a unique prefix of it)")
+    cmp.add_argument("--runs", nargs="+", metavar="ID", help="only these MLflow run ids")
+    cmp.add_argument("--exp", nargs="+", metavar="NAME", help="only these DVC experiment names")
+    cmp.add_argument("--experiment", metavar="NAME",
+                     help="MLflow experiment (default: tracking.experiment_name from the params file)")
+    cmp.add_argument("--out", default="reports", metavar="DIR", help="output folder (default: reports/)")
     return p
 
 
@@ -46,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "ui":
             from onegpu import ui
             return ui.serve(cfg.tracking.experiment_name, args.host, args.port)
+        elif args.command == "compare":
+            from onegpu.stages import compare
+            compare.run(args.experiment or cfg.tracking.experiment_name, key=args.key, run_ids=args.runs,
+                        exp_names=args.exp, out_dir=args.out)
     except UserError as e:
         print(f"onegpu {args.command}: error: {e}", file=sys.stderr)
         return 2

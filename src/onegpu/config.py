@@ -64,10 +64,11 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     backend: str = "trainer"
-    per_device_train_batch_size: Any = 8  # micro-batch size (int; "auto" once the finder exists)
+    per_device_train_batch_size: Any = 8  # micro-batch size: an int, or "auto" (needs effective_batch_size)
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
     effective_batch_size: Optional[int] = None  # null = micro x accumulation x processes
-    memory_budget_gib: Optional[float] = None
+    memory_budget_gib: Optional[float] = None  # for "auto": null = free device memory (CUDA); required on CPU
+    oom_retry: bool = True                # CUDA out-of-memory in a step: halve the micro-batch, redo the step
     gradient_checkpointing: bool = False  # activation checkpointing
     learning_rate: float = 5e-5
     num_train_epochs: float = 1.0
@@ -232,14 +233,18 @@ def validate(cfg: Config, source: str = "params") -> None:
         _fail(source, "train.backend", f"must be one of {', '.join(BACKENDS)}, got {t.backend!r}")
     mb = t.per_device_train_batch_size
     if mb == "auto":
+        if t.effective_batch_size is None:
+            _fail(source, "train.effective_batch_size", "is required with per_device_train_batch_size: auto "
+                  "(the finder keeps it fixed and chooses how to split it)")
+        if t.effective_batch_size < 1:
+            _fail(source, "train.effective_batch_size", f"must be a positive integer, got {t.effective_batch_size}")
+    elif isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
         _fail(source, "train.per_device_train_batch_size",
-              "'auto' is not available in this version yet; give a positive integer")
-    if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
-        _fail(source, "train.per_device_train_batch_size", f"must be a positive integer, got {mb!r}")
+              f"must be a positive integer or 'auto', got {mb!r}")
     if t.gradient_accumulation_steps < 1:
         _fail(source, "train.gradient_accumulation_steps",
               f"must be a positive integer, got {t.gradient_accumulation_steps}")
-    if t.effective_batch_size is not None:
+    if t.effective_batch_size is not None and mb != "auto":
         product = mb * t.gradient_accumulation_steps
         if t.effective_batch_size != product:
             _fail(source, "train.effective_batch_size",
@@ -303,10 +308,24 @@ class Resolved:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
 
 
-def resolve(cfg: Config, world_size: int = 1) -> Resolved:
-    """The batch layout for ``cfg`` on ``world_size`` processes (one GPU: 1)."""
-    return Resolved(int(cfg.train.per_device_train_batch_size), cfg.train.gradient_accumulation_steps,
-                    world_size)
+def resolve(cfg: Config, world_size: int = 1, micro_batch: int | None = None) -> Resolved:
+    """The batch layout for ``cfg`` on ``world_size`` processes (one GPU: 1).
+
+    With ``per_device_train_batch_size: auto`` the caller passes the finder's ``micro_batch``;
+    accumulation is then ``effective_batch_size / (micro_batch x world_size)``.
+    Raises:
+        ConfigError: ``auto`` without ``micro_batch``, or a micro-batch that does not divide the effective batch.
+    """
+    t = cfg.train
+    if t.per_device_train_batch_size != "auto":
+        return Resolved(int(t.per_device_train_batch_size), t.gradient_accumulation_steps, world_size)
+    if micro_batch is None:
+        raise ConfigError("train.per_device_train_batch_size is 'auto': the micro-batch finder must run first")
+    per_step = micro_batch * world_size
+    if t.effective_batch_size % per_step:
+        raise ConfigError(f"train.effective_batch_size={t.effective_batch_size} is not divisible by "
+                          f"micro-batch {micro_batch} x {world_size} process(es)")
+    return Resolved(micro_batch, t.effective_batch_size // per_step, world_size)
 
 
 # Params that decide only how the work is split or observed, not the mathematics of training.
@@ -319,6 +338,7 @@ NOT_IN_EQUIVALENCE_KEY = {
     "train.gradient_checkpointing": "recomputes activations; the same mathematics",
     "train.backend": "Trainer and Accelerate loops compute the same steps",
     "train.logging_steps": "terminal output only",
+    "train.oom_retry": "recovery re-splits the same effective batch",
     "train.dataloader_num_workers": "where batches are collated, not which",
     "evaluate.per_device_eval_batch_size": "evaluation only",
     "tracking.experiment_name": "where results are logged",

@@ -204,6 +204,14 @@ def describe(model) -> dict[str, str]:
             "model.batchnorm_layers": str(bn)}
 
 
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing on, non-reentrant, with the current transformers name where it exists."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def supports_checkpointing(model) -> bool:
     return bool(getattr(model, "supports_gradient_checkpointing", False))
 

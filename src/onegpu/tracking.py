@@ -116,6 +116,31 @@ class Tracker:
     def log_dict(self, run_id: str, obj: dict, artifact_file: str) -> None:
         self.client.log_dict(run_id, obj, artifact_file)
 
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        self.client.log_text(run_id, text, artifact_file)
+
+    @contextmanager
+    def system_metrics(self, run_id: str, interval_s: float = 5.0, resume: bool = False):
+        """MLflow's system-metrics monitor (CPU, memory, disk, network; GPU utilisation and power via
+        NVML where a GPU is) logging into ``run_id`` every ``interval_s`` seconds while the block runs.
+
+        Its figures are machine-wide (MLflow's design); the process's own memory is in ``mem_*``.
+        A monitor that cannot start is skipped: it never stops training.
+        """
+        monitor = None
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+            monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, samples_before_logging=1,
+                                           resume_logging=resume, tracking_uri=self.uri)
+            monitor.start()
+        except Exception:
+            monitor = None
+        try:
+            yield
+        finally:
+            if monitor is not None:
+                monitor.finish()
+
     def log_figure(self, run_id: str, figure, artifact_file: str) -> None:
         self.client.log_figure(run_id, figure, artifact_file)
 
@@ -229,3 +254,137 @@ def run_context_tags() -> dict[str, str]:
 def run_name() -> str | None:
     """The DVC experiment name when there is one; else None (MLflow picks a name)."""
     return os.environ.get("DVC_EXP_NAME") or None
+
+
+# -- compare: reading training runs back, and the comparison run ------------------------------------
+# (used by ``onegpu compare``; the records are plain dicts, see onegpu.equivalence.RunRecord)
+
+# Per-step metrics (MLflow step = optimizer step, from 1) fetched for a comparison.
+STEP_SERIES = ("loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second", "mem_peak_bytes")
+
+
+def open_existing(experiment_name: str, root: Path | None = None) -> Tracker:
+    """Open the project's store and ``experiment_name`` for reading; create neither.
+
+    Raises:
+        UserError: the default store file does not exist yet, the experiment does not exist (the
+            message lists the ones that do), or the store cannot be opened.
+    """
+    from mlflow import MlflowClient
+
+    root = root or paths.project_root()
+    uri = paths.tracking_uri(root)
+    _check_uri(uri)
+    if paths.uses_default_store() and not (root / "mlflow.db").is_file():
+        raise UserError(f"no MLflow store at {root / 'mlflow.db'}: no training runs yet. Train first "
+                        "(`dvc repro` or `dvc exp run -S ...`), or set MLFLOW_TRACKING_URI")
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.get_experiment_by_name(experiment_name)
+        names = [] if exp is not None else [e.name for e in client.search_experiments()]
+    except Exception as e:
+        raise UserError(f"cannot open the MLflow store {redact(uri)}: {type(e).__name__}: {e}") from None
+    if exp is None or exp.lifecycle_stage == "deleted":
+        raise UserError(f"no MLflow experiment {experiment_name!r} in {redact(uri)}"
+                        + (f"; experiments there: {', '.join(sorted(names))}" if names else "")
+                        + " (choose one with --experiment)")
+    return Tracker(client=client, experiment_id=exp.experiment_id, uri=uri)
+
+
+def metric_histories(tracker: Tracker, run_id: str, keys: tuple[str, ...] = STEP_SERIES) -> dict[str, list[tuple[int, float]]]:
+    """Full per-step histories of ``keys`` for one run: ``{key: [(step, value), ...]}`` sorted by step;
+    when a step was logged twice the later value wins. Keys the run never logged are left out."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for key in keys:
+        hist = tracker.client.get_metric_history(run_id, key)
+        if not hist:
+            continue
+        by_step: dict[int, float] = {}
+        for m in sorted(hist, key=lambda m: (m.step, m.timestamp)):
+            by_step[int(m.step)] = float(m.value)
+        out[key] = sorted(by_step.items())
+    return out
+
+
+def _run_record(tracker: Tracker, run) -> dict:
+    return {"run_id": run.info.run_id, "name": run.info.run_name or "",
+            "params": dict(run.data.params), "tags": dict(run.data.tags),
+            "metrics": dict(run.data.metrics), "series": metric_histories(tracker, run.info.run_id),
+            "start_time": int(run.info.start_time or 0), "status": run.info.status}
+
+
+def training_runs(tracker: Tracker, key: str | None = None, run_ids: list[str] | None = None,
+                  exp_names: list[str] | None = None) -> list[dict]:
+    """The training runs (tag ``stage=train``) of the tracker's experiment, with full per-step histories.
+
+    Filters (all that are given apply):
+        key: the ``equivalence_key`` tag, or a unique prefix of it.
+        run_ids: these runs only (each must exist and be a training run; it may be in another experiment).
+        exp_names: runs whose ``dvc.exp_name`` tag (or run name) is one of these DVC experiment names.
+    Returns:
+        Dicts with the fields of :class:`onegpu.equivalence.RunRecord` (run_id, name, params, tags,
+        metrics = last values, series = per-step histories of :data:`STEP_SERIES`, start_time in ms,
+        status), oldest first.
+    Raises:
+        UserError: a run id does not exist or is not a training run, a key prefix is ambiguous, or an
+            experiment name matches no training run.
+    """
+    if run_ids:
+        runs = []
+        for rid in dict.fromkeys(run_ids):
+            try:
+                run = tracker.client.get_run(rid)
+            except Exception:
+                raise UserError(f"no MLflow run {rid!r} in {redact(tracker.uri)}") from None
+            stage = run.data.tags.get("stage")
+            if stage != "train":
+                raise UserError(f"run {rid!r} is not a training run (tag stage={stage!r})")
+            runs.append(run)
+    else:
+        runs, token = [], None
+        while True:
+            page = tracker.client.search_runs([tracker.experiment_id], filter_string="tags.stage = 'train'",
+                                              max_results=1000, page_token=token)
+            runs.extend(page)
+            token = page.token
+            if not token:
+                break
+    if key:
+        keys = {r.data.tags.get("equivalence_key") for r in runs}
+        matching = [key] if key in keys else sorted(k for k in keys if k and k.startswith(key))
+        if len(matching) > 1:
+            raise UserError(f"--key {key!r} matches several equivalence keys: {', '.join(matching)}")
+        runs = [r for r in runs if r.data.tags.get("equivalence_key") in matching]
+    if exp_names:
+        wanted = set(exp_names)
+        runs = [r for r in runs if r.data.tags.get("dvc.exp_name") in wanted or r.info.run_name in wanted]
+        found = {r.data.tags.get("dvc.exp_name") for r in runs} | {r.info.run_name for r in runs}
+        missing = sorted(wanted - found)
+        if missing:
+            raise UserError(f"no training run for DVC experiment(s) {', '.join(missing)} in MLflow "
+                            "experiment; `dvc exp show` lists the names (a run from before "
+                            "`dvc exp run` has none)")
+    runs.sort(key=lambda r: (r.info.start_time or 0, r.info.run_id))
+    return [_run_record(tracker, r) for r in runs]
+
+
+def log_comparison(tracker: Tracker, files: list[str | os.PathLike], run_ids: list[str],
+                   keys: list[str], summary: dict[str, float] | None = None) -> str:
+    """Create a FINISHED comparison run (tag ``stage=compare``; ``equivalence_key`` when the comparison
+    covers one key) whose artifacts are ``files`` (the report and its plots); return its id.
+
+    Tags ``compare.run_ids`` and ``compare.keys`` name what was compared (comma-separated, truncated
+    to MLflow's tag length); ``summary`` values are logged as metrics (counts of runs).
+    """
+    tags = {**run_context_tags(), "stage": "compare",
+            "compare.run_ids": ",".join(run_ids)[:5000], "compare.keys": ",".join(keys)[:5000]}
+    if len(keys) == 1:
+        tags["equivalence_key"] = keys[0]
+    name = f"compare-{keys[0][:8]}" if len(keys) == 1 else "compare"
+    run_id = tracker.start_run(name, tags)
+    with tracker.guard(run_id, finish=True):
+        for f in files:
+            tracker.log_artifact(run_id, f)
+        if summary:
+            tracker.log_metrics(run_id, summary)
+    return run_id

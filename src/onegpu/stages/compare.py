@@ -42,7 +42,7 @@ def run(experiment: str, key: str | None = None, run_ids: list[str] | None = Non
               "compare_diverged": sum(g.count(equivalence.DIVERGED) for g in comparison.groups)}
     compare_id = tracking.log_comparison(tracker, files, ids, keys, counts)
     print(report.terminal_table(comparison), end="")
-    for i, g in enumerate(comparison.groups, 1):
-        print(f"group {i}: {g.summary}")
+    if comparison.skipped:
+        print(f"({len(comparison.skipped)} training run(s) without an equivalence_key tag left out)")
     print(f"\nreport: {files[0]} (plots {files[1].name}, {files[2].name}); MLflow comparison run {compare_id}")
     return comparison

@@ -28,11 +28,12 @@ def run(cfg: Config) -> dict:
         test = load_from_disk(str(paths.PROCESSED))["test"]
         device = "cuda:0" if _cuda() else "cpu"
         measure.reset_peak(device)
-        if task == "causal-lm":
-            metrics = evaluation.causal_lm_metrics(model, tokenizer, test, cfg, device)
-            gold = pred = []
-        else:
-            metrics, gold, pred = evaluation.classifier_metrics(model, tokenizer, test, cfg)
+        with tracker.system_metrics(run_id, resume=True):
+            if task == "causal-lm":
+                metrics = evaluation.causal_lm_metrics(model, tokenizer, test, cfg, device)
+                gold = pred = []
+            else:
+                metrics, gold, pred = evaluation.classifier_metrics(model, tokenizer, test, cfg)
         metrics["eval_mem_peak_bytes"] = measure.peak_bytes(device)
         tracker.log_metrics(run_id, metrics)
         names = test.features["label"].names

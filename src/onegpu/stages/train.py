@@ -40,19 +40,19 @@ def _load_processed():
 def run(cfg: Config) -> dict:
     device = _device_checks(cfg)
     dsd, stats = _load_processed()
-    resolved = resolve(cfg)
-    key = equivalence_key(cfg, resolved, stats["fingerprint"])
+    auto = cfg.train.per_device_train_batch_size == "auto"
+    if auto:
+        from onegpu import autobatch
+        budget = autobatch.budget_bytes(cfg.train.memory_budget_gib, device)  # fails before any work
+    # The key depends on the effective batch only, which `auto` keeps fixed: known before the finder runs.
+    provisional = resolve(cfg, micro_batch=cfg.train.effective_batch_size if auto else None)
+    key = equivalence_key(cfg, provisional, stats["fingerprint"])
     tracker = tracking.connect(cfg.tracking.experiment_name)
     tags = {**tracking.run_context_tags(), "stage": "train", "equivalence_key": key,
             "device": measure.device_name(device), "data.fingerprint": stats["fingerprint"]}
     run_id = tracker.start_run(tracking.run_name(), tags)
     with tracker.guard(run_id, finish=False):
-        params = flatten(cfg.to_dict())
-        params.update({"resolved.per_device_train_batch_size": resolved.per_device_train_batch_size,
-                       "resolved.gradient_accumulation_steps": resolved.gradient_accumulation_steps,
-                       "resolved.effective_batch_size": resolved.effective_batch_size,
-                       "resolved.world_size": resolved.world_size})
-        tracker.log_params(run_id, params)
+        tracker.log_params(run_id, flatten(cfg.to_dict()))
 
         import importlib
 
@@ -72,9 +72,26 @@ def run(cfg: Config) -> dict:
                              "activation checkpointing; set it to false")
 
         tracker.set_tags(run_id, models.describe(model))
+
+        micro = None
+        if auto:
+            micro = _find_micro_batch(model, tokenizer, dsd, cfg, budget, device, tracker, run_id)
+        resolved = resolve(cfg, micro_batch=micro)
+        tracker.log_params(run_id, {
+            "resolved.per_device_train_batch_size": resolved.per_device_train_batch_size,
+            "resolved.gradient_accumulation_steps": resolved.gradient_accumulation_steps,
+            "resolved.effective_batch_size": resolved.effective_batch_size,
+            "resolved.world_size": resolved.world_size})
         buffer = tracker.metric_buffer(run_id)
-        model, steps = backend.train(model, tokenizer, dsd, cfg, resolved, sink=buffer.add)
+        with tracker.system_metrics(run_id):
+            model, steps = backend.train(model, tokenizer, dsd, cfg, resolved, sink=buffer.add)
+        for ev in steps.events:  # out-of-memory recoveries: the split changed, the result did not
+            buffer.add({"oom_retry_micro_batch": ev["micro_batch"]}, ev["step"])
         buffer.flush()
+        if steps.events:
+            import json
+            tracker.set_tags(run_id, {"oom_retry.events": json.dumps(steps.events),
+                                      "oom_retry.final_split": steps.events[-1]["new"]})
         summary = steps.summary()
         summary.update(steps.memory())
         summary.update(_speed(model, summary, cfg, device, tags["device"]))
@@ -102,6 +119,30 @@ def run(cfg: Config) -> dict:
           f"train_loss {summary.get('train_loss', float('nan')):.4f}, {summary.get('train_runtime', 0):.1f} s, "
           f"peak {summary.get('train_mem_peak_bytes', 0) / 2**20:.0f} MiB on {tags['device']}; MLflow run {run_id}")
     return summary
+
+
+def _find_micro_batch(model, tokenizer, dsd, cfg: Config, budget: int, device: str, tracker, run_id: str) -> int:
+    """Run the ``auto`` finder (:mod:`onegpu.autobatch`); print and log its probes."""
+    from onegpu import autobatch
+    from onegpu.training.hf_trainer import collator_for, model_inputs
+    from onegpu.training.loss import loss_for
+    task = cfg.model.task
+    model.to(device)
+    if cfg.train.gradient_checkpointing:
+        models.enable_checkpointing(model)
+    train_rows = model_inputs(dsd, task)["train"]
+    if "length" in dsd["train"].column_names:
+        train_rows = train_rows.add_column("length", dsd["train"]["length"])
+    micro, probes = autobatch.find_micro_batch(
+        model, train_rows, collator_for(task, tokenizer), loss_for(task), cfg.train.effective_batch_size,
+        budget, cfg.train.optim, device)
+    table = autobatch.format_probes(probes)
+    print(f"auto micro-batch: {micro} x {cfg.train.effective_batch_size // micro} accumulation = "
+          f"{cfg.train.effective_batch_size} (budget {budget / 2**30:.2f} GiB, longest training rows)\n{table}")
+    tracker.log_dict(run_id, {"budget_bytes": budget, "probes": [p.as_row() for p in probes]},
+                     "auto_micro_batch.json")
+    tracker.log_text(run_id, table + "\n", "auto_micro_batch.md")
+    return micro
 
 
 def _speed(model, summary: dict, cfg: Config, device: str, device_name: str) -> dict:

@@ -55,6 +55,7 @@ class StepRecorder:
         self.sink, self.device, self.counter = sink, device, counter
         self.rows: list[dict] = []
         self.breakdown: dict[str, int] = {}   # the memory breakdown, logged once per run
+        self.events: list[dict] = []          # out-of-memory recoveries: step, old and new split
         self._pending: dict[int, dict] = {}
         self._watch = None
         self._cuda_peaks: dict[str, int] = {}

@@ -13,6 +13,7 @@ from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 
 from onegpu.config import Config, Resolved
+from onegpu.errors import UserError
 from onegpu.training.callbacks import BatchCounter, SparseProgress, StepMetrics, StepRecorder
 from onegpu.training.loss import loss_for
 
@@ -68,21 +69,93 @@ def _cuda() -> bool:
 
 
 class ExactLossTrainer(Trainer):
-    """``Trainer`` whose loss is already normalised over the whole effective batch, and that counts
-    the examples and tokens it trains on (for throughput) without a host sync."""
+    """``Trainer`` whose loss is already normalised over the whole effective batch, that counts the
+    examples and tokens it trains on (for throughput) without a host sync, and that survives an
+    out-of-memory error in a step (``oom_retry``).
+
+    Out-of-memory recovery: the failing micro-batch and every earlier micro-batch of the same
+    optimizer step are redone, each cut into twice as many pieces as before, after the step's
+    gradients are dropped; later steps keep the finer split. Because every piece's loss is divided by
+    the whole step's item count, any split of the step gives the same gradient (float rounding aside):
+    the run stays equivalent. Each event is kept in ``oom_events``.
+    """
 
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, task: str = "sequence-classification", counter: BatchCounter | None = None,
-                 **kwargs):
+                 oom_retry: bool = False, oom_injector=None, **kwargs):
         super().__init__(*args, compute_loss_func=loss_for(task), **kwargs)
         self.counter = counter
+        self.oom_retry = oom_retry
+        self.oom_injector = oom_injector  # tests: (step, rows) -> True raises an injected OOM
+        self.oom_events: list[dict] = []
+        self.split = 1
+        self._step_inputs: list = []
+        self._inputs_step = -1
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.counter is not None and model.training:
             self.counter.add(inputs)
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        import torch
+        if self.state.global_step != self._inputs_step:
+            self._step_inputs, self._inputs_step = [], self.state.global_step
+        self._step_inputs.append(inputs)
+        while True:
+            try:
+                return self._pieces_step(model, inputs, num_items_in_batch)
+            except torch.OutOfMemoryError as e:
+                self._recover(model, inputs, e)
+                try:
+                    counter, self.counter = self.counter, None  # earlier pieces were counted already
+                    for past in self._step_inputs[:-1]:
+                        self._pieces_step(model, past, num_items_in_batch)
+                finally:
+                    self.counter = counter
+
+    def _pieces_step(self, model, inputs, num_items_in_batch):
+        import torch
+        rows = int(inputs["input_ids"].shape[0])
+        if self.split == 1 and self.oom_injector is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        total = None
+        for idx in torch.arange(rows).tensor_split(min(self.split, rows)):
+            piece = {k: v[idx] if hasattr(v, "shape") and v.dim() > 0 and v.shape[0] == rows else v
+                     for k, v in inputs.items()}
+            if self.oom_injector is not None and self.oom_injector(self.state.global_step + 1, len(idx)):
+                raise torch.OutOfMemoryError(f"injected out-of-memory (step {self.state.global_step + 1}, "
+                                             f"{len(idx)} rows)")
+            loss = super().training_step(model, piece, num_items_in_batch)
+            total = loss if total is None else total + loss
+        return total
+
+    def _recover(self, model, inputs, error) -> None:
+        import gc
+
+        import torch
+        micro = int(inputs["input_ids"].shape[0])
+        step = self.state.global_step + 1
+        if not self.oom_retry:
+            raise error
+        if self.split * 2 > micro:
+            raise UserError(f"out of memory at optimizer step {step} even with micro-batch "
+                            f"{max(1, micro // self.split)}: no smaller split is left; lower data.max_length, "
+                            "turn train.gradient_checkpointing on, or use a smaller model") from error
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        accum = self.args.gradient_accumulation_steps
+        old = (micro // self.split, accum * self.split)
+        self.split *= 2
+        new = (micro // self.split, accum * self.split)
+        self.oom_events.append({"step": step, "old": f"{old[0]} x {old[1]}", "new": f"{new[0]} x {new[1]}",
+                                "micro_batch": new[0]})
+        print(f"out of memory at optimizer step {step}: redoing the step with micro-batch {new[0]} x "
+              f"{new[1]} accumulation (was {old[0]} x {old[1]}); same effective batch, same result")
 
 
 def model_inputs(dsd, task: str = "sequence-classification"):
@@ -132,7 +205,7 @@ def probe_batch(train_ds, collator, resolved: Resolved) -> dict:
 
 
 def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
-          sink: Callable[[dict, int], None]) -> tuple[object, StepRecorder]:
+          sink: Callable[[dict, int], None], oom_injector=None) -> tuple[object, StepRecorder]:
     """Fine-tune ``model`` on ``dsd['train']``; per-step metrics go to ``sink(metrics, step)``.
 
     Returns:
@@ -145,8 +218,9 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
     collator = collator_for(cfg.model.task, tokenizer)
     trainer = ExactLossTrainer(
         model=model, args=args, train_dataset=train_ds, data_collator=collator, processing_class=tokenizer,
-        counter=counter, task=cfg.model.task)
+        counter=counter, task=cfg.model.task, oom_retry=cfg.train.oom_retry, oom_injector=oom_injector)
     steps = StepRecorder(sink, args.device, counter)
+    steps.events = trainer.oom_events
     trainer.add_callback(StepMetrics(steps, probe=(probe_batch(train_ds, collator, resolved),
                                                    loss_for(cfg.model.task))))
     trainer.remove_callback(ProgressCallback)

@@ -1,0 +1,176 @@
+"""Choosing the micro-batch: the `auto` finder and the memory estimate.
+
+The guide's advice: use the largest micro-batch that fits, make up the rest with accumulation (4 x 16,
+not 1 x 64). HF Trainer's ``auto_find_batch_size`` and accelerate's ``find_executable_batch_size``
+shrink the *effective* batch when memory runs out, which changes the training. This finder keeps the
+effective batch N fixed and only picks the split: the largest divisor of N whose probe step fits
+the memory budget.
+
+Memory of one training step with micro-batch m (bytes):
+
+    params + grads + optimizer states + activations(m)
+
+where activations(m) are the bytes autograd saves for backward (:func:`onegpu.measure.activation_bytes`).
+On CUDA a probe runs a real forward and backward and reads the allocator peak (an out-of-memory
+error counts as "does not fit"), plus the optimizer states that do not exist yet. On CPU, where
+nothing runs out of memory by itself, the breakdown is used. Probes use the longest training rows,
+restore the RNG and leave no gradients: the run that follows sees exactly what it would have seen.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from onegpu import measure
+from onegpu.errors import ConfigError, UserError
+
+SAFETY = 0.9  # use at most 90% of the budget: allocator fragmentation, buffers, the next batch's copy
+
+
+@dataclass
+class Probe:
+    """One tried micro-batch: its predicted or measured peak (bytes) against the usable budget."""
+    micro_batch: int
+    peak_bytes: int
+    usable_bytes: int
+    fits: bool
+    how: str  # "measured (CUDA allocator)", "out of memory", or "breakdown"
+
+    def as_row(self) -> dict:
+        return asdict(self)
+
+
+def divisors_desc(n: int) -> list[int]:
+    """Divisors of ``n``, largest first: the micro-batches that split ``n`` exactly."""
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def longest_rows(dataset, n: int) -> list[int]:
+    """Indices of the ``n`` longest rows (``length`` column; ties by index): the worst-case micro-batch."""
+    lengths = dataset["length"] if "length" in dataset.column_names else [len(x) for x in dataset["input_ids"]]
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return order[:n] if n <= len(order) else (order * (n // len(order) + 1))[:n]
+
+
+def optimizer_state_bytes(model, optim: str) -> int:
+    """Predicted bytes of optimizer states for the trainable parameters, kept in fp32 as torch does.
+
+    AdamW: ``exp_avg`` + ``exp_avg_sq`` = 2 x trainable bytes (torch.optim.AdamW); SGD without momentum
+    (Trainer's default for ``sgd``): 0; Adagrad and RMSprop: one buffer; Adafactor: row + column
+    factors for matrices, a full buffer for vectors (transformers.optimization.Adafactor).
+    """
+    total = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        nbytes = p.numel() * 4
+        if optim.startswith("adamw"):
+            total += 2 * nbytes
+        elif optim in ("adagrad", "rmsprop"):
+            total += nbytes
+        elif optim == "adafactor":
+            total += (p.shape[0] + p.shape[1]) * 4 if p.dim() == 2 else nbytes
+    return total
+
+
+def state_bytes_predicted(model, optim: str) -> dict[str, int]:
+    """Params (as held), grads (one per trainable parameter, same dtype) and optimizer states (bytes)."""
+    params = measure.tensors_bytes(model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return {"mem_params_bytes": params, "mem_grads_bytes": grads,
+            "mem_optimizer_bytes": optimizer_state_bytes(model, optim)}
+
+
+def _batch(dataset, collator, rows: list[int], device) -> dict:
+    b = collator([dataset[i] for i in rows])
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def _cuda_probe(model, batch: dict, loss_fn, device) -> int:
+    """Allocator peak (bytes) of one forward + backward; gradients dropped and RNG restored after."""
+    import torch
+    cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state_all()
+    model.train()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        out = model(**{k: v for k, v in batch.items() if k != "labels"})
+        loss_fn(out, batch["labels"]).backward()
+        del out
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    finally:
+        model.zero_grad(set_to_none=True)
+        torch.set_rng_state(cpu_rng)
+        torch.cuda.set_rng_state_all(cuda_rng)
+        torch.cuda.empty_cache()
+
+
+def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: int, budget_bytes: int,
+                     optim: str, device: str, world_size: int = 1) -> tuple[int, list[Probe]]:
+    """The largest micro-batch dividing ``effective_batch_size / world_size`` whose step fits.
+
+    Args:
+        model: the model as it will train (on ``device``, checkpointing set as configured).
+        dataset: training rows with ``input_ids`` (and ``length``); collator: the training collator.
+        loss_fn: ``(outputs, labels) -> loss``.
+        budget_bytes: memory the step may use; :data:`SAFETY` of it is used.
+    Returns:
+        (micro-batch, every probe tried, largest first).
+    Raises:
+        UserError: not even a micro-batch of 1 fits.
+    """
+    import torch
+    per_process = effective_batch_size // world_size
+    usable = int(budget_bytes * SAFETY)
+    states = state_bytes_predicted(model, optim)
+    probes: list[Probe] = []
+    cuda = str(device).startswith("cuda")
+    for m in divisors_desc(per_process):
+        batch = _batch(dataset, collator, longest_rows(dataset, m), device)
+        if cuda:
+            try:
+                peak = _cuda_probe(model, batch, loss_fn, device) + states["mem_optimizer_bytes"]
+                how = "measured (CUDA allocator)"
+            except torch.OutOfMemoryError:
+                model.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                probes.append(Probe(m, -1, usable, False, "out of memory"))
+                continue
+        else:
+            peak = sum(states.values()) + measure.activation_bytes(model, batch, loss_fn)
+            how = "breakdown"
+        del batch
+        probes.append(Probe(m, int(peak), usable, peak <= usable, how))
+        if peak <= usable:
+            return m, probes
+    raise UserError(f"train.memory_budget_gib: not even a micro-batch of 1 fits: it needs "
+                    f"{probes[-1].peak_bytes / 2**30:.2f} GiB of {usable / 2**30:.2f} GiB usable "
+                    f"({SAFETY:.0%} of the budget); raise the budget, turn gradient_checkpointing on, "
+                    "or shorten data.max_length")
+
+
+def budget_bytes(memory_budget_gib: float | None, device: str) -> int:
+    """The budget in bytes: the param, or on CUDA the device's free memory when it is null.
+
+    Raises:
+        ConfigError: null on CPU (nothing runs out of memory there by itself, so a budget must be given).
+    """
+    if memory_budget_gib is not None:
+        return int(memory_budget_gib * 2**30)
+    if str(device).startswith("cuda"):
+        import torch
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    raise ConfigError("params.yaml: train.memory_budget_gib: is required with per_device_train_batch_size: "
+                      "auto on CPU (no device memory to read); give the GiB the training step may use")
+
+
+def format_probes(probes: list[Probe]) -> str:
+    """A Markdown table of the probes (terminal and MLflow artifact)."""
+    lines = ["| micro-batch | peak (MiB) | usable (MiB) | fits | how |", "| --- | --- | --- | --- | --- |"]
+    for p in probes:
+        peak = "-" if p.peak_bytes < 0 else f"{p.peak_bytes / 2**20:,.0f}"
+        lines.append(f"| {p.micro_batch} | {peak} | {p.usable_bytes / 2**20:,.0f} | "
+                     f"{'yes' if p.fits else 'no'} | {p.how} |")
+    return "\n".join(lines)

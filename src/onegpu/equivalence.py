@@ -1,0 +1,474 @@
+"""Are runs with the same ``equivalence_key`` the same training, step for step, and what does each cost?
+
+Pure logic on plain records (no MLflow here; :mod:`onegpu.tracking` fetches the runs). For each group of
+training runs that share an ``equivalence_key`` (same data, model, optimizer, schedule, seed and
+effective batch; only the split into micro-batch x accumulation, checkpointing and the backend may
+differ), one run is the reference and every other run is compared with it per optimizer step:
+
+* ``loss`` and ``grad_norm``: the largest absolute and relative difference over the steps both runs
+  logged, and the first step whose loss difference is beyond the tolerance of the run's precision
+  (:data:`TOLERANCES`);
+* the number of optimizer steps;
+* the final ``eval_*`` metrics (differences, run minus reference);
+* the trade-off: micro-batch, accumulation, checkpointing, peak memory (bytes), throughput (samples per
+  second), mean step time (seconds per optimizer step), and memory and throughput relative to the
+  reference.
+
+The verdict is ``equivalent`` (every common step within tolerance and the same number of steps) or
+``diverged at step N``; params and tags that explain a divergence are listed as likely causes
+(:func:`likely_causes`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class Tolerance(NamedTuple):
+    """Per-step loss tolerance: a step differs when ``|loss - ref| > atol + rtol * |ref|``."""
+    rtol: float
+    atol: float
+
+
+# Per-step loss tolerance by training precision. A split of the effective batch (4 x 16 against 64 x 1)
+# or checkpointing changes only the order of floating-point sums, so the losses of equivalent runs
+# differ by rounding that grows slowly through the optimizer's updates:
+# * fp32: unit roundoff 6e-8; reordered sums plus a few dozen Adam steps stay near 1e-6..1e-5 relative
+#   (the tests measured 4 x 2 against 2 x 4 within 1e-4 with dropout 0), so 1e-4 relative separates
+#   rounding from a real difference (a different dropout mask or batch statistics moves the loss by
+#   1e-3 or more at once).
+# * bf16 (8-bit mantissa, unit roundoff 3.9e-3) and fp16 (11-bit, 4.9e-4, plus loss scaling): autocast
+#   rounds activations, so a different summation order moves the loss by ~1e-3; 1e-2 relative.
+# ``atol`` only guards losses near zero, where a relative test means nothing.
+TOLERANCES: dict[str, Tolerance] = {
+    "fp32": Tolerance(rtol=1e-4, atol=1e-6),
+    "bf16": Tolerance(rtol=1e-2, atol=1e-4),
+    "fp16": Tolerance(rtol=1e-2, atol=1e-4),
+}
+
+EVAL_METRICS = ("eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity")
+
+# Statuses of a compared run (``RunComparison.status``).
+REFERENCE, EQUIVALENT, DIVERGED, INCOMPLETE, NO_DATA = "reference", "equivalent", "diverged", "incomplete", "no data"
+
+Series = list[tuple[int, float]]
+
+
+# -- the record of one training run ------------------------------------------------------------------
+
+def _bool(v) -> bool:
+    return str(v).strip().lower() in ("true", "1", "yes")
+
+
+def _int(v) -> int | None:
+    try:
+        return int(float(str(v)))
+    except (TypeError, ValueError):
+        return None
+
+
+def _float(v) -> float | None:
+    try:
+        x = float(str(v))
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+@dataclass
+class RunRecord:
+    """One training run as logged to MLflow (params and tags are MLflow's strings).
+
+    Attributes:
+        run_id, name: MLflow's run id and run name (the DVC experiment name when there is one).
+        params: ``train.*``, ``model.*``, ``resolved.*`` ... as logged.
+        tags: ``equivalence_key``, ``device``, ``model.dropout_max``, ``model.batchnorm_layers``,
+            ``dvc.exp_name``, ``mlflow.source.git.commit`` ...
+        metrics: the last value of each metric (``train_mem_peak_bytes`` in bytes,
+            ``train_samples_per_second``, ``eval_*``).
+        series: per-step histories, ``{"loss": [(optimizer step, value), ...], ...}``, sorted by step.
+        start_time: MLflow's start time, milliseconds since the epoch.
+        status: MLflow's run status (RUNNING until evaluate finishes the run).
+    """
+    run_id: str
+    name: str
+    params: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    series: dict[str, Series] = field(default_factory=dict)
+    start_time: int = 0
+    status: str = ""
+
+    @property
+    def key(self) -> str | None:
+        """The ``equivalence_key`` tag (None when the run has none)."""
+        return self.tags.get("equivalence_key") or None
+
+    @property
+    def label(self) -> str:
+        """The run name, else the first 8 characters of its id."""
+        return self.name or self.run_id[:8]
+
+    @property
+    def micro_batch(self) -> int | None:
+        """Examples per micro-batch (forward/backward pass), as resolved by the train stage."""
+        return _int(self.params.get("resolved.per_device_train_batch_size",
+                                    self.params.get("train.per_device_train_batch_size")))
+
+    @property
+    def accumulation(self) -> int | None:
+        """Micro-batches per optimizer step."""
+        return _int(self.params.get("resolved.gradient_accumulation_steps",
+                                    self.params.get("train.gradient_accumulation_steps")))
+
+    @property
+    def effective_batch(self) -> int | None:
+        """Examples per optimizer step."""
+        v = _int(self.params.get("resolved.effective_batch_size"))
+        if v is None and self.micro_batch and self.accumulation:
+            v = self.micro_batch * self.accumulation
+        return v
+
+    @property
+    def checkpointing(self) -> bool:
+        """Activation (gradient) checkpointing on."""
+        return _bool(self.params.get("train.gradient_checkpointing", False))
+
+    @property
+    def precision(self) -> str:
+        """``bf16``, ``fp16`` (mixed precision) or ``fp32``."""
+        if _bool(self.params.get("train.bf16", False)):
+            return "bf16"
+        if _bool(self.params.get("train.fp16", False)):
+            return "fp16"
+        return "fp32"
+
+    @property
+    def split(self) -> str:
+        """``micro x accumulation``, with `` ckpt`` when checkpointing is on (e.g. ``4x16 ckpt``)."""
+        s = f"{self.micro_batch if self.micro_batch is not None else '?'}x" \
+            f"{self.accumulation if self.accumulation is not None else '?'}"
+        return s + (" ckpt" if self.checkpointing else "")
+
+    @property
+    def peak_memory_bytes(self) -> float | None:
+        """Peak memory during training, bytes (``train_mem_peak_bytes``; else the largest per-step peak)."""
+        v = self.metrics.get("train_mem_peak_bytes")
+        if v is None and self.series.get("mem_peak_bytes"):
+            v = max(x for _, x in self.series["mem_peak_bytes"])
+        return v
+
+    @property
+    def samples_per_second(self) -> float | None:
+        """Training throughput, examples per second (``train_samples_per_second``; else the per-step mean)."""
+        v = self.metrics.get("train_samples_per_second")
+        if v is None and self.series.get("samples_per_second"):
+            xs = [x for _, x in self.series["samples_per_second"]]
+            v = sum(xs) / len(xs)
+        return v
+
+    @property
+    def mean_step_time_s(self) -> float | None:
+        """Mean wall time of an optimizer step, seconds (all its micro-batches)."""
+        xs = [x for _, x in self.series.get("step_time_s", [])]
+        return sum(xs) / len(xs) if xs else None
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps with a logged loss."""
+        return len(self.series.get("loss", []))
+
+
+# -- comparison results ------------------------------------------------------------------------------
+
+@dataclass
+class Diff:
+    """Per-step differences of one metric against the reference over the steps both runs logged."""
+    common_steps: int = 0
+    max_abs: float | None = None    # largest |run - reference|, in the metric's unit
+    max_rel: float | None = None    # largest |run - reference| / |reference|
+    max_abs_step: int | None = None
+
+
+@dataclass
+class RunComparison:
+    """One run of a group against the group's reference (the reference itself has status ``reference``).
+
+    ``throughput_ratio`` and ``memory_ratio`` are this run's samples per second and peak bytes divided
+    by the reference's (>1: faster / more memory).
+    """
+    run: RunRecord
+    status: str
+    verdict: str
+    precision: str
+    tolerance: Tolerance
+    loss: Diff = field(default_factory=Diff)
+    grad_norm: Diff = field(default_factory=Diff)
+    first_divergent_step: int | None = None
+    steps: int = 0
+    reference_steps: int = 0
+    eval_deltas: dict[str, float] = field(default_factory=dict)
+    throughput_ratio: float | None = None
+    memory_ratio: float | None = None
+    causes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def is_reference(self) -> bool:
+        return self.status == REFERENCE
+
+    @property
+    def step_mismatch(self) -> bool:
+        """True when the run logged a different number of optimizer steps than the reference."""
+        return self.steps != self.reference_steps
+
+
+@dataclass
+class GroupComparison:
+    """The runs that share one ``equivalence_key``; ``rows[0]`` is the reference."""
+    key: str
+    reference: RunRecord
+    rows: list[RunComparison]
+    summary: str = ""
+
+    @property
+    def runs(self) -> list[RunRecord]:
+        return [r.run for r in self.rows]
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.rows)
+
+
+@dataclass
+class Comparison:
+    """Every group, most recently started first, and the runs left out (no ``equivalence_key`` tag)."""
+    groups: list[GroupComparison]
+    skipped: list[RunRecord] = field(default_factory=list)
+
+
+# -- logic -------------------------------------------------------------------------------------------
+
+def group_by_key(runs: list[RunRecord]) -> tuple[dict[str, list[RunRecord]], list[RunRecord]]:
+    """``({equivalence_key: runs}, runs without a key)``; keys in first-seen order."""
+    groups: dict[str, list[RunRecord]] = {}
+    skipped = []
+    for r in runs:
+        if r.key is None:
+            skipped.append(r)
+        else:
+            groups.setdefault(r.key, []).append(r)
+    return groups, skipped
+
+
+def choose_reference(runs: list[RunRecord]) -> RunRecord:
+    """The run the others are compared with: the largest micro-batch (the fewest accumulated
+    micro-batches, the plainest computation of the effective batch); on a tie, checkpointing off; then
+    the earliest start. Runs with a per-step loss are preferred over runs without one.
+    """
+    if not runs:
+        raise ValueError("choose_reference needs at least one run")
+    with_loss = [r for r in runs if r.series.get("loss")] or runs
+    return min(with_loss, key=lambda r: (-(r.micro_batch or 0), r.checkpointing, r.start_time, r.run_id))
+
+
+def tolerance_for(run: RunRecord, reference: RunRecord) -> tuple[str, Tolerance]:
+    """The precision that decides the tolerance of a pair (the lower of the two) and its tolerance."""
+    order = ("fp32", "fp16", "bf16")  # ascending tolerance
+    p = max(run.precision, reference.precision, key=order.index)
+    return p, TOLERANCES[p]
+
+
+def _as_dict(series: Series) -> dict[int, float]:
+    return {int(s): float(v) for s, v in series}
+
+
+def series_diff(run: Series, reference: Series) -> Diff:
+    """Largest absolute and relative difference between two per-step series over their common steps."""
+    a, b = _as_dict(run), _as_dict(reference)
+    common = sorted(a.keys() & b.keys())
+    d = Diff(common_steps=len(common))
+    for s in common:
+        x, y = a[s], b[s]
+        if math.isnan(x) or math.isnan(y):
+            if math.isnan(x) and math.isnan(y):
+                continue
+            ad, rd = math.inf, math.inf
+        else:
+            ad = abs(x - y)
+            rd = ad / abs(y) if y != 0 else (0.0 if ad == 0 else math.inf)
+        if d.max_abs is None or ad > d.max_abs:
+            d.max_abs, d.max_abs_step = ad, s
+        if d.max_rel is None or rd > d.max_rel:
+            d.max_rel = rd
+    return d
+
+
+def first_divergence(run: Series, reference: Series, tol: Tolerance) -> int | None:
+    """The first common optimizer step where ``|run - reference| > atol + rtol * |reference|``
+    (a NaN on one side only counts as a divergence); None when every common step is within tolerance."""
+    a, b = _as_dict(run), _as_dict(reference)
+    for s in sorted(a.keys() & b.keys()):
+        x, y = a[s], b[s]
+        if math.isnan(x) or math.isnan(y):
+            if not (math.isnan(x) and math.isnan(y)):
+                return s
+            continue
+        if abs(x - y) > tol.atol + tol.rtol * abs(y):
+            return s
+    return None
+
+
+def _dropout(r: RunRecord) -> float:
+    # The model's largest dropout probability (tag set by the train stage); else the params override.
+    v = _float(r.tags.get("model.dropout_max"))
+    return v if v is not None else (_float(r.params.get("model.dropout")) or 0.0)
+
+
+def likely_causes(run: RunRecord, reference: RunRecord) -> list[str]:
+    """Params and tags of a pair that explain why their losses can differ step by step.
+
+    Detected: dropout with a different micro-batch split (other masks); BatchNorm with a different
+    micro-batch (statistics per micro-batch); mixed precision; non-deterministic GPU kernels (device
+    tag not ``cpu``); a different backend; a different device; a different code commit.
+    """
+    causes = []
+    split_differs = run.micro_batch != reference.micro_batch
+    ms = f"{run.micro_batch} vs {reference.micro_batch}"
+    dropout = max(_dropout(run), _dropout(reference))
+    if dropout > 0 and split_differs:
+        causes.append(f"dropout (p up to {dropout:g}) with a different micro-batch ({ms}): each split "
+                      "draws different dropout masks, so the runs agree only in expectation "
+                      "(set model.dropout: 0 to compare exactly)")
+    bn = max(_int(run.tags.get("model.batchnorm_layers")) or 0,
+             _int(reference.tags.get("model.batchnorm_layers")) or 0)
+    if bn > 0 and split_differs:
+        causes.append(f"{bn} BatchNorm layer(s) with a different micro-batch ({ms}): mean and variance "
+                      "are computed per micro-batch, so the forward pass itself differs")
+    mixed = sorted({r.precision for r in (run, reference) if r.precision != "fp32"})
+    if mixed:
+        causes.append(f"mixed precision ({', '.join(mixed)}): activations are rounded to "
+                      f"{'/'.join(mixed)}, and a different summation order rounds differently")
+    gpus = sorted({r.tags.get("device", "") for r in (run, reference)
+                   if r.tags.get("device") and r.tags.get("device", "").lower() != "cpu"})
+    if gpus:
+        causes.append(f"non-deterministic GPU kernels ({', '.join(gpus)}): atomic adds in reductions and "
+                      "kernel choice by shape make sums differ between runs")
+    rb, fb = run.params.get("train.backend"), reference.params.get("train.backend")
+    if rb and fb and rb != fb:
+        causes.append(f"a different backend ({rb} vs {fb}): the training loops order the work differently")
+    rd, fd = run.tags.get("device"), reference.tags.get("device")
+    if rd and fd and rd != fd:
+        causes.append(f"a different device ({rd} vs {fd})")
+    rc, fc = run.tags.get("mlflow.source.git.commit"), reference.tags.get("mlflow.source.git.commit")
+    if rc and fc and rc != fc and "none" not in (rc, fc):
+        causes.append(f"different code (commit {rc[:8]} vs {fc[:8]})")
+    return causes
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def compare_run(run: RunRecord, reference: RunRecord) -> RunComparison:
+    """Compare ``run`` with ``reference`` per optimizer step and on its outcome and cost."""
+    precision, tol = tolerance_for(run, reference)
+    c = RunComparison(run=run, status=EQUIVALENT, verdict="equivalent", precision=precision, tolerance=tol,
+                      steps=run.steps, reference_steps=reference.steps)
+    c.throughput_ratio = _ratio(run.samples_per_second, reference.samples_per_second)
+    c.memory_ratio = _ratio(run.peak_memory_bytes, reference.peak_memory_bytes)
+    if run.status and run.status not in ("FINISHED", "RUNNING"):
+        c.notes.append(f"run status {run.status}")
+    if run is reference:
+        c.status, c.verdict = REFERENCE, "reference"
+        return c
+
+    for m in EVAL_METRICS:
+        if m in run.metrics and m in reference.metrics:
+            c.eval_deltas[m] = run.metrics[m] - reference.metrics[m]
+    if not any(m in run.metrics for m in EVAL_METRICS):
+        c.notes.append("no eval metrics (evaluate has not run)")
+
+    loss, ref_loss = run.series.get("loss", []), reference.series.get("loss", [])
+    c.loss = series_diff(loss, ref_loss)
+    c.grad_norm = series_diff(run.series.get("grad_norm", []), reference.series.get("grad_norm", []))
+    c.causes = likely_causes(run, reference)
+    if c.loss.common_steps == 0:
+        c.status = NO_DATA
+        c.verdict = "no per-step loss" if not loss else "no common steps"
+        return c
+    c.first_divergent_step = first_divergence(loss, ref_loss, tol)
+    if c.step_mismatch:
+        c.notes.append(f"{c.steps} optimizer steps, reference {c.reference_steps}")
+    if c.first_divergent_step is not None:
+        c.status, c.verdict = DIVERGED, f"diverged at step {c.first_divergent_step}"
+    elif c.step_mismatch:
+        c.status = INCOMPLETE
+        c.verdict = f"equal for {c.loss.common_steps} steps, then {c.steps} vs {c.reference_steps} steps"
+    return c
+
+
+def _sort_key(r: RunRecord):
+    return (-(r.micro_batch or 0), r.accumulation or 0, r.checkpointing, r.start_time)
+
+
+def compare_group(key: str, runs: list[RunRecord]) -> GroupComparison:
+    """Compare every run of one ``equivalence_key`` with the group's reference (:func:`choose_reference`)."""
+    ref = choose_reference(runs)
+    others = sorted((r for r in runs if r is not ref), key=_sort_key)
+    rows = [compare_run(ref, ref)] + [compare_run(r, ref) for r in others]
+    g = GroupComparison(key=key, reference=ref, rows=rows)
+    g.summary = summarize(g)
+    return g
+
+
+def compare(runs: list[RunRecord]) -> Comparison:
+    """Group ``runs`` by ``equivalence_key`` and compare each group. Groups with something to compare
+    (two runs or more) come first, then single runs; within each, the most recently started first."""
+    groups, skipped = group_by_key(runs)
+    out = [compare_group(k, rs) for k, rs in groups.items()]
+    out.sort(key=lambda g: (len(g.rows) < 2, -max(r.start_time for r in g.runs)))
+    return Comparison(groups=out, skipped=skipped)
+
+
+def _mib(b: float | None) -> str:
+    return "?" if b is None else f"{b / 2**20:,.0f} MiB"
+
+
+def summarize(g: GroupComparison) -> str:
+    """A few sentences on one group: how many runs match the reference, the first divergence and its
+    likely causes, and the cheapest equivalent run in memory and the fastest in samples per second."""
+    ref = g.reference
+    n = len(g.rows)
+    head = f"{n} run{'s' if n != 1 else ''}; reference {ref.label} ({ref.split}, {ref.precision})."
+    if n == 1:
+        return head + " Nothing to compare yet: train the same configuration with another split " \
+                      "(e.g. `dvc exp run -S train.per_device_train_batch_size=4 " \
+                      "-S train.gradient_accumulation_steps=...`) or with checkpointing."
+    others = g.rows[1:]
+    parts = [head]
+    eq = [c for c in others if c.status == EQUIVALENT]
+    div = [c for c in others if c.status == DIVERGED]
+    if eq:
+        parts.append(f"{len(eq)} of {len(others)} equivalent to it step by step "
+                     f"(loss within {eq[0].tolerance.rtol:g} relative in {eq[0].precision}).")
+    if div:
+        first = min(div, key=lambda c: c.first_divergent_step)
+        causes = sorted({cause.split(":")[0] for d in div for cause in d.causes})
+        parts.append(f"{len(div)} diverged, the first at step {first.first_divergent_step} ({first.run.label})"
+                     + (f"; likely causes: {'; '.join(causes)}." if causes else
+                        "; no cause found in params or tags (check data order, seed and code)."))
+    rest = [c for c in others if c.status in (INCOMPLETE, NO_DATA)]
+    if rest:
+        parts.append(f"{len(rest)} not comparable over all steps ({', '.join(c.run.label for c in rest)}).")
+    candidates = [g.rows[0]] + eq
+    mem = [c for c in candidates if c.run.peak_memory_bytes is not None]
+    fast = [c for c in candidates if c.run.samples_per_second is not None]
+    if len(candidates) > 1 and mem and fast:
+        lo = min(mem, key=lambda c: c.run.peak_memory_bytes)
+        hi = max(fast, key=lambda c: c.run.samples_per_second)
+        parts.append(f"Among the equivalent runs, the least memory: {lo.run.split} "
+                     f"({_mib(lo.run.peak_memory_bytes)}, {lo.run.samples_per_second:.1f} samples/s); "
+                     f"the fastest: {hi.run.split} ({hi.run.samples_per_second:.1f} samples/s, "
+                     f"{_mib(hi.run.peak_memory_bytes)}).")
+    return " ".join(parts)

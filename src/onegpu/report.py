@@ -1,0 +1,297 @@
+"""The comparison as people read it: a Markdown report, two PNG plots and a terminal table.
+
+Input is an :class:`onegpu.equivalence.Comparison`; nothing here touches MLflow. Plots use
+matplotlib's Agg backend (no display needed).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from onegpu.equivalence import (DIVERGED, EQUIVALENT, EVAL_METRICS, REFERENCE, TOLERANCES, Comparison,
+                                GroupComparison)
+
+REPORT_FILE = "compare.md"
+LOSS_PLOT = "loss_curves.png"
+MEMORY_PLOT = "memory_vs_throughput.png"
+MAX_PLOTTED_GROUPS = 6  # the most recent groups get a loss panel; the report lists all of them
+
+EXPLANATION = """\
+## What "equivalent" means here
+
+Runs share an `equivalence_key` when everything that decides the mathematics of training is equal:
+data, model, optimizer, schedule, seed, precision and the effective batch (examples per optimizer step).
+Left out of the key are only the ways of doing the same work: the split of the effective batch into
+micro-batch x accumulation, activation checkpointing and the backend (`onegpu.config.NOT_IN_EQUIVALENCE_KEY`).
+With the loss normalised over the whole effective batch, a split changes only the order of
+floating-point sums, and checkpointing recomputes the same activations, so such runs should follow the
+same loss curve.
+
+A run is **equivalent** to its group's reference when its loss at every optimizer step it shares with
+the reference is within the tolerance of its precision, `|loss - ref| <= atol + rtol * |ref|`
+({tolerances}), and it has as many optimizer steps. **diverged at step N** names the first step beyond
+that tolerance. Rounding differences are far below it; a real difference in what is computed (another
+dropout mask per micro-batch, BatchNorm statistics over a smaller micro-batch) moves the loss past it
+at once, and the likely causes found in the runs' params and tags are listed. With dropout on, runs of
+one key are the same training in expectation, not step by step; set `model.dropout: 0` to compare exactly.
+
+The reference of a group is the run with the largest micro-batch (then checkpointing off, then the
+earliest). Memory and speed columns are the price of each split: peak memory during training (CUDA
+allocator peak, or process RSS peak on CPU), samples per second and seconds per optimizer step, and
+both relative to the reference.
+"""
+
+
+# -- formatting ------------------------------------------------------------------------------------
+
+def _sci(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isinf(x):
+        return "inf"
+    return "0" if x == 0 else f"{x:.2e}"
+
+
+def _signed(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.4f}"
+
+
+def _mib(b: float | None) -> str:
+    return "-" if b is None else f"{b / 2**20:,.0f}"
+
+
+def _num(x: float | None, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _eval_columns(g: GroupComparison) -> list[str]:
+    return [m for m in EVAL_METRICS if any(m in c.eval_deltas for c in g.rows)]
+
+
+# -- Markdown --------------------------------------------------------------------------------------
+
+def _group_table(g: GroupComparison) -> list[str]:
+    evals = _eval_columns(g)
+    head = ["run", "micro x accum", "ckpt", "precision", "steps", "verdict", "max abs Δ loss",
+            "max rel Δ loss", "max abs Δ grad_norm", *[f"Δ {m}" for m in evals], "peak MiB",
+            "memory vs ref", "samples/s", "speed vs ref", "mean step s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
+    for c in g.rows:
+        r = c.run
+        verdict = f"**{c.verdict}**" if c.status == DIVERGED else c.verdict
+        cells = [f"{r.label} (`{r.run_id[:8]}`)", f"{r.micro_batch} x {r.accumulation}",
+                 "yes" if r.checkpointing else "no", r.precision, str(r.steps), verdict]
+        if c.is_reference:
+            cells += ["-", "-", "-", *["-" for _ in evals]]
+        else:
+            cells += [_sci(c.loss.max_abs), _sci(c.loss.max_rel), _sci(c.grad_norm.max_abs),
+                      *[_signed(c.eval_deltas.get(m)) for m in evals]]
+        cells += [_mib(r.peak_memory_bytes), _ratio(c.memory_ratio), _num(r.samples_per_second),
+                  _ratio(c.throughput_ratio), _num(r.mean_step_time_s, ".3f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _group_section(g: GroupComparison, index: int) -> list[str]:
+    ref = g.reference
+    out = [f"## Group {index}: `{g.key}`", "",
+           f"Effective batch {ref.effective_batch} examples per optimizer step, {ref.precision}, "
+           f"device {ref.tags.get('device', '?')}.", "", g.summary, ""]
+    out += _group_table(g)
+    if any(c.notes or c.status == DIVERGED for c in g.rows):
+        out += ["", "Details:", ""]
+    for c in g.rows:
+        if c.status == DIVERGED:
+            out.append(f"- **{c.run.label}** ({c.run.split}) {c.verdict}: loss differs by "
+                       f"{_sci(c.loss.max_abs)} at most (step {c.loss.max_abs_step}), tolerance "
+                       f"{c.tolerance.rtol:g} relative ({c.precision}).")
+            if c.causes:
+                out += [f"  - likely cause: {cause}" for cause in c.causes]
+            else:
+                out.append("  - no cause found in params or tags: check data order, seed and code version.")
+        for note in c.notes:
+            out.append(f"- {c.run.label}: {note}")
+    out.append("")
+    return out
+
+
+def markdown(comparison: Comparison, experiment: str = "", store: str = "",
+             images: tuple[str, ...] = (LOSS_PLOT, MEMORY_PLOT)) -> str:
+    """The report as Markdown: what equivalent means, then one section per ``equivalence_key`` with a
+    table (verdicts, per-step differences, eval deltas, peak memory in MiB, samples per second, seconds
+    per optimizer step) and the likely causes of each divergence. ``images`` are linked at the end."""
+    tol = ", ".join(f"{p}: rtol {t.rtol:g}, atol {t.atol:g}" for p, t in TOLERANCES.items())
+    n_runs = sum(len(g.rows) for g in comparison.groups)
+    lines = ["# Equivalence and trade-offs of training runs", ""]
+    where = f" in MLflow experiment `{experiment}`" if experiment else ""
+    lines.append(f"{n_runs} training run{'s' if n_runs != 1 else ''}{where}, in {len(comparison.groups)} "
+                 f"group{'s' if len(comparison.groups) != 1 else ''} of equal `equivalence_key`"
+                 + (f" (store `{store}`)." if store else "."))
+    if comparison.skipped:
+        lines.append(f"{len(comparison.skipped)} run(s) without an `equivalence_key` tag were left out: "
+                     + ", ".join(r.label for r in comparison.skipped) + ".")
+    lines += ["", "| group | key | runs | equivalent | diverged | summary |", "|---|---|---|---|---|---|"]
+    for i, g in enumerate(comparison.groups, 1):
+        lines.append(f"| {i} | `{g.key}` | {len(g.rows)} | {g.count(EQUIVALENT)} | {g.count(DIVERGED)} | "
+                     f"{g.summary} |")
+    lines += ["", EXPLANATION.format(tolerances=tol)]
+    for i, g in enumerate(comparison.groups, 1):
+        lines += _group_section(g, i)
+    if images:
+        lines += ["## Plots", ""]
+        lines += [f"![{Path(p).stem.replace('_', ' ')}]({p})" for p in images]
+        if len(comparison.groups) > MAX_PLOTTED_GROUPS:
+            lines.append(f"\nLoss curves show the {MAX_PLOTTED_GROUPS} most recent groups.")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# -- plots -----------------------------------------------------------------------------------------
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_loss_curves(comparison: Comparison, path: str | Path) -> Path:
+    """PNG: per group, the loss per optimizer step of every run overlaid (left) and each run's relative
+    loss difference from the reference on a log scale with the precision's tolerance (right)."""
+    plt = _pyplot()
+    groups = comparison.groups[:MAX_PLOTTED_GROUPS] or []
+    n = max(len(groups), 1)
+    fig, axes = plt.subplots(n, 2, figsize=(12, 3.6 * n), squeeze=False)
+    if not groups:
+        for ax in axes[0]:
+            ax.text(0.5, 0.5, "no training runs", ha="center", va="center")
+            ax.set_axis_off()
+    from matplotlib.ticker import MaxNLocator
+    floor = 1e-10
+    for row, g in zip(axes, groups):
+        ax, dax = row
+        for a in row:
+            a.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ref = dict(g.reference.series.get("loss", []))
+        for c in g.rows:
+            s = c.run.series.get("loss", [])
+            if not s:
+                continue
+            steps, values = zip(*s)
+            style = {"linewidth": 2.4, "alpha": 0.55, "zorder": 1} if c.is_reference else \
+                    {"linewidth": 1.2, "linestyle": "--", "zorder": 2}
+            ax.plot(steps, values, label=f"{c.run.split} ({c.run.label})", **style)
+            if not c.is_reference:
+                pts = [(st, abs(v - ref[st]) / abs(ref[st]) if ref[st] else abs(v - ref[st]))
+                       for st, v in s if st in ref and not (math.isnan(v) or math.isnan(ref[st]))]
+                if pts:
+                    xs, ys = zip(*pts)
+                    dax.plot(xs, [max(y, floor) for y in ys], marker=".", linewidth=1,
+                             label=f"{c.run.split} ({c.verdict})")
+        ax.set_title(f"loss per optimizer step, key {g.key[:12]}", fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        tol = g.rows[1].tolerance if len(g.rows) > 1 else None
+        if tol is None:
+            dax.text(0.5, 0.5, "one run: nothing to compare", ha="center", va="center", transform=dax.transAxes)
+            dax.set_axis_off()
+            continue
+        dax.set_yscale("log")
+        dax.axhline(tol.rtol, color="red", linewidth=1, linestyle=":", label=f"tolerance {tol.rtol:g}")
+        dax.set_ylim(bottom=floor / 2)
+        dax.set_title(f"|loss - reference| / |reference| (reference {g.reference.split})", fontsize=10)
+        dax.set_xlabel("optimizer step")
+        dax.set_ylabel(f"relative difference (≥{floor:g})")
+        dax.legend(fontsize=8)
+        dax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_memory_vs_throughput(comparison: Comparison, path: str | Path) -> Path:
+    """PNG: one point per run, training throughput (samples per second) against peak memory (MiB),
+    labelled ``micro x accumulation`` (+ ``ckpt``); colour = group, marker = verdict."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    markers = {REFERENCE: "*", EQUIVALENT: "o", DIVERGED: "X"}
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    plotted = 0
+    for i, g in enumerate(comparison.groups):
+        color = colors[i % len(colors)]
+        for c in g.rows:
+            x, y = c.run.samples_per_second, c.run.peak_memory_bytes
+            if x is None or y is None:
+                continue
+            ax.scatter([x], [y / 2**20], color=color, marker=markers.get(c.status, "s"),
+                       s=160 if c.is_reference else 60, edgecolors="black", linewidths=0.5, zorder=3)
+            ax.annotate(c.run.split, (x, y / 2**20), textcoords="offset points", xytext=(6, 5), fontsize=8)
+            plotted += 1
+        ax.scatter([], [], color=color, marker="o", label=f"key {g.key[:12]}")
+    for status, m in markers.items():
+        ax.scatter([], [], color="white", edgecolors="black", marker=m, label=status)
+    if not plotted:
+        ax.text(0.5, 0.5, "no run has both memory and throughput", ha="center", va="center",
+                transform=ax.transAxes)
+    ax.set_xlabel("training throughput (samples per second)")
+    ax.set_ylabel("peak memory during training (MiB)")
+    ax.set_title("Memory against throughput: one point per run (micro x accumulation)")
+    ax.grid(alpha=0.3)
+    ax.margins(0.12)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- terminal --------------------------------------------------------------------------------------
+
+def terminal_table(comparison: Comparison, summaries: bool = True, width: int = 100) -> str:
+    """A compact plain-text table, one row per run: name, micro x accumulation, checkpointing, verdict,
+    max |Δ loss| against the reference, peak memory (MiB) and training samples per second; with
+    ``summaries``, each group's summary below its table, wrapped at ``width`` characters."""
+    import textwrap
+    head = ("run", "micro x accum", "ckpt", "verdict", "max |d loss|", "peak MiB", "samples/s")
+    out = []
+    for i, g in enumerate(comparison.groups, 1):
+        rows = [head]
+        for c in g.rows:
+            r = c.run
+            rows.append((r.label, f"{r.micro_batch} x {r.accumulation}", "yes" if r.checkpointing else "no",
+                         c.verdict, "-" if c.is_reference else _sci(c.loss.max_abs),
+                         _mib(r.peak_memory_bytes), _num(r.samples_per_second)))
+        widths = [max(len(str(row[j])) for row in rows) for j in range(len(head))]
+        right = {4, 5, 6}
+        out.append(f"group {i} key {g.key} ({len(g.rows)} run{'s' if len(g.rows) != 1 else ''}, "
+                   f"{g.count(EQUIVALENT)} equivalent, {g.count(DIVERGED)} diverged)")
+        for k, row in enumerate(rows):
+            cells = [str(v).rjust(w) if j in right else str(v).ljust(w) for j, (v, w) in enumerate(zip(row, widths))]
+            out.append("  " + "  ".join(cells).rstrip())
+            if k == 0:
+                out.append("  " + "  ".join("-" * w for w in widths))
+        if summaries:
+            out += textwrap.wrap(g.summary, width, initial_indent="  ", subsequent_indent="  ")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def write(comparison: Comparison, out_dir: str | Path, experiment: str = "", store: str = "") -> list[Path]:
+    """Write ``compare.md``, ``loss_curves.png`` and ``memory_vs_throughput.png`` into ``out_dir``
+    (created if missing) and return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    loss = plot_loss_curves(comparison, out / LOSS_PLOT)
+    mem = plot_memory_vs_throughput(comparison, out / MEMORY_PLOT)
+    md = out / REPORT_FILE
+    md.write_text(markdown(comparison, experiment, store, images=(LOSS_PLOT, MEMORY_PLOT)), encoding="utf-8")
+    return [md, loss, mem]

@@ -1,0 +1,119 @@
+"""The `auto` micro-batch finder and out-of-memory recovery (onegpu.autobatch, ExactLossTrainer)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import ClassLabel, Dataset, DatasetDict
+
+from onegpu import autobatch, config, measure, models
+from onegpu.errors import UserError
+from onegpu.training import hf_trainer
+from onegpu.training.loss import classification_loss
+
+LABELS = ["a", "b", "c"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    models.go_offline()
+    return models.load_tokenizer(models.resolve_model_path("packaged:all-MiniLM-L6-v2"), "sequence-classification")
+
+
+@pytest.fixture(scope="module")
+def dsd(tokenizer):
+    texts = [" ".join(["token"] * (3 + (7 * i) % 29)) + f" {i}" for i in range(32)]
+    ds = Dataset.from_dict({"text": texts, "label": [LABELS[i % 3] for i in range(32)]})
+    ds = ds.cast_column("label", ClassLabel(names=LABELS))
+    d = DatasetDict(train=ds, validation=ds.select(range(4)), test=ds.select(range(4)))
+
+    def tok(b):
+        enc = tokenizer(b["text"], truncation=True, max_length=32)
+        enc["length"] = [len(x) for x in enc["input_ids"]]
+        return enc
+    return d.map(tok, batched=True)
+
+
+def tiny_bert(tokenizer):
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=64, num_labels=3,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(cfg)
+
+
+def cfg_for(micro, accum, **train):
+    raw = {"model": {"dropout": 0.0},
+           "train": {"per_device_train_batch_size": micro, "gradient_accumulation_steps": accum, "max_steps": 3,
+                     "learning_rate": 1e-3, "logging_steps": 100, **train}}
+    return config.from_container(raw)
+
+
+def test_divisors_largest_first():
+    assert autobatch.divisors_desc(32) == [32, 16, 8, 4, 2, 1]
+    assert autobatch.divisors_desc(12) == [12, 6, 4, 3, 2, 1]
+
+
+def test_longest_rows_are_the_worst_case(dsd):
+    rows = autobatch.longest_rows(dsd["train"], 4)
+    lengths = dsd["train"]["length"]
+    assert sorted((lengths[i] for i in rows), reverse=True) == sorted(lengths, reverse=True)[:4]
+
+
+def test_finder_takes_the_largest_divisor_that_fits_the_budget(tokenizer, dsd):
+    model = tiny_bert(tokenizer)
+    ds = hf_trainer.model_inputs(dsd)["train"].add_column("length", dsd["train"]["length"])
+    collator = hf_trainer.collator_for("sequence-classification", tokenizer)
+    states = sum(autobatch.state_bytes_predicted(model, "adamw_torch").values())
+    act = {m: measure.activation_bytes(model, collator([ds[i] for i in autobatch.longest_rows(ds, m)]),
+                                       classification_loss) for m in (8, 16)}
+    # A budget whose usable 90% lies between the 8-row and the 16-row step.
+    budget = int((states + (act[8] + act[16]) / 2) / autobatch.SAFETY)
+    rng = torch.get_rng_state()
+    micro, probes = autobatch.find_micro_batch(model, ds, collator, classification_loss, 32, budget,
+                                               "adamw_torch", "cpu")
+    assert micro == 8
+    assert [p.micro_batch for p in probes] == [32, 16, 8]
+    assert [p.fits for p in probes] == [False, False, True]
+    assert probes[-1].peak_bytes == states + act[8]
+    assert torch.equal(rng, torch.get_rng_state())  # the probes leave the run's RNG alone
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(UserError, match="not even a micro-batch of 1"):
+        autobatch.find_micro_batch(model, ds, collator, classification_loss, 32, states // 2, "adamw_torch", "cpu")
+
+
+def test_budget_is_required_on_cpu():
+    with pytest.raises(config.ConfigError, match="train.memory_budget_gib"):
+        autobatch.budget_bytes(None, "cpu")
+    assert autobatch.budget_bytes(0.5, "cpu") == 2**29
+
+
+def _losses(tokenizer, dsd, cfg, injector=None):
+    rows = []
+    model, steps = hf_trainer.train(tiny_bert(tokenizer), tokenizer, dsd, cfg, config.resolve(cfg),
+                                    sink=lambda m, s: rows.append((s, m["loss"])), oom_injector=injector)
+    return [loss for _, loss in sorted(rows)], steps
+
+
+def test_injected_out_of_memory_is_survived_with_the_same_losses(tokenizer, dsd, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # Step 2's micro-batches of 4 rows "do not fit": the step is redone as 2 x 4, and so are later steps.
+    injector = lambda step, rows: step == 2 and rows > 2  # noqa: E731
+    survived, steps = _losses(tokenizer, dsd, cfg_for(4, 2), injector)
+    reference, _ = _losses(tokenizer, dsd, cfg_for(2, 4))
+    assert len(survived) == len(reference) == 3
+    assert max(abs(a - b) for a, b in zip(survived, reference)) < 1e-5, (survived, reference)
+    assert steps.events == [{"step": 2, "old": "4 x 2", "new": "2 x 4", "micro_batch": 2}]
+    assert [r["samples"] for r in steps.rows] == [8, 8, 8]  # redone pieces are not counted twice
+
+
+def test_out_of_memory_without_a_smaller_split_fails_clearly(tokenizer, dsd, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="no smaller split is left"):
+        _losses(tokenizer, dsd, cfg_for(2, 4), lambda step, rows: True)
+
+
+def test_oom_retry_off_reraises(tokenizer, dsd, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(torch.OutOfMemoryError):
+        _losses(tokenizer, dsd, cfg_for(4, 2, oom_retry=False), lambda step, rows: step == 1)
