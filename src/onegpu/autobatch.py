@@ -174,3 +174,63 @@ def format_probes(probes: list[Probe]) -> str:
         lines.append(f"| {p.micro_batch} | {peak} | {p.usable_bytes / 2**20:,.0f} | "
                      f"{'yes' if p.fits else 'no'} | {p.how} |")
     return "\n".join(lines)
+
+
+def activation_line(model, dataset, collator, loss_fn, device: str = "cpu") -> tuple[float, float, int]:
+    """Fit activations(m) = a + b * m from probes of 1 and 2 copies of the longest training row.
+
+    Saved activations grow linearly with the rows of a micro-batch at a fixed padded length (every
+    saved tensor has the batch dimension), so two probes fix the line. Returns (a, b, padded length).
+    """
+    longest = longest_rows(dataset, 1)[0]
+    probe = {m: _batch(dataset, collator, [longest] * m, device) for m in (1, 2)}
+    a1 = measure.activation_bytes(model, probe[1], loss_fn)
+    a2 = measure.activation_bytes(model, probe[2], loss_fn)
+    return float(2 * a1 - a2), float(a2 - a1), int(probe[1]["input_ids"].shape[1])
+
+
+def estimate(model, dataset, collator, loss_fn, micro_batches: list[int], optim: str,
+             checkpointing: bool, enable_checkpointing, device: str = "cpu") -> dict:
+    """Predict the memory breakdown per micro-batch, without training.
+
+    Args:
+        micro_batches: the sizes to predict for.
+        checkpointing: whether the configured run checkpoints (decides the ``total`` column).
+        enable_checkpointing: ``model -> None`` that switches activation checkpointing on.
+    Returns:
+        ``{"states": {...bytes}, "length": padded length, "rows": [{micro_batch, activations,
+        activations_checkpointed, total}]}``; every figure in bytes.
+    """
+    states = state_bytes_predicted(model, optim)
+    plain = activation_line(model, dataset, collator, loss_fn, device)
+    enable_checkpointing(model)
+    ckpt = activation_line(model, dataset, collator, loss_fn, device)
+    rows = []
+    for m in micro_batches:
+        a, c = plain[0] + plain[1] * m, ckpt[0] + ckpt[1] * m
+        rows.append({"micro_batch": m, "activations": int(a), "activations_checkpointed": int(c),
+                     "total": int(sum(states.values()) + (c if checkpointing else a))})
+    return {"states": states, "length": plain[2], "rows": rows}
+
+
+def format_estimate(est: dict, budget: int | None, checkpointing: bool) -> str:
+    """The estimate as a Markdown table, with the largest micro-batch that fits ``budget`` (bytes)."""
+    s = est["states"]
+    mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
+    head = (f"params {mib(s['mem_params_bytes'])} MiB + grads {mib(s['mem_grads_bytes'])} MiB + optimizer "
+            f"{mib(s['mem_optimizer_bytes'])} MiB; activations at padded length {est['length']} "
+            f"(checkpointing {'on' if checkpointing else 'off'} in params)")
+    lines = [head, "", "| micro-batch | activations (MiB) | with checkpointing (MiB) | total as configured (MiB) |"
+             + (" fits |" if budget else ""), "| --- | --- | --- | --- |" + (" --- |" if budget else "")]
+    best = None
+    for r in est["rows"]:
+        fits = budget is not None and r["total"] <= budget * SAFETY
+        if fits:
+            best = max(best or 0, r["micro_batch"])
+        lines.append(f"| {r['micro_batch']} | {mib(r['activations'])} | {mib(r['activations_checkpointed'])} | "
+                     f"{mib(r['total'])} |" + ((" yes |" if fits else " no |") if budget else ""))
+    if budget:
+        lines.append("")
+        lines.append(f"largest micro-batch that fits {budget / 2**30:.2f} GiB ({SAFETY:.0%} usable): "
+                     + (str(best) if best else "none of these"))
+    return "\n".join(lines)

@@ -39,6 +39,17 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--experiment", metavar="NAME",
                      help="MLflow experiment (default: tracking.experiment_name from the params file)")
     cmp.add_argument("--out", default="reports", metavar="DIR", help="output folder (default: reports/)")
+    est = sub.add_parser("estimate", help="predict memory per micro-batch for the current params, without training",
+                         description="Predict params, grads, optimizer states and activations (with and "
+                                     "without checkpointing) for a list of micro-batch sizes from one probe "
+                                     "forward pass, and the largest micro-batch that fits a budget.")
+    est.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    est.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a param as `dvc exp run -S` does, e.g. -S data.max_length=128 (repeatable)")
+    est.add_argument("--micro-batches", type=int, nargs="+", metavar="N",
+                     help="sizes to predict (default: 1 2 4 8 16 32 64)")
+    est.add_argument("--budget-gib", type=float, metavar="GIB",
+                     help="memory budget (default: train.memory_budget_gib)")
     return p
 
 
@@ -47,14 +58,17 @@ def main(argv: list[str] | None = None) -> int:
     from onegpu.errors import UserError
     try:
         from onegpu import config
-        cfg = config.load(args.params)
-        if args.command in STAGES:
+        cfg = config.load(args.params, getattr(args, "overrides", None))
+        if args.command in STAGES or args.command == "estimate":
             from onegpu import models
             if models.is_local(cfg.model.name_or_path):
                 models.go_offline()  # before transformers/datasets are imported
             import importlib
             stage = importlib.import_module(f"onegpu.stages.{args.command}")
-            stage.run(cfg)
+            if args.command == "estimate":
+                stage.run(cfg, args.micro_batches, args.budget_gib)
+            else:
+                stage.run(cfg)
         elif args.command == "ui":
             from onegpu import ui
             return ui.serve(cfg.tracking.experiment_name, args.host, args.port)

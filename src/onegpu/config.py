@@ -124,11 +124,12 @@ def _unknown_key_message(full_key: str) -> str:
             "(Note: `dvc exp run -S` adds a misspelt key instead of failing.)")
 
 
-def load(path: str | os.PathLike = "params.yaml") -> Config:
+def load(path: str | os.PathLike = "params.yaml", overrides: list[str] | None = None) -> Config:
     """Read, type-check and validate a params file.
 
     Args:
         path: the YAML file (DVC's ``params.yaml``).
+        overrides: DVC-style ``section.key=value`` items applied on top (``onegpu estimate -S``).
     Returns:
         A validated :class:`Config` (defaults filled for keys the file leaves out).
     Raises:
@@ -143,7 +144,30 @@ def load(path: str | os.PathLike = "params.yaml") -> Config:
         raise ConfigError(f"{path} is not valid YAML: {e}") from None
     if user is None or not OmegaConf.is_dict(user) or len(user) == 0:
         raise ConfigError(f"{path} must be a mapping with sections data, model, train, evaluate, tracking")
-    return from_container(OmegaConf.to_container(user), source=str(path))
+    raw = OmegaConf.to_container(user)
+    for item in overrides or ():
+        apply_override(raw, item)
+    return from_container(raw, source=str(path) + (" with -S overrides" if overrides else ""))
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """Apply one DVC-style ``-S section.key=value`` (the value parsed as YAML) to ``raw`` in place.
+
+    Raises:
+        ConfigError: the item is not ``dotted.key=value``.
+    """
+    import yaml
+    key, sep, value = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) < 2 or not all(parts):
+        raise ConfigError(f"-S {item!r}: expected section.key=value, e.g. train.gradient_accumulation_steps=4")
+    node = raw
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    try:
+        node[parts[-1]] = yaml.safe_load(value)
+    except yaml.YAMLError:
+        node[parts[-1]] = value
 
 
 def from_container(raw: dict, source: str = "params") -> Config:

@@ -129,3 +129,31 @@ def test_queued_grid_runs_in_parallel_into_the_root_store(project):
     assert len({r.data.tags["equivalence_key"] for r in queued}) == 2
     shown = dvc(project, "exp", "show", "--json").stdout
     assert "eval_accuracy" in shown and "gradient_accumulation_steps" in shown
+
+
+def test_auto_micro_batch_keeps_the_effective_batch_and_the_losses(project):
+    run(["git", "checkout", "--", "."], project)
+    dvc(project, "checkout", "--force")
+    out = dvc(project, "exp", "run", "-S", "train.per_device_train_batch_size=auto",
+              "-S", "train.effective_batch_size=32", "-S", "train.memory_budget_gib=0.5").stdout
+    assert "auto micro-batch:" in out, out
+    c, exp, train = _training_runs(project)
+    auto = [r for r in train if r.data.params.get("train.per_device_train_batch_size") == "auto"]
+    assert len(auto) == 1
+    p = auto[0].data.params
+    micro, accum = int(p["resolved.per_device_train_batch_size"]), int(p["resolved.gradient_accumulation_steps"])
+    assert micro < 32 and micro * accum == 32 == int(p["resolved.effective_batch_size"])
+    arts = {a.path for a in c.list_artifacts(auto[0].info.run_id)}
+    assert {"auto_micro_batch.json", "auto_micro_batch.md"} <= arts
+
+    dvc(project, "exp", "run", "-S", f"train.per_device_train_batch_size={micro}",
+        "-S", f"train.gradient_accumulation_steps={accum}", "-S", "train.memory_budget_gib=null")
+    c, exp, train = _training_runs(project)
+    hand = [r for r in train if r.data.params.get("train.per_device_train_batch_size") == str(micro)
+            and r.data.params.get("train.effective_batch_size") == "32"]
+    assert len(hand) == 1
+    assert hand[0].data.tags["equivalence_key"] == auto[0].data.tags["equivalence_key"]
+    a = [m.value for m in sorted(c.get_metric_history(auto[0].info.run_id, "loss"), key=lambda m: m.step)]
+    b = [m.value for m in sorted(c.get_metric_history(hand[0].info.run_id, "loss"), key=lambda m: m.step)]
+    assert len(a) == len(b) == MAX_STEPS
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-6, (a, b)  # the probes changed nothing

@@ -1,0 +1,63 @@
+"""``onegpu estimate``: predicted memory per micro-batch for the current params, without training.
+
+One probe forward pass on one and two copies of the longest training row (with and without
+activation checkpointing) fixes the activation line; params, grads and optimizer states are exact
+sums over the model (:mod:`onegpu.autobatch`). Uses data/processed when prepare has run, otherwise a
+few hundred rows read straight from the source.
+"""
+from __future__ import annotations
+
+import time
+
+from onegpu import autobatch, data, models, paths
+from onegpu.config import Config
+
+DEFAULT_MICRO_BATCHES = [1, 2, 4, 8, 16, 32, 64]
+
+
+def _rows(cfg: Config, tokenizer_path):
+    from datasets import DatasetDict, load_from_disk
+    task = cfg.model.task
+    if paths.PROCESSED.is_dir():
+        dsd = load_from_disk(str(paths.PROCESSED))
+        tok_path = str(paths.TOKENIZER) if tokenizer_path is None else tokenizer_path
+        return dsd, models.load_tokenizer(tok_path, task), "data/processed"
+    raw = data.read(cfg.data, task)
+    texts, labels, _ = data.deduplicate(raw)
+    from datasets import ClassLabel, Dataset
+    names = sorted(set(labels))
+    ds = Dataset.from_dict({"text": texts[:256], "label": labels[:256]}).cast_column("label", ClassLabel(names=names))
+    if tokenizer_path is None:
+        tokenizer = models.train_bpe_tokenizer(texts[:256], cfg.model.vocab_size)
+    else:
+        tokenizer = models.load_tokenizer(tokenizer_path, task)
+    dsd = data.tokenize(DatasetDict(train=ds), tokenizer, cfg.data.max_length, task)
+    return dsd, tokenizer, f"{cfg.data.source} (first {len(ds)} rows)"
+
+
+def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float | None = None) -> dict:
+    from datasets.utils.logging import disable_progress_bar
+
+    from onegpu.training.hf_trainer import collator_for, model_inputs
+    from onegpu.training.loss import loss_for
+    disable_progress_bar()
+    start = time.perf_counter()
+    task = cfg.model.task
+    path = models.resolve_model_path(cfg.model.name_or_path)
+    dsd, tokenizer, where = _rows(cfg, path)
+    labels = dsd["train"].features["label"].names
+    if task == "causal-lm":
+        model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout)
+    else:
+        model = models.build_classifier(path, labels, cfg.model.dropout)
+    rows = model_inputs(dsd, task)["train"].add_column("length", dsd["train"]["length"])
+    est = autobatch.estimate(model, rows, collator_for(task, tokenizer), loss_for(task),
+                             micro_batches or DEFAULT_MICRO_BATCHES, cfg.train.optim,
+                             cfg.train.gradient_checkpointing, models.enable_checkpointing)
+    budget_gib = budget_gib if budget_gib is not None else cfg.train.memory_budget_gib
+    budget = int(budget_gib * 2**30) if budget_gib else None
+    print(f"memory estimate for {type(model).__name__}, optimizer {cfg.train.optim}, rows from {where}:")
+    print(autobatch.format_estimate(est, budget, cfg.train.gradient_checkpointing))
+    print(f"({time.perf_counter() - start:.1f} s; CUDA adds its context and allocator slack, the CPU process "
+          "its libraries: compare with mem_activation_bytes, not peak RSS)")
+    return est
