@@ -42,3 +42,14 @@ def test_causal_lm_from_config_trains_evaluates_and_is_exact_under_accumulation(
     # Rows padded per micro-batch to different lengths: exact token-mean loss makes 4x2 == 8x1.
     assert max(abs(a - b) for a, b in zip(*series)) < 1e-5, series
     assert all("eval_perplexity" in c.get_run(r.info.run_id).data.metrics for r in train)
+
+    # The Accelerate backend: same params, same per-step losses, same key.
+    dvc(project, "exp", "run", "-S", "train.backend=accelerate", "-S", "train.per_device_train_batch_size=4",
+        "-S", "train.gradient_accumulation_steps=2")
+    c, exp, all_runs = runs(project)
+    accel = [r for r in all_runs if r.data.params.get("train.backend") == "accelerate"]
+    assert len(accel) == 1
+    assert accel[0].data.tags["equivalence_key"] == train[0].data.tags["equivalence_key"]
+    acc = [m.value for m in sorted(c.get_metric_history(accel[0].info.run_id, "loss"), key=lambda m: m.step)]
+    assert max(abs(a - b) for a, b in zip(acc, series[0])) < 1e-5, (acc, series[0])
+    assert accel[0].data.metrics["mem_optimizer_bytes"] == 2 * accel[0].data.metrics["mem_params_bytes"]

@@ -1,0 +1,166 @@
+"""The two training backends (``trainer``, ``accelerate``) on a tiny BERT classifier built from config.
+
+They must take the same optimizer steps on the same data in the same order and give the same per-step
+losses and gradient norms, and the loss must be exact under gradient accumulation (one micro-batch of 8 =
+two of 4 = four of 2). The data has texts of different lengths, so padding differs between micro-batches.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onegpu import models  # noqa: E402
+from onegpu.config import PACKAGED_MODEL, from_container, resolve  # noqa: E402
+
+LOSS_TOL, NORM_TOL = 1e-5, 1e-4
+WORDS = ("market shares rose after the bank cut rates while the minister spoke about growth and the team "
+         "won the final match in extra time as the crowd sang and a new film opened to good reviews").split()
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(models.resolve_model_path(PACKAGED_MODEL))
+
+
+@functools.lru_cache(maxsize=None)
+def dataset(n: int):
+    """``n`` texts of 2..25 words (micro-batches pad to different lengths), 3 labels, tokenized as prepare
+    does (``onegpu.data.tokenize``: unpadded, ``label`` a ClassLabel)."""
+    from datasets import ClassLabel, Dataset, DatasetDict
+
+    from onegpu.data import tokenize
+    texts = [" ".join((WORDS * 2)[(5 * i) % len(WORDS):][: 2 + (7 * i) % 24]) for i in range(n)]
+    labels = [["business", "sport", "entertainment"][(i * 2) % 3] for i in range(n)]
+    ds = Dataset.from_dict({"text": texts, "label": labels}).cast_column(
+        "label", ClassLabel(names=["business", "entertainment", "sport"]))
+    return tokenize(DatasetDict(train=ds), tokenizer(), max_length=32)
+
+
+def tiny_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=tokenizer().vocab_size, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64, num_labels=3,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        pad_token_id=tokenizer().pad_token_id)
+    return BertForSequenceClassification(config)
+
+
+@functools.lru_cache(maxsize=None)
+def run(backend: str, micro: int, accum: int, n: int = 24, max_steps: int = 3, epochs: float = 1.0,
+        optim: str = "adamw_torch", lr: float = 1e-3, warmup: float = 0.0, max_grad_norm: float = 1.0,
+        checkpointing: bool = False) -> tuple[list[dict], list[str], bool]:
+    """Train a fresh, identically seeded tiny BERT.
+
+    Returns the StepRecorder rows, the warnings raised, and whether the trained model has activation
+    checkpointing on.
+    """
+    import importlib
+    cfg = from_container({
+        "model": {"dropout": 0.0},
+        "train": {"backend": backend, "per_device_train_batch_size": micro,
+                  "gradient_accumulation_steps": accum, "max_steps": max_steps, "num_train_epochs": epochs,
+                  "learning_rate": lr, "warmup_ratio": warmup, "weight_decay": 0.01, "optim": optim,
+                  "max_grad_norm": max_grad_norm, "seed": 7, "gradient_checkpointing": checkpointing,
+                  "logging_steps": 2},
+    }, source="test")
+    module = importlib.import_module({"trainer": "onegpu.training.hf_trainer",
+                                      "accelerate": "onegpu.training.accel"}[backend])
+    sunk = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, steps = module.train(tiny_bert(), tokenizer(), dataset(n), cfg, resolve(cfg),
+                                    sink=lambda m, s: sunk.append((s, m)))
+    assert [s for s, _ in sunk] == [r["step"] for r in steps.rows]
+    assert not hasattr(model, "module"), "the returned model must be unwrapped"
+    return steps.rows, [str(w.message) for w in caught], model.is_activation_checkpointing
+
+
+def col(rows, key):
+    return [r[key] for r in rows]
+
+
+def max_diff(a, b, key):
+    assert len(a) == len(b), f"{len(a)} vs {len(b)} steps"
+    return max(abs(x - y) for x, y in zip(col(a, key), col(b, key)))
+
+
+# AdamW: no clipping (max_grad_norm 0 only measures the norm), warmup_ratio 0.34 of 3 steps = 2 warmup
+# steps, lr 0, 5e-4, 1e-3. SGD: clipped at 0.1 (the grad norms here are 0.09-0.4), linear decay from 0.5.
+@pytest.mark.parametrize("optim,lr,warmup,max_grad_norm,lrs", [
+    ("adamw_torch", 1e-3, 0.34, 0.0, [0.0, 5e-4, 1e-3]),
+    ("sgd", 0.5, 0.0, 0.1, [0.5, 1 / 3, 1 / 6]),
+])
+def test_trainer_and_accelerate_take_the_same_steps(optim, lr, warmup, max_grad_norm, lrs):
+    kw = dict(optim=optim, lr=lr, warmup=warmup, max_grad_norm=max_grad_norm)
+    hf, *_ = run("trainer", 4, 2, **kw)
+    acc, *_ = run("accelerate", 4, 2, **kw)
+    assert col(hf, "step") == col(acc, "step") == [1, 2, 3]
+    assert col(hf, "tokens") == col(acc, "tokens")  # the same examples in the same order
+    assert max_diff(hf, acc, "loss") <= LOSS_TOL, (col(hf, "loss"), col(acc, "loss"))
+    assert max_diff(hf, acc, "grad_norm") <= NORM_TOL, (col(hf, "grad_norm"), col(acc, "grad_norm"))
+    # the logged rate is the one each step used (read before the scheduler steps)
+    assert col(hf, "learning_rate") == pytest.approx(col(acc, "learning_rate"), abs=1e-12)
+    assert col(acc, "learning_rate") == pytest.approx(lrs)
+
+
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+@pytest.mark.parametrize("n,max_steps", [(24, 3), (22, -1)])
+def test_loss_is_exact_under_accumulation(backend, n, max_steps):
+    # 22 examples, one epoch: 4x2's last step has micro-batches of 4 and 2, so a mean of micro-batch
+    # means would differ from the exact step mean.
+    ref, *_ = run(backend, 8, 1, n=n, max_steps=max_steps)
+    assert len(ref) == 3
+    for micro, accum in ((4, 2), (2, 4)):
+        rows, *_ = run(backend, micro, accum, n=n, max_steps=max_steps)
+        assert max_diff(ref, rows, "loss") <= LOSS_TOL, (micro, accum, col(ref, "loss"), col(rows, "loss"))
+        assert max_diff(ref, rows, "grad_norm") <= NORM_TOL, (micro, accum, col(ref, "grad_norm"),
+                                                               col(rows, "grad_norm"))
+
+
+def test_step_recorder_rows():
+    rows, *_ = run("accelerate", 4, 2)
+    assert len(rows) == 3
+    for r in rows:
+        assert r["samples"] == 8
+        assert r["tokens"] > 0
+        assert r["step_time_s"] > 0
+        assert r["samples_per_second"] > 0 and r["tokens_per_second"] > 0
+        assert r["grad_norm"] > 0 and r["loss"] > 0
+
+
+def test_activation_checkpointing_keeps_the_losses():
+    plain, _, plain_on = run("accelerate", 4, 2)
+    ckpt, caught, ckpt_on = run("accelerate", 4, 2, checkpointing=True)
+    assert (plain_on, ckpt_on) == (False, True)
+    assert max_diff(plain, ckpt, "loss") <= LOSS_TOL
+    assert max_diff(plain, ckpt, "grad_norm") <= NORM_TOL
+    noisy = [w for w in caught if "checkpoint" in w.lower() or "deprecated" in w.lower()]
+    assert not noisy, noisy
+
+
+@pytest.mark.parametrize("n,last_samples", [(24, 8), (20, 4)])
+def test_epochs_give_the_same_steps_on_both_backends(n, last_samples):
+    hf, *_ = run("trainer", 4, 2, n=n, max_steps=-1)
+    acc, *_ = run("accelerate", 4, 2, n=n, max_steps=-1)
+    assert len(hf) == len(acc) == 3
+    assert col(acc, "samples") == col(hf, "samples") == [8, 8, last_samples]
+    assert max_diff(hf, acc, "loss") <= LOSS_TOL, (col(hf, "loss"), col(acc, "loss"))
+    assert max_diff(hf, acc, "grad_norm") <= NORM_TOL
+
+
+# Past one epoch the data is reshuffled (sampler seed + epoch) and the epoch's short last step recurs:
+# 20 examples at 8 per step = steps of 8, 8, 4 per epoch; max_steps cuts the second epoch, and
+# num_train_epochs=1.5 means ceil(1.5 x 3) = 5 steps, as Trainer counts them.
+@pytest.mark.parametrize("max_steps,epochs", [(5, 1.0), (-1, 1.5)])
+def test_training_past_one_epoch(max_steps, epochs):
+    hf, *_ = run("trainer", 4, 2, n=20, max_steps=max_steps, epochs=epochs)
+    acc, *_ = run("accelerate", 4, 2, n=20, max_steps=max_steps, epochs=epochs)
+    assert col(acc, "samples") == col(hf, "samples") == [8, 8, 4, 8, 8]
+    assert max_diff(hf, acc, "loss") <= LOSS_TOL, (col(hf, "loss"), col(acc, "loss"))
+    assert max_diff(hf, acc, "grad_norm") <= NORM_TOL
