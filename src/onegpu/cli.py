@@ -77,11 +77,19 @@ def main(argv: list[str] | None = None) -> int:
             compare.run(args.experiment or cfg.tracking.experiment_name, key=args.key, run_ids=args.runs,
                         exp_names=args.exp, out_dir=args.out)
     except UserError as e:
-        print(f"onegpu {args.command}: error: {e}", file=sys.stderr)
+        # One line, whatever the message holds (a YAML parser's error spans several): scripts and
+        # `dvc repro` logs show the whole problem on the line that names the stage.
+        message = "; ".join(" ".join(part.split()) for part in str(e).splitlines() if part.strip())
+        print(f"onegpu {args.command}: error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"onegpu {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", 2)
+        if str(e):  # a clean stop (onegpu.training.interrupt.Interrupted)
+            print(f"onegpu {args.command}: interrupted: {e}; checkpoint saved, `dvc repro` (or the same "
+                  "`dvc exp run`) resumes it", file=sys.stderr)
+        else:
+            print(f"onegpu {args.command}: interrupted", file=sys.stderr)
+        return 128 + signum
     return 0
 
 

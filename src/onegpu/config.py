@@ -82,6 +82,7 @@ class TrainConfig:
     bf16: bool = False
     fp16: bool = False
     logging_steps: int = 10               # terminal progress every N optimizer steps (MLflow gets every step)
+    save_steps: Optional[int] = None      # resumable checkpoint every N optimizer steps; null = on interrupt only
     dataloader_num_workers: int = 0
 
 
@@ -298,6 +299,8 @@ def validate(cfg: Config, source: str = "params") -> None:
         _fail(source, "train.fp16", "train.bf16 and train.fp16 are both true; choose at most one")
     if t.logging_steps < 1:
         _fail(source, "train.logging_steps", f"must be a positive integer, got {t.logging_steps}")
+    if t.save_steps is not None and t.save_steps < 1:
+        _fail(source, "train.save_steps", f"must be a positive integer or null, got {t.save_steps}")
     if t.dataloader_num_workers < 0:
         _fail(source, "train.dataloader_num_workers", f"must be >= 0, got {t.dataloader_num_workers}")
     if cfg.evaluate.per_device_eval_batch_size < 1:
@@ -363,6 +366,7 @@ NOT_IN_EQUIVALENCE_KEY = {
     "train.backend": "Trainer and Accelerate loops compute the same steps",
     "train.logging_steps": "terminal output only",
     "train.oom_retry": "recovery re-splits the same effective batch",
+    "train.save_steps": "checkpoints do not change the training",
     "train.dataloader_num_workers": "where batches are collated, not which",
     "evaluate.per_device_eval_batch_size": "evaluation only",
     "tracking.experiment_name": "where results are logged",
@@ -386,6 +390,15 @@ def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = 
     flat["resolved.effective_batch_size"] = resolved.effective_batch_size
     flat["data.fingerprint"] = data_fingerprint
     return flat
+
+
+def run_config_hash(cfg: Config, data_fingerprint: str = "") -> str:
+    """16 hex digits naming one exact training configuration (every param but tracking, evaluation and
+    terminal output, plus the data fingerprint): a checkpoint resumes only a run with the same hash."""
+    skip = ("tracking.", "evaluate.", "train.logging_steps", "train.save_steps")
+    flat = {k: v for k, v in flatten(cfg.to_dict()).items() if not k.startswith(skip)}
+    flat["data.fingerprint"] = data_fingerprint
+    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def equivalence_key(cfg: Config, resolved: Resolved, data_fingerprint: str = "") -> str:

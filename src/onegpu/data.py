@@ -19,6 +19,8 @@ from onegpu.config import PACKAGED_DATA, DataConfig
 from onegpu.errors import DataError
 
 SPLITS = ("train", "validation", "test")
+# A tokenizer model_max_length at or above this means "no limit" (transformers uses 1e30 when unset).
+NO_LIMIT = 1_000_000
 
 
 @dataclass
@@ -65,27 +67,49 @@ def read_text_tree(root: Path) -> RawData:
     return RawData(texts, labels, source=root.as_uri(), undecodable=bad)
 
 
+def _decode_utf8(raw: bytes, path: str) -> str:
+    """``raw`` as UTF-8 (a leading BOM dropped).
+
+    Raises:
+        DataError: the bytes are not UTF-8; the message gives the first bad byte and its line, so the
+            user can re-save the file as UTF-8 instead of training on silently replaced characters.
+    """
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"data.source={path!r} is not UTF-8 text: byte 0x{raw[e.start]:02x} on line {line} "
+                        "cannot be decoded; save the file as UTF-8") from None
+
+
 def read_table(path: str, text_column: str, label_column: str, label_required: bool = True) -> RawData:
     """Read a ``.csv`` or ``.jsonl`` file with pandas; keep ``text_column`` and ``label_column``.
 
     Without ``label_required`` (causal LM) a missing label column gives every row the label ``text``.
 
     Raises:
-        DataError: the file is missing, empty, unparsable, or lacks one of the columns.
+        DataError: the file is missing, a directory, empty, not UTF-8, unparsable, or lacks one of the
+            columns.
     """
+    import io
+
     import pandas as pd
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise DataError(f"data.source={path!r} is a directory; give a .csv or .jsonl file")
     if not p.is_file():
         raise DataError(f"data.source={path!r}: no such file")
     if p.stat().st_size == 0:
         raise DataError(f"data.source={path!r}: the file is empty")
+    text = _decode_utf8(p.read_bytes(), path)
     try:
         if p.suffix.lower() == ".csv":
-            df = pd.read_csv(p, encoding_errors="replace")
+            df = pd.read_csv(io.StringIO(text))
         else:
-            df = pd.read_json(p, lines=True, encoding_errors="replace")
+            df = pd.read_json(io.StringIO(text), lines=True)
     except (ValueError, pd.errors.ParserError, pd.errors.EmptyDataError) as e:
-        raise DataError(f"data.source={path!r}: cannot parse: {str(e).splitlines()[0]}") from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"data.source={path!r}: cannot parse: {first}") from None
     if not label_required and label_column not in df.columns:
         df[label_column] = "text"
     for key, col in (("data.text_column", text_column), ("data.label_column", label_column)):
@@ -130,9 +154,13 @@ def split(texts: list[str], labels: list[str], cfg: DataConfig, task: str = "seq
         DataError: fewer than two labels, or a label with too few rows to appear in every split.
     """
     from datasets import ClassLabel, Dataset, DatasetDict
+    if not texts:
+        raise DataError(f"data.source={cfg.source!r}: no row has a non-blank text in data.text_column="
+                        f"{cfg.text_column!r}")
     names = sorted(set(labels))
     if len(names) < 2 and task == "sequence-classification":
-        raise DataError(f"the data has a single label ({names[0]!r}); classification needs at least two")
+        raise DataError(f"the data has a single label ({names[0]!r}) in data.label_column={cfg.label_column!r}; "
+                        "classification needs at least two")
     counts = {n: labels.count(n) for n in names}
     few = {n: c for n, c in counts.items() if c < 3}
     if few:
@@ -140,17 +168,39 @@ def split(texts: list[str], labels: list[str], cfg: DataConfig, task: str = "seq
     ds = Dataset.from_dict({"text": texts, "label": labels}).cast_column("label", ClassLabel(names=names))
     held = cfg.validation_size + cfg.test_size
     strat = "label" if len(names) > 1 else None
-    first = ds.train_test_split(test_size=held, stratify_by_column=strat, seed=cfg.seed)
-    second = first["test"].train_test_split(test_size=cfg.test_size / held, stratify_by_column=strat,
-                                            seed=cfg.seed)
-    out = DatasetDict(train=first["train"], validation=second["train"], test=second["test"])
-    if cfg.max_train_samples and cfg.max_train_samples < len(out["train"]):
-        out["train"] = _stratified_head(out["train"], cfg.max_train_samples, cfg.seed)
-    if cfg.max_eval_samples:
-        for s in ("validation", "test"):
-            if cfg.max_eval_samples < len(out[s]):
-                out[s] = _stratified_head(out[s], cfg.max_eval_samples, cfg.seed)
+    try:
+        first = ds.train_test_split(test_size=held, stratify_by_column=strat, seed=cfg.seed)
+        second = first["test"].train_test_split(test_size=cfg.test_size / held, stratify_by_column=strat,
+                                                seed=cfg.seed)
+        out = DatasetDict(train=first["train"], validation=second["train"], test=second["test"])
+        if cfg.max_train_samples and cfg.max_train_samples < len(out["train"]):
+            out["train"] = _stratified_head(out["train"], cfg.max_train_samples, cfg.seed)
+        if cfg.max_eval_samples:
+            for s in ("validation", "test"):
+                if cfg.max_eval_samples < len(out[s]):
+                    out[s] = _stratified_head(out[s], cfg.max_eval_samples, cfg.seed)
+    except ValueError as e:  # datasets/sklearn: a split too small for the number of labels
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"cannot split {len(texts)} rows with {len(names)} labels stratified into train, "
+                        f"validation and test (data.validation_size={cfg.validation_size}, "
+                        f"data.test_size={cfg.test_size}, data.max_train_samples={cfg.max_train_samples}, "
+                        f"data.max_eval_samples={cfg.max_eval_samples}): {first_line}") from None
+    if task == "sequence-classification":
+        _check_train_has_every_label(out, names, cfg)
     return out
+
+
+def _check_train_has_every_label(dsd, names: list[str], cfg: DataConfig) -> None:
+    """Raises DataError when a label is in validation or test but not in train: the model would be
+    scored on a class it never saw (typically ``data.max_train_samples`` below the number of labels)."""
+    in_train = set(dsd["train"]["label"])
+    held_out = set(dsd["validation"]["label"]) | set(dsd["test"]["label"])
+    missing = sorted(names[i] for i in held_out - in_train)
+    if missing:
+        cap = (f"data.max_train_samples={cfg.max_train_samples} keeps {len(dsd['train'])} training rows for "
+               f"{len(names)} labels; raise it" if cfg.max_train_samples else "add rows for them")
+        raise DataError(f"labels {missing} are in the validation/test split but not in train, so the model "
+                        f"would be scored on classes it never saw: {cap}")
 
 
 def _stratified_head(ds, n: int, seed: int):
@@ -164,7 +214,15 @@ def tokenize(dsd, tokenizer, max_length: int, task: str = "sequence-classificati
 
     Padding happens per micro-batch in the collator, so a micro-batch is only as long as its longest row.
     For causal LM each text ends with the tokenizer's EOS token (when it has one) before truncation.
+
+    Raises:
+        DataError: ``max_length`` is above the tokenizer's ``model_max_length`` (the model's limit).
     """
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and limit < NO_LIMIT and max_length > limit:
+        raise DataError(f"data.max_length={max_length} is longer than the model's limit of {limit} tokens "
+                        f"(its tokenizer's model_max_length): longer rows would overflow its position "
+                        f"embeddings; set data.max_length to at most {limit}")
     eos = tokenizer.eos_token if task == "causal-lm" and tokenizer.eos_token else ""
 
     def fn(batch):

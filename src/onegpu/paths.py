@@ -65,6 +65,15 @@ def artifact_root(root: Path | None = None) -> Path:
     return (root or project_root()) / "mlartifacts"
 
 
+def checkpoint_dir(config_hash: str, root: Path | None = None) -> Path:
+    """``<root>/.onegpu/checkpoints/<hash>``: resumable checkpoints of one training configuration.
+
+    Outside every DVC output (DVC neither deletes nor caches a half-run) and outside DVC's temp clones,
+    so a queued experiment interrupted in a clone resumes from the user's repo too.
+    """
+    return (root or project_root()) / ".onegpu" / "checkpoints" / config_hash
+
+
 def lock_file(root: Path | None = None) -> Path:
     """A file lock that serialises creating the store and the experiment across processes."""
     d = (root or project_root()) / ".onegpu"

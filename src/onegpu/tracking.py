@@ -61,15 +61,19 @@ class Tracker:
         self.client.set_terminated(run_id, status=status)
 
     @contextmanager
-    def guard(self, run_id: str, finish: bool = True):
-        """End ``run_id`` FAILED (KILLED on Ctrl-C) with the error as tags if the block raises;
-        FINISHED if it returns and ``finish`` is true (train leaves its run open for evaluate)."""
+    def guard(self, run_id: str, finish: bool = True, context=None):
+        """End ``run_id`` FAILED (KILLED on Ctrl-C or SIGTERM) with the error as tags if the block raises;
+        FINISHED if it returns and ``finish`` is true (train leaves its run open for evaluate).
+        ``context``: a callable returning more tags for the error (e.g. ``error.step``)."""
         try:
             yield
         except BaseException as e:
             killed = isinstance(e, KeyboardInterrupt)
             try:
-                self.set_tags(run_id, {"error.type": type(e).__name__, "error.message": str(e)[:5000]})
+                extra = context() if context else {}
+                if getattr(e, "step", None) is not None:  # the error knows its optimizer step
+                    extra["error.step"] = str(e.step)
+                self.set_tags(run_id, {"error.type": type(e).__name__, "error.message": str(e)[:5000], **extra})
                 self.end_run(run_id, "KILLED" if killed else "FAILED")
             except Exception:
                 pass  # the store itself failed: the original error is what the user needs
@@ -206,6 +210,7 @@ def connect(experiment_name: str, root: Path | None = None) -> Tracker:
     root = root or paths.project_root()
     uri = paths.tracking_uri(root)
     _check_uri(uri)
+    check_reachable(uri)
     default_store = paths.uses_default_store()
     with filelock.FileLock(str(paths.lock_file(root)), timeout=120):
         try:
@@ -388,3 +393,39 @@ def log_comparison(tracker: Tracker, files: list[str | os.PathLike], run_ids: li
         if summary:
             tracker.log_metrics(run_id, summary)
     return run_id
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail fast when an http(s) tracking server does not accept a TCP connection.
+
+    MLflow's REST client retries a refused or unroutable server with backoff for minutes before it
+    raises; this opens one TCP connection (to the server, or to the proxy that would carry the
+    request) within ``timeout_s`` instead. Other schemes are left alone.
+
+    Raises:
+        UserError: the host cannot be resolved, or refuses or does not answer the connection.
+    """
+    import socket
+    import urllib.request
+    u = urlparse(uri)
+    if u.scheme not in ("http", "https"):
+        return
+    try:
+        host, port = u.hostname, u.port or (443 if u.scheme == "https" else 80)
+    except ValueError as e:  # a port that is not a number or out of range
+        raise UserError(f"MLFLOW_TRACKING_URI={redact(uri)!r} is malformed: {e}") from None
+    if not host:
+        raise UserError(f"MLFLOW_TRACKING_URI={redact(uri)!r} has no host; use http(s)://HOST:PORT")
+    target, via = (host, port), ""
+    proxy = urllib.request.getproxies().get(u.scheme)
+    if proxy and not urllib.request.proxy_bypass(host):
+        pu = urlparse(proxy if "://" in proxy else f"http://{proxy}")
+        target, via = (pu.hostname or "", pu.port or 80), f" through the proxy {pu.hostname}:{pu.port or 80}"
+    try:
+        with socket.create_connection(target, timeout=timeout_s):
+            return
+    except OSError as e:
+        reason = "no answer" if isinstance(e, socket.timeout) else (e.strerror or type(e).__name__)
+        raise UserError(f"MLFLOW_TRACKING_URI={redact(uri)!r}: the tracking server cannot be reached{via} "
+                        f"({reason}, {timeout_s:g} s timeout); start it (mlflow server --host {host} "
+                        f"--port {port}) or unset MLFLOW_TRACKING_URI to use <project root>/mlflow.db") from None

@@ -5,6 +5,7 @@ which logs into the same run and finishes it; the run id is kept in ``models/mlf
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import shutil
@@ -50,8 +51,27 @@ def run(cfg: Config) -> dict:
     tracker = tracking.connect(cfg.tracking.experiment_name)
     tags = {**tracking.run_context_tags(), "stage": "train", "equivalence_key": key,
             "device": measure.device_name(device), "data.fingerprint": stats["fingerprint"]}
+    ckpt_dir, resume = _checkpoints(cfg, stats["fingerprint"])
+    if resume:
+        tags["onegpu.resumed_from"] = resume[1].get("run_id", "")
+        tags["onegpu.resumed_at_step"] = str(resume[1]["step"])
     run_id = tracker.start_run(tracking.run_name(), tags)
-    with tracker.guard(run_id, finish=False):
+    if resume:
+        print(f"train: resuming from {resume[0]} (optimizer step {resume[1]['step']} of MLflow run "
+              f"{resume[1].get('run_id')}, which was stopped); this run is {run_id}")
+        try:
+            tracker.set_tags(resume[1]["run_id"], {"onegpu.resumed_by": run_id})
+        except Exception:
+            pass  # the earlier run may be in another store; the link on this run is what matters
+    progress = {"step": 0}
+
+    def sink(metrics: dict, step: int) -> None:
+        progress["step"] = step
+        buffer.add(metrics, step)
+
+    buffer = tracker.metric_buffer(run_id)
+    with tracker.guard(run_id, finish=False, context=lambda: {"error.step": str(progress["step"] + 1)}), \
+            _flushed(buffer):
         tracker.log_params(run_id, flatten(cfg.to_dict()))
 
         import importlib
@@ -74,7 +94,9 @@ def run(cfg: Config) -> dict:
         tracker.set_tags(run_id, models.describe(model))
 
         micro = None
-        if auto:
+        if auto and resume and resume[1].get("micro_batch"):
+            micro = int(resume[1]["micro_batch"])  # the split the checkpoint was written with
+        elif auto:
             micro = _find_micro_batch(model, tokenizer, dsd, cfg, budget, device, tracker, run_id)
         resolved = resolve(cfg, micro_batch=micro)
         tracker.log_params(run_id, {
@@ -82,9 +104,18 @@ def run(cfg: Config) -> dict:
             "resolved.gradient_accumulation_steps": resolved.gradient_accumulation_steps,
             "resolved.effective_batch_size": resolved.effective_batch_size,
             "resolved.world_size": resolved.world_size})
-        buffer = tracker.metric_buffer(run_id)
-        with tracker.system_metrics(run_id):
-            model, steps = backend.train(model, tokenizer, dsd, cfg, resolved, sink=buffer.add)
+        extra = {}
+        if cfg.train.backend == "trainer":  # resumable: checkpoints and a clean stop on Ctrl-C/SIGTERM
+            from onegpu.training.interrupt import GracefulStop
+            stop = GracefulStop()
+            extra = {"checkpoint_dir": ckpt_dir, "stop": stop, "resume": resume,
+                     "checkpoint_meta": {"run_id": run_id, "micro_batch": resolved.per_device_train_batch_size}}
+            for row in (resume[1]["rows"] if resume else []):  # the stopped run's steps, so this one is whole
+                sink({k: v for k, v in row.items() if k not in ("step", "samples", "tokens")}, row["step"])
+        else:
+            stop = contextlib.nullcontext()
+        with tracker.system_metrics(run_id), stop:
+            model, steps = backend.train(model, tokenizer, dsd, cfg, resolved, sink=sink, **extra)
         for ev in steps.events:  # out-of-memory recoveries: the split changed, the result did not
             buffer.add({"oom_retry_micro_batch": ev["micro_batch"]}, ev["step"])
         buffer.flush()
@@ -114,11 +145,34 @@ def run(cfg: Config) -> dict:
             "gradient_accumulation_steps": resolved.gradient_accumulation_steps})
         paths.write_json_atomic(paths.RUN_FILE, {"run_id": run_id, "experiment_id": tracker.experiment_id,
                                                  "equivalence_key": key})
+    shutil.rmtree(ckpt_dir, ignore_errors=True)  # finished: nothing left to resume
     print(f"train: {summary.get('train_steps', 0)} optimizer steps of {resolved.effective_batch_size} examples "
           f"({resolved.per_device_train_batch_size} x {resolved.gradient_accumulation_steps}), "
           f"train_loss {summary.get('train_loss', float('nan')):.4f}, {summary.get('train_runtime', 0):.1f} s, "
           f"peak {summary.get('train_mem_peak_bytes', 0) / 2**20:.0f} MiB on {tags['device']}; MLflow run {run_id}")
     return summary
+
+
+def _checkpoints(cfg: Config, fingerprint: str):
+    """This configuration's checkpoint folder and the checkpoint to resume from (trainer backend), if any."""
+    from onegpu.config import run_config_hash
+    ckpt_dir = paths.checkpoint_dir(run_config_hash(cfg, fingerprint))
+    if cfg.train.backend != "trainer":
+        return ckpt_dir, None
+    from onegpu.training.hf_trainer import latest_checkpoint
+    return ckpt_dir, latest_checkpoint(ckpt_dir)
+
+
+@contextlib.contextmanager
+def _flushed(buffer):
+    """Write buffered step metrics whatever happens: a failed or stopped run keeps every step it logged."""
+    try:
+        yield
+    finally:
+        try:
+            buffer.flush()
+        except Exception:
+            pass
 
 
 def _find_micro_batch(model, tokenizer, dsd, cfg: Config, budget: int, device: str, tracker, run_id: str) -> int:

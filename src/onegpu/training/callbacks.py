@@ -6,12 +6,25 @@ writer), so this module knows nothing of MLflow.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
 from onegpu import measure
+from onegpu.errors import UserError
+
+
+class TrainingDiverged(UserError):
+    """The loss of an optimizer step is NaN or infinite: training stops at that step."""
+
+    def __init__(self, step: int, loss: float, learning_rate: float | None) -> None:
+        super().__init__(
+            f"the loss is {loss} at optimizer step {step}; training stopped there. Likely causes: a learning "
+            f"rate too high (train.learning_rate, {learning_rate} at that step; try 10x lower or add "
+            "train.warmup_ratio), fp16 overflow (use bf16 or fp32), or bad rows in the data")
+        self.step = step
 
 
 class BatchCounter:
@@ -97,6 +110,8 @@ class StepRecorder:
         row.update(loss=loss, grad_norm=grad_norm, learning_rate=learning_rate)
         self.rows.append({"step": step, **row})
         self.sink({k: v for k, v in row.items() if k not in ("samples", "tokens")}, step)
+        if not math.isfinite(loss):
+            raise TrainingDiverged(step, loss, learning_rate)
 
     def memory(self) -> dict[str, int]:
         """The breakdown plus run peaks: ``mem_allocated_peak_bytes``/``mem_reserved_peak_bytes`` (CUDA,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import tempfile
 from typing import Callable
 
-from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
+from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 
 from onegpu.config import Config, Resolved
@@ -56,7 +56,9 @@ def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> Trai
         logging_strategy="steps",
         logging_steps=1,
         logging_nan_inf_filter=False,
-        save_strategy="no",
+        save_strategy="steps" if t.save_steps else "no",
+        save_steps=t.save_steps or 500,
+        save_total_limit=1,
         eval_strategy="no",
         report_to="none",
         remove_unused_columns=False,
@@ -220,15 +222,63 @@ def probe_batch(train_ds, collator, resolved: Resolved) -> dict:
     return collator([train_ds[i] for i in range(n)])
 
 
+def latest_checkpoint(checkpoint_dir) -> tuple[str, dict] | None:
+    """The newest ``checkpoint-N`` under ``checkpoint_dir`` that onegpu finished writing, with its
+    ``onegpu_state.json`` (the step rows so far, the memory breakdown, the MLflow run id); else None."""
+    import glob
+    import os
+    found = []
+    for d in glob.glob(os.path.join(str(checkpoint_dir), "checkpoint-*")):
+        try:
+            found.append((int(d.rsplit("-", 1)[1]), d))
+        except ValueError:
+            continue
+    for _, d in sorted(found, reverse=True):
+        state = os.path.join(d, STATE_FILE)
+        if os.path.isfile(state):
+            from onegpu.paths import read_json
+            return d, read_json(state)
+    return None
+
+
+STATE_FILE = "onegpu_state.json"
+
+
+class CheckpointState(TrainerCallback):
+    """After Trainer saves ``checkpoint-N``, add onegpu's state (step rows, breakdown, events, ``meta``)."""
+
+    def __init__(self, recorder: StepRecorder, meta: dict) -> None:
+        self.recorder, self.meta = recorder, meta
+
+    def on_save(self, args, state, control, **kw):
+        import os
+
+        from onegpu.paths import write_json_atomic
+        d = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        write_json_atomic(os.path.join(d, STATE_FILE), {
+            "step": state.global_step, "rows": self.recorder.rows, "breakdown": self.recorder.breakdown,
+            "events": self.recorder.events, **self.meta})
+
+
 def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
-          sink: Callable[[dict, int], None], oom_injector=None) -> tuple[object, StepRecorder]:
+          sink: Callable[[dict, int], None], oom_injector=None, checkpoint_dir=None, stop=None,
+          resume: tuple[str, dict] | None = None, checkpoint_meta: dict | None = None
+          ) -> tuple[object, StepRecorder]:
     """Fine-tune ``model`` on ``dsd['train']``; per-step metrics go to ``sink(metrics, step)``.
+
+    Checkpoints (Trainer's format: safetensors weights; optimizer, scheduler and RNG states loaded with
+    ``weights_only=True``) go to ``checkpoint_dir`` every ``train.save_steps`` steps and when ``stop``
+    (a :class:`onegpu.training.interrupt.GracefulStop`) is requested; ``resume`` =
+    :func:`latest_checkpoint`'s answer continues from one, with the earlier step rows restored.
 
     Returns:
         The trained model (``save_pretrained`` saves it) and the step recorder (rows and summary).
+    Raises:
+        onegpu.training.interrupt.Interrupted: a stop was requested (after the checkpoint is saved).
     """
+    from onegpu.training.interrupt import Interrupted, StopCallback
     counter = BatchCounter()
-    out = tempfile.mkdtemp(prefix="onegpu-trainer-")
+    out = str(checkpoint_dir) if checkpoint_dir else tempfile.mkdtemp(prefix="onegpu-trainer-")
     args = training_arguments(cfg, resolved, out)
     train_ds = model_inputs(dsd, cfg.model.task)["train"]
     collator = collator_for(cfg.model.task, tokenizer)
@@ -237,11 +287,21 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
         counter=counter, task=cfg.model.task, oom_retry=cfg.train.oom_retry, oom_injector=oom_injector)
     steps = StepRecorder(sink, args.device, counter)
     steps.events = trainer.oom_events
+    if resume is not None:
+        steps.rows = list(resume[1]["rows"])
+        steps.breakdown.update(resume[1].get("breakdown", {}))
+        steps.events.extend(resume[1].get("events", []))
+    if checkpoint_dir:
+        trainer.add_callback(CheckpointState(steps, checkpoint_meta or {}))
+    if stop is not None:
+        trainer.add_callback(StopCallback(stop))
     trainer.add_callback(StepMetrics(steps, probe=(probe_batch(train_ds, collator, resolved),
                                                    loss_for(cfg.model.task))))
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(SparseProgress(cfg.train.logging_steps))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume[0] if resume else None)
+    if stop is not None and stop.requested is not None:
+        raise Interrupted(stop.requested, trainer.state.global_step)
     return trainer.model, steps
 
 
