@@ -39,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--experiment", metavar="NAME",
                      help="MLflow experiment (default: tracking.experiment_name from the params file)")
     cmp.add_argument("--out", default="reports", metavar="DIR", help="output folder (default: reports/)")
+    syn = sub.add_parser("sync", help="write MLflow records spooled while the tracking store was unreachable",
+                         description="Replay <project root>/.onegpu/spool/*.jsonl (per-step metrics, params, "
+                                     "tags, run status that training wrote while the store was down) into "
+                                     "the store, in order.")
+    syn.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     est = sub.add_parser("estimate", help="predict memory per micro-batch for the current params, without training",
                          description="Predict params, grads, optimizer states and activations (with and "
                                      "without checkpointing) for a list of micro-batch sizes from one probe "
@@ -72,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "ui":
             from onegpu import ui
             return ui.serve(cfg.tracking.experiment_name, args.host, args.port)
+        elif args.command == "sync":
+            from onegpu import tracking
+            runs, records = tracking.sync()
+            print(f"onegpu sync: {records} spooled record(s) of {runs} run(s) written to "
+                  f"{tracking.redact(tracking.paths.tracking_uri())}")
         elif args.command == "compare":
             from onegpu.stages import compare
             compare.run(args.experiment or cfg.tracking.experiment_name, key=args.key, run_ids=args.runs,

@@ -74,6 +74,11 @@ def checkpoint_dir(config_hash: str, root: Path | None = None) -> Path:
     return (root or project_root()) / ".onegpu" / "checkpoints" / config_hash
 
 
+def spool_dir(root: Path | None = None) -> Path:
+    """``<root>/.onegpu/spool``: MLflow writes waiting for an unreachable store (``onegpu sync``)."""
+    return (root or project_root()) / ".onegpu" / "spool"
+
+
 def lock_file(root: Path | None = None) -> Path:
     """A file lock that serialises creating the store and the experiment across processes."""
     d = (root or project_root()) / ".onegpu"

@@ -9,8 +9,10 @@ at once can silently log into experiment 0 (measured here, see ../shared/design.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,10 +47,16 @@ def redact(uri: str) -> str:
 
 @dataclass
 class Tracker:
-    """A connection to the project's store and experiment."""
+    """A connection to the project's store and experiment.
+
+    ``spool_dir``: where writes that cannot reach the store wait (``<root>/.onegpu/spool``); None
+    writes straight through and raises on failure.
+    """
     client: Any
     experiment_id: str
     uri: str
+    spool_dir: Path | None = None
+    _warned: bool = False
 
     # -- runs ---------------------------------------------------------------------------------
     def start_run(self, run_name: str | None, tags: dict[str, str]) -> str:
@@ -58,7 +66,7 @@ class Tracker:
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         """Set the run's status: FINISHED, FAILED or KILLED."""
-        self.client.set_terminated(run_id, status=status)
+        self._write(run_id, "status", [status])
 
     @contextmanager
     def guard(self, run_id: str, finish: bool = True, context=None):
@@ -91,24 +99,44 @@ class Tracker:
     # -- params, tags, metrics ----------------------------------------------------------------
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
         """Log params (values as strings, ``None`` as ``'None'``) in batches."""
-        from mlflow.entities import Param
-        items = [Param(k, str(v)[:_MAX_PARAM_LEN]) for k, v in params.items()]
+        items = [[k, str(v)[:_MAX_PARAM_LEN]] for k, v in params.items()]
         for i in range(0, len(items), 100):
-            self.client.log_batch(run_id, params=items[i:i + 100], synchronous=True)
+            self._write(run_id, "params", items[i:i + 100])
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
-        from mlflow.entities import RunTag
-        items = [RunTag(k, str(v)) for k, v in tags.items()]
+        items = [[k, str(v)] for k, v in tags.items()]
         for i in range(0, len(items), 100):
-            self.client.log_batch(run_id, tags=items[i:i + 100], synchronous=True)
+            self._write(run_id, "tags", items[i:i + 100])
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         """Log several scalar metrics at one ``step`` in one batch."""
-        from mlflow.entities import Metric
         ts = int(time.time() * 1000)
-        items = [Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None]
+        items = [[k, float(v), ts, step] for k, v in metrics.items() if v is not None]
         for i in range(0, len(items), 1000):
-            self.client.log_batch(run_id, metrics=items[i:i + 1000], synchronous=True)
+            self._write(run_id, "metrics", items[i:i + 1000])
+
+    # -- writes that survive an outage --------------------------------------------------------
+    def _write(self, run_id: str, kind: str, items: list) -> None:
+        """One batched write (``kind``: metrics, params, tags or status). If the store cannot take it,
+        it is appended to this run's spool file instead and training goes on; the spool is replayed,
+        in order, before the next write and by ``onegpu sync``."""
+        if self.spool_dir is None:
+            _apply(self.client, run_id, kind, items)
+            return
+        spool = Spool(self.spool_dir, run_id)
+        try:
+            if spool.pending():
+                spool.replay(self.client)
+            _apply(self.client, run_id, kind, items)
+        except Exception as e:
+            if not _is_outage(e):
+                raise
+            spool.append(kind, items)
+            if not self._warned:
+                self._warned = True
+                print(f"onegpu: the MLflow store {redact(self.uri)} is unreachable ({type(e).__name__}); "
+                      f"spooling to {spool.path}; later writes retry it, `onegpu sync` writes the rest",
+                      file=sys.stderr, flush=True)
 
     def metric_buffer(self, run_id: str, flush_every: int = 200, flush_seconds: float = 30.0) -> "MetricBuffer":
         return MetricBuffer(self, run_id, flush_every=flush_every, flush_seconds=flush_seconds)
@@ -180,16 +208,15 @@ class MetricBuffer:
         self.logged = 0
 
     def add(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
         ts = int(time.time() * 1000)
-        self._items.extend(Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None)
+        self._items.extend([k, float(v), ts, step] for k, v in metrics.items() if v is not None)
         if len(self._items) >= self.flush_every or time.monotonic() - self._last > self.flush_seconds:
             self.flush()
 
     def flush(self) -> None:
         while self._items:
             chunk, self._items = self._items[:1000], self._items[1000:]
-            self.tracker.client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+            self.tracker._write(self.run_id, "metrics", chunk)
             self.logged += len(chunk)
         self._last = time.monotonic()
 
@@ -211,6 +238,11 @@ def connect(experiment_name: str, root: Path | None = None) -> Tracker:
     uri = paths.tracking_uri(root)
     _check_uri(uri)
     check_reachable(uri)
+    if urlparse(uri).scheme in ("http", "https"):
+        # MLflow's REST client retries for minutes by default; the spool takes over much sooner.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     default_store = paths.uses_default_store()
     with filelock.FileLock(str(paths.lock_file(root)), timeout=120):
         try:
@@ -228,7 +260,7 @@ def connect(experiment_name: str, root: Path | None = None) -> Tracker:
             raise
         except Exception as e:
             raise UserError(f"cannot open the MLflow store {redact(uri)}: {type(e).__name__}: {e}") from None
-    return Tracker(client=client, experiment_id=exp_id, uri=uri)
+    return Tracker(client=client, experiment_id=exp_id, uri=uri, spool_dir=paths.spool_dir(root))
 
 
 def git_commit(cwd: str | os.PathLike = ".") -> str:
@@ -429,3 +461,99 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
         raise UserError(f"MLFLOW_TRACKING_URI={redact(uri)!r}: the tracking server cannot be reached{via} "
                         f"({reason}, {timeout_s:g} s timeout); start it (mlflow server --host {host} "
                         f"--port {port}) or unset MLFLOW_TRACKING_URI to use <project root>/mlflow.db") from None
+
+
+# -- the spool: tracking writes that waited out an outage ---------------------------------------------
+
+def _apply(client, run_id: str, kind: str, items: list) -> None:
+    """Send one spooled-format write to the store."""
+    from mlflow.entities import Metric, Param, RunTag
+    if kind == "metrics":
+        client.log_batch(run_id, metrics=[Metric(k, v, ts, st) for k, v, ts, st in items], synchronous=True)
+    elif kind == "params":
+        client.log_batch(run_id, params=[Param(k, v) for k, v in items], synchronous=True)
+    elif kind == "tags":
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in items], synchronous=True)
+    elif kind == "status":
+        client.set_terminated(run_id, status=items[0])
+    else:
+        raise ValueError(f"unknown spool record kind {kind!r}")
+
+
+def _is_outage(e: Exception) -> bool:
+    """Errors that mean "the store is not there now", not "this write is wrong"."""
+    import requests
+    from mlflow.exceptions import MlflowException
+    if isinstance(e, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ConnectionError,
+                      TimeoutError)):
+        return True
+    text = str(e)
+    return isinstance(e, MlflowException) and any(
+        w in text for w in ("Max retries exceeded", "Connection refused", "timed out", "API request to",
+                            "database is locked", "ConnectionError", "Failed to establish"))
+
+
+class Spool:
+    """``<spool_dir>/<run_id>.jsonl``: one JSON line per write that could not reach the store."""
+
+    def __init__(self, spool_dir: Path, run_id: str) -> None:
+        self.path = Path(spool_dir) / f"{run_id}.jsonl"
+        self.run_id = run_id
+
+    def pending(self) -> bool:
+        return self.path.is_file() and self.path.stat().st_size > 0
+
+    def append(self, kind: str, items: list) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"kind": kind, "items": items}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def replay(self, client) -> int:
+        """Write every spooled record in order; the file is removed once all are in. Returns records
+        written. Raises what the store raises (the rest stays spooled)."""
+        lines = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
+        done = 0
+        try:
+            for ln in lines:
+                rec = json.loads(ln)
+                _apply(client, self.run_id, rec["kind"], rec["items"])
+                done += 1
+        finally:
+            rest = lines[done:]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(ln + "\n" for ln in rest))
+            os.replace(tmp, self.path)
+            if not rest:
+                self.path.unlink()
+        return done
+
+
+def sync(root: Path | None = None) -> tuple[int, int]:
+    """Replay every run's spool into the store (``onegpu sync``). Returns (runs, records) written.
+
+    Raises:
+        UserError: the store is still unreachable (the spool is kept).
+    """
+    from mlflow import MlflowClient
+    root = root or paths.project_root()
+    uri = paths.tracking_uri(root)
+    _check_uri(uri)
+    try:
+        check_reachable(uri)
+    except UserError as e:
+        raise UserError(f"{e}; the store is still unreachable, so the spool in {paths.spool_dir(root)} "
+                        "is kept") from None
+    client = MlflowClient(tracking_uri=uri)
+    runs = records = 0
+    for f in sorted(paths.spool_dir(root).glob("*.jsonl")):
+        try:
+            records += Spool(f.parent, f.stem).replay(client)
+        except Exception as e:
+            if _is_outage(e):
+                raise UserError(f"the MLflow store {redact(uri)} is still unreachable; the spool is kept "
+                                f"in {f.parent}") from None
+            raise
+        runs += 1
+    return runs, records

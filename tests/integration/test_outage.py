@@ -1,0 +1,98 @@
+"""A real `mlflow server` on 127.0.0.1: unreachable at start fails fast; going away mid-run does not stop
+training, and `onegpu sync` writes every spooled step once the server is back."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from .conftest import BIN, _env, make_project, run
+
+pytestmark = pytest.mark.slow
+STEPS = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server(db, port):
+    p = subprocess.Popen([str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{db}", "--host",
+                          "127.0.0.1", "--port", str(port), "--workers", "1"], env=_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    for _ in range(240):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return p
+        except OSError:
+            if p.poll() is not None:
+                raise AssertionError("mlflow server exited")
+            time.sleep(0.5)
+    p.kill()
+    raise AssertionError("mlflow server did not start")
+
+
+def _stop(p):
+    import os
+    os.killpg(p.pid, signal.SIGTERM)
+    p.wait(timeout=30)
+
+
+def test_unreachable_server_fails_fast_and_an_outage_mid_run_loses_nothing(tmp_path):
+    project = make_project(tmp_path / "p", {"train": {"max_steps": STEPS, "logging_steps": 1,
+                                                      "per_device_train_batch_size": 2,
+                                                      "gradient_accumulation_steps": 1}})
+    port = _free_port()
+    uri = f"http://127.0.0.1:{port}"
+    env = {**_env(), "MLFLOW_TRACKING_URI": uri, "PYTHONUNBUFFERED": "1"}
+    onegpu = str(BIN / "onegpu")
+
+    start = time.monotonic()
+    p = subprocess.run([onegpu, "prepare"], cwd=project, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "cannot be reached" in p.stderr, p.stderr
+    assert time.monotonic() - start < 15
+    assert not (project / "data/processed").exists()
+
+    server = _server(tmp_path / "store.db", port)
+    try:
+        assert subprocess.run([onegpu, "prepare"], cwd=project, env=env, timeout=300).returncode == 0
+        train = subprocess.Popen([onegpu, "train"], cwd=project, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        lines = []
+        for line in train.stdout:
+            lines.append(line)
+            if "'loss'" in line:  # the run exists on the server and training is under way
+                _stop(server)
+                server = None
+                break
+        lines.append(train.stdout.read())
+        assert train.wait(timeout=600) == 0, "".join(lines)  # the outage did not stop training
+        out = "".join(lines)
+        assert "unreachable" in out and "onegpu sync" in out, out
+        spooled = list((project / ".onegpu" / "spool").glob("*.jsonl"))
+        assert len(spooled) == 1
+        run_id = spooled[0].stem
+
+        p = subprocess.run([onegpu, "sync"], cwd=project, env=env, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and "still unreachable" in p.stderr  # nothing is dropped while it is down
+        assert spooled[0].is_file()
+
+        server = _server(tmp_path / "store.db", port)
+        p = subprocess.run([onegpu, "sync"], cwd=project, env=env, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert not spooled[0].exists()
+        from mlflow import MlflowClient
+        c = MlflowClient(tracking_uri=uri)
+        for key in ("loss", "grad_norm", "step_time_s", "mem_peak_bytes"):
+            assert sorted(m.step for m in c.get_metric_history(run_id, key)) == list(range(1, STEPS + 1)), key
+        m = c.get_run(run_id).data.metrics
+        assert m["train_runtime"] > 0 and "mem_params_bytes" in m
+    finally:
+        if server is not None:
+            _stop(server)
