@@ -7,15 +7,14 @@ BIN    := $(VENV)/bin
 TORCH  ?=
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install run test test-quick clean
+.PHONY: install run test test-quick lock clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(if $(TORCH),$(BIN)/python -m pip install --quiet "$(TORCH)")
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[dev]'
 	touch $@
 
 run: install
@@ -26,6 +25,14 @@ test: install
 
 test-quick: install
 	$(BIN)/python -m pytest -m "not slow"
+
+# Re-pin requirements.lock to what the venv has now (torch stays unpinned: it is per machine).
+lock: install
+	{ echo "# Versions this project was tested with (pip constraints: make install applies them)."; \
+	  echo "# torch is left to the machine: a CUDA build on GPU machines, torch==2.13.0 (CPU) in CI."; \
+	  echo "# Regenerate: make lock"; \
+	  $(BIN)/python -m pip freeze --exclude-editable | grep -vE '^(torch|triton|nvidia-[a-z0-9-]+-cu[0-9]+|onegpu)[=@ ]'; \
+	} > requirements.lock
 
 clean:
 	rm -rf $(VENV) mlflow.db mlartifacts .onegpu data/processed data/stats.json models metrics plots

@@ -109,15 +109,18 @@ def test_queued_grid_runs_in_parallel_into_the_root_store(project):
     # DVC does not re-run a queued experiment identical to an up-to-date workspace.
     run(["git", "checkout", "--", "."], project)
     dvc(project, "checkout", "--force")
-    dvc(project, "exp", "run", "--queue", "-S", "train.gradient_accumulation_steps=1,4")
+    # Four experiments, two workers: all four land complete in the root store's experiment.
+    dvc(project, "exp", "run", "--queue", "-S", "train.gradient_accumulation_steps=1,4",
+        "-S", "train.learning_rate=1e-4,3e-5")
     dvc(project, "queue", "start", "-j", "2")
     status = wait_for_queue(project)
-    assert status.count("Success") >= 2, status
+    assert status.count("Success") >= 4, status
     c, exp, train = _training_runs(project)
     names = {r.data.tags.get("dvc.exp_name") for r in train}
     queued = [r for r in train if r.data.params.get("train.gradient_accumulation_steps") in ("1", "4")
               and r.data.params.get("train.per_device_train_batch_size") == "4"]
-    assert len(queued) == 2, names
+    assert len(queued) == 4, names
+    assert c.search_runs(["0"], max_results=10) == []  # nothing leaked into the Default experiment
     for r in queued:
         full = c.get_run(r.info.run_id)
         assert full.info.status == "FINISHED"
@@ -125,8 +128,8 @@ def test_queued_grid_runs_in_parallel_into_the_root_store(project):
         assert len(c.get_metric_history(r.info.run_id, "loss")) == MAX_STEPS
         assert "eval_accuracy" in full.data.metrics
         assert full.info.run_name == full.data.tags["dvc.exp_name"]
-    # Different effective batches (4 and 16) are different training: different keys.
-    assert len({r.data.tags["equivalence_key"] for r in queued}) == 2
+    # Different effective batches (4, 16) and learning rates are different training: four keys.
+    assert len({r.data.tags["equivalence_key"] for r in queued}) == 4
     shown = dvc(project, "exp", "show", "--json").stdout
     assert "eval_accuracy" in shown and "gradient_accumulation_steps" in shown
 
