@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from .conftest import dvc, run, runs, wait_for_queue
+from .conftest import BIN, dvc, run, runs, wait_for_queue
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +71,11 @@ def test_repro_logs_prepare_and_one_complete_training_run(project):
     assert len(t["mlflow.source.git.commit"]) == 40
     arts = {a.path for a in c.list_artifacts(run.info.run_id)}
     assert "confusion_matrix.png" in arts
+    # Nothing from the environment (paths, URIs, credentials) is logged as a param or tag.
+    import os
+    leaks = [v for v in [*p.values(), *t.values()] if str(BIN) in v or "MLFLOW_" in v
+             or os.environ.get("HOME", "#") + "/" in v]
+    assert leaks == []
 
     # What DVC reads: metrics files, the per-step plot, the run id.
     ev = json.loads((project / "metrics/eval.json").read_text())

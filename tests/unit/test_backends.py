@@ -164,3 +164,48 @@ def test_training_past_one_epoch(max_steps, epochs):
     assert col(acc, "samples") == col(hf, "samples") == [8, 8, 4, 8, 8]
     assert max_diff(hf, acc, "loss") <= LOSS_TOL, (col(hf, "loss"), col(acc, "loss"))
     assert max_diff(hf, acc, "grad_norm") <= NORM_TOL
+
+
+def test_accelerate_stop_and_resume_gives_the_uninterrupted_losses_and_weights(tmp_path, monkeypatch):
+    """Stop after step 2 of 5 (dropout on: the RNG state must resume too), resume from the checkpoint."""
+    from transformers import BertForSequenceClassification
+
+    from onegpu.training import accel
+    from onegpu.training.checkpoint import latest_checkpoint
+    from onegpu.training.interrupt import Interrupted
+    monkeypatch.chdir(tmp_path)
+    cfg = from_container({"model": {"dropout": 0.1},
+                          "train": {"backend": "accelerate", "per_device_train_batch_size": 4,
+                                    "gradient_accumulation_steps": 2, "max_steps": 5, "learning_rate": 1e-3,
+                                    "logging_steps": 100}})
+
+    def build():
+        config = tiny_bert().config
+        config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.1
+        torch.manual_seed(0)
+        return BertForSequenceClassification(config)
+
+    ref = []
+    ref_model, _ = accel.train(build(), tokenizer(), dataset(24), cfg, resolve(cfg), lambda m, s: ref.append(m["loss"]))
+
+    class Stop:  # a GracefulStop whose signal "arrives" during step 2
+        requested = None
+    stop, first = Stop(), []
+
+    def sink(m, s):
+        first.append(m["loss"])
+        if s == 2:
+            stop.requested = 2
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(Interrupted):
+        accel.train(build(), tokenizer(), dataset(24), cfg, resolve(cfg), sink, checkpoint_dir=ckpt, stop=stop,
+                    checkpoint_meta={"run_id": "r1"})
+    resume = latest_checkpoint(ckpt)
+    assert resume is not None and resume[1]["step"] == 2 and resume[1]["run_id"] == "r1"
+    rest = []
+    model, rec = accel.train(build(), tokenizer(), dataset(24), cfg, resolve(cfg), lambda m, s: rest.append(m["loss"]),
+                             checkpoint_dir=ckpt, resume=resume)
+    assert first + rest == pytest.approx(ref, abs=1e-6)
+    assert [r["step"] for r in rec.rows] == [1, 2, 3, 4, 5]
+    want = ref_model.state_dict()
+    assert max(float((v - want[k]).abs().max()) for k, v in model.state_dict().items()) <= 1e-6

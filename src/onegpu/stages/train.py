@@ -104,16 +104,13 @@ def run(cfg: Config) -> dict:
             "resolved.gradient_accumulation_steps": resolved.gradient_accumulation_steps,
             "resolved.effective_batch_size": resolved.effective_batch_size,
             "resolved.world_size": resolved.world_size})
-        extra = {}
-        if cfg.train.backend == "trainer":  # resumable: checkpoints and a clean stop on Ctrl-C/SIGTERM
-            from onegpu.training.interrupt import GracefulStop
-            stop = GracefulStop()
-            extra = {"checkpoint_dir": ckpt_dir, "stop": stop, "resume": resume,
-                     "checkpoint_meta": {"run_id": run_id, "micro_batch": resolved.per_device_train_batch_size}}
-            for row in (resume[1]["rows"] if resume else []):  # the stopped run's steps, so this one is whole
-                sink({k: v for k, v in row.items() if k not in ("step", "samples", "tokens")}, row["step"])
-        else:
-            stop = contextlib.nullcontext()
+        # Resumable: checkpoints every train.save_steps and on Ctrl-C/SIGTERM (a clean stop).
+        from onegpu.training.interrupt import GracefulStop
+        stop = GracefulStop()
+        extra = {"checkpoint_dir": ckpt_dir, "stop": stop, "resume": resume,
+                 "checkpoint_meta": {"run_id": run_id, "micro_batch": resolved.per_device_train_batch_size}}
+        for row in (resume[1]["rows"] if resume else []):  # the stopped run's steps, so this one is whole
+            sink({k: v for k, v in row.items() if k not in ("step", "samples", "tokens")}, row["step"])
         with tracker.system_metrics(run_id), stop:
             model, steps = backend.train(model, tokenizer, dsd, cfg, resolved, sink=sink, **extra)
         for ev in steps.events:  # out-of-memory recoveries: the split changed, the result did not
@@ -154,12 +151,10 @@ def run(cfg: Config) -> dict:
 
 
 def _checkpoints(cfg: Config, fingerprint: str):
-    """This configuration's checkpoint folder and the checkpoint to resume from (trainer backend), if any."""
+    """This configuration's checkpoint folder and the checkpoint to resume from, if any."""
     from onegpu.config import run_config_hash
     ckpt_dir = paths.checkpoint_dir(run_config_hash(cfg, fingerprint))
-    if cfg.train.backend != "trainer":
-        return ckpt_dir, None
-    from onegpu.training.hf_trainer import latest_checkpoint
+    from onegpu.training.checkpoint import latest_checkpoint
     return ckpt_dir, latest_checkpoint(ckpt_dir)
 
 

@@ -28,6 +28,8 @@ from typing import Callable
 
 from onegpu.config import Config, Resolved
 from onegpu.training.callbacks import BatchCounter, StepRecorder
+from onegpu.training.checkpoint import load_loop_state, load_rng, save_loop_state
+from onegpu.training.interrupt import Interrupted
 from onegpu.training.hf_trainer import collator_for, model_inputs, probe_batch
 from onegpu.training.loss import count_items, loss_for
 
@@ -96,7 +98,9 @@ def schedule(len_dataloader: int, cfg: Config, resolved: Resolved) -> tuple[int,
 
 
 def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
-          sink: Callable[[dict, int], None]) -> tuple[object, StepRecorder]:
+          sink: Callable[[dict, int], None], checkpoint_dir=None, stop=None,
+          resume: tuple[str, dict] | None = None, checkpoint_meta: dict | None = None
+          ) -> tuple[object, StepRecorder]:
     """Fine-tune ``model`` on ``dsd['train']``; per-step metrics go to ``sink(metrics, step)``.
 
     Args:
@@ -105,6 +109,8 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
         dsd: the prepared ``DatasetDict`` (``train`` with ``input_ids``, ``attention_mask``, ``label``...).
         cfg, resolved: the validated params and the batch layout (micro-batch x accumulation).
         sink: receives one dict of metrics per optimizer step (see :class:`StepRecorder`).
+        checkpoint_dir, stop, resume, checkpoint_meta: as for :func:`onegpu.training.hf_trainer.train`;
+            checkpoints are :func:`onegpu.training.checkpoint.save_loop_state`'s.
     Returns:
         The trained model, unwrapped from Accelerate (``save_pretrained`` saves it), and the step recorder
         (one row per optimizer step: loss = the step's exact mean loss, grad_norm = total L2 norm before
@@ -159,20 +165,36 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
           f"({micro} x {accum}), {len(train_set)} examples, {epochs} epoch(s), {accelerator.device}, "
           f"mixed precision {accelerator.mixed_precision}", flush=True)
 
+    start = 0
+    if resume is not None:  # weights, optimizer, scheduler; the data position and RNG below
+        load_loop_state(resume[0], accelerator.unwrap_model(model), optimizer, scheduler)
+        start = int(resume[1]["step"])
+        recorder.rows = list(resume[1]["rows"])
+        recorder.breakdown.update(resume[1].get("breakdown", {}))
+        recorder.events.extend(resume[1].get("events", []))
+        print(f"accelerate: resuming after optimizer step {start}", flush=True)
+
     model.train()
     optimizer.zero_grad(set_to_none=True)
     probe = probe_batch(train_set, collator_for(cfg.model.task, tokenizer), resolved)
     recorder.probe_activations(model, {k: v.to(device) for k, v in probe.items()}, loss_fn)
     recorder.start()
-    step = 0
-    for epoch in range(epochs):
+    step = start
+    first_epoch, first_update = divmod(start, steps_per_epoch)
+    for epoch in range(first_epoch, epochs):
         loader.set_epoch(epoch)
-        batches = iter(loader)
-        for update in range(steps_per_epoch):
+        skip = first_update if epoch == first_epoch else 0
+        # A resumed epoch draws the same order (the sampler is seeded per epoch) and skips what was done.
+        batches = iter(accelerator.skip_first_batches(loader, skip * accum) if skip else loader)
+        for update in range(skip, steps_per_epoch):
             # Prefetch the step's micro-batches and count its items (Trainer.get_batch_samples); the
             # epoch's last step takes what is left.
             n = accum if update < steps_per_epoch - 1 else (len(loader) % accum or accum)
             micro_batches = list(itertools.islice(batches, n))
+            if resume is not None and step == start:
+                # Only now: a fresh DataLoader iterator draws its base seed from the global RNG at its
+                # first batch, which the uninterrupted run did before step 1. Dropout then matches.
+                load_rng(resume[0])
             num_items = sum(count_items(b["labels"], cfg.model.task) for b in micro_batches)
 
             step_loss = torch.zeros((), device=device)
@@ -206,6 +228,12 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
             if step % t.logging_steps == 0 or step == total_steps:
                 print(f"step {step}/{total_steps} | loss {loss_value:.4f} | grad_norm {norm_value:.3f} | "
                       f"lr {lr:.3e} | {recorder.rows[-1]['step_time_s'] * 1e3:.0f} ms", flush=True)
+            stopping = stop is not None and stop.requested is not None and step < total_steps
+            if checkpoint_dir and (stopping or (t.save_steps and step % t.save_steps == 0 and step < total_steps)):
+                save_loop_state(checkpoint_dir, step, accelerator.unwrap_model(model), optimizer, scheduler,
+                                recorder, checkpoint_meta or {})
+            if stopping:
+                raise Interrupted(stop.requested, step)
             if step >= total_steps:
                 break
         if step >= total_steps:

@@ -14,6 +14,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from onegpu.config import Config, Resolved
 from onegpu.errors import UserError
+from onegpu.training.checkpoint import write_state
 from onegpu.training.callbacks import BatchCounter, SparseProgress, StepMetrics, StepRecorder
 from onegpu.training.loss import count_items, loss_for
 
@@ -25,8 +26,9 @@ def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> Trai
     """``TrainingArguments`` from ``cfg.train`` under HF's own names.
 
     Fixed by onegpu: ``logging_steps=1`` (every optimizer step is logged to MLflow; ``train.logging_steps``
-    only paces the terminal), ``report_to="none"`` (onegpu logs to MLflow itself), no checkpoints
-    (``save_strategy="no"``; models/ gets the final model), no evaluation during training.
+    only paces the terminal), ``report_to="none"`` (onegpu logs to MLflow itself), checkpoints only
+    every ``train.save_steps`` (and on a requested stop; models/ gets the final model), no evaluation
+    during training.
     ``train.warmup_ratio`` becomes ``warmup_steps`` (transformers 5 reads values below 1 as a ratio).
     ``train.gradient_checkpointing`` becomes ``activation_checkpointing`` (its current name) with
     non-reentrant checkpointing.
@@ -222,28 +224,6 @@ def probe_batch(train_ds, collator, resolved: Resolved) -> dict:
     return collator([train_ds[i] for i in range(n)])
 
 
-def latest_checkpoint(checkpoint_dir) -> tuple[str, dict] | None:
-    """The newest ``checkpoint-N`` under ``checkpoint_dir`` that onegpu finished writing, with its
-    ``onegpu_state.json`` (the step rows so far, the memory breakdown, the MLflow run id); else None."""
-    import glob
-    import os
-    found = []
-    for d in glob.glob(os.path.join(str(checkpoint_dir), "checkpoint-*")):
-        try:
-            found.append((int(d.rsplit("-", 1)[1]), d))
-        except ValueError:
-            continue
-    for _, d in sorted(found, reverse=True):
-        state = os.path.join(d, STATE_FILE)
-        if os.path.isfile(state):
-            from onegpu.paths import read_json
-            return d, read_json(state)
-    return None
-
-
-STATE_FILE = "onegpu_state.json"
-
-
 class CheckpointState(TrainerCallback):
     """After Trainer saves ``checkpoint-N``, add onegpu's state (step rows, breakdown, events, ``meta``)."""
 
@@ -252,12 +232,8 @@ class CheckpointState(TrainerCallback):
 
     def on_save(self, args, state, control, **kw):
         import os
-
-        from onegpu.paths import write_json_atomic
-        d = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        write_json_atomic(os.path.join(d, STATE_FILE), {
-            "step": state.global_step, "rows": self.recorder.rows, "breakdown": self.recorder.breakdown,
-            "events": self.recorder.events, **self.meta})
+        write_state(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), state.global_step,
+                    self.recorder, self.meta)
 
 
 def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
@@ -269,7 +245,7 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
     Checkpoints (Trainer's format: safetensors weights; optimizer, scheduler and RNG states loaded with
     ``weights_only=True``) go to ``checkpoint_dir`` every ``train.save_steps`` steps and when ``stop``
     (a :class:`onegpu.training.interrupt.GracefulStop`) is requested; ``resume`` =
-    :func:`latest_checkpoint`'s answer continues from one, with the earlier step rows restored.
+    :func:`onegpu.training.checkpoint.latest_checkpoint`'s answer continues from one, with the earlier step rows restored.
 
     Returns:
         The trained model (``save_pretrained`` saves it) and the step recorder (rows and summary).
