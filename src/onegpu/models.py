@@ -198,7 +198,7 @@ def build_causal_lm(path: str | None, tokenizer, sizes, context: int, dropout: f
         if dropout is not None:
             _set_dropout(config, dropout)
         model = AutoModelForCausalLM.from_pretrained(path, config=config)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         raise ModelError(f"cannot load a causal LM from {path!r}: {str(e).splitlines()[0]}") from None
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -221,11 +221,12 @@ def _set_dropout(config, p: float) -> list[str]:
 def build_classifier(path: str, labels: list[str], dropout: float | None):
     """A pretrained encoder with a new ``num_labels``-way head (``AutoModelForSequenceClassification``).
 
-    The head's initialisation draws from torch's RNG: seed first (``transformers.set_seed``).
+    The head's initialisation draws from torch's RNG: seed first (``transformers.set_seed``). A
+    checkpoint that is already a classifier, with a head for another number of labels, gets a new head.
     Returns:
         The model in float32, on CPU.
     Raises:
-        ModelError: ``path`` holds no loadable model.
+        ModelError: ``path`` holds no loadable model, or weights of other shapes than its config.
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
@@ -237,15 +238,26 @@ def build_classifier(path: str, labels: list[str], dropout: float | None):
         raise ModelError(f"cannot load a model config from {path!r}: {str(e).splitlines()[0]}") from None
     if dropout is not None:
         _set_dropout(config, dropout)
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # the expected "newly initialized: classifier.*" report
+    hf_logging.disable_progress_bar()  # transformers 5's "Loading weights" bar on stderr
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(path, config=config)
-    except (OSError, ValueError) as e:
+        # A checkpoint that is already a classifier may have a head for another number of labels: that
+        # head is replaced (the new head this function promises); any other shape mismatch is an error.
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, config=config, ignore_mismatched_sizes=True, output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as e:
         raise ModelError(f"cannot load a sequence-classification model from {path!r}: "
-                         f"{str(e).splitlines()[0]}") from None
+                         f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    prefix = f"{model.base_model_prefix}."
+    body = sorted(k for k, *_ in info.get("mismatched_keys") or () if k.startswith(prefix))
+    if body:
+        raise ModelError(f"cannot load a sequence-classification model from {path!r}: its weights do not have "
+                         f"the shapes its config.json gives ({', '.join(body[:3])})")
     return model
 
 

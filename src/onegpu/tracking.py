@@ -244,8 +244,12 @@ def connect(experiment_name: str, root: Path | None = None) -> Tracker:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     default_store = paths.uses_default_store()
+    import logging
+    db_log = logging.getLogger("mlflow.store.db.utils")  # "Creating initial MLflow database tables..."
+    old_level = db_log.level
     with filelock.FileLock(str(paths.lock_file(root)), timeout=120):
         try:
+            db_log.setLevel(logging.WARNING)
             client = MlflowClient(tracking_uri=uri)
             exp = client.get_experiment_by_name(experiment_name)
             if exp is None:
@@ -260,6 +264,8 @@ def connect(experiment_name: str, root: Path | None = None) -> Tracker:
             raise
         except Exception as e:
             raise UserError(f"cannot open the MLflow store {redact(uri)}: {type(e).__name__}: {e}") from None
+        finally:
+            db_log.setLevel(old_level)
     return Tracker(client=client, experiment_id=exp_id, uri=uri, spool_dir=paths.spool_dir(root))
 
 
@@ -312,6 +318,7 @@ def open_existing(experiment_name: str, root: Path | None = None) -> Tracker:
     root = root or paths.project_root()
     uri = paths.tracking_uri(root)
     _check_uri(uri)
+    check_reachable(uri)
     if paths.uses_default_store() and not (root / "mlflow.db").is_file():
         raise UserError(f"no MLflow store at {root / 'mlflow.db'}: no training runs yet. Train first "
                         "(`dvc repro` or `dvc exp run -S ...`), or set MLFLOW_TRACKING_URI")
