@@ -122,7 +122,7 @@ def _unknown_key_message(full_key: str) -> str:
     did = f" Did you mean '{section + '.' if section else ''}{hint[0]}'?" if hint else ""
     where = f"'{section}'" if section else "the top level"
     return (f"unknown key '{full_key}'.{did} Allowed keys in {where}: {', '.join(allowed)}. "
-            "(Note: `dvc exp run -S` adds a misspelt key instead of failing.)")
+            "(Keys come from params.yaml, e.g. after `dvc exp run -S +section.key=value`.)")
 
 
 def load(path: str | os.PathLike = "params.yaml", overrides: list[str] | None = None) -> Config:

@@ -82,6 +82,22 @@ def _decode_utf8(raw: bytes, path: str) -> str:
                         "cannot be decoded; save the file as UTF-8") from None
 
 
+def _check_file(path: str) -> None:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise DataError(f"data.source={path!r} is a directory; give a .csv or .jsonl file")
+    if not p.is_file():
+        raise DataError(f"data.source={path!r}: no such file (looked for {p.resolve()})")
+
+
+def check_source(cfg: DataConfig) -> None:
+    """Fail fast, before any work, when the configured source is not there. Raises DataError."""
+    if cfg.source == PACKAGED_DATA:
+        bbcnews_dir()
+    else:
+        _check_file(cfg.source)
+
+
 def read_table(path: str, text_column: str, label_column: str, label_required: bool = True) -> RawData:
     """Read a ``.csv`` or ``.jsonl`` file with pandas; keep ``text_column`` and ``label_column``.
 
@@ -95,10 +111,7 @@ def read_table(path: str, text_column: str, label_column: str, label_required: b
 
     import pandas as pd
     p = Path(path).expanduser()
-    if p.is_dir():
-        raise DataError(f"data.source={path!r} is a directory; give a .csv or .jsonl file")
-    if not p.is_file():
-        raise DataError(f"data.source={path!r}: no such file")
+    _check_file(path)
     if p.stat().st_size == 0:
         raise DataError(f"data.source={path!r}: the file is empty")
     text = _decode_utf8(p.read_bytes(), path)

@@ -442,9 +442,12 @@ def summarize(g: GroupComparison) -> str:
     n = len(g.rows)
     head = f"{n} run{'s' if n != 1 else ''}; reference {ref.label} ({ref.split}, {ref.precision})."
     if n == 1:
-        return head + " Nothing to compare yet: train the same configuration with another split " \
-                      "(e.g. `dvc exp run -S train.per_device_train_batch_size=4 " \
-                      "-S train.gradient_accumulation_steps=...`) or with checkpointing."
+        micro, eff = ref.micro_batch, ref.effective_batch
+        other = next((m for m in ((micro or 0) // 2, (micro or 0) * 2) if m and eff and eff % m == 0), None)
+        how = (f"`dvc exp run -S train.per_device_train_batch_size={other} "
+               f"-S train.gradient_accumulation_steps={eff // other}`" if other else "another split")
+        return head + f" Nothing to compare yet: train the same configuration as {how}, or with " \
+                      f"`train.gradient_checkpointing` {'off' if ref.checkpointing else 'on'}."
     others = g.rows[1:]
     parts = [head]
     eq = [c for c in others if c.status == EQUIVALENT]

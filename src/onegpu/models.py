@@ -280,6 +280,8 @@ def describe(model) -> dict[str, str]:
 
 def enable_checkpointing(model) -> None:
     """Activation checkpointing on, non-reentrant, with the current transformers name where it exists."""
+    if getattr(model.config, "use_cache", None):
+        model.config.use_cache = False  # a KV cache is useless in training and clashes with checkpointing
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:

@@ -293,5 +293,6 @@ def write(comparison: Comparison, out_dir: str | Path, experiment: str = "", sto
     loss = plot_loss_curves(comparison, out / LOSS_PLOT)
     mem = plot_memory_vs_throughput(comparison, out / MEMORY_PLOT)
     md = out / REPORT_FILE
-    md.write_text(markdown(comparison, experiment, store, images=(LOSS_PLOT, MEMORY_PLOT)), encoding="utf-8")
+    md.write_text(markdown(comparison, experiment, store, images=(LOSS_PLOT, MEMORY_PLOT)).rstrip("\n") + "\n",
+                  encoding="utf-8")
     return [md, loss, mem]

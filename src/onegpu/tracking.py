@@ -159,6 +159,8 @@ class Tracker:
         Its figures are machine-wide (MLflow's design); the process's own memory is in ``mem_*``.
         A monitor that cannot start is skipped: it never stops training.
         """
+        import logging
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # start/stop chatter
         monitor = None
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -33,22 +34,35 @@ def serve(experiment_name: str, host: str = "127.0.0.1", port: int = 5000) -> in
         raise UserError("the mlflow command is not installed in this environment (make install)")
     cmd = [exe, "server", "--backend-store-uri", tracker.uri, "--host", host, "--port", str(port),
            "--workers", "1", "--default-artifact-root", paths.artifact_root().as_uri()]
-    proc = subprocess.Popen(cmd)
+    # Its own session: Ctrl-C and SIGTERM reach only onegpu, which stops the whole server group
+    # (mlflow's CLI, uvicorn) quietly; nothing keeps serving the port after onegpu exits.
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     try:
-        for _ in range(120):
+        for _ in range(240):
             if proc.poll() is not None:
+                err = (proc.stderr.read() or "").strip().splitlines()
                 raise UserError(f"mlflow server exited with code {proc.returncode} (is port {port} in use? "
-                                "try --port)")
+                                f"try --port){': ' + err[-1] if err else ''}")
             try:
                 urllib.request.urlopen(base + "/health", timeout=1)
                 break
             except OSError:
                 time.sleep(0.5)
-        print(f"\nMLflow UI for experiment {experiment_name!r} (store {tracking.redact(tracker.uri)}):\n"
+        print(f"MLflow UI for experiment {experiment_name!r} (store {tracking.redact(tracker.uri)}):\n"
               f"  {tracker.runs_table_url(base)}\nCtrl-C stops it.", flush=True)
-        return proc.wait()
+        while proc.poll() is None:  # drain the server's log so it never blocks on a full pipe
+            proc.stderr.readline()
+        return proc.returncode
     except KeyboardInterrupt:
-        proc.terminate()
-        proc.wait(timeout=10)
         return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=15)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(proc.pid, signal.SIGKILL)

@@ -14,18 +14,37 @@ from onegpu import data, measure, models, paths, tracking
 from onegpu.config import Config, flatten
 
 
+def _log_cost(tracker, run_id: str, metrics: dict) -> dict:
+    try:
+        tracker.log_metrics(run_id, metrics)
+    except Exception:
+        pass  # the store failed too: the error being reported matters more
+    return {}
+
+
 def run(cfg: Config) -> dict:
     watch = measure.Stopwatch()
     from datasets.utils.logging import disable_progress_bar
     disable_progress_bar()
+    data.check_source(cfg.data)  # a missing file or model fails before any work, and before a run exists
+    models.resolve_model_path(cfg.model.name_or_path)
     tracker = tracking.connect(cfg.tracking.experiment_name)
     run_id = tracker.start_run(tracking.run_name(), {**tracking.run_context_tags(), "stage": "prepare"})
-    with tracker.guard(run_id):
+    rows_read = {"n": 0}
+
+    def cost() -> dict:
+        """The contract's three prepare figures, logged on failure too: the attempt was measured."""
+        runtime = watch.total()
+        return {"prepare_runtime": runtime, "prepare_rows_per_second": rows_read["n"] / runtime,
+                "prepare_mem_peak_bytes": measure.rss_peak_bytes()}
+
+    with tracker.guard(run_id, context=lambda: _log_cost(tracker, run_id, cost())):
         sections = {k: v for k, v in cfg.to_dict().items() if k in ("data", "model", "tracking")}
         tracker.log_params(run_id, flatten(sections))
 
         task = cfg.model.task
         raw = data.read(cfg.data, task)
+        rows_read["n"] = len(raw.texts)
         texts, labels, dups = data.deduplicate(raw)
         dsd = data.split(texts, labels, cfg.data, task)
         if cfg.model.name_or_path is None:  # causal-lm from config: a BPE tokenizer of our own
@@ -46,11 +65,7 @@ def run(cfg: Config) -> dict:
         shutil.move(tmp, paths.PROCESSED)
         paths.write_json_atomic(paths.STATS, stats)
 
-        runtime = watch.total()
-        metrics = {"prepare_runtime": runtime,
-                   "prepare_rows_per_second": len(raw.texts) / runtime,
-                   "prepare_mem_peak_bytes": measure.rss_peak_bytes(),
-                   "rows_read": stats["rows_read"], "duplicates_removed": dups,
+        metrics = {**cost(), "rows_read": stats["rows_read"], "duplicates_removed": dups,
                    "undecodable_files": raw.undecodable}
         for s, st in stats["splits"].items():
             metrics.update({f"rows_{s}": st["rows"], f"tokens_{s}": st["tokens"],
@@ -68,5 +83,5 @@ def run(cfg: Config) -> dict:
                                 targets="label")
     rows = {s: st["rows"] for s, st in stats["splits"].items()}
     print(f"prepare: {stats['rows_read']} rows read, {dups} duplicates removed, splits {rows}, "
-          f"{runtime:.1f} s -> {paths.PROCESSED}")
+          f"{metrics['prepare_runtime']:.1f} s -> {paths.PROCESSED}")
     return stats
