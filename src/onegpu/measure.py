@@ -161,7 +161,9 @@ def activation_bytes(model, batch: dict, loss_fn) -> int:
                 saved[k] = max(saved.get(k, 0), t.untyped_storage().nbytes())
         except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
             pass
-        return t
+        # Detached: a saved output packed as itself would hold its own grad_fn, a reference cycle that
+        # keeps the probe's activations and graph alive until the garbage collector runs.
+        return t.detach()
 
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
