@@ -445,7 +445,8 @@ def test_dvc_repro_bad_data_caches_and_locks_nothing(outcomes, tmp_path, empty_s
     proc = dvc(p, "repro", check=False)
     assert proc.returncode != 0
     errors = _dvc_error_lines(proc, "prepare")
-    assert errors == ["onegpu prepare: error: data.source='missing.csv': no such file"], proc.stderr
+    assert errors == ["onegpu prepare: error: data.source='missing.csv': no such file (looked for "
+                      f"{(p / 'missing.csv').resolve()})"], proc.stderr
     # stderr: the stage's one line, then DVC's own.
     assert [line for line in proc.stderr.splitlines() if line.strip()] == [
         *errors, "ERROR: failed to reproduce 'prepare': failed to run: onegpu prepare, exited with 2"]
