@@ -1,0 +1,524 @@
+"""Shared helpers for the bench/ scripts.
+
+Each script builds a small but real setup in its own process: the packaged BBC News corpus read,
+de-duplicated, split and tokenized by :mod:`onegpu.data` with the packaged MiniLM tokenizer, a
+``Config`` validated by :func:`onegpu.config.from_container`, and the real training code
+(:func:`onegpu.training.hf_trainer.train`). Nothing is fetched from a hub, and the user's MLflow store
+is never touched: :func:`setup` points ``DVC_ROOT`` at a temporary directory (so ``tracking.connect``
+opens ``<tmp>/mlflow.db``), removes every ``MLFLOW_*`` variable, and deletes the directory at exit.
+
+Timing conventions used by every script:
+- ``step_time_s`` comes from :class:`onegpu.training.callbacks.StepRecorder` (wall time from the end of
+  one optimizer step to the end of the next, data loading included, CUDA-synchronised);
+- optimizer step 1 is warm-up and is excluded from step-time medians and steady-state throughput;
+- repetitions are summarised by their median.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import datetime
+import gc
+import io
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+RESULTS = BENCH / "results"
+
+_TMP: Path | None = None
+
+
+# -- environment ------------------------------------------------------------------------------------
+
+def setup() -> Path:
+    """Isolate the process: offline hub, temporary project root and MLflow store, quiet progress bars.
+
+    Must run before transformers/datasets are imported. Returns the temporary directory (removed at exit).
+    """
+    global _TMP
+    if _TMP is not None:
+        return _TMP
+    sys.path.insert(0, str(REPO / "src"))  # harmless when onegpu is installed (editable) already
+    from onegpu import models
+    models.go_offline()
+    for k in [k for k in os.environ if k.startswith(("MLFLOW_", "DVC_", "HF_MLFLOW_"))]:
+        del os.environ[k]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ["TQDM_DISABLE"] = "1"          # no progress bars (same for every arm)
+    _TMP = Path(tempfile.mkdtemp(prefix="onegpu-bench-"))
+    (_TMP / "tmp").mkdir()
+    os.environ["DVC_ROOT"] = str(_TMP)        # tracking.connect -> sqlite:///<tmp>/mlflow.db
+    tempfile.tempdir = str(_TMP / "tmp")      # hf_trainer.train's output_dir (mkdtemp) lands here too
+    atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
+    import logging
+    import warnings
+    warnings.filterwarnings("ignore")
+    logging.getLogger("mlflow").setLevel(logging.ERROR)
+    logging.getLogger("alembic").setLevel(logging.ERROR)
+    from datasets.utils.logging import disable_progress_bar
+    disable_progress_bar()
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    return _TMP
+
+
+# -- the activation probe's reference cycle ----------------------------------------------------------
+# onegpu.measure.activation_bytes packs each saved tensor by returning the tensor itself from its
+# saved_tensors_hooks pack hook. For tensors that are outputs of the op saving them, autograd then holds
+# the tensor, which holds its grad_fn, which holds the saved value: a cycle through C++ that Python's gc
+# cannot see. The probe's whole forward graph (one micro-batch of activations, plus every parameter of
+# the model) is never freed: the train stage's peak memory includes it, and in one process the leaks of
+# successive runs add up. Returning ``t.detach()`` (same storage, no grad_fn) breaks the cycle and gives
+# the same byte count. When the installed onegpu still leaks, the benchmarks use that one-line change
+# (``--probe-as-is`` keeps the installed function) and say so in their output.
+
+PROBE = {"leaks": None, "patched": False}
+
+
+def _graph_tensors() -> int:
+    import torch
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+
+def probe_leaks() -> bool:
+    """Whether ``onegpu.measure.activation_bytes`` leaves graph tensors alive (on a tiny module)."""
+    import torch
+    from onegpu import measure
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    before = _graph_tensors()
+    measure.activation_bytes(Tiny(), {"x": torch.ones(3, 4), "labels": torch.zeros(3, dtype=torch.long)},
+                             lambda out, labels: torch.nn.functional.cross_entropy(out, labels))
+    return _graph_tensors() > before
+
+
+def fix_probe(as_is: bool = False) -> None:
+    """Detect the probe leak and, unless ``as_is``, patch ``measure.activation_bytes`` in this process."""
+    import inspect
+    from onegpu import measure
+    PROBE["leaks"] = probe_leaks()
+    if not PROBE["leaks"] or as_is:
+        return
+    src = inspect.getsource(measure.activation_bytes)
+    if src.count("        return t\n") != 1:
+        return  # the function changed: leave it alone (the output still says it leaks)
+    ns: dict = {}
+    exec(compile(src.replace("        return t\n", "        return t.detach()\n"), measure.__file__, "exec"),
+         dict(measure.__dict__), ns)
+    measure.activation_bytes = ns["activation_bytes"]
+    PROBE["patched"] = not probe_leaks()
+
+
+def probe_note() -> str | None:
+    if not PROBE["leaks"]:
+        return None
+    if PROBE["patched"]:
+        return ("The installed `onegpu.measure.activation_bytes` leaks the probe's forward graph (its pack hook "
+                "returns the saved tensor itself: a reference cycle through autograd); these runs use the "
+                "one-line fix (`return t.detach()`), which gives the same byte count. Unpatched, every run "
+                "keeps one extra micro-batch of activations and a copy of the model's parameters alive.")
+    return ("The installed `onegpu.measure.activation_bytes` leaks the probe's forward graph (one micro-batch of "
+            "activations and the model's parameters stay allocated); these runs use it as is, so peak memory "
+            "includes the leak and grows from run to run in this process.")
+
+
+def tmpdir() -> Path:
+    assert _TMP is not None, "call common.setup() first"
+    return _TMP
+
+
+# -- command line -----------------------------------------------------------------------------------
+
+def parser(description: str, *, reps: int, steps: int, max_length: int = 64, rows: int = 200,
+           micro: int | None = None, accum: int | None = None) -> argparse.ArgumentParser:
+    """The options every script has (each script adds its own)."""
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--reps", type=int, default=reps, help="repetitions (medians are reported)")
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps per run (step 1 is warm-up)")
+    p.add_argument("--max-length", type=int, default=max_length, help="tokens per example (truncation)")
+    p.add_argument("--rows", type=int, default=rows, help="training rows (data.max_train_samples)")
+    if micro is not None:
+        p.add_argument("--micro", type=int, default=micro, help="micro-batch (per_device_train_batch_size)")
+    if accum is not None:
+        p.add_argument("--accum", type=int, default=accum, help="gradient_accumulation_steps")
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (train.bf16; use on GPU)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--tag", default="", help="suffix for the result files: results/<name>-<tag>.json")
+    p.add_argument("--verbose", action="store_true", help="show the Trainer's own output")
+    p.add_argument("--probe-as-is", action="store_true",
+                   help="keep onegpu's activation probe as installed even if it leaks (see common.fix_probe)")
+    p.add_argument("--max-wait", type=float, default=120.0,
+                   help="seconds to wait, before each run, for other processes to stop using the CPU")
+    p.add_argument("--retries", type=int, default=2,
+                   help="reruns of a run during which other processes used more than "
+                        f"{CONTENTION_LIMIT} cores")
+    return p
+
+
+# -- data, config, models ---------------------------------------------------------------------------
+
+def make_cfg(args, *, micro: int, accum: int, steps: int | None = None, checkpointing: bool = False,
+             **train) -> "object":
+    """A validated Config (``config.from_container``) for the bench setup."""
+    from onegpu import config
+    raw = {
+        "data": {"max_length": args.max_length, "max_train_samples": args.rows, "max_eval_samples": 10,
+                 "seed": args.seed},
+        "train": {"per_device_train_batch_size": micro, "gradient_accumulation_steps": accum,
+                  "max_steps": steps or args.steps, "gradient_checkpointing": checkpointing,
+                  "bf16": bool(args.bf16), "seed": args.seed, "logging_steps": 10**6, **train},
+        "tracking": {"experiment_name": "bench"},
+    }
+    return config.from_container(raw, source="bench")
+
+
+_DATA: dict = {}
+
+
+def data(cfg):
+    """``(DatasetDict, labels, tokenizer, model_path)``: packaged BBC data tokenized as prepare does it.
+
+    Cached per (max_length, rows, seed) within the process.
+    """
+    from onegpu import data as odata, models
+    key = (cfg.data.max_length, cfg.data.max_train_samples, cfg.data.seed)
+    if key not in _DATA:
+        path = models.resolve_model_path(cfg.model.name_or_path)
+        tokenizer = models.load_tokenizer(path, cfg.model.task)
+        raw = odata.read(cfg.data, cfg.model.task)
+        texts, labels, _ = odata.deduplicate(raw)
+        dsd = odata.split(texts, labels, cfg.data, cfg.model.task)
+        dsd = odata.tokenize(dsd, tokenizer, cfg.data.max_length, cfg.model.task)
+        _DATA[key] = (dsd, dsd["train"].features["label"].names, tokenizer, path)
+    return _DATA[key]
+
+
+def pretrained_model(cfg, labels, path):
+    """The packaged MiniLM with a fresh classification head, seeded as the train stage seeds it."""
+    from transformers import set_seed
+    from onegpu import models
+    set_seed(cfg.train.seed)
+    return models.build_classifier(path, labels, cfg.model.dropout)
+
+
+def bert_from_config(cfg, labels, path, layers: int, hidden: int | None = None, heads: int | None = None):
+    """A randomly initialised BERT classifier from the MiniLM config with other sizes (speed/memory only).
+
+    ``hidden`` None keeps MiniLM's 384; heads default to hidden/64; the MLP is 4 x hidden.
+    """
+    from transformers import AutoConfig, AutoModelForSequenceClassification, set_seed
+    kw = {"num_hidden_layers": layers}
+    if hidden:
+        kw.update(hidden_size=hidden, num_attention_heads=heads or max(1, hidden // 64),
+                  intermediate_size=4 * hidden)
+    conf = AutoConfig.from_pretrained(path, num_labels=len(labels), id2label=dict(enumerate(labels)),
+                                      label2id={l: i for i, l in enumerate(labels)}, **kw)
+    set_seed(cfg.train.seed)
+    return AutoModelForSequenceClassification.from_config(conf)
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def describe_model(model) -> str:
+    c = model.config
+    return f"BERT {c.num_hidden_layers}L h{c.hidden_size} ({n_params(model) / 1e6:.1f} M params)"
+
+
+# -- running ----------------------------------------------------------------------------------------
+
+def noop_sink(metrics: dict, step: int) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def quiet(verbose: bool = False):
+    """Swallow the Trainer's stdout (its per-log prints), unless verbose."""
+    if verbose:
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def release_memory() -> None:
+    """Free what earlier runs left: Python garbage, the CUDA cache, and glibc's retained heap."""
+    gc.collect()
+    try:
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def is_oom(e: BaseException) -> bool:
+    import torch
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def train_once(model, tokenizer, dsd, cfg, sink=noop_sink, verbose: bool = False) -> dict:
+    """One ``hf_trainer.train`` run; the per-step rows and their steady-state summary (steps 2..N)."""
+    from onegpu.config import resolve
+    from onegpu.training import hf_trainer
+    release_memory()
+    t0 = time.perf_counter()
+    with quiet(verbose):
+        _, rec = hf_trainer.train(model, tokenizer, dsd, cfg, resolve(cfg), sink=sink)
+    wall = time.perf_counter() - t0
+    out = steady(rec.rows)
+    out.update(wall_s=wall, summary=rec.summary(), memory=rec.memory(),
+               rows=[{k: v for k, v in r.items()} for r in rec.rows])
+    del rec
+    return out
+
+
+def stage_run(tracker, model, tok, dsd, cfg, verbose: bool = False) -> dict:
+    """What ``onegpu.stages.train`` does around the training loop, into ``tracker``'s store: start_run +
+    params + tags, the batched writer as the per-step sink, then flush, summary metrics and end_run
+    (saving the model is left out). ``total_s`` = the whole of it; ``outside_loop_s`` = the tracking
+    work before and after ``hf_trainer.train``."""
+    from onegpu import models
+    from onegpu.config import equivalence_key, flatten, resolve
+    resolved = resolve(cfg)
+    t0 = time.perf_counter()
+    run_id = tracker.start_run(None, {"stage": "train", "equivalence_key": equivalence_key(cfg, resolved),
+                                      "device": "bench"})
+    params = flatten(cfg.to_dict())
+    params.update({"resolved.per_device_train_batch_size": resolved.per_device_train_batch_size,
+                   "resolved.gradient_accumulation_steps": resolved.gradient_accumulation_steps,
+                   "resolved.effective_batch_size": resolved.effective_batch_size,
+                   "resolved.world_size": resolved.world_size})
+    tracker.log_params(run_id, params)
+    tracker.set_tags(run_id, models.describe(model))
+    buffer = tracker.metric_buffer(run_id)
+    before = time.perf_counter() - t0
+    res = train_once(model, tok, dsd, cfg, sink=buffer.add, verbose=verbose)
+    t1 = time.perf_counter()
+    buffer.flush()
+    summary = {**res["summary"], **res["memory"]}
+    tracker.log_metrics(run_id, {k: v for k, v in summary.items()
+                                 if k not in ("train_steps", "train_samples", "train_tokens")},
+                        step=summary.get("train_steps", 0))
+    tracker.end_run(run_id)
+    after = time.perf_counter() - t1
+    logged = len(tracker.client.get_metric_history(run_id, "loss"))
+    res.update(outside_loop_s=before + after, total_s=before + res["wall_s"] + after, flush_s=after,
+               metrics_logged=buffer.logged, loss_points_in_store=logged)
+    return res
+
+
+def steady(rows: list[dict]) -> dict:
+    """Median/mean step time and samples/s over optimizer steps 2..N (step 1 is warm-up)."""
+    times = [r["step_time_s"] for r in rows]
+    keep = rows[1:] if len(rows) > 1 else rows
+    t = [r["step_time_s"] for r in keep]
+    samples = sum(r.get("samples", 0) for r in keep)
+    return {"step_times_s": times,
+            "median_step_s": statistics.median(t) if t else float("nan"),
+            "mean_step_s": statistics.fmean(t) if t else float("nan"),
+            "samples_per_second": samples / sum(t) if t and sum(t) > 0 else float("nan"),
+            "steady_steps": len(t)}
+
+
+def warm_up(args) -> None:
+    """Two tiny optimizer steps, so the first measured run does not pay one-off start-up costs.
+    Also checks the activation probe first (:func:`fix_probe`)."""
+    fix_probe(getattr(args, "probe_as_is", False))
+    cfg = make_cfg(args, micro=2, accum=1, steps=2)
+    dsd, labels, tok, path = data(cfg)
+    train_once(pretrained_model(cfg, labels, path), tok, dsd, cfg, verbose=args.verbose)
+
+
+# -- other load on the machine ----------------------------------------------------------------------
+# A small shared machine runs other work (test suites, builds) now and then; a run that overlaps it is
+# measured again. "Other load" = CPU time of the whole machine (/proc/stat, steal included) minus this
+# process's own CPU time, per second of wall time, in cores.
+
+CONTENTION_LIMIT = 0.2
+
+
+def _machine_busy_s() -> float | None:
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """``with OtherLoad() as load: ...`` then ``load.cores``: other processes' CPU use during the block."""
+
+    def __enter__(self):
+        self.t0, self.b0, self.p0 = time.perf_counter(), _machine_busy_s(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self.t0
+        b1 = _machine_busy_s()
+        if self.b0 is None or b1 is None or wall <= 0:
+            self.cores = 0.0
+        else:
+            self.cores = max(0.0, ((b1 - self.b0) - (time.process_time() - self.p0)) / wall)
+        return False
+
+
+def wait_quiet(max_wait: float, limit: float = CONTENTION_LIMIT) -> float:
+    """Wait (up to ``max_wait`` s) until other processes use less than ``limit`` cores for 2 s in a row.
+
+    Returns the seconds waited.
+    """
+    t0 = time.perf_counter()
+    quiet_windows = 0
+    while time.perf_counter() - t0 < max_wait:
+        with OtherLoad() as load:
+            time.sleep(1.0)
+        quiet_windows = quiet_windows + 1 if load.cores < limit else 0
+        if quiet_windows >= 2:
+            break
+    return time.perf_counter() - t0
+
+
+def clean_run(fn, args, label: str = "") -> dict:
+    """``fn()`` (which builds its model and trains, returning a result dict) on a quiet machine.
+
+    Waits for quiet first; reruns (``args.retries`` times at most) when other processes used more than
+    :data:`CONTENTION_LIMIT` cores during the run. The result gets ``other_load_cores``, ``attempts``
+    and ``waited_s``.
+    """
+    waited, best = 0.0, None
+    for attempt in range(1 + max(0, args.retries)):
+        waited += wait_quiet(args.max_wait)
+        with OtherLoad() as load:
+            res = fn()
+        res["other_load_cores"] = round(load.cores, 3)
+        if best is None or res["other_load_cores"] < best["other_load_cores"]:
+            best = res  # if every attempt overlapped other work, keep the least disturbed one
+        if load.cores <= CONTENTION_LIMIT or attempt == max(0, args.retries):
+            break
+        print(f"  {label}: other processes used {load.cores:.2f} cores during the run; measuring again",
+              flush=True)
+    best.update(attempts=attempt + 1, waited_s=round(waited, 1))
+    return best
+
+
+def load_note(results: list[dict]) -> str:
+    """One line on other load: how many runs were measured again and the worst load kept."""
+    redone = sum(r.get("attempts", 1) - 1 for r in results)
+    worst = max((r.get("other_load_cores", 0.0) for r in results), default=0.0)
+    waited = sum(r.get("waited_s", 0.0) for r in results)
+    s = (f"Other load on the machine: runs measured again because other processes used > "
+         f"{CONTENTION_LIMIT} cores: {redone}; highest other load in a kept run: {worst:.2f} cores; "
+         f"waited {waited:.0f} s for quiet.")
+    if worst > CONTENTION_LIMIT:
+        s += " Some kept runs overlapped other work: treat their numbers with care."
+    return s
+
+
+# -- statistics and output --------------------------------------------------------------------------
+
+def median(xs) -> float:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    """What ran the benchmark: CPU model, cores, GPU, library versions, date."""
+    import mlflow
+    import torch
+    import transformers
+    from onegpu import measure
+    info = {"cpu": _cpu_model(), "arch": platform.machine(), "cores": measure.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "mlflow": mlflow.__version__,
+            "date": datetime.date.today().isoformat()}
+    try:
+        with open("/proc/meminfo") as f:
+            info["ram_gib"] = round(int(f.readline().split()[1]) / 2**20)
+    except (OSError, ValueError, IndexError):
+        pass
+    return info
+
+
+def machine_line(m: dict) -> str:
+    dev = f"GPU {m['gpu']} (CUDA {m['cuda']})" if m.get("gpu") else "no GPU"
+    ram = f", {m['ram_gib']} GiB RAM" if m.get("ram_gib") else ""
+    return (f"Machine: {m['cpu']} ({m['arch']}), {m['cores']} cores (torch threads {m['torch_threads']}){ram}, "
+            f"{dev}; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
+            f"mlflow {m['mlflow']}; {m['date']}")
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown table (numbers already formatted by the caller)."""
+    def cell(x):
+        return str(x).replace("|", "\\|")
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    lines += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def mib(b) -> str:
+    return "n/a" if b is None else f"{b / 2**20:,.0f} MiB"
+
+
+def secs(s) -> str:
+    return f"{s:.3f} s" if s < 10 else f"{s:.1f} s"
+
+
+def report(name: str, args, title: str, lines: list[str], payload: dict) -> None:
+    """Print the Markdown (title, machine line, tables, notes) and write results/<name>[-tag].json/.md."""
+    m = machine()
+    note = probe_note()
+    if note:
+        lines = [*lines, f"- {note}"]
+    payload = {**payload, "probe": dict(PROBE)}
+    stem = f"{name}-{args.tag}" if getattr(args, "tag", "") else name
+    md = "\n".join([f"### {title}", "", machine_line(m), "", *lines]).rstrip() + "\n"
+    print("\n" + md)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "machine": m, "args": vars(args), **payload}
+    (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    (RESULTS / f"{stem}.md").write_text(md)
+    print(f"wrote {RESULTS / (stem + '.json')} and .md")
