@@ -120,8 +120,14 @@ def main() -> None:
         if r["off"]["oom"] or r["on"]["oom"]:
             continue
         ov = 100 * r["overhead"]
-        where = ("below" if ov < 20 else "between the guide's ~20% and the ~33% bound of one recomputed forward"
-                 if ov <= 33 else "above the ~33% bound of one recomputed forward")
+        if ov < 15:
+            where = "below the guide's ~20% on GPU"
+        elif ov < 30:
+            where = "near the guide's ~20% on GPU"
+        elif ov <= 37:
+            where = "about the ~33% that one recomputed forward pass costs"
+        else:
+            where = "above the ~33% of one recomputed forward pass"
         lines.append(f"- {r['name']}: checkpointing costs **{ov:+.1f}%** step time ({where}) and saves "
                      f"**{r['activation_reduction']:.1f}x** activation bytes "
                      f"({common.mib(r['off']['mem_activation_bytes'])} -> {common.mib(r['on']['mem_activation_bytes'])} "

@@ -188,6 +188,10 @@ def make_cfg(args, *, micro: int, accum: int, steps: int | None = None, checkpoi
                   "bf16": bool(args.bf16), "seed": args.seed, "logging_steps": 10**6, **train},
         "tracking": {"experiment_name": "bench"},
     }
+    from dataclasses import fields
+    if "oom_retry" in {f.name for f in fields(config.TrainConfig)} and "oom_retry" not in train:
+        # An out-of-memory error is a result here ("OOM"), not something to recover from by re-splitting.
+        raw["train"]["oom_retry"] = False
     return config.from_container(raw, source="bench")
 
 
@@ -283,43 +287,82 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def train_once(model, tokenizer, dsd, cfg, sink=noop_sink, verbose: bool = False) -> dict:
-    """One ``hf_trainer.train`` run; the per-step rows and their steady-state summary (steps 2..N)."""
+def stage_extras() -> tuple[object, dict]:
+    """What the train stage hands the backend besides the sink, where the installed onegpu has it:
+    a ``GracefulStop`` (Ctrl-C handling, entered around training) and a checkpoint directory (with
+    ``train.save_steps`` null, written only on a stop). Returns (context manager, kwargs)."""
+    import inspect
+    from onegpu.training import hf_trainer
+    params = inspect.signature(hf_trainer.train).parameters
+    ctx, kw = contextlib.nullcontext(), {}
+    if "stop" in params:
+        from onegpu.training.interrupt import GracefulStop
+        ctx = kw["stop"] = GracefulStop()
+    if "checkpoint_dir" in params:
+        kw["checkpoint_dir"] = tempfile.mkdtemp(prefix="ckpt-", dir=tmpdir())
+        kw["checkpoint_meta"] = {"run_id": "bench"}
+    return ctx, kw
+
+
+def train_once(model, tokenizer, dsd, cfg, sink=noop_sink, verbose: bool = False, stage_like: bool = False,
+               release: bool = True) -> dict:
+    """One ``hf_trainer.train`` run; the per-step rows and their steady-state summary (steps 2..N).
+
+    ``stage_like``: also what the train stage passes besides the sink (:func:`stage_extras`).
+    ``release``: free memory (:func:`release_memory`) first, outside the timing.
+    """
     from onegpu.config import resolve
     from onegpu.training import hf_trainer
-    release_memory()
+    ctx, kw = stage_extras() if stage_like else (contextlib.nullcontext(), {})
+    if release:
+        release_memory()
     t0 = time.perf_counter()
-    with quiet(verbose):
-        _, rec = hf_trainer.train(model, tokenizer, dsd, cfg, resolve(cfg), sink=sink)
+    with quiet(verbose), ctx:
+        _, rec = hf_trainer.train(model, tokenizer, dsd, cfg, resolve(cfg), sink=sink, **kw)
     wall = time.perf_counter() - t0
     out = steady(rec.rows)
     out.update(wall_s=wall, summary=rec.summary(), memory=rec.memory(),
-               rows=[{k: v for k, v in r.items()} for r in rec.rows])
+               rows=[{k: v for k, v in r.items()} for r in rec.rows],
+               oom_events=list(getattr(rec, "events", []) or []))
     del rec
     return out
 
 
 def stage_run(tracker, model, tok, dsd, cfg, verbose: bool = False) -> dict:
-    """What ``onegpu.stages.train`` does around the training loop, into ``tracker``'s store: start_run +
-    params + tags, the batched writer as the per-step sink, then flush, summary metrics and end_run
-    (saving the model is left out). ``total_s`` = the whole of it; ``outside_loop_s`` = the tracking
-    work before and after ``hf_trainer.train``."""
-    from onegpu import models
+    """What ``onegpu.stages.train`` does around the training loop, into ``tracker``'s store: start_run
+    with the stage's tags, params, model tags, the batched writer as the per-step sink, MLflow's
+    system-metrics monitor around training (where the installed onegpu has it), then flush, summary
+    metrics and end_run (saving the model is left out). ``total_s`` = the whole of it;
+    ``outside_loop_s`` = the tracking work before and after ``hf_trainer.train``."""
+    from onegpu import measure, models, tracking
     from onegpu.config import equivalence_key, flatten, resolve
     resolved = resolve(cfg)
+    device = "cuda:0" if _cuda() else "cpu"
+    release_memory()  # the harness's own clean-up, before the clock starts
     t0 = time.perf_counter()
-    run_id = tracker.start_run(None, {"stage": "train", "equivalence_key": equivalence_key(cfg, resolved),
-                                      "device": "bench"})
-    params = flatten(cfg.to_dict())
-    params.update({"resolved.per_device_train_batch_size": resolved.per_device_train_batch_size,
-                   "resolved.gradient_accumulation_steps": resolved.gradient_accumulation_steps,
-                   "resolved.effective_batch_size": resolved.effective_batch_size,
-                   "resolved.world_size": resolved.world_size})
-    tracker.log_params(run_id, params)
-    tracker.set_tags(run_id, models.describe(model))
+    tags = {**tracking.run_context_tags(), "stage": "train", "equivalence_key": equivalence_key(cfg, resolved),
+            "device": measure.device_name(device), "data.fingerprint": "bench"}
+    run_id = tracker.start_run(tracking.run_name(), tags)
     buffer = tracker.metric_buffer(run_id)
+    progress = {"step": 0}
+
+    def sink(metrics: dict, step: int) -> None:  # the stage's sink: remembers the step, then buffers
+        progress["step"] = step
+        buffer.add(metrics, step)
+
+    tracker.log_params(run_id, flatten(cfg.to_dict()))
+    tracker.set_tags(run_id, models.describe(model))
+    tracker.log_params(run_id, {
+        "resolved.per_device_train_batch_size": resolved.per_device_train_batch_size,
+        "resolved.gradient_accumulation_steps": resolved.gradient_accumulation_steps,
+        "resolved.effective_batch_size": resolved.effective_batch_size,
+        "resolved.world_size": resolved.world_size})
+    monitor = tracker.system_metrics(run_id) if hasattr(tracker, "system_metrics") else contextlib.nullcontext()
     before = time.perf_counter() - t0
-    res = train_once(model, tok, dsd, cfg, sink=buffer.add, verbose=verbose)
+    t_loop = time.perf_counter()
+    with monitor:
+        res = train_once(model, tok, dsd, cfg, sink=sink, verbose=verbose, stage_like=True, release=False)
+    loop = time.perf_counter() - t_loop
     t1 = time.perf_counter()
     buffer.flush()
     summary = {**res["summary"], **res["memory"]}
@@ -329,9 +372,15 @@ def stage_run(tracker, model, tok, dsd, cfg, verbose: bool = False) -> dict:
     tracker.end_run(run_id)
     after = time.perf_counter() - t1
     logged = len(tracker.client.get_metric_history(run_id, "loss"))
-    res.update(outside_loop_s=before + after, total_s=before + res["wall_s"] + after, flush_s=after,
-               metrics_logged=buffer.logged, loss_points_in_store=logged)
+    res.update(outside_loop_s=before + (loop - res["wall_s"]) + after, total_s=before + loop + after,
+               flush_s=after, metrics_logged=buffer.logged, loss_points_in_store=logged,
+               system_metrics=hasattr(tracker, "system_metrics"))
     return res
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def steady(rows: list[dict]) -> dict:

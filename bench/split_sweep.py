@@ -22,7 +22,7 @@ def parse_split(s: str) -> tuple[int, int]:
 
 
 def main() -> None:
-    p = common.parser(__doc__.splitlines()[0], reps=1, steps=3, rows=200)
+    p = common.parser(__doc__.splitlines()[0], reps=2, steps=3, rows=200)
     p.add_argument("--splits", default="64x1,16x4,4x16,1x64", help="micro x accumulation, comma-separated")
     p.add_argument("--layers", type=int, default=None,
                    help="use a BERT built from the MiniLM config with this many layers (random init) "
