@@ -60,6 +60,8 @@ def setup() -> Path:
     os.environ["DVC_ROOT"] = str(_TMP)        # tracking.connect -> sqlite:///<tmp>/mlflow.db
     tempfile.tempdir = str(_TMP / "tmp")      # hf_trainer.train's output_dir (mkdtemp) lands here too
     atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
+    import signal
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # so atexit runs (timeout)
     import logging
     import warnings
     warnings.filterwarnings("ignore")
