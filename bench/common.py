@@ -502,14 +502,8 @@ def median(xs) -> float:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from onegpu.flops import cpu_model
+    return cpu_model() or platform.processor() or platform.machine()
 
 
 def machine() -> dict:

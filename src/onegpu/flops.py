@@ -93,7 +93,7 @@ def measured_peak(device: str, dtype: str, size: int = 1024, seconds: float = 0.
     thread setting measures again.
     """
     import torch
-    key = f"{platform.processor() or platform.machine()}|{_cpu_model()}|{device}|{torch.get_num_threads()}|{dtype}"
+    key = f"{platform.processor() or platform.machine()}|{cpu_model()}|{device}|{torch.get_num_threads()}|{dtype}"
     try:
         cache = json.loads(CACHE.read_text())
     except (OSError, ValueError):
@@ -122,7 +122,8 @@ def measured_peak(device: str, dtype: str, size: int = 1024, seconds: float = 0.
     return best
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, or '' where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
