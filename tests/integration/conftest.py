@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import defaults
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
@@ -49,7 +51,7 @@ def dvc(project: Path, *args: str, **kw) -> subprocess.CompletedProcess:
 
 
 def make_project(dest: Path, overrides: dict | None = None) -> Path:
-    """Copy the repo's files into ``dest``, apply TINY (+ ``overrides``) to params.yaml, git commit."""
+    """Copy the repo's files into ``dest``, apply TINY (+ ``overrides``) to the committed params.yaml, git commit."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                            capture_output=True, text=True, check=True).stdout.split()
     for f in files:
@@ -58,7 +60,7 @@ def make_project(dest: Path, overrides: dict | None = None) -> Path:
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / f)
     (dest / "dvc.lock").unlink(missing_ok=True)  # a developer's earlier run
-    params = yaml.safe_load((dest / "params.yaml").read_text())
+    params = defaults.params()  # the committed defaults, whatever `dvc exp run` left in the workspace
     for section, values in {**TINY, **(overrides or {})}.items():
         params[section].update(values)
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

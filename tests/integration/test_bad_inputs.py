@@ -39,10 +39,11 @@ from typing import Callable
 import pytest
 import yaml
 
+from tests import defaults
+
 from .conftest import dvc, make_project
 
 REPO = Path(__file__).resolve().parents[2]
-PARAMS = REPO / "params.yaml"
 STAGE_OUTPUTS = ("data/processed", "data/stats.json", "models", "metrics", "plots")
 # What a failed stage may leave in the project: the MLflow store (with the run it marked FAILED) and
 # tracking's lock file.
@@ -336,7 +337,7 @@ def _project(base: Path, case: Case, store: Path) -> Path:
     if case.params_text is not None:
         (d / "params.yaml").write_text(case.params_text)
     else:
-        params = yaml.safe_load(PARAMS.read_text())
+        params = defaults.params()
         if case.params:
             case.params(params)
         (d / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -539,7 +540,7 @@ def test_unreachable_tracking_server_fails_fast(tmp_path, empty_store):
     d = tmp_path / "p"
     d.mkdir()
     (d / ".dvc").mkdir()
-    shutil.copy(PARAMS, d / "params.yaml")
+    defaults.write_params(d)
     uri = f"http://127.0.0.1:{closed_port()}"
     proc, seconds = _onegpu(d, "prepare", env={"MLFLOW_TRACKING_URI": uri})
     print(f"onegpu prepare against {uri}: exit {proc.returncode} in {seconds:.1f} s")

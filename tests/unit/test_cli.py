@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-PARAMS = Path(__file__).parents[2] / "params.yaml"
+from tests import defaults
 
 
 def _onegpu(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -23,8 +23,7 @@ def _onegpu(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def _write_params(tmp_path: Path, mutate) -> Path:
-    with open(PARAMS) as f:
-        d = yaml.safe_load(f)
+    d = defaults.params()
     mutate(d)
     p = tmp_path / "params.yaml"
     p.write_text(yaml.safe_dump(d))

@@ -17,7 +17,7 @@ import pytest
 
 from onegpu import cli, config, tracking
 
-REPO_PARAMS = Path(__file__).parents[2] / "params.yaml"
+from tests import defaults
 KEY_A = "a1b2c3d4e5f60718"
 KEY_B = "b0b0b0b0b0b0b0b0"
 STEPS = 6
@@ -31,7 +31,7 @@ def _loss(step: int) -> float:
 def _log_training_run(tr: tracking.Tracker, name: str, key: str, micro: int, accum: int, *,
                       ckpt: bool = False, dropout: float = 0.0, loss_factor=lambda s: 1.0,
                       mem: float = 2e9, sps: float = 50.0, eval_accuracy: float = 0.9) -> str:
-    cfg = config.load(REPO_PARAMS)
+    cfg = config.from_container(defaults.params())
     cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps = micro, accum
     cfg.train.gradient_checkpointing = ckpt
     cfg.model.dropout = dropout
@@ -67,7 +67,7 @@ def project(tmp_path_factory):
     runs of KEY_A (64x1, 4x16, 64x1 ckpt, 8x8 with dropout diverging at step 3) and 1 of KEY_B;
     experiment 'empty' with a prepare run only."""
     root = tmp_path_factory.mktemp("proj").resolve()
-    shutil.copy(REPO_PARAMS, root / "params.yaml")
+    defaults.write_params(root)
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         mp.setenv("DVC_ROOT", str(root))
@@ -182,7 +182,7 @@ def test_no_training_runs_exits_2_with_one_message(in_project, capsys):
 
 
 def test_no_store_exits_2_and_creates_nothing(tmp_path, monkeypatch, capsys):
-    shutil.copy(REPO_PARAMS, tmp_path / "params.yaml")
+    defaults.write_params(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
     monkeypatch.chdir(tmp_path)

@@ -11,14 +11,13 @@ import yaml
 from onegpu import config
 from onegpu.errors import ConfigError, UserError
 
-PARAMS = Path(__file__).parents[2] / "params.yaml"
+from tests import defaults
 
 
 @pytest.fixture
 def raw() -> dict:
-    """The repo's params.yaml as a plain dict (a fresh copy per test)."""
-    with open(PARAMS) as f:
-        return yaml.safe_load(f)
+    """The repo's committed params.yaml as a plain dict (a fresh copy per test)."""
+    return defaults.params()
 
 
 # A fixed, complete params dict (the repo's params.yaml as written when the key was pinned). The pinned
@@ -45,11 +44,10 @@ PINNED_KEY = "b029d38e93bebdf3"  # equivalence_key(from_container(PINNED), resol
 
 # -- the repo's params.yaml ----------------------------------------------------------------------
 
-def test_repo_params_yaml_loads_and_validates():
-    cfg = config.load(PARAMS)
+def test_repo_params_yaml_loads_and_validates(tmp_path):
+    cfg = config.load(defaults.write_params(tmp_path))
     assert isinstance(cfg, config.Config)
-    with open(PARAMS) as f:
-        given = config.flatten(yaml.safe_load(f))
+    given = config.flatten(defaults.params())
     loaded = config.flatten(cfg.to_dict())
     # every key given in the file is a schema key, and its value arrives unchanged (modulo int -> float)
     for k, v in given.items():
@@ -181,7 +179,7 @@ def test_load_from_file_round_trip(tmp_path, raw):
 
 def test_yaml_exponent_without_dot_is_a_float(tmp_path, raw):
     # PyYAML reads `1e-4` as a string; OmegaConf's loader and the float field must give a number.
-    text = PARAMS.read_text()
+    text = defaults.params_text()
     text = re.sub(r"(?m)^(\s*learning_rate:).*$", r"\1 3e-4", text)
     p = tmp_path / "params.yaml"
     p.write_text(text)

@@ -1,0 +1,31 @@
+"""Suite-wide isolation from the user's machine state.
+
+- Per-user caches (``~/.cache/onegpu``: the measured CPU peak FLOP/s) go to a folder of this test
+  session: a test never reads a figure the user's own runs cached, nor leaves one behind. Set before any
+  ``onegpu`` module is imported, since modules resolve their cache paths at import.
+- Each test starts in an empty folder of its own, so nothing can pick up the workspace's
+  ``params.yaml`` or ``mlflow.db`` through the current directory; MLflow and DVC variables of the
+  calling shell are cleared.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+_CACHE = tempfile.mkdtemp(prefix="onegpu-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cwd(tmp_path_factory, monkeypatch):
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+    for k in list(os.environ):
+        if k.startswith(("MLFLOW_", "DVC_")):
+            monkeypatch.delenv(k)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+    shutil.rmtree(_CACHE, ignore_errors=True)
