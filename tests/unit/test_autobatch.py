@@ -7,7 +7,9 @@ from datasets import ClassLabel, Dataset, DatasetDict
 
 from onegpu import autobatch, config, measure, models
 from onegpu.errors import UserError
-from onegpu.training import hf_trainer
+from onegpu.training import accel, hf_trainer
+
+BACKENDS = pytest.mark.parametrize("backend", [hf_trainer, accel], ids=["trainer", "accelerate"])
 from onegpu.training.loss import classification_loss
 
 LABELS = ["a", "b", "c"]
@@ -88,35 +90,38 @@ def test_budget_is_required_on_cpu():
     assert autobatch.budget_bytes(0.5, "cpu") == 2**29
 
 
-def _losses(tokenizer, dsd, cfg, injector=None):
+def _losses(tokenizer, dsd, cfg, injector=None, backend=hf_trainer):
     rows = []
-    model, steps = hf_trainer.train(tiny_bert(tokenizer), tokenizer, dsd, cfg, config.resolve(cfg),
+    model, steps = backend.train(tiny_bert(tokenizer), tokenizer, dsd, cfg, config.resolve(cfg),
                                     sink=lambda m, s: rows.append((s, m["loss"])), oom_injector=injector)
     return [loss for _, loss in sorted(rows)], steps
 
 
-def test_injected_out_of_memory_is_survived_with_the_same_losses(tokenizer, dsd, tmp_path, monkeypatch):
+@BACKENDS
+def test_injected_out_of_memory_is_survived_with_the_same_losses(tokenizer, dsd, tmp_path, monkeypatch, backend):
     monkeypatch.chdir(tmp_path)
     # Step 2's micro-batches of 4 rows "do not fit": the step is redone as 2 x 4, and so are later steps.
     injector = lambda step, rows: step == 2 and rows > 2  # noqa: E731
-    survived, steps = _losses(tokenizer, dsd, cfg_for(4, 2), injector)
-    reference, _ = _losses(tokenizer, dsd, cfg_for(2, 4))
+    survived, steps = _losses(tokenizer, dsd, cfg_for(4, 2), injector, backend)
+    reference, _ = _losses(tokenizer, dsd, cfg_for(2, 4), backend=backend)
     assert len(survived) == len(reference) == 3
     assert max(abs(a - b) for a, b in zip(survived, reference)) < 1e-5, (survived, reference)
     assert steps.events == [{"step": 2, "old": "4 x 2", "new": "2 x 4", "micro_batch": 2}]
     assert [r["samples"] for r in steps.rows] == [8, 8, 8]  # redone pieces are not counted twice
 
 
-def test_out_of_memory_without_a_smaller_split_fails_clearly(tokenizer, dsd, tmp_path, monkeypatch):
+@BACKENDS
+def test_out_of_memory_without_a_smaller_split_fails_clearly(tokenizer, dsd, tmp_path, monkeypatch, backend):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match="no smaller split is left"):
-        _losses(tokenizer, dsd, cfg_for(2, 4), lambda step, rows: True)
+        _losses(tokenizer, dsd, cfg_for(2, 4), lambda step, rows: True, backend)
 
 
-def test_oom_retry_off_reraises(tokenizer, dsd, tmp_path, monkeypatch):
+@BACKENDS
+def test_oom_retry_off_reraises(tokenizer, dsd, tmp_path, monkeypatch, backend):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(torch.OutOfMemoryError):
-        _losses(tokenizer, dsd, cfg_for(4, 2, oom_retry=False), lambda step, rows: step == 1)
+        _losses(tokenizer, dsd, cfg_for(4, 2, oom_retry=False), lambda step, rows: step == 1, backend)
 
 
 def test_estimate_predicts_measured_activation_bytes_within_15_percent(tokenizer):

@@ -97,10 +97,75 @@ def schedule(len_dataloader: int, cfg: Config, resolved: Resolved) -> tuple[int,
     return math.ceil(t.num_train_epochs * per_epoch), per_epoch, math.ceil(t.num_train_epochs)
 
 
+def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, loss_fn, split: int,
+                      oom_injector, step: int):
+    """Forward and backward over one optimizer step's micro-batches, each cut into ``split`` pieces.
+
+    Returns the step's loss (a 0-d tensor on the device, not synced): the sum of the pieces' losses,
+    each already divided by the step's item count ``num_items``. Gradients are all-reduced (under DDP)
+    only after the last piece (``accelerator.no_sync`` before). ``labels`` stay in the inputs.
+    Raises:
+        torch.OutOfMemoryError: a piece did not fit (or ``oom_injector`` said so).
+    """
+    import torch
+    pieces = []
+    for inputs in micro_batches:
+        rows = int(inputs["input_ids"].shape[0])
+        for idx in torch.arange(rows).tensor_split(min(split, rows)):
+            pieces.append({k: v[idx] if hasattr(v, "shape") and v.dim() > 0 and v.shape[0] == rows else v
+                           for k, v in inputs.items()} if split > 1 else inputs)
+    step_loss = torch.zeros((), device=accelerator.device)
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        accelerator.sync_gradients = last  # as Trainer sets it; the optimizer steps only when True
+        if oom_injector is not None and oom_injector(step, int(piece["input_ids"].shape[0])):
+            raise torch.OutOfMemoryError(f"injected out-of-memory (step {step}, "
+                                         f"{int(piece['input_ids'].shape[0])} rows)")
+        features = {k: v for k, v in piece.items() if k != "labels"}
+        with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            loss = loss_fn(model(**features), piece["labels"], num_items)  # this piece's share of the mean
+            accelerator.backward(loss)  # no division: Accelerate's accumulation count is 1
+        step_loss += loss.detach()
+    return step_loss
+
+
+def _recover(error, model, micro_batches: list[dict], split: int, accum: int, step: int, enabled: bool,
+             events: list[dict]) -> int:
+    """After an out-of-memory error: drop the step's gradients, free cached memory and return the next
+    split (twice as many pieces per micro-batch). The event is appended to ``events`` and printed.
+
+    Raises:
+        torch.OutOfMemoryError: ``train.oom_retry`` is false (the error itself).
+        UserError: a micro-batch cannot be cut further (its pieces are one row already).
+    """
+    import gc
+
+    import torch
+
+    from onegpu.errors import UserError
+    micro = max(int(b["input_ids"].shape[0]) for b in micro_batches)
+    if not enabled:
+        raise error
+    if split * 2 > micro:
+        raise UserError(f"out of memory at optimizer step {step} even with micro-batch {max(1, micro // split)}: "
+                        "no smaller split is left; lower data.max_length, turn train.gradient_checkpointing on, "
+                        "or use a smaller model") from error
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    old, new = (micro // split, accum * split), (micro // (split * 2), accum * split * 2)
+    events.append({"step": step, "old": f"{old[0]} x {old[1]}", "new": f"{new[0]} x {new[1]}",
+                   "micro_batch": new[0]})
+    print(f"out of memory at optimizer step {step}: redoing the step with micro-batch {new[0]} x {new[1]} "
+          f"accumulation (was {old[0]} x {old[1]}); same effective batch, same result", flush=True)
+    return split * 2
+
+
 def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
           sink: Callable[[dict, int], None], checkpoint_dir=None, stop=None,
-          resume: tuple[str, dict] | None = None, checkpoint_meta: dict | None = None
-          ) -> tuple[object, StepRecorder]:
+          resume: tuple[str, dict] | None = None, checkpoint_meta: dict | None = None,
+          oom_injector=None) -> tuple[object, StepRecorder]:
     """Fine-tune ``model`` on ``dsd['train']``; per-step metrics go to ``sink(metrics, step)``.
 
     Args:
@@ -111,6 +176,12 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
         sink: receives one dict of metrics per optimizer step (see :class:`StepRecorder`).
         checkpoint_dir, stop, resume, checkpoint_meta: as for :func:`onegpu.training.hf_trainer.train`;
             checkpoints are :func:`onegpu.training.checkpoint.save_loop_state`'s.
+        oom_injector: tests only: ``(step, rows) -> bool``; True raises an injected out-of-memory error
+            before that piece's forward pass.
+    Out-of-memory recovery (``train.oom_retry``, as the ``trainer`` backend): the step's gradients are
+    dropped and all its micro-batches are redone, each cut into twice as many pieces; later steps keep
+    the finer split. Every piece's loss is divided by the whole step's item count, so the step's
+    gradient is the same (float rounding aside). Events go to the recorder's ``events``.
     Returns:
         The trained model, unwrapped from Accelerate (``save_pretrained`` saves it), and the step recorder
         (one row per optimizer step: loss = the step's exact mean loss, grad_norm = total L2 norm before
@@ -165,7 +236,7 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
           f"({micro} x {accum}), {len(train_set)} examples, {epochs} epoch(s), {accelerator.device}, "
           f"mixed precision {accelerator.mixed_precision}", flush=True)
 
-    start = 0
+    start, split = 0, 1  # split: pieces per micro-batch after out-of-memory recoveries
     if resume is not None:  # weights, optimizer, scheduler; the data position and RNG below
         load_loop_state(resume[0], accelerator.unwrap_model(model), optimizer, scheduler)
         start = int(resume[1]["step"])
@@ -197,18 +268,16 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
                 load_rng(resume[0])
             num_items = sum(count_items(b["labels"], cfg.model.task) for b in micro_batches)
 
-            step_loss = torch.zeros((), device=device)
-            for i, inputs in enumerate(micro_batches):
-                last = i == len(micro_batches) - 1
-                accelerator.sync_gradients = last  # as Trainer sets it; the optimizer steps only when True
+            while True:  # more than once only after an out-of-memory error (train.oom_retry)
+                try:
+                    step_loss = _forward_backward(accelerator, model, micro_batches, num_items, loss_fn,
+                                                  split, oom_injector, step + 1)
+                    break
+                except torch.OutOfMemoryError as e:
+                    split = _recover(e, model, micro_batches, split, accum, step + 1, t.oom_retry,
+                                     recorder.events)
+            for inputs in micro_batches:  # counted once, whatever the split
                 counter.add(inputs)
-                labels = inputs.pop("labels")
-                # Under DDP, all-reduce gradients only after the step's last micro-batch.
-                with contextlib.nullcontext() if last else accelerator.no_sync(model):
-                    outputs = model(**inputs)
-                    loss = loss_fn(outputs, labels, num_items)  # this micro-batch's share of the step mean
-                    accelerator.backward(loss)  # no division: Accelerate's accumulation count is 1
-                step_loss += loss.detach()
 
             # Norm before clipping; with max_grad_norm 0 an infinite bound only measures it
             # (Trainer._clip_grad_norm / _get_grad_norm).
