@@ -26,6 +26,19 @@ def _isolated_cwd(tmp_path_factory, monkeypatch):
             monkeypatch.delenv(k)
 
 
+def pytest_collection_modifyitems(config, items):
+    """``gpu``-marked tests skip, with the reason, where torch sees no CUDA device."""
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    import torch
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
 def pytest_sessionfinish(session, exitstatus):
     import shutil
     shutil.rmtree(_CACHE, ignore_errors=True)

@@ -1,0 +1,87 @@
+"""What only a CUDA GPU can show: allocator peaks, both backends and every split on the GPU's kernels,
+and bf16 autocast.
+
+Marked ``gpu``: skipped where torch sees no CUDA device (CI, laptops); ``bench/gpu_check.sh`` runs them.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import ClassLabel, Dataset, DatasetDict
+
+from onegpu import config, measure, models
+from onegpu.training import accel, hf_trainer
+
+pytestmark = pytest.mark.gpu
+LABELS = ["a", "b", "c"]
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    """fp32 matmuls without TF32, so splits and backends compare at fp32's tolerance."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    models.go_offline()
+    return models.load_tokenizer(models.resolve_model_path("packaged:all-MiniLM-L6-v2"), "sequence-classification")
+
+
+@pytest.fixture(scope="module")
+def dsd(tokenizer):
+    texts = [" ".join(["token"] * (3 + (7 * i) % 29)) + f" {i}" for i in range(32)]
+    ds = Dataset.from_dict({"text": texts, "label": [LABELS[i % 3] for i in range(32)]})
+    ds = ds.cast_column("label", ClassLabel(names=LABELS))
+    d = DatasetDict(train=ds, validation=ds.select(range(4)), test=ds.select(range(4)))
+    return d.map(lambda b: tokenizer(b["text"], truncation=True, max_length=32), batched=True)
+
+
+def _model(tokenizer):
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=128, max_position_embeddings=64, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+
+
+def _losses(tokenizer, dsd, micro, accum, backend=hf_trainer, **train) -> list[float]:
+    cfg = config.from_container({"model": {"dropout": 0.0}, "train": {
+        "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum, "max_steps": 3,
+        "learning_rate": 1e-3, "logging_steps": 100, **train}})
+    rows = []
+    backend.train(_model(tokenizer), tokenizer, dsd, cfg, config.resolve(cfg),
+                  sink=lambda m, s: rows.append((s, m["loss"])))
+    return [loss for _, loss in sorted(rows)]
+
+
+def test_allocator_peak_counts_an_allocation():
+    measure.reset_peak("cuda:0")
+    x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda:0")
+    assert measure.peak_bytes("cuda:0") >= 256 * 2**20
+    del x
+
+
+@pytest.mark.parametrize("backend", [hf_trainer, accel], ids=["trainer", "accelerate"])
+def test_splits_of_one_effective_batch_agree_on_cuda(tokenizer, dsd, tmp_path, monkeypatch, backend):
+    monkeypatch.chdir(tmp_path)
+    ref = _losses(tokenizer, dsd, 8, 1, backend)
+    for micro, accum in ((4, 2), (2, 4)):
+        got = _losses(tokenizer, dsd, micro, accum, backend)
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) < 1e-5, (micro, accum, got, ref)
+
+
+def test_backends_agree_on_cuda(tokenizer, dsd, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    a, b = _losses(tokenizer, dsd, 4, 2, hf_trainer), _losses(tokenizer, dsd, 4, 2, accel)
+    assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-5, (a, b)
+
+
+def test_bf16_stays_within_its_precision_of_fp32(tokenizer, dsd, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fp32, bf16 = _losses(tokenizer, dsd, 4, 2), _losses(tokenizer, dsd, 4, 2, bf16=True)
+    assert max(abs(x - y) / abs(y) for x, y in zip(bf16, fp32)) < 5e-2, (bf16, fp32)  # bf16 eps 7.8e-3
