@@ -209,3 +209,18 @@ def test_accelerate_stop_and_resume_gives_the_uninterrupted_losses_and_weights(t
     assert [r["step"] for r in rec.rows] == [1, 2, 3, 4, 5]
     want = ref_model.state_dict()
     assert max(float((v - want[k]).abs().max()) for k, v in model.state_dict().items()) <= 1e-6
+
+
+def test_trainer_backend_leaves_no_scratch_folders(tmp_path, monkeypatch):
+    """Training without a checkpoint folder and predicting each need a Trainer output_dir: both are
+    temporary and removed (they were left in /tmp, one per evaluate and per training run)."""
+    import tempfile
+
+    from onegpu.training import hf_trainer
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cfg = from_container({"model": {"dropout": 0.0}, "train": {"per_device_train_batch_size": 4, "max_steps": 1,
+                                                              "logging_steps": 100}})
+    model, _ = hf_trainer.train(tiny_bert(), tokenizer(), dataset(8), cfg, resolve(cfg), sink=lambda m, s: None)
+    out = hf_trainer.predict(model, tokenizer(), dataset(8)["train"], cfg)
+    assert out.predictions.shape == (8, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -254,7 +254,8 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
     """
     from onegpu.training.interrupt import Interrupted, StopCallback
     counter = BatchCounter()
-    out = str(checkpoint_dir) if checkpoint_dir else tempfile.mkdtemp(prefix="onegpu-trainer-")
+    scratch = None if checkpoint_dir else tempfile.TemporaryDirectory(prefix="onegpu-trainer-")
+    out = str(checkpoint_dir) if checkpoint_dir else scratch.name  # scratch: removed when training ends
     args = training_arguments(cfg, resolved, out)
     train_ds = model_inputs(dsd, cfg.model.task)["train"]
     collator = collator_for(cfg.model.task, tokenizer)
@@ -275,7 +276,11 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
                                                    loss_for(cfg.model.task))))
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(SparseProgress(cfg.train.logging_steps))
-    trainer.train(resume_from_checkpoint=resume[0] if resume else None)
+    try:
+        trainer.train(resume_from_checkpoint=resume[0] if resume else None)
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
     if stop is not None and stop.requested is not None:
         raise Interrupted(stop.requested, trainer.state.global_step)
     return trainer.model, steps
@@ -287,11 +292,11 @@ def predict(model, tokenizer, dataset, cfg: Config):
     Its ``metrics`` hold ``eval_loss`` (mean per example), ``eval_runtime`` (seconds),
     ``eval_samples_per_second``; ``predictions`` are logits ``(rows, num_labels)``.
     """
-    out = tempfile.mkdtemp(prefix="onegpu-eval-")
-    args = TrainingArguments(output_dir=out, per_device_eval_batch_size=cfg.evaluate.per_device_eval_batch_size,
-                             report_to="none", remove_unused_columns=False, bf16_full_eval=False,
-                             disable_tqdm=True, dataloader_pin_memory=_cuda())
-    ds = model_inputs(dataset)
-    trainer = ExactLossTrainer(model=model, args=args, data_collator=DataCollatorWithPadding(tokenizer),
-                               processing_class=tokenizer)
-    return trainer.predict(ds, metric_key_prefix="eval")
+    with tempfile.TemporaryDirectory(prefix="onegpu-eval-") as out:  # Trainer wants one; nothing is saved
+        args = TrainingArguments(output_dir=out, per_device_eval_batch_size=cfg.evaluate.per_device_eval_batch_size,
+                                 report_to="none", remove_unused_columns=False, bf16_full_eval=False,
+                                 disable_tqdm=True, dataloader_pin_memory=_cuda())
+        ds = model_inputs(dataset)
+        trainer = ExactLossTrainer(model=model, args=args, data_collator=DataCollatorWithPadding(tokenizer),
+                                   processing_class=tokenizer)
+        return trainer.predict(ds, metric_key_prefix="eval")
