@@ -14,6 +14,10 @@ from onegpu import evaluation, measure, models, paths, tracking
 from onegpu.config import Config
 from onegpu.errors import DataError
 
+# metrics/eval.json (`dvc exp show`, `dvc metrics diff`): the headline figures only; runtime, throughput,
+# memory and row/token counts are in the MLflow run.
+HEADLINE = ("eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity")
+
 
 def run(cfg: Config) -> dict:
     if not paths.RUN_FILE.is_file():
@@ -39,7 +43,7 @@ def run(cfg: Config) -> dict:
         names = test.features["label"].names
         if gold:
             tracker.log_figure(run_id, _confusion_figure(gold, pred, names), "confusion_matrix.png")
-        paths.write_json_atomic(paths.EVAL_METRICS, metrics)
+        paths.write_json_atomic(paths.EVAL_METRICS, {k: metrics[k] for k in HEADLINE if k in metrics})
         _write_predictions(gold, pred, names)
     if task == "causal-lm":
         print(f"evaluate: loss {metrics['eval_loss']:.4f} nats/token, perplexity {metrics['eval_perplexity']:.1f} "
