@@ -150,8 +150,26 @@ def run(cfg: Config) -> dict:
     print(f"train: {summary.get('train_steps', 0)} optimizer steps of {resolved.effective_batch_size} examples "
           f"({resolved.per_device_train_batch_size} x {resolved.gradient_accumulation_steps}), "
           f"train_loss {summary.get('train_loss', float('nan')):.4f}, {summary.get('train_runtime', 0):.1f} s, "
-          f"peak {summary.get('train_mem_peak_bytes', 0) / 2**20:.0f} MiB on {tags['device']}; MLflow run {run_id}")
+          f"{_peak_text(summary.get('train_mem_peak_bytes', 0), device, budget if auto else None)} "
+          f"on {tags['device']}; MLflow run {run_id}")
     return summary
+
+
+_BUDGET_CPU = ("; on a CPU the budget covers the training state: params, grads, optimizer states and "
+               "activations, not the whole process")
+
+
+def _peak_text(peak: int, device: str, budget: int | None) -> str:
+    """The peak memory for the closing line, saying what it measures. On a CPU it is the process RSS,
+    which holds the Python runtime, the libraries and the data besides the training state, so it
+    exceeds an ``auto`` budget (which covers the probed training state only)."""
+    if device.startswith("cuda"):
+        return f"peak {peak / 2**20:.0f} MiB allocated"
+    text = f"peak {peak / 2**20:.0f} MiB process RSS"
+    if budget is not None:
+        text += (f" (the auto budget, {budget / 2**30:.2f} GiB, covers the probed training state only; RSS "
+                 "also holds the Python runtime, libraries and data)")
+    return text
 
 
 def _checkpoints(cfg: Config, fingerprint: str):
@@ -191,7 +209,8 @@ def _find_micro_batch(model, tokenizer, dsd, cfg: Config, budget: int, device: s
         budget, cfg.train.optim, device)
     table = autobatch.format_probes(probes)
     print(f"auto micro-batch: {micro} x {cfg.train.effective_batch_size // micro} accumulation = "
-          f"{cfg.train.effective_batch_size} (budget {budget / 2**30:.2f} GiB, longest training rows)\n{table}")
+          f"{cfg.train.effective_batch_size} (budget {budget / 2**30:.2f} GiB, longest training rows"
+          f"{_BUDGET_CPU if not str(device).startswith('cuda') else ''})\n{table}")
     tracker.log_dict(run_id, {"budget_bytes": budget, "probes": [p.as_row() for p in probes]},
                      "auto_micro_batch.json")
     tracker.log_text(run_id, table + "\n", "auto_micro_batch.md")
