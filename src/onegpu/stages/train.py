@@ -134,6 +134,8 @@ def run(cfg: Config) -> dict:
         # Outputs: written aside, then moved into place.
         paths.MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=paths.MODEL_DIR.parent, prefix=".model-")
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()  # no "Writing model shards" bar between the progress lines
         model.save_pretrained(tmp)  # safetensors
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(paths.MODEL_DIR, ignore_errors=True)
