@@ -27,6 +27,8 @@ def run(cfg: Config) -> dict:
     task = cfg.model.task
     with tracker.guard(run_id, finish=True):
         from datasets import load_from_disk
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()  # no "Loading weights" bar in the pipeline's output
 
         model, tokenizer = models.load_trained(paths.MODEL_DIR, task)
         test = load_from_disk(str(paths.PROCESSED))["test"]
