@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{tracking.redact(tracking.paths.tracking_uri())}")
         elif args.command == "summary":
             from onegpu import summary
-            print(summary.text())
+            print(summary.text(cfg))
         elif args.command == "compare":
             from onegpu.stages import compare
             compare.run(args.experiment or cfg.tracking.experiment_name, key=args.key, run_ids=args.runs,

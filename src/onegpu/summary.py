@@ -17,8 +17,11 @@ NEXT = """Next:
   dvc exp show --only-changed --drop 'Created|State|Executor|models'    the sweep as a table"""
 
 
-def text() -> str:
+def text(cfg=None) -> str:
     """The summary: test and training headline figures, where the full set lives, the next commands.
+
+    ``cfg`` (the params the pipeline ran with) gives the split; with ``auto`` it points to MLflow's
+    ``resolved.*`` params, where the chosen split is logged.
 
     Raises:
         DataError: a metrics file is missing (the pipeline has not run here yet).
@@ -28,13 +31,15 @@ def text() -> str:
             raise DataError(f"{f} is missing: run the pipeline first (make run, or dvc repro)")
     tr, ev = paths.read_json(paths.TRAIN_METRICS), paths.read_json(paths.EVAL_METRICS)
     run = paths.read_json(paths.RUN_FILE).get("run_id", "?") if paths.RUN_FILE.is_file() else "?"
-    test = " | ".join(f"{k.removeprefix('eval_')} {ev[k]:.4f}" if k != "eval_perplexity" else
-                      f"perplexity {ev[k]:.1f}"
-                      for k in ("eval_accuracy", "eval_f1_macro", "eval_perplexity", "eval_loss") if k in ev)
-    train = (f"loss {tr.get('train_loss', float('nan')):.4f} | {tr.get('train_runtime', 0):.1f} s | "
-             f"{tr.get('train_samples_per_second', 0):.1f} samples/s | "
-             f"peak {tr.get('train_mem_peak_bytes', 0) / 2**30:.2f} GiB | "
-             f"{tr.get('per_device_train_batch_size')} x {tr.get('gradient_accumulation_steps')} = "
-             f"{tr.get('effective_batch_size')} examples per optimizer step")
+    test = " | ".join(f"perplexity {ev[k]:.1f}" if k == "eval_perplexity" else f"{k.removeprefix('eval_')} {ev[k]:.4f}"
+                      for k in ("eval_accuracy", "eval_perplexity", "eval_loss") if k in ev)
+    train = [f"loss {tr['train_loss']:.4f}" if "train_loss" in tr else None,
+             f"{tr['train_samples_per_second']:.1f} samples/s" if "train_samples_per_second" in tr else None,
+             f"peak {tr['train_mem_peak_bytes'] / 2**30:.2f} GiB" if "train_mem_peak_bytes" in tr else None]
+    if cfg is not None:
+        t = cfg.train
+        train.append("micro-batch auto (the split chosen: MLflow params resolved.*)"
+                     if t.per_device_train_batch_size == "auto" else
+                     f"{t.per_device_train_batch_size} x {t.gradient_accumulation_steps} per optimizer step")
     return (f"onegpu: done. Headline (metrics/*.json; every figure and per-step series in MLflow run {run}):\n"
-            f"  test:  {test}\n  train: {train}\n{NEXT}")
+            f"  test:  {test}\n  train: {' | '.join(x for x in train if x)}\n{NEXT}")

@@ -17,10 +17,10 @@ from onegpu.errors import ConfigError, DataError, ModelError
 
 # train.backend -> the module with ``train(model, tokenizer, dsd, cfg, resolved, sink) -> (model, StepRecorder)``
 BACKENDS = {"trainer": "onegpu.training.hf_trainer", "accelerate": "onegpu.training.accel"}
-# metrics/train.json (`dvc exp show`, `dvc metrics diff`): these headline figures and the split used,
-# so a sweep's table stays narrow. Everything else (memory breakdown, FLOP/s, MFU, per-step series) is in
-# the MLflow run.
-HEADLINE = ("train_loss", "train_runtime", "train_samples_per_second", "train_mem_peak_bytes")
+# metrics/train.json (`dvc exp show`, `dvc metrics diff`): these headline figures only, so a sweep's
+# table fits a terminal next to the params that vary. Everything else (runtime, memory breakdown, FLOP/s,
+# MFU, the split `auto` chose as resolved.* params, per-step series) is in the MLflow run.
+HEADLINE = ("train_loss", "train_samples_per_second", "train_mem_peak_bytes")
 
 
 def _device_checks(cfg: Config):
@@ -141,11 +141,7 @@ def run(cfg: Config) -> dict:
         shutil.rmtree(paths.MODEL_DIR, ignore_errors=True)
         shutil.move(tmp, paths.MODEL_DIR)
         _write_steps(steps.rows)
-        paths.write_json_atomic(paths.TRAIN_METRICS, {
-            **{k: summary[k] for k in HEADLINE if k in summary},
-            "effective_batch_size": resolved.effective_batch_size,
-            "per_device_train_batch_size": resolved.per_device_train_batch_size,
-            "gradient_accumulation_steps": resolved.gradient_accumulation_steps})
+        paths.write_json_atomic(paths.TRAIN_METRICS, {k: summary[k] for k in HEADLINE if k in summary})
         paths.write_json_atomic(paths.RUN_FILE, {"run_id": run_id, "experiment_id": tracker.experiment_id,
                                                  "equivalence_key": key})
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # finished: nothing left to resume
