@@ -6,19 +6,33 @@ BIN    := $(VENV)/bin
 # (.ci/run does this). Empty: pip picks torch from pyproject's range (a CUDA build on Linux x86-64).
 TORCH  ?=
 export PATH := $(CURDIR)/$(BIN):$(PATH)
+# bash with pipefail: a failing pip or dvc fails make even when its output goes through a filter.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 
 .PHONY: install run test test-quick lock clean
 
 install: $(VENV)/.installed
 
+# pip's stdout is cut to one line per package (errors go to stderr, unfiltered).
+# (The braces keep grep's "no line matched" from failing make; pipefail still reports pip's own failure.)
+PIP_PROGRESS := { grep --line-buffered -E '^(Collecting|Installing collected|Successfully installed)' || true; }
+
 $(VENV)/.installed: pyproject.toml requirements.lock
+	@echo "make install: creating $(VENV) and installing torch, transformers, accelerate, datasets, dvc, mlflow."
+	@echo "  The first time this takes a few minutes (measured: 2-3.5 min, 6.5 GB with torch's CUDA libraries);"
+	@echo "  one line per package follows. Later runs skip this step."
 	$(PYTHON) -m venv $(VENV)
-	$(if $(TORCH),$(BIN)/python -m pip install --quiet "$(TORCH)")
-	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[dev]'
+	$(if $(TORCH),$(BIN)/python -m pip install --progress-bar off "$(TORCH)" | $(PIP_PROGRESS))
+	$(BIN)/python -m pip install --progress-bar off -c requirements.lock -e '.[dev]' | $(PIP_PROGRESS)
 	touch $@
 
+# The pipeline, then its headline and the next commands. DVC's closing hints are dropped: "git add
+# dvc.lock" (the summary names what changed) and "dvc push" (no remote is configured).
+DVC_HINTS := ^(To track the changes with git, run:|To enable auto staging, run:|Use `dvc push` to send your updates to remote storage.)$$|^\s+(git add dvc.lock.*|dvc config core.autostage true)$$
 run: install
-	$(BIN)/dvc repro
+	PYTHONUNBUFFERED=1 $(BIN)/dvc repro 2>&1 | { grep --line-buffered -v -E '$(DVC_HINTS)' || true; }
+	$(BIN)/onegpu summary
 
 test: install
 	$(BIN)/python -m pytest

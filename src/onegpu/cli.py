@@ -55,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="sizes to predict (default: 1 2 4 8 16 32 64)")
     est.add_argument("--budget-gib", type=float, metavar="GIB",
                      help="memory budget (default: train.memory_budget_gib)")
+    sm = sub.add_parser("summary", help="the last run's headline metrics and the commands to go on with",
+                        description="Print the headline figures of metrics/*.json (make run calls this after "
+                                    "dvc repro) and the next commands: the UI, a sweep, compare.")
+    sm.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     return p
 
 
@@ -82,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             runs, records = tracking.sync()
             print(f"onegpu sync: {records} spooled record(s) of {runs} run(s) written to "
                   f"{tracking.redact(tracking.paths.tracking_uri())}")
+        elif args.command == "summary":
+            from onegpu import summary
+            print(summary.text(cfg))
         elif args.command == "compare":
             from onegpu.stages import compare
             compare.run(args.experiment or cfg.tracking.experiment_name, key=args.key, run_ids=args.runs,

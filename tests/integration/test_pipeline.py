@@ -80,6 +80,11 @@ def test_repro_logs_prepare_and_one_complete_training_run(project):
     # What DVC reads: metrics files, the per-step plot, the run id.
     ev = json.loads((project / "metrics/eval.json").read_text())
     assert ev["eval_accuracy"] == pytest.approx(m["eval_accuracy"])
+    # Headline figures only, so `dvc exp show` of a sweep stays narrow; the full set is in MLflow (above).
+    assert set(ev) == {"eval_loss", "eval_accuracy"}
+    tr = json.loads((project / "metrics/train.json").read_text())
+    assert set(tr) == {"train_loss", "train_samples_per_second", "train_mem_peak_bytes"}
+    assert tr["train_loss"] == pytest.approx(m["train_loss"])
     steps = (project / "plots/train_steps.csv").read_text().splitlines()
     assert len(steps) == 1 + MAX_STEPS and steps[0].startswith("step,loss,")
     assert json.loads((project / "models/mlflow_run.json").read_text())["run_id"] == run.info.run_id

@@ -17,6 +17,10 @@ from onegpu.errors import ConfigError, DataError, ModelError
 
 # train.backend -> the module with ``train(model, tokenizer, dsd, cfg, resolved, sink) -> (model, StepRecorder)``
 BACKENDS = {"trainer": "onegpu.training.hf_trainer", "accelerate": "onegpu.training.accel"}
+# metrics/train.json (`dvc exp show`, `dvc metrics diff`): these headline figures only, so a sweep's
+# table fits a terminal next to the params that vary. Everything else (runtime, memory breakdown, FLOP/s,
+# MFU, the split `auto` chose as resolved.* params, per-step series) is in the MLflow run.
+HEADLINE = ("train_loss", "train_samples_per_second", "train_mem_peak_bytes")
 
 
 def _device_checks(cfg: Config):
@@ -130,24 +134,40 @@ def run(cfg: Config) -> dict:
         # Outputs: written aside, then moved into place.
         paths.MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=paths.MODEL_DIR.parent, prefix=".model-")
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()  # no "Writing model shards" bar between the progress lines
         model.save_pretrained(tmp)  # safetensors
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(paths.MODEL_DIR, ignore_errors=True)
         shutil.move(tmp, paths.MODEL_DIR)
         _write_steps(steps.rows)
-        paths.write_json_atomic(paths.TRAIN_METRICS, {
-            **{k: v for k, v in summary.items()},
-            "effective_batch_size": resolved.effective_batch_size,
-            "per_device_train_batch_size": resolved.per_device_train_batch_size,
-            "gradient_accumulation_steps": resolved.gradient_accumulation_steps})
+        paths.write_json_atomic(paths.TRAIN_METRICS, {k: summary[k] for k in HEADLINE if k in summary})
         paths.write_json_atomic(paths.RUN_FILE, {"run_id": run_id, "experiment_id": tracker.experiment_id,
                                                  "equivalence_key": key})
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # finished: nothing left to resume
     print(f"train: {summary.get('train_steps', 0)} optimizer steps of {resolved.effective_batch_size} examples "
           f"({resolved.per_device_train_batch_size} x {resolved.gradient_accumulation_steps}), "
           f"train_loss {summary.get('train_loss', float('nan')):.4f}, {summary.get('train_runtime', 0):.1f} s, "
-          f"peak {summary.get('train_mem_peak_bytes', 0) / 2**20:.0f} MiB on {tags['device']}; MLflow run {run_id}")
+          f"{_peak_text(summary.get('train_mem_peak_bytes', 0), device, budget if auto else None)} "
+          f"on {tags['device']}; MLflow run {run_id}")
     return summary
+
+
+_BUDGET_CPU = ("; on a CPU the budget covers the training state: params, grads, optimizer states and "
+               "activations, not the whole process")
+
+
+def _peak_text(peak: int, device: str, budget: int | None) -> str:
+    """The peak memory for the closing line, saying what it measures. On a CPU it is the process RSS,
+    which holds the Python runtime, the libraries and the data besides the training state, so it
+    exceeds an ``auto`` budget (which covers the probed training state only)."""
+    if device.startswith("cuda"):
+        return f"peak {peak / 2**20:.0f} MiB allocated"
+    text = f"peak {peak / 2**20:.0f} MiB process RSS"
+    if budget is not None:
+        text += (f" (the auto budget, {budget / 2**30:.2f} GiB, covers the probed training state only; RSS "
+                 "also holds the Python runtime, libraries and data)")
+    return text
 
 
 def _checkpoints(cfg: Config, fingerprint: str):
@@ -187,7 +207,8 @@ def _find_micro_batch(model, tokenizer, dsd, cfg: Config, budget: int, device: s
         budget, cfg.train.optim, device)
     table = autobatch.format_probes(probes)
     print(f"auto micro-batch: {micro} x {cfg.train.effective_batch_size // micro} accumulation = "
-          f"{cfg.train.effective_batch_size} (budget {budget / 2**30:.2f} GiB, longest training rows)\n{table}")
+          f"{cfg.train.effective_batch_size} (budget {budget / 2**30:.2f} GiB, longest training rows"
+          f"{_BUDGET_CPU if not str(device).startswith('cuda') else ''})\n{table}")
     tracker.log_dict(run_id, {"budget_bytes": budget, "probes": [p.as_row() for p in probes]},
                      "auto_micro_batch.json")
     tracker.log_text(run_id, table + "\n", "auto_micro_batch.md")

@@ -27,7 +27,7 @@ from functools import partial
 from typing import Callable
 
 from onegpu.config import Config, Resolved
-from onegpu.training.callbacks import BatchCounter, StepRecorder
+from onegpu.training.callbacks import BatchCounter, StepRecorder, progress_line
 from onegpu.training.checkpoint import load_loop_state, load_rng, save_loop_state
 from onegpu.training.interrupt import Interrupted
 from onegpu.training.hf_trainer import collator_for, model_inputs, probe_batch
@@ -295,8 +295,7 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
             loss_value, norm_value = values.tolist()  # the step's one host sync
             recorder.log(step, loss_value, norm_value, float(lr))
             if step % t.logging_steps == 0 or step == total_steps:
-                print(f"step {step}/{total_steps} | loss {loss_value:.4f} | grad_norm {norm_value:.3f} | "
-                      f"lr {lr:.3e} | {recorder.rows[-1]['step_time_s'] * 1e3:.0f} ms", flush=True)
+                print(progress_line(step, total_steps, recorder.rows, device), flush=True)
             stopping = stop is not None and stop.requested is not None and step < total_steps
             if checkpoint_dir and (stopping or (t.save_steps and step % t.save_steps == 0 and step < total_steps)):
                 save_loop_state(checkpoint_dir, step, accelerator.unwrap_model(model), optimizer, scheduler,

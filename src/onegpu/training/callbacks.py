@@ -10,7 +10,6 @@ import math
 from typing import Callable
 
 from transformers import TrainerCallback
-from transformers.trainer_callback import ProgressCallback
 
 from onegpu import measure
 from onegpu.errors import UserError
@@ -170,14 +169,40 @@ class StepMetrics(TrainerCallback):
             self.recorder.log(state.global_step, logs["loss"], logs.get("grad_norm"), logs.get("learning_rate"))
 
 
-class SparseProgress(ProgressCallback):
-    """HF's progress bar, printing the log dict every ``every`` optimizer steps instead of every step."""
+def progress_line(step: int, total: int, rows: list[dict], device) -> str:
+    """The terminal line for optimizer step ``step`` of ``total``, from the recorder's ``rows`` (the last is
+    this step's): loss, throughput over the last row, step time, peak memory and the time left.
 
-    def __init__(self, every: int) -> None:
-        super().__init__()
-        self.every = every
+    Example: ``step 20/32 | loss 1.2034 | 41.3 samples/s | 0.39 s/step | peak 1.69 GiB RSS | 5 s left``.
+    Memory is the step's peak: the CUDA allocator's on a GPU, the process RSS on a CPU (:mod:`onegpu.measure`).
+    Time left: mean step time of the rows so far x steps to go.
+    """
+    row = rows[-1]
+    mem = row.get("mem_peak_bytes", 0) / 2**30
+    where = "allocated" if str(device).startswith("cuda") else "RSS"
+    mean = sum(r["step_time_s"] for r in rows) / len(rows)
+    left = max(total - step, 0) * mean
+    left_text = f"{left / 60:.1f} min left" if left >= 120 else f"{left:.0f} s left"
+    return (f"step {step}/{total} | loss {row['loss']:.4f} | {row.get('samples_per_second', 0):.1f} samples/s | "
+            f"{row['step_time_s']:.2f} s/step | peak {mem:.2f} GiB {where} | {left_text}")
+
+
+class Progress(TrainerCallback):
+    """onegpu's terminal progress for HF Trainer, in place of its progress bar and log dicts: a start line,
+    then :func:`progress_line` every ``every`` optimizer steps and at the last. Added after
+    :class:`StepMetrics`, so the step's row is recorded when ``on_log`` runs."""
+
+    def __init__(self, recorder: StepRecorder, every: int) -> None:
+        self.recorder, self.every = recorder, every
+
+    def on_train_begin(self, args, state, control, **kw):
+        print(f"train: {state.max_steps} optimizer steps of {args.train_batch_size * args.gradient_accumulation_steps}"
+              f" examples ({args.train_batch_size} x {args.gradient_accumulation_steps}) on {args.device}; "
+              f"progress every {self.every} steps, every step goes to MLflow", flush=True)
 
     def on_log(self, args, state, control, logs=None, **kw):
-        if logs and "loss" in logs and state.global_step % self.every and state.global_step != state.max_steps:
+        step = state.global_step
+        if not (logs and "loss" in logs) or not self.recorder.rows or self.recorder.rows[-1]["step"] != step:
             return
-        super().on_log(args, state, control, logs=logs, **kw)
+        if step % self.every == 0 or step == state.max_steps:
+            print(progress_line(step, state.max_steps, self.recorder.rows, self.recorder.device), flush=True)

@@ -15,7 +15,7 @@ from transformers.trainer_callback import ProgressCallback
 from onegpu.config import Config, Resolved
 from onegpu.errors import UserError
 from onegpu.training.checkpoint import write_state
-from onegpu.training.callbacks import BatchCounter, SparseProgress, StepMetrics, StepRecorder
+from onegpu.training.callbacks import BatchCounter, Progress, StepMetrics, StepRecorder
 from onegpu.training.loss import count_items, loss_for
 
 # Columns the model consumes; prepare's other columns (text, length) are dropped before training.
@@ -275,7 +275,7 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
     trainer.add_callback(StepMetrics(steps, probe=(probe_batch(train_ds, collator, resolved),
                                                    loss_for(cfg.model.task))))
     trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(SparseProgress(cfg.train.logging_steps))
+    trainer.add_callback(Progress(steps, cfg.train.logging_steps))
     try:
         trainer.train(resume_from_checkpoint=resume[0] if resume else None)
     finally:

@@ -1,0 +1,46 @@
+"""``onegpu summary``: the headline of the last pipeline run and the commands to go on with.
+
+``make run`` calls it after ``dvc repro``. It reads only the DVC metrics files (``metrics/train.json``,
+``metrics/eval.json``) and ``models/mlflow_run.json``: no MLflow, no torch, so it answers at once.
+"""
+from __future__ import annotations
+
+from onegpu import paths
+from onegpu.errors import DataError
+
+NEXT = """Next:
+  onegpu ui          the MLflow UI: every run's per-step loss, memory and speed (link printed)
+  dvc exp run --queue -S train.per_device_train_batch_size=4 -S train.gradient_accumulation_steps=4
+  dvc queue start -j 1
+                     a sweep: queue one line per micro-batch split, then run them one at a time
+  onegpu compare     which runs trained the same model with another split, and what each cost
+  dvc exp show --only-changed --drop 'Created|models|data/|src/|model.dropout|eval_loss|train_mem'
+                     the sweep as a table (README.md: A sweep)"""
+
+
+def text(cfg=None) -> str:
+    """The summary: test and training headline figures, where the full set lives, the next commands.
+
+    ``cfg`` (the params the pipeline ran with) gives the split; with ``auto`` it points to MLflow's
+    ``resolved.*`` params, where the chosen split is logged.
+
+    Raises:
+        DataError: a metrics file is missing (the pipeline has not run here yet).
+    """
+    for f in (paths.TRAIN_METRICS, paths.EVAL_METRICS):
+        if not f.is_file():
+            raise DataError(f"{f} is missing: run the pipeline first (make run, or dvc repro)")
+    tr, ev = paths.read_json(paths.TRAIN_METRICS), paths.read_json(paths.EVAL_METRICS)
+    run = paths.read_json(paths.RUN_FILE).get("run_id", "?") if paths.RUN_FILE.is_file() else "?"
+    test = " | ".join(f"perplexity {ev[k]:.1f}" if k == "eval_perplexity" else f"{k.removeprefix('eval_')} {ev[k]:.4f}"
+                      for k in ("eval_accuracy", "eval_perplexity", "eval_loss") if k in ev)
+    train = [f"loss {tr['train_loss']:.4f}" if "train_loss" in tr else None,
+             f"{tr['train_samples_per_second']:.1f} samples/s" if "train_samples_per_second" in tr else None,
+             f"peak {tr['train_mem_peak_bytes'] / 2**30:.2f} GiB" if "train_mem_peak_bytes" in tr else None]
+    if cfg is not None:
+        t = cfg.train
+        train.append("micro-batch auto (the split chosen: MLflow params resolved.*)"
+                     if t.per_device_train_batch_size == "auto" else
+                     f"{t.per_device_train_batch_size} x {t.gradient_accumulation_steps} per optimizer step")
+    return (f"onegpu: done. Headline (metrics/*.json; every figure and per-step series in MLflow run {run}):\n"
+            f"  test:  {test}\n  train: {' | '.join(x for x in train if x)}\n{NEXT}")

@@ -1,0 +1,46 @@
+"""``onegpu summary`` (run by ``make run`` after ``dvc repro``): headline figures and the next commands."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from onegpu import cli, summary
+
+
+def _write(tmp_path, name, data):
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_text(json.dumps(data))
+
+
+def test_summary_prints_the_headline_and_the_next_commands(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("train:\n  per_device_train_batch_size: 8\n  gradient_accumulation_steps: 2\n")
+    _write(tmp_path, "metrics/train.json", {
+        "train_loss": 1.3812, "train_samples_per_second": 17.21, "train_mem_peak_bytes": 1.25 * 2**30})
+    _write(tmp_path, "metrics/eval.json", {"eval_loss": 0.3012, "eval_accuracy": 0.92})
+    _write(tmp_path, "models/mlflow_run.json", {"run_id": "abc123"})
+    assert cli.main(["summary"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("onegpu: done. Headline (metrics/*.json; every figure and per-step series in MLflow run "
+                      "abc123):")
+    assert out[1] == "  test:  accuracy 0.9200 | loss 0.3012"
+    assert out[2] == "  train: loss 1.3812 | 17.2 samples/s | peak 1.25 GiB | 8 x 2 per optimizer step"
+    text = "\n".join(out)
+    for command in ("onegpu ui", "onegpu compare", "dvc exp run --queue", "dvc queue start -j 1", "dvc exp show"):
+        assert command in text, command
+
+
+def test_summary_of_a_causal_lm_gives_perplexity(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path, "metrics/train.json", {"train_loss": 5.0})
+    _write(tmp_path, "metrics/eval.json", {"eval_loss": 4.5, "eval_perplexity": 90.0171})
+    assert "  test:  perplexity 90.0 | loss 4.5000\n" in summary.text()
+
+
+def test_summary_before_any_run_says_what_to_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("tracking:\n  experiment_name: t\n")
+    assert cli.main(["summary"]) == 2
+    assert capsys.readouterr().err.strip() == ("onegpu summary: error: metrics/train.json is missing: run the "
+                                               "pipeline first (make run, or dvc repro)")
