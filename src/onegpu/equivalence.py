@@ -556,6 +556,10 @@ def summarize(g: GroupComparison) -> str:
     ref = g.reference
     n = len(g.rows)
     head = f"{n} run{'s' if n != 1 else ''}; reference {ref.label} ({ref.split}, {ref.precision})."
+    partial = sorted({p["step"] for c in g.rows for p in c.run.partial_steps})
+    if partial:
+        head += (f" Step{'s' if len(partial) > 1 else ''} {', '.join(map(str, partial))} saw fewer examples "
+                 "than the effective batch (an epoch's short last step).")
     if n == 1:
         micro, eff = ref.micro_batch, ref.effective_batch
         other = next((m for m in ((micro or 0) // 2, (micro or 0) * 2) if m and eff and eff % m == 0), None)
@@ -571,10 +575,6 @@ def summarize(g: GroupComparison) -> str:
         parts.append(f"{len(eq)} of {len(others)} equivalent to it step by step "
                      f"(loss within {eq[0].tolerance.rtol:g} and grad_norm within "
                      f"{eq[0].grad_norm_tolerance.rtol:g} relative in {eq[0].precision}).")
-    partial = sorted({p["step"] for c in g.rows for p in c.run.partial_steps})
-    if partial:
-        parts.append(f"Step{'s' if len(partial) > 1 else ''} {', '.join(map(str, partial))} saw fewer examples "
-                     "than the effective batch (an epoch's short last step).")
     if div:
         first = min(div, key=lambda c: c.first_divergent_step)
         causes = sorted({cause.split(":")[0] for d in div for cause in d.causes})
