@@ -351,7 +351,8 @@ def _machine(r: RunRecord) -> str | None:
     return r.tags.get("onegpu.machine") or None
 
 
-def find_overlaps(runs: list[RunRecord], others: list[RunRecord] = (), min_overlap_ms: int = 1000) -> dict[str, list[str]]:
+def find_overlaps(runs: list[RunRecord], others: list[RunRecord] = (),
+                  min_overlap_ms: int = 1000) -> dict[str, list[str]]:
     """For each of ``runs``: the labels of runs (among ``runs`` and ``others``) whose training windows
     (:attr:`RunRecord.train_window`) overlapped its own by more than ``min_overlap_ms`` on the same
     machine (tag ``onegpu.machine``; runs without it are taken to share the machine). Runs of unknown

@@ -209,9 +209,9 @@ def _save_model(model, directory, config_values: dict) -> None:
 
 
 def _step_tags(steps, effective_batch: int) -> dict:
-    """Tags from the recorder: ``onegpu.machine``, the training window (``onegpu.train_start_ms``/``onegpu.train_end_ms``,
-    milliseconds since the epoch, first step's start to last step's end in this process) and
-    ``onegpu.partial_steps`` when an optimizer step saw fewer examples than the effective batch."""
+    """Tags from the recorder: ``onegpu.machine``, the training window (``onegpu.train_start_ms`` and
+    ``onegpu.train_end_ms``, milliseconds since the epoch, first step's start to last step's end in this
+    process) and ``onegpu.partial_steps`` when an optimizer step saw fewer examples than the effective batch."""
     import hashlib
     import json
     import platform
