@@ -16,6 +16,7 @@ import pytest
 
 _CACHE = tempfile.mkdtemp(prefix="onegpu-test-cache-")
 os.environ["XDG_CACHE_HOME"] = _CACHE
+os.environ["ONEGPU_CACHE_DIR"] = os.path.join(_CACHE, "onegpu")  # onegpu.flops reads it first
 
 
 @pytest.fixture(autouse=True)

@@ -204,7 +204,20 @@ def _type_message(e: ValidationError, key: str) -> str:
                             "Optional[float]": "a number or null",
                             "Optional[str]": "a string or null"}.get(str(f.type), str(f.type))
     value = getattr(e, "value", None)
+    if expected in ("a number", "a number or null", "an integer", "an integer or null") and _non_finite(value):
+        # DVC's `-S key=.inf` (Hydra's override grammar) writes the *string* '.inf' into params.yaml.
+        return f"must be finite (a number{' or null' if 'null' in expected else ''}), got {value!r}"
     return f"expected {expected}, got {value!r}"
+
+
+def _non_finite(value) -> bool:
+    """True for a non-finite float or a string that spells one (``'.inf'``, ``'-Infinity'``, ``'nan'``)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, str):
+        word = value.strip().lower().lstrip("+-").lstrip(".")
+        return word in ("inf", "infinity", "nan")
+    return False
 
 
 def _fail(source: str, key: str, problem: str) -> None:
@@ -214,6 +227,9 @@ def _fail(source: str, key: str, problem: str) -> None:
 def validate(cfg: Config, source: str = "params") -> None:
     """Check ranges and combinations that types alone cannot. Raises ConfigError naming the key."""
     d, m, t = cfg.data, cfg.model, cfg.train
+    for key, value in flatten(cfg.to_dict()).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            _fail(source, key, f"must be finite (a number), got {value}")
     if d.max_length < 8 or d.max_length > 8192:
         _fail(source, "data.max_length", f"must be an integer from 8 to 8192, got {d.max_length}")
     for k in ("validation_size", "test_size"):
@@ -227,9 +243,6 @@ def validate(cfg: Config, source: str = "params") -> None:
         v = getattr(d, k)
         if v is not None and v < 1:
             _fail(source, f"data.{k}", f"must be a positive integer or null (= all), got {v}")
-    for key, value in flatten(cfg.to_dict()).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            _fail(source, key, f"must be a finite number, got {value}")
     for key, seed in (("data.seed", d.seed), ("train.seed", t.seed)):
         if not 0 <= seed < 2**32:
             _fail(source, key, f"must be an integer from 0 to 2**32 - 1 (numpy's range), got {seed}")

@@ -6,8 +6,8 @@ effective batch; only the split into micro-batch x accumulation, checkpointing a
 differ), one run is the reference and every other run is compared with it per optimizer step:
 
 * ``loss`` and ``grad_norm``: the largest absolute and relative difference over the steps both runs
-  logged, and the first step whose loss difference is beyond the tolerance of the run's precision
-  (:data:`TOLERANCES`);
+  logged, and the first step whose loss or gradient-norm difference is beyond the tolerance of the
+  run's precision (:data:`TOLERANCES`, :data:`GRAD_NORM_TOLERANCES`, basis in :data:`TOLERANCE_BASIS`);
 * the number of optimizer steps;
 * the final ``eval_*`` metrics (differences, run minus reference);
 * the trade-off: micro-batch, accumulation, checkpointing, peak memory (bytes), throughput (samples per
@@ -15,8 +15,15 @@ differ), one run is the reference and every other run is compared with it per op
   reference.
 
 The verdict is ``equivalent`` (every common step within tolerance and the same number of steps) or
-``diverged at step N``; params and tags that explain a divergence are listed as likely causes
+``diverged at step N`` (``diverged at step N (grad_norm)`` when the gradient norm left its tolerance
+before the loss did); params and tags that explain a divergence are listed as likely causes
 (:func:`likely_causes`).
+
+Speed and memory are only comparable between runs that did not compete for the machine: runs whose
+training windows (first to last optimizer step, tags ``onegpu.train_start_ms``/``onegpu.train_end_ms``)
+overlapped on one machine are flagged (:func:`find_overlaps`) and left out of "fastest"/"least memory".
+An optimizer step that saw fewer examples than the effective batch (an epoch's short last step, tag
+``onegpu.partial_steps``) is noted.
 """
 from __future__ import annotations
 
@@ -26,26 +33,46 @@ from typing import NamedTuple
 
 
 class Tolerance(NamedTuple):
-    """Per-step loss tolerance: a step differs when ``|loss - ref| > atol + rtol * |ref|``."""
+    """Per-step tolerance: a step differs when ``|x - ref| > atol + rtol * |ref|``."""
     rtol: float
     atol: float
 
 
-# Per-step loss tolerance by training precision. A split of the effective batch (4 x 16 against 64 x 1)
-# or checkpointing changes only the order of floating-point sums, so the losses of equivalent runs
-# differ by rounding that grows slowly through the optimizer's updates:
-# * fp32: unit roundoff 6e-8; reordered sums plus a few dozen Adam steps stay near 1e-6..1e-5 relative
-#   (the tests measured 4 x 2 against 2 x 4 within 1e-4 with dropout 0), so 1e-4 relative separates
-#   rounding from a real difference (a different dropout mask or batch statistics moves the loss by
-#   1e-3 or more at once).
-# * bf16 (8-bit mantissa, unit roundoff 3.9e-3) and fp16 (11-bit, 4.9e-4, plus loss scaling): autocast
-#   rounds activations, so a different summation order moves the loss by ~1e-3; 1e-2 relative.
-# ``atol`` only guards losses near zero, where a relative test means nothing.
+# Machine epsilon (spacing of floats at 1.0) of each training precision: IEEE 754 binary32 2^-23,
+# bfloat16 2^-7 (8-bit significand), binary16 2^-10.
+EPS = {"fp32": 2.0**-23, "bf16": 2.0**-7, "fp16": 2.0**-10}
+
+# Tolerances by training precision, for the loss and for the gradient norm of each optimizer step.
 TOLERANCES: dict[str, Tolerance] = {
     "fp32": Tolerance(rtol=1e-4, atol=1e-6),
     "bf16": Tolerance(rtol=1e-2, atol=1e-4),
     "fp16": Tolerance(rtol=1e-2, atol=1e-4),
 }
+GRAD_NORM_TOLERANCES: dict[str, Tolerance] = {
+    "fp32": Tolerance(rtol=1e-3, atol=1e-6),
+    "bf16": Tolerance(rtol=5e-2, atol=1e-4),
+    "fp16": Tolerance(rtol=5e-2, atol=1e-4),
+}
+# Why these numbers (shown in the report). A split of the effective batch (4 x 16 against 64 x 1),
+# checkpointing or the backend changes only the order of floating-point sums: the step's first
+# difference is a few eps (rounding of a reordered sum grows like sqrt(n) * eps typically, n * eps at
+# worst: Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., sec. 4.2), and each
+# optimizer update carries the previous step's difference forward, so it grows with the steps.
+TOLERANCE_BASIS: dict[str, str] = {
+    "fp32": ("eps 1.19e-7; measured here 1.1e-7 (loss) and 2.0e-7 (grad_norm) relative after 6 AdamW steps "
+             "of a tiny BERT, for 4x2, 2x4 and 1x8 against 8x1, checkpointing and the other backend; loss "
+             "rtol 1e-4 (~840 eps) leaves three orders of magnitude for growth over hundreds of steps, "
+             "while a real change (another dropout mask, BatchNorm statistics of a smaller micro-batch) "
+             "moves the loss by 1e-3 or more at once; the gradient norm gets 10x more (1e-3): it is a "
+             "derivative, smaller than the loss late in training, so the same weight difference moves it "
+             "more in relative terms"),
+    "bf16": ("eps 7.8e-3: autocast rounds matmul inputs to 8 significant bits, so a reordered sum can move "
+             "an activation by ~eps/2; loss rtol 1e-2 (~1.3 eps, the loss is reduced in fp32), grad_norm "
+             "5e-2; not measured here (no bf16 pair in the tests)"),
+    "fp16": ("eps 9.8e-4, plus dynamic loss scaling that may skip different steps; loss rtol 1e-2 "
+             "(~10 eps), grad_norm 5e-2; not measured here"),
+}
+# ``atol`` only guards values near zero, where a relative test means nothing.
 
 EVAL_METRICS = ("eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity")
 
@@ -90,6 +117,7 @@ class RunRecord:
         series: per-step histories, ``{"loss": [(optimizer step, value), ...], ...}``, sorted by step.
         start_time: MLflow's start time, milliseconds since the epoch.
         status: MLflow's run status (RUNNING until evaluate finishes the run).
+        window: ``(first, last)`` step-metric timestamps in ms, for runs without the window tags.
     """
     run_id: str
     name: str
@@ -99,6 +127,32 @@ class RunRecord:
     series: dict[str, Series] = field(default_factory=dict)
     start_time: int = 0
     status: str = ""
+    window: tuple[int, int] | None = None
+
+    @property
+    def train_window(self) -> tuple[int, int] | None:
+        """``(first, last)`` milliseconds since the epoch of training's optimizer steps: the tags
+        ``onegpu.train_start_ms``/``onegpu.train_end_ms`` the train stage sets, else ``window`` (the
+        store's step-metric timestamps, for runs from before those tags); None when unknown."""
+        a, b = _int(self.tags.get("onegpu.train_start_ms")), _int(self.tags.get("onegpu.train_end_ms"))
+        if a is not None and b is not None:
+            return a, b
+        return tuple(self.window) if self.window else None
+
+    @property
+    def partial_steps(self) -> list[dict]:
+        """Optimizer steps that saw fewer examples than the effective batch: from the tag
+        ``onegpu.partial_steps``, else the ``step_examples`` series; ``[{"step", "examples", ...}]``."""
+        import json
+        raw = self.tags.get("onegpu.partial_steps")
+        if raw:
+            try:
+                return list(json.loads(raw))
+            except ValueError:
+                pass
+        eff = self.effective_batch
+        return [{"step": s, "examples": int(v), "effective_batch": eff}
+                for s, v in self.series.get("step_examples", []) if eff and v < eff]
 
     @property
     def key(self) -> str | None:
@@ -205,7 +259,9 @@ class RunComparison:
     tolerance: Tolerance
     loss: Diff = field(default_factory=Diff)
     grad_norm: Diff = field(default_factory=Diff)
+    grad_norm_tolerance: Tolerance = Tolerance(rtol=0.0, atol=0.0)
     first_divergent_step: int | None = None
+    first_divergent_metric: str | None = None
     steps: int = 0
     reference_steps: int = 0
     eval_deltas: dict[str, float] = field(default_factory=dict)
@@ -213,6 +269,13 @@ class RunComparison:
     memory_ratio: float | None = None
     causes: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    overlaps: list[str] = field(default_factory=list)
+
+    @property
+    def cost_comparable(self) -> bool:
+        """False when this run's training overlapped in time with another run's on the same machine:
+        they shared cores (and memory bandwidth), so its speed and memory say little about the split."""
+        return not self.overlaps
 
     @property
     def is_reference(self) -> bool:
@@ -277,6 +340,39 @@ def tolerance_for(run: RunRecord, reference: RunRecord) -> tuple[str, Tolerance]
     order = ("fp32", "fp16", "bf16")  # ascending tolerance
     p = max(run.precision, reference.precision, key=order.index)
     return p, TOLERANCES[p]
+
+
+def grad_norm_tolerance_for(run: RunRecord, reference: RunRecord) -> Tolerance:
+    """The gradient-norm tolerance of a pair (the looser precision of the two)."""
+    return GRAD_NORM_TOLERANCES[tolerance_for(run, reference)[0]]
+
+
+def _machine(r: RunRecord) -> str | None:
+    return r.tags.get("onegpu.machine") or None
+
+
+def find_overlaps(runs: list[RunRecord], others: list[RunRecord] = (),
+                  min_overlap_ms: int = 1000) -> dict[str, list[str]]:
+    """For each of ``runs``: the labels of runs (among ``runs`` and ``others``) whose training windows
+    (:attr:`RunRecord.train_window`) overlapped its own by more than ``min_overlap_ms`` on the same
+    machine (tag ``onegpu.machine``; runs without it are taken to share the machine). Runs of unknown
+    window are never flagged. Returns ``{run_id: [label, ...]}`` for the runs that overlapped.
+    """
+    pool = {r.run_id: r for r in [*runs, *others]}
+    out: dict[str, list[str]] = {}
+    for r in runs:
+        w = r.train_window
+        if w is None:
+            continue
+        for o in pool.values():
+            if o.run_id == r.run_id or o.train_window is None:
+                continue
+            if _machine(r) and _machine(o) and _machine(r) != _machine(o):
+                continue
+            ow = o.train_window
+            if min(w[1], ow[1]) - max(w[0], ow[0]) > min_overlap_ms:
+                out.setdefault(r.run_id, []).append(o.label)
+    return out
 
 
 def _as_dict(series: Series) -> dict[int, float]:
@@ -374,7 +470,11 @@ def compare_run(run: RunRecord, reference: RunRecord) -> RunComparison:
     """Compare ``run`` with ``reference`` per optimizer step and on its outcome and cost."""
     precision, tol = tolerance_for(run, reference)
     c = RunComparison(run=run, status=EQUIVALENT, verdict="equivalent", precision=precision, tolerance=tol,
+                      grad_norm_tolerance=grad_norm_tolerance_for(run, reference),
                       steps=run.steps, reference_steps=reference.steps)
+    for p in run.partial_steps:
+        c.notes.append(f"optimizer step {p['step']} saw {p['examples']} of {p.get('effective_batch') or '?'} "
+                       "examples (an epoch's short last step): its loss and gradient are over those only")
     c.throughput_ratio = _ratio(run.samples_per_second, reference.samples_per_second)
     c.memory_ratio = _ratio(run.peak_memory_bytes, reference.peak_memory_bytes)
     if run.status and run.status not in ("FINISHED", "RUNNING"):
@@ -397,11 +497,18 @@ def compare_run(run: RunRecord, reference: RunRecord) -> RunComparison:
         c.status = NO_DATA
         c.verdict = "no per-step loss" if not loss else "no common steps"
         return c
-    c.first_divergent_step = first_divergence(loss, ref_loss, tol)
+    at_loss = first_divergence(loss, ref_loss, tol)
+    at_norm = first_divergence(run.series.get("grad_norm", []), reference.series.get("grad_norm", []),
+                               c.grad_norm_tolerance)
+    if at_loss is not None and (at_norm is None or at_loss <= at_norm):
+        c.first_divergent_step, c.first_divergent_metric = at_loss, "loss"
+    elif at_norm is not None:
+        c.first_divergent_step, c.first_divergent_metric = at_norm, "grad_norm"
     if c.step_mismatch:
         c.notes.append(f"{c.steps} optimizer steps, reference {c.reference_steps}")
     if c.first_divergent_step is not None:
-        c.status, c.verdict = DIVERGED, f"diverged at step {c.first_divergent_step}"
+        c.status, c.verdict = DIVERGED, f"diverged at step {c.first_divergent_step}" + (
+            " (grad_norm)" if c.first_divergent_metric == "grad_norm" else "")
     elif c.step_mismatch:
         c.status = INCOMPLETE
         c.verdict = f"equal for {c.loss.common_steps} steps, then {c.steps} vs {c.reference_steps} steps"
@@ -412,21 +519,30 @@ def _sort_key(r: RunRecord):
     return (-(r.micro_batch or 0), r.accumulation or 0, r.checkpointing, r.start_time)
 
 
-def compare_group(key: str, runs: list[RunRecord]) -> GroupComparison:
-    """Compare every run of one ``equivalence_key`` with the group's reference (:func:`choose_reference`)."""
+def compare_group(key: str, runs: list[RunRecord], overlaps: dict[str, list[str]] | None = None) -> GroupComparison:
+    """Compare every run of one ``equivalence_key`` with the group's reference (:func:`choose_reference`);
+    ``overlaps`` (:func:`find_overlaps`) marks runs whose speed and memory are not comparable."""
     ref = choose_reference(runs)
     others = sorted((r for r in runs if r is not ref), key=_sort_key)
     rows = [compare_run(ref, ref)] + [compare_run(r, ref) for r in others]
+    for c in rows:
+        c.overlaps = list((overlaps or {}).get(c.run.run_id, []))
+        if c.overlaps:
+            c.notes.append(f"trained at the same time as {', '.join(c.overlaps)} on the same machine: its "
+                           "speed and memory are not comparable (train one at a time for timing, e.g. "
+                           "`dvc queue start -j 1`)")
     g = GroupComparison(key=key, reference=ref, rows=rows)
     g.summary = summarize(g)
     return g
 
 
-def compare(runs: list[RunRecord]) -> Comparison:
+def compare(runs: list[RunRecord], others: list[RunRecord] = ()) -> Comparison:
     """Group ``runs`` by ``equivalence_key`` and compare each group. Groups with something to compare
-    (two runs or more) come first, then single runs; within each, the most recently started first."""
+    (two runs or more) come first, then single runs; within each, the most recently started first.
+    ``others``: further training runs (not compared) whose windows count for :func:`find_overlaps`."""
     groups, skipped = group_by_key(runs)
-    out = [compare_group(k, rs) for k, rs in groups.items()]
+    overlaps = find_overlaps(runs, others)
+    out = [compare_group(k, rs, overlaps) for k, rs in groups.items()]
     out.sort(key=lambda g: (len(g.rows) < 2, -max(r.start_time for r in g.runs)))
     return Comparison(groups=out, skipped=skipped)
 
@@ -441,6 +557,10 @@ def summarize(g: GroupComparison) -> str:
     ref = g.reference
     n = len(g.rows)
     head = f"{n} run{'s' if n != 1 else ''}; reference {ref.label} ({ref.split}, {ref.precision})."
+    partial = sorted({p["step"] for c in g.rows for p in c.run.partial_steps})
+    if partial:
+        head += (f" Step{'s' if len(partial) > 1 else ''} {', '.join(map(str, partial))} saw fewer examples "
+                 "than the effective batch (an epoch's short last step).")
     if n == 1:
         micro, eff = ref.micro_batch, ref.effective_batch
         other = next((m for m in ((micro or 0) // 2, (micro or 0) * 2) if m and eff and eff % m == 0), None)
@@ -454,7 +574,8 @@ def summarize(g: GroupComparison) -> str:
     div = [c for c in others if c.status == DIVERGED]
     if eq:
         parts.append(f"{len(eq)} of {len(others)} equivalent to it step by step "
-                     f"(loss within {eq[0].tolerance.rtol:g} relative in {eq[0].precision}).")
+                     f"(loss within {eq[0].tolerance.rtol:g} and grad_norm within "
+                     f"{eq[0].grad_norm_tolerance.rtol:g} relative in {eq[0].precision}).")
     if div:
         first = min(div, key=lambda c: c.first_divergent_step)
         causes = sorted({cause.split(":")[0] for d in div for cause in d.causes})
@@ -464,7 +585,11 @@ def summarize(g: GroupComparison) -> str:
     rest = [c for c in others if c.status in (INCOMPLETE, NO_DATA)]
     if rest:
         parts.append(f"{len(rest)} not comparable over all steps ({', '.join(c.run.label for c in rest)}).")
-    candidates = [g.rows[0]] + eq
+    overlapped = [c for c in g.rows if not c.cost_comparable]
+    if overlapped:
+        parts.append(f"Speed and memory not comparable for {', '.join(c.run.label for c in overlapped)}: "
+                     "trained at the same time as other runs on one machine.")
+    candidates = [c for c in [g.rows[0]] + eq if c.cost_comparable]
     mem = [c for c in candidates if c.run.peak_memory_bytes is not None]
     fast = [c for c in candidates if c.run.samples_per_second is not None]
     if len(candidates) > 1 and mem and fast:

@@ -1,17 +1,35 @@
 """Model FLOPs and MFU (model FLOPs utilisation).
 
-Model FLOPs per trained token follow the standard estimate (Kaplan et al. 2020, "Scaling Laws for
-Neural Language Models", sec. 2.1; PaLM, Chowdhery et al. 2022, appendix B):
+**Model FLOPs** of training count every matrix multiply of the forward pass twice (a multiply and an
+add per weight and token), and the backward pass as twice the forward (gradients with respect to the
+inputs and to the weights): 6 FLOPs per weight and token. This is the convention of Kaplan et al. 2020
+("Scaling Laws for Neural Language Models", sec. 2.1), PaLM (Chowdhery et al. 2022, appendix B: "6N +
+12LHQT") and Chinchilla (Hoffmann et al. 2022, appendix F); nanoGPT's ``estimate_mfu`` computes the same.
+For one run (:func:`train_flops`)::
 
-    6 * N  +  12 * n_layer * d_model * T
+    6 * N_tok * tokens  +  12 * n_layer * d_model * sum(t_i^2)  +  6 * N_seq * examples
 
-with N the non-embedding parameters (forward 2N, backward 4N per token) and the second term the
-attention scores and weighted sum at context T (here the mean padded length per micro-batch).
+* ``N_tok``: the weights applied to every token: every parameter except embedding *lookups* (token,
+  position and token-type tables: an indexed read, no multiply), **plus the output projection of a
+  language model even when it is tied to the input embedding** (the unembedding is a d_model x vocab
+  matmul on every token; Chinchilla appendix F counts it as "logits", PaLM's N and nanoGPT's N include
+  it). Biases and norm weights are in N as in Kaplan's and nanoGPT's count (under 1% here).
+* ``12 * n_layer * d_model * t``: per token, attention scores ``Q K^T`` and the weighted sum ``A V`` over
+  a context of ``t`` tokens, forward and backward (PaLM appendix B's ``12LHQT`` with ``H*Q = d_model``;
+  no halving for the causal mask, as in PaLM). ``t_i`` is the **non-padding** length of example i:
+  padding is not useful work (``tokens_per_second`` counts non-padding tokens too), so the attention
+  term over a run is ``12 L d * sum(t_i^2)``, not ``12 L d T`` at a padded or mean length.
+* ``N_seq``: weights applied once per *sequence*, not per token: a sequence classifier's pooler (when
+  the model has one) and its classification head, which read the first (or pooled) position only.
+
 Checkpointing's recomputed forward is *not* counted: this is MFU, not HFU (hardware FLOPs utilisation).
 
-Device peak: published dense peaks from the vendors' datasheets (table below), for the dtype the
-matmuls run in; a device not in the table (a CPU, say) gets a short measured matmul peak in that
-dtype, cached per machine under ``~/.cache/onegpu/peak_flops.json``.
+**Device peak**: published dense peaks from the vendors' datasheets (:data:`PEAKS`), for the dtype the
+matmuls run in. A device not in the table (a CPU, say) has no datasheet figure here, so its peak is
+*measured* (:func:`measured_peak`) in a way that other processes' load cannot lower, and cached per
+machine with the time of the measurement; a later measurement only ever raises the cached value. An
+MFU above 1 means the peak is too low: it is measured again (:func:`mfu`), and if the MFU is still
+above 1 no MFU is reported, with the reason.
 """
 from __future__ import annotations
 
@@ -38,27 +56,108 @@ PEAKS: dict[str, dict[str, float]] = {
     "T4": {"fp16": 65e12, "fp32": 8.1e12},
 }
 
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "onegpu" / "peak_flops.json"
+CACHE_ENV = "ONEGPU_CACHE_DIR"
+CACHE_NAME = "peak_flops.json"
+METHOD = "thread-cpu-time-v2"  # cache entries of another method (the old wall-clock one) are ignored
+
+
+def cache_file() -> Path:
+    """Where measured peaks are cached: ``$ONEGPU_CACHE_DIR/peak_flops.json``, else
+    ``$XDG_CACHE_HOME/onegpu/peak_flops.json``, else ``~/.cache/onegpu/peak_flops.json`` (read at call
+    time, so tests can point it elsewhere)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]) / CACHE_NAME
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "onegpu" / CACHE_NAME
+
+
+def display_path(path: Path) -> str:
+    """``path`` with the home directory written as ``~`` (no user name in params or tags)."""
+    try:
+        return "~/" + str(Path(path).relative_to(Path.home()))
+    except ValueError:
+        return str(path)
+
+
+def _embedding_weights(model) -> set[int]:
+    import torch
+    return {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+
+
+def _unique_numel(params, skip: set[int] = frozenset()) -> tuple[int, set[int]]:
+    seen, n = set(), 0
+    for p in params:
+        if id(p) not in seen and id(p) not in skip:
+            seen.add(id(p))
+            n += p.numel()
+    return n, seen
 
 
 def non_embedding_parameters(model) -> int:
     """Parameters outside embedding tables (``nn.Embedding`` weights), counted once."""
-    import torch
-    emb = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    seen, n = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen and id(p) not in emb:
-            seen.add(id(p))
-            n += p.numel()
-    return n
+    return _unique_numel(model.parameters(), _embedding_weights(model))[0]
 
 
-def flops_per_token(model, seq_len: float) -> float:
-    """Model FLOPs to train on one token (forward + backward), see the module docstring."""
+def matmul_parameters(model) -> tuple[int, int]:
+    """``(N_tok, N_seq)``: weights applied per token and per sequence (see the module docstring).
+
+    * A model with output embeddings (a language model's ``lm_head``): ``N_tok`` = every parameter
+      except embedding lookups, plus the output projection's weight once even when tied to the input
+      embedding; ``N_seq`` = 0.
+    * Otherwise (a sequence classifier): parameters outside ``model.base_model`` (the head) and the base
+      model's ``pooler`` (if any) run once per sequence and form ``N_seq``; the rest, embedding lookups
+      left out, is ``N_tok``.
+    Shared tensors count once. Returns parameter counts (int).
+    """
+    emb = _embedding_weights(model)
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out is not None and getattr(out, "weight", None) is not None:
+        n_tok, seen = _unique_numel(model.parameters(), emb)
+        if id(out.weight) not in seen:  # tied to the input embedding: the unembedding matmul still runs
+            n_tok += out.weight.numel()
+        return n_tok, 0
+    base = getattr(model, "base_model", model)
+    head = []
+    if base is not model:
+        in_base = {id(p) for p in base.parameters()}
+        head = [p for p in model.parameters() if id(p) not in in_base]
+    pooler = getattr(base, "pooler", None)
+    if isinstance(pooler, __import__("torch").nn.Module):
+        head += list(pooler.parameters())
+    n_seq, seen = _unique_numel(head, emb)
+    n_tok, _ = _unique_numel(model.parameters(), emb | seen)
+    return n_tok, n_seq
+
+
+def _layers_width(model) -> tuple[int, int]:
     cfg = model.config
     n_layer = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0)
     d_model = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)
-    return 6.0 * non_embedding_parameters(model) + 12.0 * n_layer * d_model * seq_len
+    return int(n_layer), int(d_model)
+
+
+def train_flops(model, examples: int, tokens: int, tokens_sq: int | None = None) -> float:
+    """Model FLOPs to train on ``examples`` sequences of ``tokens`` non-padding tokens in all (forward +
+    backward, no recomputation), see the module docstring:
+    ``6 N_tok tokens + 12 n_layer d_model sum(t_i^2) + 6 N_seq examples``.
+
+    Args:
+        tokens_sq: ``sum(t_i^2)`` over the examples' non-padding lengths ``t_i``; None assumes equal
+            lengths (``tokens^2 / examples``).
+    Returns:
+        FLOPs (float).
+    """
+    if tokens_sq is None:
+        tokens_sq = tokens * tokens / examples if examples else 0
+    n_tok, n_seq = matmul_parameters(model)
+    n_layer, d_model = _layers_width(model)
+    return 6.0 * n_tok * tokens + 12.0 * n_layer * d_model * tokens_sq + 6.0 * n_seq * examples
+
+
+def flops_per_token(model, seq_len: float) -> float:
+    """Model FLOPs per trained token for sequences of ``seq_len`` non-padding tokens each:
+    ``6 N_tok + 12 n_layer d_model seq_len + 6 N_seq / seq_len`` (:func:`train_flops` per token)."""
+    return train_flops(model, 1, seq_len, seq_len * seq_len) / seq_len
 
 
 def matmul_dtype(bf16: bool, fp16: bool) -> str:
@@ -69,10 +168,11 @@ def matmul_dtype(bf16: bool, fp16: bool) -> str:
     return "fp32"
 
 
-def device_peak(device_name: str, dtype: str, device: str = "cpu") -> tuple[float, str]:
+def device_peak(device_name: str, dtype: str, device: str = "cpu", refresh: bool = False) -> tuple[float, str]:
     """Peak FLOP/s of ``device_name`` in ``dtype`` and where it came from ("datasheet" or "measured").
 
-    On CUDA with fp32 and TF32 matmuls allowed, the tf32 peak is used.
+    On CUDA with fp32 and TF32 matmuls allowed, the tf32 peak is used. ``refresh`` measures an unlisted
+    device again (the cache keeps the larger value).
     """
     for key, peaks in PEAKS.items():
         if key in device_name:
@@ -83,43 +183,129 @@ def device_peak(device_name: str, dtype: str, device: str = "cpu") -> tuple[floa
                     d = "tf32"
             if d in peaks:
                 return peaks[d], "datasheet"
-    return measured_peak(device, dtype), "measured"
+    return measured_peak(device, dtype, refresh=refresh), "measured"
 
 
-def measured_peak(device: str, dtype: str, size: int = 1024, seconds: float = 0.5) -> float:
-    """Best FLOP/s of repeated ``size`` x ``size`` matmuls in ``dtype`` on ``device``, cached per machine.
+def _cache_key(device: str, dtype: str, threads: int) -> str:
+    return f"{platform.machine()}|{cpu_model()}|{device}|{threads}|{dtype}|{METHOD}"
 
-    The cache key names the processor, the thread count and the dtype, so a different machine or
-    thread setting measures again.
+
+def read_cache() -> dict:
+    """The peak cache as a dict (empty when missing or unreadable)."""
+    try:
+        data = json.loads(cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def measured_peak(device: str, dtype: str, refresh: bool = False, seconds: float = 0.4) -> float:
+    """Peak matmul FLOP/s of this machine's ``device`` in ``dtype``, cached per machine.
+
+    On CPU the peak is measured so that load from other processes cannot lower it: one thread runs
+    repeated 512 x 512 matmuls (``2 * 512^3`` FLOPs each) timed by that thread's own CPU time
+    (``time.thread_time``: time it was descheduled is not counted), and the best rate is multiplied by
+    the thread count PyTorch trains with (``torch.get_num_threads()``), i.e. perfect scaling, an upper
+    bound. Measured here (2 cores): 185-187 GFLOP/s both quiet and with a busy loop on every core, where
+    wall-clock timing of a 2-thread matmul read 28-45 GFLOP/s under the same load. On CUDA the rate is
+    timed by wall clock after ``torch.cuda.synchronize``.
+
+    The cache (:func:`cache_file`) holds per machine, device, thread count and dtype the largest value
+    ever measured, the time of that measurement and the number of measurements: a value is never
+    replaced by a smaller one, so one measurement on a busy machine cannot stick. ``refresh`` measures
+    again even when a value is cached.
+
+    Returns:
+        FLOP/s (float).
     """
     import torch
-    key = f"{platform.processor() or platform.machine()}|{cpu_model()}|{device}|{torch.get_num_threads()}|{dtype}"
+    threads = torch.get_num_threads()
+    key = _cache_key(device, dtype, threads)
+    cache = read_cache()
+    entry = cache.get(key) if isinstance(cache.get(key), dict) else None
+    if entry and not refresh:
+        return float(entry["peak_flops"])
+    value = _measure(device, dtype, threads, seconds)
+    best = max(value, float(entry["peak_flops"])) if entry else value
+    cache[key] = {"peak_flops": best, "last_measured": value,
+                  "measured_at": entry["measured_at"] if entry and best > value else _now(),
+                  "last_measured_at": _now(), "measurements": (entry or {}).get("measurements", 0) + 1,
+                  "machine": f"{cpu_model() or platform.processor()} ({platform.machine()}), {threads} threads",
+                  "method": METHOD}
     try:
-        cache = json.loads(CACHE.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if key in cache:
-        return float(cache[key])
-    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    # Constant inputs: matmul speed does not depend on the values, and the global RNG stays untouched.
-    a = torch.full((size, size), 0.5, device=device, dtype=tdtype)
-    b = torch.full((size, size), 0.25, device=device, dtype=tdtype)
-    a @ b  # warm-up
-    best, end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - t0))
-    cache[key] = best
-    try:
-        CACHE.parent.mkdir(parents=True, exist_ok=True)
-        CACHE.write_text(json.dumps(cache, indent=1))
+        path = cache_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, path)
     except OSError:
         pass
     return best
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _measure(device: str, dtype: str, threads: int, seconds: float) -> float:
+    import torch
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    cuda = device.startswith("cuda")
+    size = 2048 if cuda else 512
+    # Constant inputs: matmul speed does not depend on the values, and the global RNG stays untouched.
+    a = torch.full((size, size), 0.5, device=device, dtype=tdtype)
+    b = torch.full((size, size), 0.25, device=device, dtype=tdtype)
+    flop = 4 * 2 * size**3
+    if cuda:
+        a @ b
+        torch.cuda.synchronize()
+        best, end = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            for _ in range(4):
+                a @ b
+            torch.cuda.synchronize()
+            best = max(best, flop / (time.perf_counter() - t0))
+        return best
+    torch.set_num_threads(1)
+    try:
+        a @ b  # warm-up
+        best, end = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.thread_time()
+            for _ in range(4):
+                a @ b
+            dt = time.thread_time() - t0
+            if dt > 0:
+                best = max(best, flop / dt)
+    finally:
+        torch.set_num_threads(threads)
+    return best * threads
+
+
+def mfu(achieved: float, device_name: str, dtype: str, device: str = "cpu") -> dict:
+    """MFU of ``achieved`` model FLOP/s against the device's peak, never above 1.
+
+    An MFU above 1 against a *measured* peak means the peak is too low: it is measured again (the cache
+    keeps the larger value). If the MFU is still above 1, or the peak is a datasheet figure, no MFU is
+    given and ``unknown_reason`` says why.
+
+    Returns:
+        ``{"mfu": float in (0, 1] or None, "peak": FLOP/s, "source": "datasheet" | "measured",
+        "remeasured": bool, "unknown_reason": str or None}``.
+    """
+    peak, source = device_peak(device_name, dtype, device)
+    remeasured = False
+    if source == "measured" and achieved > peak:
+        peak, source = device_peak(device_name, dtype, device, refresh=True)
+        remeasured = True
+    if peak > 0 and achieved <= peak:
+        return {"mfu": achieved / peak, "peak": peak, "source": source, "remeasured": remeasured,
+                "unknown_reason": None}
+    reason = (f"achieved {achieved:.4g} model FLOP/s is above the {source} peak of {peak:.4g} FLOP/s "
+              f"({device_name}, {dtype}" + (", measured twice" if remeasured else "") + "): the peak is "
+              "unknown, so no MFU is given")
+    return {"mfu": None, "peak": peak, "source": source, "remeasured": remeasured, "unknown_reason": reason}
 
 
 def cpu_model() -> str:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from onegpu.equivalence import (DIVERGED, EQUIVALENT, EVAL_METRICS, REFERENCE, TOLERANCES, Comparison,
-                                GroupComparison)
+from onegpu.equivalence import (DIVERGED, EPS, EQUIVALENT, EVAL_METRICS, GRAD_NORM_TOLERANCES, REFERENCE,
+                                TOLERANCE_BASIS, TOLERANCES, Comparison, GroupComparison)
 
 REPORT_FILE = "compare.md"
 LOSS_PLOT = "loss_curves.png"
@@ -27,10 +27,13 @@ With the loss normalised over the whole effective batch, a split changes only th
 floating-point sums, and checkpointing recomputes the same activations, so such runs should follow the
 same loss curve.
 
-A run is **equivalent** to its group's reference when its loss at every optimizer step it shares with
-the reference is within the tolerance of its precision, `|loss - ref| <= atol + rtol * |ref|`
-({tolerances}), and it has as many optimizer steps. **diverged at step N** names the first step beyond
-that tolerance. Rounding differences are far below it; a real difference in what is computed (another
+A run is **equivalent** to its group's reference when its loss and its gradient norm at every
+optimizer step it shares with the reference are within the tolerance of its precision,
+`|x - ref| <= atol + rtol * |ref|`, and it has as many optimizer steps. **diverged at step N** names
+the first step beyond a tolerance (`(grad_norm)` when the gradient norm left it first).
+
+{tolerances}
+ Rounding differences are far below it; a real difference in what is computed (another
 dropout mask per micro-batch, BatchNorm statistics over a smaller micro-batch) moves the loss past it
 at once, and the likely causes found in the runs' params and tags are listed. With dropout on, runs of
 one key are the same training in expectation, not step by step; set `model.dropout: 0` to compare exactly.
@@ -38,8 +41,22 @@ one key are the same training in expectation, not step by step; set `model.dropo
 The reference of a group is the run with the largest micro-batch (then checkpointing off, then the
 earliest). Memory and speed columns are the price of each split: peak memory during training (CUDA
 allocator peak, or process RSS peak on CPU), samples per second and seconds per optimizer step, and
-both relative to the reference.
+both relative to the reference. They compare only runs that trained alone: a value marked
+{mark} comes from a run whose training overlapped in time with another run's on the same machine
+(e.g. `dvc queue start -j 2`), so the runs shared the cores and its speed and memory are not comparable.
 """
+
+OVERLAP_MARK = "*"
+
+
+def tolerance_table() -> str:
+    """Markdown table of the per-precision tolerances (loss, grad_norm), machine epsilon and basis."""
+    lines = ["| precision | eps | loss rtol / atol | grad_norm rtol / atol | basis |", "|---|---|---|---|---|"]
+    for p, t in TOLERANCES.items():
+        g = GRAD_NORM_TOLERANCES[p]
+        lines.append(f"| {p} | {EPS[p]:.3g} | {t.rtol:g} / {t.atol:g} | {g.rtol:g} / {g.atol:g} | "
+                     f"{TOLERANCE_BASIS[p]} |")
+    return "\n".join(lines)
 
 
 # -- formatting ------------------------------------------------------------------------------------
@@ -68,6 +85,10 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _cost(text: str, comparable: bool) -> str:
+    return text if comparable or text == "-" else text + OVERLAP_MARK
+
+
 def _eval_columns(g: GroupComparison) -> list[str]:
     return [m for m in EVAL_METRICS if any(m in c.eval_deltas for c in g.rows)]
 
@@ -77,7 +98,7 @@ def _eval_columns(g: GroupComparison) -> list[str]:
 def _group_table(g: GroupComparison) -> list[str]:
     evals = _eval_columns(g)
     head = ["run", "micro x accum", "ckpt", "precision", "steps", "verdict", "max abs Δ loss",
-            "max rel Δ loss", "max abs Δ grad_norm", *[f"Δ {m}" for m in evals], "peak MiB",
+            "max rel Δ loss", "max abs Δ grad_norm", "max rel Δ grad_norm", *[f"Δ {m}" for m in evals], "peak MiB",
             "memory vs ref", "samples/s", "speed vs ref", "mean step s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     for c in g.rows:
@@ -86,13 +107,20 @@ def _group_table(g: GroupComparison) -> list[str]:
         cells = [f"{r.label} (`{r.run_id[:8]}`)", f"{r.micro_batch} x {r.accumulation}",
                  "yes" if r.checkpointing else "no", r.precision, str(r.steps), verdict]
         if c.is_reference:
-            cells += ["-", "-", "-", *["-" for _ in evals]]
+            cells += ["-", "-", "-", "-", *["-" for _ in evals]]
         else:
             cells += [_sci(c.loss.max_abs), _sci(c.loss.max_rel), _sci(c.grad_norm.max_abs),
-                      *[_signed(c.eval_deltas.get(m)) for m in evals]]
-        cells += [_mib(r.peak_memory_bytes), _ratio(c.memory_ratio), _num(r.samples_per_second),
-                  _ratio(c.throughput_ratio), _num(r.mean_step_time_s, ".3f")]
+                      _sci(c.grad_norm.max_rel), *[_signed(c.eval_deltas.get(m)) for m in evals]]
+        ok = c.cost_comparable and g.rows[0].cost_comparable  # a ratio needs both runs alone
+        cells += [_cost(_mib(r.peak_memory_bytes), c.cost_comparable), _cost(_ratio(c.memory_ratio), ok),
+                  _cost(_num(r.samples_per_second), c.cost_comparable), _cost(_ratio(c.throughput_ratio), ok),
+                  _cost(_num(r.mean_step_time_s, ".3f"), c.cost_comparable)]
         lines.append("| " + " | ".join(cells) + " |")
+    flagged = [c for c in g.rows if not c.cost_comparable]
+    if flagged:
+        lines += ["", f"{OVERLAP_MARK} not comparable: "
+                  + "; ".join(f"{c.run.label} trained at the same time as {', '.join(c.overlaps)}" for c in flagged)
+                  + ". Time splits one run at a time (`dvc queue start -j 1`)."]
     return lines
 
 
@@ -107,8 +135,9 @@ def _group_section(g: GroupComparison, index: int) -> list[str]:
     for c in g.rows:
         if c.status == DIVERGED:
             out.append(f"- **{c.run.label}** ({c.run.split}) {c.verdict}: loss differs by "
-                       f"{_sci(c.loss.max_abs)} at most (step {c.loss.max_abs_step}), tolerance "
-                       f"{c.tolerance.rtol:g} relative ({c.precision}).")
+                       f"{_sci(c.loss.max_abs)} at most (step {c.loss.max_abs_step}), grad_norm by "
+                       f"{_sci(c.grad_norm.max_rel)} relative at most; tolerances {c.tolerance.rtol:g} (loss) "
+                       f"and {c.grad_norm_tolerance.rtol:g} (grad_norm) relative ({c.precision}).")
             if c.causes:
                 out += [f"  - likely cause: {cause}" for cause in c.causes]
             else:
@@ -124,7 +153,7 @@ def markdown(comparison: Comparison, experiment: str = "", store: str = "",
     """The report as Markdown: what equivalent means, then one section per ``equivalence_key`` with a
     table (verdicts, per-step differences, eval deltas, peak memory in MiB, samples per second, seconds
     per optimizer step) and the likely causes of each divergence. ``images`` are linked at the end."""
-    tol = ", ".join(f"{p}: rtol {t.rtol:g}, atol {t.atol:g}" for p, t in TOLERANCES.items())
+    tol = tolerance_table()
     n_runs = sum(len(g.rows) for g in comparison.groups)
     lines = ["# Equivalence and trade-offs of training runs", ""]
     where = f" in MLflow experiment `{experiment}`" if experiment else ""
@@ -138,7 +167,7 @@ def markdown(comparison: Comparison, experiment: str = "", store: str = "",
     for i, g in enumerate(comparison.groups, 1):
         lines.append(f"| {i} | `{g.key}` | {len(g.rows)} | {g.count(EQUIVALENT)} | {g.count(DIVERGED)} | "
                      f"{g.summary} |")
-    lines += ["", EXPLANATION.format(tolerances=tol)]
+    lines += ["", EXPLANATION.format(tolerances=tol, mark=f"`{OVERLAP_MARK}`")]
     for i, g in enumerate(comparison.groups, 1):
         lines += _group_section(g, i)
     if images:
@@ -231,9 +260,12 @@ def plot_memory_vs_throughput(comparison: Comparison, path: str | Path) -> Path:
             x, y = c.run.samples_per_second, c.run.peak_memory_bytes
             if x is None or y is None:
                 continue
-            ax.scatter([x], [y / 2**20], color=color, marker=markers.get(c.status, "s"),
-                       s=160 if c.is_reference else 60, edgecolors="black", linewidths=0.5, zorder=3)
-            ax.annotate(c.run.split, (x, y / 2**20), textcoords="offset points", xytext=(6, 5), fontsize=8)
+            alone = c.cost_comparable  # overlapped runs: hollow marker, "(overlapped)" in the label
+            ax.scatter([x], [y / 2**20], color=color if alone else "none", marker=markers.get(c.status, "s"),
+                       s=160 if c.is_reference else 60, edgecolors="black" if alone else color,
+                       linewidths=0.5 if alone else 1.5, zorder=3)
+            ax.annotate(c.run.split + ("" if alone else " (overlapped: not comparable)"), (x, y / 2**20),
+                        textcoords="offset points", xytext=(6, 5), fontsize=8)
             plotted += 1
         ax.scatter([], [], color=color, marker="o", label=f"key {g.key[:12]}")
     for status, m in markers.items():
@@ -269,7 +301,8 @@ def terminal_table(comparison: Comparison, summaries: bool = True, width: int = 
             r = c.run
             rows.append((r.label, f"{r.micro_batch} x {r.accumulation}", "yes" if r.checkpointing else "no",
                          c.verdict, "-" if c.is_reference else _sci(c.loss.max_abs),
-                         _mib(r.peak_memory_bytes), _num(r.samples_per_second)))
+                         _cost(_mib(r.peak_memory_bytes), c.cost_comparable),
+                         _cost(_num(r.samples_per_second), c.cost_comparable)))
         widths = [max(len(str(row[j])) for row in rows) for j in range(len(head))]
         right = {4, 5, 6}
         out.append(f"group {i} key {g.key} ({len(g.rows)} run{'s' if len(g.rows) != 1 else ''}, "
@@ -279,6 +312,11 @@ def terminal_table(comparison: Comparison, summaries: bool = True, width: int = 
             out.append("  " + "  ".join(cells).rstrip())
             if k == 0:
                 out.append("  " + "  ".join("-" * w for w in widths))
+        flagged = [c for c in g.rows if not c.cost_comparable]
+        if flagged:
+            out += textwrap.wrap(f"{OVERLAP_MARK} not comparable (trained at the same time as other runs): "
+                                 + ", ".join(c.run.label for c in flagged) + "; time one run at a time "
+                                 "(dvc queue start -j 1)", width, initial_indent="  ", subsequent_indent="  ")
         if summaries:
             out += textwrap.wrap(g.summary, width, initial_indent="  ", subsequent_indent="  ")
         out.append("")

@@ -305,7 +305,8 @@ def run_name() -> str | None:
 # (used by ``onegpu compare``; the records are plain dicts, see onegpu.equivalence.RunRecord)
 
 # Per-step metrics (MLflow step = optimizer step, from 1) fetched for a comparison.
-STEP_SERIES = ("loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second", "mem_peak_bytes")
+STEP_SERIES = ("loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second", "mem_peak_bytes",
+               "step_examples")
 
 
 def open_existing(experiment_name: str, root: Path | None = None) -> Tracker:
@@ -352,11 +353,39 @@ def metric_histories(tracker: Tracker, run_id: str, keys: tuple[str, ...] = STEP
     return out
 
 
+def step_window(tracker: Tracker, run) -> tuple[int, int] | None:
+    """A run's training window in ms since the epoch from its ``step_time_s`` history, for runs without
+    the ``onegpu.train_start_ms``/``onegpu.train_end_ms`` tags: (first, last) step timestamp, i.e. the
+    end of the first step to the end of the last (one step shorter than the real window, so it flags
+    only clear overlaps). None when the tags exist or nothing was logged."""
+    if run.data.tags.get("onegpu.train_start_ms"):
+        return None
+    hist = tracker.client.get_metric_history(run.info.run_id, "step_time_s")
+    if not hist:
+        return None
+    return int(min(m.timestamp for m in hist)), int(max(m.timestamp for m in hist))
+
+
 def _run_record(tracker: Tracker, run) -> dict:
     return {"run_id": run.info.run_id, "name": run.info.run_name or "",
             "params": dict(run.data.params), "tags": dict(run.data.tags),
             "metrics": dict(run.data.metrics), "series": metric_histories(tracker, run.info.run_id),
-            "start_time": int(run.info.start_time or 0), "status": run.info.status}
+            "start_time": int(run.info.start_time or 0), "status": run.info.status,
+            "window": step_window(tracker, run)}
+
+
+def training_run_windows(tracker: Tracker) -> list[dict]:
+    """Every training run of the experiment with its tags only (no histories): RunRecord fields
+    ``run_id``, ``name``, ``tags``, ``start_time``, for overlap checks against runs outside a filter."""
+    out, token = [], None
+    while True:
+        page = tracker.client.search_runs([tracker.experiment_id], filter_string="tags.stage = 'train'",
+                                          max_results=1000, page_token=token)
+        out += [{"run_id": r.info.run_id, "name": r.info.run_name or "", "tags": dict(r.data.tags),
+                 "start_time": int(r.info.start_time or 0)} for r in page]
+        token = page.token
+        if not token:
+            return out
 
 
 def training_runs(tracker: Tracker, key: str | None = None, run_ids: list[str] | None = None,

@@ -28,6 +28,8 @@ def test_causal_lm_from_config_trains_evaluates_and_is_exact_under_accumulation(
     assert ev["eval_perplexity"] == pytest.approx(math.exp(ev["eval_loss"]), rel=1e-9)
     assert 1.0 < ev["eval_perplexity"] < 512 * 1.5  # near-uniform at worst after 4 steps
     assert set(ev) == {"eval_loss", "eval_perplexity"}  # the headline; the rest is in MLflow (below)
+    # Trainer trains with use_cache off; the saved model keeps the model's own KV-cache setting.
+    assert json.loads((project / "models/model/config.json").read_text())["use_cache"] is True
 
     dvc(project, "exp", "run", "-S", "train.per_device_train_batch_size=8", "-S",
         "train.gradient_accumulation_steps=1")

@@ -190,3 +190,34 @@ def test_no_store_exits_2_and_creates_nothing(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("onegpu compare: error: no MLflow store at") and "no training runs" in err
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "reports").exists()
+
+
+def test_runs_that_overlapped_in_time_are_marked_not_comparable(in_project, capsys):
+    """Issue 9 case 6: two splits trained at once (`dvc queue start -j 2`) shared the cores; compare marks
+    their speed and memory in the terminal and compare.md, also when the run they overlapped is of another
+    key and outside the --key filter, and reads windows of runs without the tags from step timestamps."""
+    root, tr, ids = in_project
+    q = tracking.connect("queued")
+    key_c, key_d = "c" * 16, "d" * 16
+    t0 = 1_700_000_000_000
+    windows = {"q-16x1": (t0, t0 + 60_000), "q-4x4-ckpt": (t0 + 100_000, t0 + 200_000),
+               "q-8x2": (t0 + 300_000, t0 + 400_000), "q-lr-sweep": (t0 + 150_000, t0 + 350_000)}
+    for name, (micro, accum, key, sps) in {"q-16x1": (16, 1, key_c, 50.0), "q-4x4-ckpt": (4, 4, key_c, 21.0),
+                                           "q-8x2": (8, 2, key_c, 15.5), "q-lr-sweep": (16, 1, key_d, 30.0)}.items():
+        rid = _log_training_run(q, name, key, micro, accum, ckpt=name.endswith("ckpt"), sps=sps)
+        q.set_tags(rid, {"onegpu.train_start_ms": str(windows[name][0]), "onegpu.train_end_ms": str(windows[name][1]),
+                         "onegpu.machine": "0123456789ab"})
+    assert cli.main(["compare", "--experiment", "queued", "--key", key_c, "--out", "q"]) == 0
+    out = capsys.readouterr().out
+    assert "21.0*" in _table_row(out, "q-4x4-ckpt") and "15.5*" in _table_row(out, "q-8x2")
+    assert "*" not in _table_row(out, "q-16x1")
+    assert "not comparable" in out and "dvc queue start -j 1" in out
+    md = (root / "q" / "compare.md").read_text()
+    assert "q-4x4-ckpt trained at the same time as q-lr-sweep" in md
+    assert "q-8x2 trained at the same time as q-lr-sweep" in md
+    assert re.search(r"\| q-8x2 .*\| 0\.31x\* \|", md)
+    # Without the tags (runs from before them), the step metrics' timestamps give the window.
+    run = tr.client.search_runs([tr.experiment_id], filter_string="tags.stage = 'train'", max_results=1)[0]
+    first, last = tracking.step_window(tr, run)
+    hist = tr.client.get_metric_history(run.info.run_id, "step_time_s")
+    assert (first, last) == (min(m.timestamp for m in hist), max(m.timestamp for m in hist))

@@ -328,3 +328,28 @@ def test_equivalence_fields_hold_resolved_batch_and_fingerprint():
     assert f["train.learning_rate"] == 1e-4
     for k in config.NOT_IN_EQUIVALENCE_KEY:
         assert k not in f
+
+
+# `dvc exp run -S train.max_grad_norm=.inf` goes through Hydra's override grammar, which reads `.inf` and
+# `.nan` as *strings* and writes them quoted into params.yaml; `inf`/`nan` become floats. Both spellings
+# must say "must be finite", never "expected a number".
+@pytest.mark.parametrize("key", ["train.max_grad_norm", "train.learning_rate", "train.weight_decay",
+                                 "train.warmup_ratio", "train.memory_budget_gib", "train.num_train_epochs",
+                                 "model.dropout", "data.validation_size", "data.test_size"])
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", float("inf"), float("nan")])
+def test_non_finite_float_says_must_be_finite(raw, key, value):
+    section, name = key.split(".")
+    raw[section][name] = value
+    with pytest.raises(ConfigError) as e:
+        config.from_container(raw)
+    msg = str(e.value)
+    assert f"{key}: must be finite" in msg, msg
+    assert "expected a number" not in msg
+
+
+@pytest.mark.parametrize("key", ["data.max_train_samples", "data.max_eval_samples", "train.max_steps"])
+def test_non_finite_integer_says_must_be_finite(raw, key):
+    section, name = key.split(".")
+    raw[section][name] = ".inf"
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}: must be finite"):
+        config.from_container(raw)

@@ -169,3 +169,84 @@ def test_compare_groups_by_key_with_trade_offs_and_summary():
     assert "2 of 3 equivalent" in g.summary and "first at step 3" in g.summary and "dropout" in g.summary
     assert "least memory: 4x16" in g.summary
     assert "Nothing to compare" in result.groups[1].summary
+
+
+# -- issue 9: grad_norm in the verdict, stated tolerances, overlapping runs, partial steps -----------
+
+def test_grad_norm_beyond_its_tolerance_diverges_even_when_the_loss_agrees():
+    ref = record("ref", 64, 1)
+    other = record("split", 4, 16)
+    other.series["grad_norm"] = [(s, (2.0 / s) * (1 + (1e-2 if s >= 4 else 1e-7))) for s in range(1, STEPS + 1)]
+    c = eq.compare_run(other, ref)
+    assert c.loss.max_abs == 0
+    assert c.status == eq.DIVERGED and c.verdict == "diverged at step 4 (grad_norm)"
+    assert c.first_divergent_metric == "grad_norm" and c.grad_norm.max_rel == pytest.approx(1e-2, rel=1e-6)
+    # Rounding-size differences in the norm (well within fp32's 1e-3) stay equivalent.
+    other.series["grad_norm"] = [(s, (2.0 / s) * (1 + 5e-5)) for s in range(1, STEPS + 1)]
+    assert eq.compare_run(other, ref).verdict == "equivalent"
+
+
+def test_tolerances_are_stated_with_eps_and_basis():
+    assert eq.EPS["fp32"] == pytest.approx(1.19e-7, rel=1e-2) and eq.EPS["bf16"] == pytest.approx(7.8e-3, rel=1e-2)
+    assert eq.GRAD_NORM_TOLERANCES["fp32"].rtol == pytest.approx(1e-3)
+    assert set(eq.TOLERANCE_BASIS) == set(eq.TOLERANCES) == set(eq.GRAD_NORM_TOLERANCES)
+    from onegpu import report
+    md = report.markdown(eq.compare([record("ref", 64, 1), record("split", 4, 16, start=1)]), images=())
+    assert "| fp32 | 1.19e-07 | 0.0001 / 1e-06 | 0.001 / 1e-06 |" in md
+    assert "measured here" in md and "grad_norm" in md
+    assert "max rel Δ grad_norm" in md
+
+
+def windowed(name, micro, accum, start_s, end_s, machine="m1", **kw) -> RunRecord:
+    r = record(name, micro, accum, **kw)
+    r.tags.update({"onegpu.train_start_ms": str(start_s * 1000), "onegpu.train_end_ms": str(end_s * 1000),
+                   "onegpu.machine": machine})
+    return r
+
+
+def test_runs_that_trained_at_the_same_time_have_no_comparable_speed():
+    """Issue 9 case 6: with `dvc queue start -j 2` 4x4 ckpt looked faster than 4x4 without (0.42x vs
+    0.31x of the reference): the two shared the cores. Their speed and memory are marked, not ranked."""
+    ref = windowed("ref", 16, 1, 0, 100, sps=100.0)
+    a = windowed("a-ckpt", 4, 4, 200, 400, ckpt=True, sps=42.0, mem=5e8)
+    b = windowed("b", 4, 4, 250, 420, sps=31.0, mem=6e8)
+    late = windowed("late", 8, 2, 500, 600, sps=120.0)
+    elsewhere = windowed("elsewhere", 2, 8, 200, 400, machine="m2", sps=20.0)
+    cmp = eq.compare([ref, a, b, late, elsewhere])
+    rows = {c.run.name: c for c in cmp.groups[0].rows}
+    assert rows["a-ckpt"].overlaps == ["b"] and rows["b"].overlaps == ["a-ckpt"]
+    assert rows["ref"].cost_comparable and rows["late"].cost_comparable and rows["elsewhere"].cost_comparable
+    summary = cmp.groups[0].summary
+    assert "Speed and memory not comparable for b, a-ckpt" in summary
+    assert "the fastest: 8x2" in summary  # 120 samples/s
+    assert "4x4" not in summary.split("Among")[1]  # a-ckpt's 477 MiB is not ranked "least memory"
+    from onegpu import report
+    md = report.markdown(cmp, images=())
+    line = next(x for x in md.splitlines() if x.startswith("| a-ckpt"))
+    assert "| 42.0* |" in line and "| 0.42x* |" in line and "| 477* |" in line
+    assert "a-ckpt trained at the same time as b" in md and "dvc queue start -j 1" in md
+    late_line = next(x for x in md.splitlines() if x.startswith("| late"))
+    assert "*" not in late_line
+    term = report.terminal_table(cmp)
+    assert "42.0*" in term and "not comparable" in term and "120.0*" not in term
+
+
+def test_an_overlap_with_a_run_outside_the_selection_counts():
+    ref = windowed("ref", 16, 1, 0, 100)
+    other_key = windowed("sweep", 16, 1, 50, 150, key="ffffffffffffffff")
+    cmp = eq.compare([ref], others=[other_key])
+    assert cmp.groups[0].rows[0].overlaps == ["sweep"]
+    # A touch of less than a second is not an overlap (a queue's next run starting as one ends).
+    assert eq.find_overlaps([windowed("x", 1, 1, 0, 10)], [windowed("y", 1, 1, 9.5, 20)]) == {}
+
+
+def test_a_short_last_step_is_noted():
+    import json
+    ref = record("ref", 16, 1)
+    ref.tags["onegpu.partial_steps"] = json.dumps([{"step": 7, "examples": 4, "effective_batch": 16}])
+    other = record("split", 4, 4)
+    other.series["step_examples"] = [(s, 4 if s == 7 else 16) for s in range(1, STEPS + 1)]
+    cmp = eq.compare([ref, other])
+    rows = cmp.groups[0].rows
+    assert all(any("optimizer step 7 saw 4 of 16 examples" in n for n in c.notes) for c in rows)
+    assert "Step 7 saw fewer examples than the effective batch" in cmp.groups[0].summary

@@ -28,7 +28,8 @@ def test_rows_summary_and_sink():
         _step(rec, s, loss)
     assert [s for s, _ in sunk] == [1, 2]
     assert set(sunk[0][1]) == {"loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second",
-                               "tokens_per_second", "mem_peak_bytes"}
+                               "tokens_per_second", "mem_peak_bytes", "step_examples", "step_tokens",
+                               "step_targets"}
     summ = rec.summary()
     assert summ["train_loss"] == 1.5 and summ["train_steps"] == 2 and summ["train_samples"] == 8
     assert summ["train_runtime"] > 0 and summ["train_mem_peak_bytes"] > 0
@@ -43,3 +44,35 @@ def test_a_non_finite_loss_stops_training_naming_the_step(bad):
     assert e.value.step == 2
     assert "learning rate" in str(e.value) and "fp16" in str(e.value)
     assert [s for s, _ in sunk] == [1, 2]  # the bad step is still logged: nothing measured is lost
+
+
+def test_each_step_logs_its_item_counts_and_a_short_last_step_is_reported():
+    """Issue 9 case 8: 100 rows at an effective 16 end with a step of 4 rows; each step logs its
+    examples, non-padding tokens and loss targets, and the short step is listed."""
+    rec, sunk = _recorder()
+    # Causal LM: 2-D labels, -100 at padding; lengths 3 and 5 -> 8 tokens, targets (3-1) + (5-1) = 6.
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    labels = torch.tensor([[5, 6, 7, -100, -100], [5, 6, 7, 8, 9]])
+    for s, rows in ((1, 8), (2, 2)):  # 16 then 4 examples per step (two micro-batches each)
+        for _ in range(2):
+            rec.counter.add({"input_ids": torch.zeros(rows, 5, dtype=torch.long),
+                             "attention_mask": mask.repeat(rows // 2, 1), "labels": labels.repeat(rows // 2, 1)})
+        rec.end_step(s)
+        rec.log(s, 1.0, 1.0, 1e-3)
+    first, last = sunk[0][1], sunk[1][1]
+    assert (first["step_examples"], first["step_tokens"], first["step_targets"]) == (16, 64, 48)
+    assert (last["step_examples"], last["step_tokens"], last["step_targets"]) == (4, 16, 12)
+    assert rec.partial_steps(16) == [{"step": 2, "examples": 4, "effective_batch": 16}]
+    assert rec.partial_steps(4) == []
+    # Attention FLOPs need sum(t^2): 10 examples of length 3 and 10 of length 5 = 10*9 + 10*25.
+    assert rec.tokens_sq() == 10 * 9 + 10 * 25
+    assert rec.window_start <= rec.window_end
+
+
+def test_classification_targets_are_examples():
+    rec, sunk = _recorder()
+    rec.counter.add({"input_ids": torch.zeros(3, 4, dtype=torch.long), "attention_mask": torch.ones(3, 4),
+                     "labels": torch.tensor([0, 2, 1])})
+    rec.end_step(1)
+    rec.log(1, 1.0, 1.0, 1e-3)
+    assert (sunk[0][1]["step_examples"], sunk[0][1]["step_tokens"], sunk[0][1]["step_targets"]) == (3, 12, 3)

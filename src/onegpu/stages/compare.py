@@ -29,7 +29,10 @@ def run(experiment: str, key: str | None = None, run_ids: list[str] | None = Non
                         f"({tracking.redact(tracker.uri)})"
                         + (f" matching {', '.join(filters)}" if filters else "")
                         + ": train first (`dvc repro`, `dvc exp run -S ...`)")
-    comparison = equivalence.compare(records)
+    # Runs outside the filters still count for overlaps in time (they shared the machine).
+    others = [equivalence.RunRecord(**d) for d in tracking.training_run_windows(tracker)] \
+        if (key or run_ids or exp_names) else []
+    comparison = equivalence.compare(records, others)
     if not comparison.groups:
         raise UserError(f"none of the {len(records)} training runs has an equivalence_key tag "
                         "(runs from an older onegpu?): nothing to compare")

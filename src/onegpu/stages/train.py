@@ -96,6 +96,8 @@ def run(cfg: Config) -> dict:
                              "activation checkpointing; set it to false")
 
         tracker.set_tags(run_id, models.describe(model))
+        # Training switches the KV cache off (Trainer and checkpointing); the saved model gets it back.
+        saved_config = {"use_cache": model.config.use_cache} if hasattr(model.config, "use_cache") else {}
 
         micro = None
         if auto and resume and resume[1].get("micro_batch"):
@@ -113,8 +115,9 @@ def run(cfg: Config) -> dict:
         stop = GracefulStop()
         extra = {"checkpoint_dir": ckpt_dir, "stop": stop, "resume": resume,
                  "checkpoint_meta": {"run_id": run_id, "micro_batch": resolved.per_device_train_batch_size}}
+        from onegpu.training.callbacks import step_metrics
         for row in (resume[1]["rows"] if resume else []):  # the stopped run's steps, so this one is whole
-            sink({k: v for k, v in row.items() if k not in ("step", "samples", "tokens")}, row["step"])
+            sink(step_metrics(row), row["step"])
         with tracker.system_metrics(run_id), stop:
             model, steps = backend.train(model, tokenizer, dsd, cfg, resolved, sink=sink, **extra)
         for ev in steps.events:  # out-of-memory recoveries: the split changed, the result did not
@@ -126,7 +129,10 @@ def run(cfg: Config) -> dict:
                                       "oom_retry.final_split": steps.events[-1]["new"]})
         summary = steps.summary()
         summary.update(steps.memory())
-        summary.update(_speed(model, summary, cfg, device, tags["device"]))
+        speed, speed_params, speed_tags = _speed(model, summary, cfg, device, tags["device"], steps.tokens_sq())
+        summary.update(speed)
+        tracker.log_params(run_id, speed_params)
+        tracker.set_tags(run_id, {**speed_tags, **_step_tags(steps, resolved.effective_batch_size)})
         tracker.log_metrics(run_id, {k: v for k, v in summary.items()
                                      if k not in ("train_steps", "train_samples", "train_tokens")},
                             step=summary.get("train_steps", 0))
@@ -136,7 +142,7 @@ def run(cfg: Config) -> dict:
         tmp = tempfile.mkdtemp(dir=paths.MODEL_DIR.parent, prefix=".model-")
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar between the progress lines
-        model.save_pretrained(tmp)  # safetensors
+        _save_model(model, tmp, saved_config)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(paths.MODEL_DIR, ignore_errors=True)
         shutil.move(tmp, paths.MODEL_DIR)
@@ -215,17 +221,62 @@ def _find_micro_batch(model, tokenizer, dsd, cfg: Config, budget: int, device: s
     return micro
 
 
-def _speed(model, summary: dict, cfg: Config, device: str, device_name: str) -> dict:
+def _save_model(model, directory, config_values: dict) -> None:
+    """``save_pretrained`` (safetensors) with ``config_values`` (e.g. ``use_cache`` as the model had it
+    before training switched it off) set back on the model's config first."""
+    for k, v in config_values.items():
+        setattr(model.config, k, v)
+    model.save_pretrained(directory)
+
+
+def _step_tags(steps, effective_batch: int) -> dict:
+    """Tags from the recorder: ``onegpu.machine``, the training window (``onegpu.train_start_ms`` and
+    ``onegpu.train_end_ms``, milliseconds since the epoch, first step's start to last step's end in this
+    process) and ``onegpu.partial_steps`` when an optimizer step saw fewer examples than the effective batch."""
+    import hashlib
+    import json
+    import platform
+    # Which machine trained (a hash of the host name, not the name): only runs on one machine compete.
+    out = {"onegpu.machine": hashlib.sha256(platform.node().encode()).hexdigest()[:12]}
+    if steps.window_start is not None and steps.window_end is not None:
+        out["onegpu.train_start_ms"] = str(int(steps.window_start * 1000))
+        out["onegpu.train_end_ms"] = str(int(steps.window_end * 1000))
+    partial = steps.partial_steps(effective_batch)
+    if partial:
+        out["onegpu.partial_steps"] = json.dumps(partial)
+        for p in partial:
+            print(f"train: optimizer step {p['step']} saw {p['examples']} of {effective_batch} examples "
+                  "(the epoch's last rows); its loss is the mean over those")
+    return out
+
+
+def _speed(model, summary: dict, cfg: Config, device: str, device_name: str,
+           tokens_sq: int | None = None) -> tuple[dict, dict, dict]:
     """``train_flops_per_second`` (model FLOPs, :mod:`onegpu.flops`) and ``train_mfu`` against the
-    device's peak in the matmul dtype; ``model_flops_per_token`` and ``device_peak_flops`` with them."""
+    device's peak in the matmul dtype; ``model_flops_per_token`` and ``device_peak_flops`` with them.
+
+    Returns ``(metrics, params, tags)``: params name the peak's source and, for a measured peak, its
+    cache file; with no trustworthy peak ``train_mfu`` is left out and the tag
+    ``train_mfu.unknown_reason`` says why."""
     from onegpu import flops
-    if not summary.get("train_samples"):
-        return {}
-    per_token = flops.flops_per_token(model, summary["train_tokens"] / summary["train_samples"])
-    achieved = per_token * summary["train_tokens_per_second"]
-    peak, _source = flops.device_peak(device_name, flops.matmul_dtype(cfg.train.bf16, cfg.train.fp16), device)
-    return {"train_flops_per_second": achieved, "train_mfu": achieved / peak,
-            "model_flops_per_token": per_token, "device_peak_flops": peak}
+    if not summary.get("train_samples") or not summary.get("train_runtime"):
+        return {}, {}, {}
+    total = flops.train_flops(model, summary["train_samples"], summary["train_tokens"],
+                              tokens_sq)
+    achieved = total / summary["train_runtime"]
+    m = flops.mfu(achieved, device_name, flops.matmul_dtype(cfg.train.bf16, cfg.train.fp16), device)
+    metrics = {"train_flops_per_second": achieved, "model_flops_per_token": total / summary["train_tokens"],
+               "device_peak_flops": m["peak"]}
+    params = {"device_peak_flops.source": m["source"]}
+    if m["source"] == "measured":
+        params["device_peak_flops.cache"] = flops.display_path(flops.cache_file())
+    tags = {}
+    if m["mfu"] is None:
+        tags["train_mfu.unknown_reason"] = m["unknown_reason"]
+        print(f"train: {m['unknown_reason']}")
+    else:
+        metrics["train_mfu"] = m["mfu"]
+    return metrics, params, tags
 
 
 def _write_steps(rows: list[dict]) -> None:

@@ -7,6 +7,7 @@ writer), so this module knows nothing of MLflow.
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 from transformers import TrainerCallback
@@ -27,28 +28,65 @@ class TrainingDiverged(UserError):
 
 
 class BatchCounter:
-    """Counts examples and non-padding tokens of the micro-batches fed to the model.
+    """Counts examples, non-padding tokens, loss targets and squared lengths of the micro-batches fed to
+    the model.
 
-    ``add`` keeps the token count on the device (no sync); ``take`` reads and resets it once per step.
+    ``add`` keeps the counts on the device (no sync); ``take`` reads and resets them once per step.
+    Targets are what the loss averages over (:func:`onegpu.training.loss.count_items`): the examples of
+    a classifier (1-D labels), the shifted target tokens of a causal LM (2-D labels).
     """
 
     def __init__(self) -> None:
         self.samples = 0
-        self._tokens = None
+        self._counts = None  # device tensor: (tokens, targets, sum of squared non-padding lengths)
 
     def add(self, inputs: dict) -> None:
+        import torch
+
+        from onegpu.training.loss import count_items
         ids = inputs["input_ids"]
         self.samples += int(ids.shape[0])
         mask = inputs.get("attention_mask")
-        n = mask.sum() if mask is not None else ids.numel()
-        self._tokens = n if self._tokens is None else self._tokens + n
+        lengths = mask.sum(dim=-1) if mask is not None else torch.full(
+            (ids.shape[0],), ids.shape[-1], device=ids.device)
+        labels = inputs.get("labels")
+        if labels is None:
+            targets = torch.tensor(ids.shape[0], device=ids.device)
+        else:
+            targets = count_items(labels, "causal-lm" if labels.dim() > 1 else "sequence-classification")
+        lengths = lengths.to(torch.int64)
+        n = torch.stack([lengths.sum(), targets.to(lengths.device, torch.int64), (lengths * lengths).sum()])
+        self._counts = n if self._counts is None else self._counts + n
 
     def take(self) -> tuple[int, int]:
-        """(examples, non-padding tokens) since the last take."""
-        tokens = self._tokens
-        s, t = self.samples, (int(tokens.item()) if hasattr(tokens, "item") else int(tokens or 0))
-        self.samples, self._tokens = 0, None
+        """(examples, non-padding tokens) since the last take (see :meth:`take_all`)."""
+        s, t, _, _ = self.take_all()
         return s, t
+
+    def take_all(self) -> tuple[int, int, int, int]:
+        """(examples, non-padding tokens, loss targets, sum of squared non-padding lengths) since the
+        last take; one host sync."""
+        counts = self._counts.tolist() if self._counts is not None else [0, 0, 0]
+        s = self.samples
+        self.samples, self._counts = 0, None
+        return s, int(counts[0]), int(counts[1]), int(counts[2])
+
+
+# Per-step item counts logged with each optimizer step (MLflow metrics): examples, non-padding tokens
+# and loss targets (examples of a classifier, shifted target tokens of a causal LM) of that step.
+ITEM_COUNTS = {"samples": "step_examples", "tokens": "step_tokens", "targets": "step_targets"}
+INTERNAL = ("step", "tokens_sq")
+
+
+def step_metrics(row: dict) -> dict:
+    """The MLflow metrics of one recorded step: its measurements plus the item counts under their
+    metric names (``step_examples``, ``step_tokens``, ``step_targets``)."""
+    out = {}
+    for k, v in row.items():
+        if k in INTERNAL:
+            continue
+        out[ITEM_COUNTS.get(k, k)] = v
+    return out
 
 
 class StepRecorder:
@@ -56,7 +94,8 @@ class StepRecorder:
 
     ``loss``, ``grad_norm``, ``learning_rate`` (given by the backend), ``step_time_s`` (wall seconds
     since the previous step ended, data loading and all micro-batches included), ``samples_per_second``,
-    ``tokens_per_second`` (non-padding tokens), ``mem_peak_bytes`` (see :mod:`onegpu.measure`).
+    ``tokens_per_second`` (non-padding tokens), ``mem_peak_bytes`` (see :mod:`onegpu.measure`), and the
+    step's item counts ``step_examples``, ``step_tokens``, ``step_targets`` (:data:`ITEM_COUNTS`).
     Rows are kept in ``self.rows`` for plots and the summary; each is also sent to ``sink``.
 
     Use: ``start()`` before the first step; ``end_step(step)`` right after each optimizer step;
@@ -71,6 +110,11 @@ class StepRecorder:
         self._pending: dict[int, dict] = {}
         self._watch = None
         self._cuda_peaks: dict[str, int] = {}
+        # The training window, wall-clock seconds since the epoch: start of the first step this process
+        # ran to the end of its last one (``onegpu compare`` flags runs whose windows overlap).
+        self.window_start: float | None = None
+        self.window_end: float | None = None
+        self._wall_start: float | None = None
 
     def probe_activations(self, model, batch: dict, loss_fn) -> None:
         """Record ``mem_activation_bytes`` for one micro-batch (:func:`onegpu.measure.activation_bytes`)."""
@@ -85,18 +129,22 @@ class StepRecorder:
         measure.synchronize(self.device)
         measure.reset_peak(self.device)
         self._watch = measure.Stopwatch()
-        self.counter.take()
+        self._wall_start = time.time()
+        self.counter.take_all()
 
     def end_step(self, step: int) -> None:
         measure.synchronize(self.device)
         dt = self._watch.lap()
-        samples, tokens = self.counter.take()
+        samples, tokens, targets, tokens_sq = self.counter.take_all()
+        if self.window_start is None:
+            self.window_start = self._wall_start
+        self.window_end = time.time()
         self._pending[step] = {
             "step_time_s": dt,
             "samples_per_second": samples / dt if dt > 0 else 0.0,
             "tokens_per_second": tokens / dt if dt > 0 else 0.0,
             "mem_peak_bytes": measure.peak_bytes(self.device),
-            "samples": samples, "tokens": tokens,
+            "samples": samples, "tokens": tokens, "targets": targets, "tokens_sq": tokens_sq,
         }
         for k, v in measure.cuda_peaks(self.device).items():
             self._cuda_peaks[k] = max(v, self._cuda_peaks.get(k, 0))
@@ -108,7 +156,7 @@ class StepRecorder:
             return
         row.update(loss=loss, grad_norm=grad_norm, learning_rate=learning_rate)
         self.rows.append({"step": step, **row})
-        self.sink({k: v for k, v in row.items() if k not in ("samples", "tokens")}, step)
+        self.sink(step_metrics(row), step)
         if not math.isfinite(loss):
             raise TrainingDiverged(step, loss, learning_rate)
 
@@ -122,6 +170,19 @@ class StepRecorder:
             rss = max(rss, max(r["mem_peak_bytes"] for r in self.rows))
         out["mem_rss_peak_bytes"] = rss
         return out
+
+    def partial_steps(self, effective_batch: int) -> list[dict]:
+        """Optimizer steps that saw fewer examples than ``effective_batch`` (an epoch's short last step:
+        100 rows at 16 per step end with a step of 4): ``[{"step", "examples", "effective_batch"}]``."""
+        return [{"step": r["step"], "examples": r["samples"], "effective_batch": effective_batch}
+                for r in self.rows if r["samples"] < effective_batch]
+
+    def tokens_sq(self) -> int | None:
+        """Sum over the trained examples of their squared non-padding length (the attention term of
+        :func:`onegpu.flops.train_flops`); None when a step has no count (rows from an older checkpoint)."""
+        if not self.rows or any("tokens_sq" not in r for r in self.rows):
+            return None
+        return sum(r["tokens_sq"] for r in self.rows)
 
     def summary(self) -> dict:
         """Totals over the logged steps: train_loss (mean step loss, as HF's), runtime and throughput."""
