@@ -1,7 +1,8 @@
 """``onegpu train``: fine-tune on data/processed -> models/, metrics/train.json, plots/train_steps.csv.
 
-Opens the training run (one per training configuration) and leaves it RUNNING for ``evaluate``,
-which logs into the same run and finishes it; the run id is kept in ``models/mlflow_run.json``.
+Opens the training run (one per training configuration) and ends it when the stage ends: FINISHED,
+or FAILED/KILLED on an error or a stop. ``evaluate`` re-opens the same run, logs into it and ends it
+again; the run id is kept in ``models/mlflow_run.json``.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def run(cfg: Config) -> dict:
         buffer.add(metrics, step)
 
     buffer = tracker.metric_buffer(run_id)
-    with tracker.guard(run_id, finish=False, context=lambda: {"error.step": str(progress["step"] + 1)}), \
+    with tracker.guard(run_id, finish=True, context=lambda: {"error.step": str(progress["step"] + 1)}), \
             _flushed(buffer):
         tracker.log_params(run_id, flatten(cfg.to_dict()))
 
