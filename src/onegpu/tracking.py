@@ -187,6 +187,14 @@ class Tracker:
             if finish:
                 self.end_run(run_id, "FINISHED")
 
+    def find_run(self, run_id: str):
+        """The MLflow run ``run_id`` (deleted ones too), or None when the store does not have it or
+        cannot be read."""
+        try:
+            return self.client.get_run(run_id)
+        except Exception:
+            return None
+
     def run_status(self, run_id: str) -> str | None:
         try:
             return self.client.get_run(run_id).info.status

@@ -53,6 +53,7 @@ def run(cfg: Config) -> dict:
     tags = {**tracking.run_context_tags(), "stage": "train", "equivalence_key": key,
             "device": measure.device_name(device), "data.fingerprint": stats["fingerprint"]}
     ckpt_dir, resume = _checkpoints(cfg, stats["fingerprint"])
+    _other_checkpoints(tracker, ckpt_dir, key, cfg, stats["fingerprint"], announce=True)
     if resume:
         tags["onegpu.resumed_from"] = resume[1].get("run_id", "")
         tags["onegpu.resumed_at_step"] = str(resume[1]["step"])
@@ -144,6 +145,7 @@ def run(cfg: Config) -> dict:
         paths.write_json_atomic(paths.RUN_FILE, {"run_id": run_id, "experiment_id": tracker.experiment_id,
                                                  "equivalence_key": key})
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # finished: nothing left to resume
+    _other_checkpoints(tracker, ckpt_dir, key, cfg, stats["fingerprint"], finished=True)
     print(f"train: {summary.get('train_steps', 0)} optimizer steps of {resolved.effective_batch_size} examples "
           f"({resolved.per_device_train_batch_size} x {resolved.gradient_accumulation_steps}), "
           f"train_loss {summary.get('train_loss', float('nan')):.4f}, {summary.get('train_runtime', 0):.1f} s, "
@@ -157,6 +159,28 @@ def _checkpoints(cfg: Config, fingerprint: str):
     ckpt_dir = paths.checkpoint_dir(run_config_hash(cfg, fingerprint))
     from onegpu.training.checkpoint import latest_checkpoint
     return ckpt_dir, latest_checkpoint(ckpt_dir)
+
+
+def _other_checkpoints(tracker, ckpt_dir, key: str, cfg: Config, fingerprint: str, announce: bool = False,
+                       finished: bool = False) -> None:
+    """Say which checkpoints of other configurations this run does not use (``announce``) and prune those
+    nothing can resume: at the start the ones whose run is deleted or finished, after a finished training
+    also the stopped runs of the same equivalence key. The rule: :func:`onegpu.training.checkpoint.
+    review_other_checkpoints`. Never stops training: a store or disk error skips it."""
+    from onegpu.training.checkpoint import review_other_checkpoints
+    try:
+        items = review_other_checkpoints(ckpt_dir, key, flatten(cfg.to_dict()), fingerprint, tracker.find_run)
+    except Exception:
+        return
+    for item in items:
+        if item["action"] == "prune" or (finished and item["action"] == "superseded"):
+            shutil.rmtree(item["folder"], ignore_errors=True)
+            msg = item["message"] if item["action"] == "prune" else (
+                f"removed the checkpoint of stopped MLflow run {item['run_id']} at optimizer step {item['step']} "
+                f"({item['folder']}): this run finished the same training (equivalence key {key})")
+            print(f"train: {msg}", flush=True)
+        elif announce and item["message"]:
+            print(f"train: {item['message']}", flush=True)
 
 
 @contextlib.contextmanager
