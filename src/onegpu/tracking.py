@@ -1,7 +1,14 @@
 """Everything MLflow: the store, the experiment, runs, params and tags, batched metrics, artifacts.
 
 The only module that imports mlflow. It uses ``MlflowClient`` with explicit run ids (no global
-"active run"), so a train stage can leave its run open for the evaluate stage, which closes it.
+"active run").
+
+Run lifecycle: a run is RUNNING only while a process writes to it. Train creates the run and ends it
+(FINISHED, or FAILED/KILLED) when the stage ends; evaluate re-opens the same run id
+(:meth:`Tracker.resume_run`) and ends it again. Every run records its writer (tags
+``onegpu.writer.host``, ``onegpu.writer.pid``, ``onegpu.writer.started``); whenever a stage opens a run,
+RUNNING runs of the experiment whose writer process is gone from this host (SIGKILL, the OOM killer, a
+power loss) are marked KILLED with the tag ``onegpu.killed_reason`` (:meth:`Tracker.reap_orphans`).
 
 Store and experiment creation are serialised with a file lock in the project root: several processes
 opening a *fresh* SQLite store at once crash creating its schema, and several setting a *new* experiment
@@ -25,6 +32,46 @@ from onegpu.errors import UserError
 
 # MLflow limits (mlflow/utils/validation.py): param values are at most 6000 characters.
 _MAX_PARAM_LEN = 6000
+
+# Who writes to a run (set when a stage opens it): a RUNNING run whose writer is gone is an orphan.
+WRITER_HOST, WRITER_PID, WRITER_STARTED = "onegpu.writer.host", "onegpu.writer.pid", "onegpu.writer.started"
+KILLED_REASON = "onegpu.killed_reason"
+# Tag on a run whose param value was cut at MLflow's limit: the keys, comma-separated.
+TRUNCATED_PARAMS = "onegpu.truncated_params"
+
+
+def writer_tags() -> dict[str, str]:
+    """This process as a run's writer: host name, pid and the process's start time (s since the epoch,
+    from psutil; it tells a reused pid from the writer)."""
+    import socket
+
+    import psutil
+    me = psutil.Process()
+    return {WRITER_HOST: socket.gethostname(), WRITER_PID: str(me.pid), WRITER_STARTED: f"{me.create_time():.2f}"}
+
+
+def writer_gone(tags: dict[str, str]) -> str | None:
+    """Why the writer named in a run's ``tags`` is gone, or None when it may still be writing (it lives,
+    it is on another host, or the run names no writer: a run from another tool is never judged)."""
+    import socket
+
+    import psutil
+    host, pid = tags.get(WRITER_HOST), tags.get(WRITER_PID)
+    if not host or not pid or host != socket.gethostname():
+        return None
+    try:
+        proc = psutil.Process(int(pid))
+        started = proc.create_time()
+    except psutil.NoSuchProcess:
+        return f"its writer, process {pid} on {host}, is gone"
+    except (psutil.Error, ValueError):
+        return None
+    try:
+        if abs(started - float(tags.get(WRITER_STARTED, started))) > 1.0:
+            return f"its writer, process {pid} on {host}, is gone (the pid now belongs to another process)"
+    except ValueError:
+        return None
+    return None
 
 
 def _check_uri(uri: str) -> None:
@@ -60,9 +107,58 @@ class Tracker:
 
     # -- runs ---------------------------------------------------------------------------------
     def start_run(self, run_name: str | None, tags: dict[str, str]) -> str:
-        """Create a run (status RUNNING) and return its id."""
-        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
+        """Create a run (status RUNNING, this process as its writer) and return its id. Orphans of the
+        experiment are reaped first (:meth:`reap_orphans`)."""
+        self.reap_orphans()
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags={**tags, **writer_tags()})
         return run.info.run_id
+
+    def resume_run(self, run_id: str) -> None:
+        """Re-open an ended run (status RUNNING again, this process as its writer) to log more into it;
+        end it again with :meth:`end_run` or :meth:`guard`. MLflow allows logging to a terminated run;
+        this only makes its status tell the truth while a process writes. Orphans are reaped first.
+
+        Raises:
+            UserError: the run does not exist in this store, or is deleted.
+        """
+        self.reap_orphans()
+        try:
+            run = self.client.get_run(run_id)
+        except Exception as e:
+            if _is_outage(e):
+                raise
+            raise UserError(f"MLflow run {run_id} is not in {redact(self.uri)}; train again "
+                            "(`dvc repro -f train`)") from None
+        if run.info.lifecycle_stage == "deleted":
+            raise UserError(f"MLflow run {run_id} is deleted in {redact(self.uri)}; restore it "
+                            f"(MLFLOW_TRACKING_URI={redact(self.uri)} mlflow runs restore --run-id {run_id}) "
+                            "or train again (`dvc repro -f train`)")
+        self.set_tags(run_id, writer_tags())  # before the status: a reaper must never see a dead writer
+        self._write(run_id, "reopen", ["RUNNING"])
+
+    def reap_orphans(self) -> list[str]:
+        """Mark KILLED every RUNNING run of this experiment whose writer process is gone from this host
+        (tag ``onegpu.killed_reason`` says why); return their ids. Runs on other hosts, runs without
+        writer tags and live writers are left alone; a store that cannot be searched is skipped."""
+        try:
+            runs = self.client.search_runs([self.experiment_id], filter_string="attributes.status = 'RUNNING'",
+                                           max_results=1000)
+        except Exception:
+            return []
+        reaped = []
+        for run in runs:
+            why = writer_gone(run.data.tags)
+            if why is None:
+                continue
+            try:
+                self.client.set_tag(run.info.run_id, KILLED_REASON, f"left RUNNING: {why}")
+                self.client.set_terminated(run.info.run_id, status="KILLED")
+            except Exception:
+                continue
+            reaped.append(run.info.run_id)
+            print(f"onegpu: MLflow run {run.info.run_name or ''} {run.info.run_id} was left RUNNING and {why}; "
+                  "marked KILLED", file=sys.stderr, flush=True)
+        return reaped
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         """Set the run's status: FINISHED, FAILED or KILLED."""
@@ -71,7 +167,8 @@ class Tracker:
     @contextmanager
     def guard(self, run_id: str, finish: bool = True, context=None):
         """End ``run_id`` FAILED (KILLED on Ctrl-C or SIGTERM) with the error as tags if the block raises;
-        FINISHED if it returns and ``finish`` is true (train leaves its run open for evaluate).
+        FINISHED if it returns and ``finish`` is true (a run that ``finish=False`` leaves RUNNING must be
+        ended by the same process: no run stays RUNNING without a writer).
         ``context``: a callable returning more tags for the error (e.g. ``error.step``)."""
         try:
             yield
@@ -90,6 +187,14 @@ class Tracker:
             if finish:
                 self.end_run(run_id, "FINISHED")
 
+    def find_run(self, run_id: str):
+        """The MLflow run ``run_id`` (deleted ones too), or None when the store does not have it or
+        cannot be read."""
+        try:
+            return self.client.get_run(run_id)
+        except Exception:
+            return None
+
     def run_status(self, run_id: str) -> str | None:
         try:
             return self.client.get_run(run_id).info.status
@@ -98,10 +203,17 @@ class Tracker:
 
     # -- params, tags, metrics ----------------------------------------------------------------
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
-        """Log params (values as strings, ``None`` as ``'None'``) in batches."""
+        """Log params (values as strings, ``None`` as ``'None'``) in batches.
+
+        A value longer than MLflow's limit (6,000 characters) is cut to it, and the run gets the tag
+        ``onegpu.truncated_params`` naming the cut keys (comma-separated) with their full lengths."""
         items = [[k, str(v)[:_MAX_PARAM_LEN]] for k, v in params.items()]
+        cut = {k: len(str(v)) for k, v in params.items() if len(str(v)) > _MAX_PARAM_LEN}
         for i in range(0, len(items), 100):
             self._write(run_id, "params", items[i:i + 100])
+        if cut:
+            self.set_tags(run_id, {TRUNCATED_PARAMS: ", ".join(
+                f"{k} ({n} characters, cut to {_MAX_PARAM_LEN})" for k, n in cut.items())[:5000]})
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
         items = [[k, str(v)] for k, v in tags.items()]
@@ -117,7 +229,7 @@ class Tracker:
 
     # -- writes that survive an outage --------------------------------------------------------
     def _write(self, run_id: str, kind: str, items: list) -> None:
-        """One batched write (``kind``: metrics, params, tags or status). If the store cannot take it,
+        """One batched write (``kind``: metrics, params, tags, status or reopen). If the store cannot take it,
         it is appended to this run's spool file instead and training goes on; the spool is replayed,
         in order, before the next write and by ``onegpu sync``."""
         if self.spool_dir is None:
@@ -259,8 +371,7 @@ def connect(experiment_name: str, root: Path | None = None) -> Tracker:
                 exp_id = client.create_experiment(experiment_name, artifact_location=location)
             else:
                 if exp.lifecycle_stage == "deleted":
-                    raise UserError(f"MLflow experiment {experiment_name!r} is deleted in {redact(uri)}; "
-                                    "restore it in the UI or choose another tracking.experiment_name")
+                    raise UserError(deleted_experiment_message(exp, uri, "choose another tracking.experiment_name"))
                 exp_id = exp.experiment_id
         except UserError:
             raise
@@ -269,6 +380,14 @@ def connect(experiment_name: str, root: Path | None = None) -> Tracker:
         finally:
             db_log.setLevel(old_level)
     return Tracker(client=client, experiment_id=exp_id, uri=uri, spool_dir=paths.spool_dir(root))
+
+
+def deleted_experiment_message(exp, uri: str, alternative: str) -> str:
+    """One message for a deleted experiment, the same from every command: its name and id, and how to
+    restore it (``mlflow experiments restore``) or what else to do (``alternative``)."""
+    return (f"MLflow experiment {exp.name!r} (id {exp.experiment_id}) is deleted in {redact(uri)}; restore it "
+            f"(MLFLOW_TRACKING_URI={redact(uri)} mlflow experiments restore --experiment-id {exp.experiment_id}, "
+            f"or in the UI) or {alternative}")
 
 
 def git_commit(cwd: str | os.PathLike = ".") -> str:
@@ -331,7 +450,9 @@ def open_existing(experiment_name: str, root: Path | None = None) -> Tracker:
         names = [] if exp is not None else [e.name for e in client.search_experiments()]
     except Exception as e:
         raise UserError(f"cannot open the MLflow store {redact(uri)}: {type(e).__name__}: {e}") from None
-    if exp is None or exp.lifecycle_stage == "deleted":
+    if exp is not None and exp.lifecycle_stage == "deleted":
+        raise UserError(deleted_experiment_message(exp, uri, "choose another with --experiment"))
+    if exp is None:
         raise UserError(f"no MLflow experiment {experiment_name!r} in {redact(uri)}"
                         + (f"; experiments there: {', '.join(sorted(names))}" if names else "")
                         + " (choose one with --experiment)")
@@ -514,6 +635,8 @@ def _apply(client, run_id: str, kind: str, items: list) -> None:
         client.log_batch(run_id, tags=[RunTag(k, v) for k, v in items], synchronous=True)
     elif kind == "status":
         client.set_terminated(run_id, status=items[0])
+    elif kind == "reopen":
+        client.update_run(run_id, status=items[0])
     else:
         raise ValueError(f"unknown spool record kind {kind!r}")
 

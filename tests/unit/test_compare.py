@@ -221,3 +221,40 @@ def test_runs_that_overlapped_in_time_are_marked_not_comparable(in_project, caps
     first, last = tracking.step_window(tr, run)
     hist = tr.client.get_metric_history(run.info.run_id, "step_time_s")
     assert (first, last) == (min(m.timestamp for m in hist), max(m.timestamp for m in hist))
+
+
+def test_a_run_still_training_is_named_and_left_out_not_reported_as_a_step_mismatch(in_project, capsys):
+    root, tr, ids = in_project
+    live = tracking.connect("live")
+    _log_training_run(live, "done-64x1", KEY_A, 64, 1)
+    evaluating = _log_training_run(live, "evaluating-4x16", KEY_A, 4, 16)
+    live.resume_run(evaluating)  # evaluate re-opened it: RUNNING, but its training is complete
+    halfway = live.start_run("halfway-8x8", {"stage": "train", "equivalence_key": KEY_A, "device": "cpu"})
+    buf = live.metric_buffer(halfway)
+    for s in range(1, 4):
+        buf.add({"loss": _loss(s), "grad_norm": 1.0, "learning_rate": 1e-4}, step=s)
+    buf.flush()
+
+    assert cli.main(["compare", "--experiment", "live", "--out", "live"]) == 0
+    out = capsys.readouterr().out
+    assert (f"left out: MLflow run halfway-8x8 ({halfway}) is still training (3 optimizer steps logged so "
+            "far); compare again when it has finished") in out
+    assert "equivalent" in _table_row(out, "evaluating-4x16")
+    md = (root / "live" / "compare.md").read_text()
+    assert "halfway" not in md and "2 training runs" in md
+
+    assert cli.main(["compare", "--experiment", "live", "--runs", halfway]) == 2
+    err = capsys.readouterr().err
+    assert "all still training: nothing to compare yet" in err
+    live.end_run(halfway, "KILLED")
+    live.end_run(evaluating)
+
+
+def test_compare_on_a_deleted_experiment_says_deleted_and_how_to_restore(in_project, capsys):
+    gone = tracking.connect("gone")
+    gone.client.delete_experiment(gone.experiment_id)
+    assert cli.main(["compare", "--experiment", "gone"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"onegpu compare: error: MLflow experiment 'gone' (id {gone.experiment_id}) is deleted in ")
+    assert f"mlflow experiments restore --experiment-id {gone.experiment_id}" in err
+    assert len(err.strip().splitlines()) == 1

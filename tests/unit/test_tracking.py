@@ -214,3 +214,94 @@ def test_empty_tracking_uri_env_behaves_as_unset(fresh_root, monkeypatch):
     assert tr.uri == f"sqlite:///{fresh_root}/mlflow.db"
     exp = tr.client.get_experiment(tr.experiment_id)
     assert exp.artifact_location == (fresh_root / "mlartifacts").as_uri()
+
+
+# -- run lifecycle: no run RUNNING without a writer ---------------------------------------------------
+
+def test_train_ends_its_run_and_evaluate_reopens_and_ends_it_again(store):
+    run_id = store.start_run("lifecycle", tags={"stage": "train"})
+    tags = store.client.get_run(run_id).data.tags
+    assert tags[tracking.WRITER_PID] == str(os.getpid())
+    with store.guard(run_id):  # train
+        store.log_metrics(run_id, {"train_runtime": 1.0})
+    assert store.run_status(run_id) == "FINISHED"
+    store.resume_run(run_id)  # evaluate
+    assert store.run_status(run_id) == "RUNNING"
+    with store.guard(run_id):
+        store.log_metrics(run_id, {"eval_loss": 0.5})
+    run = store.client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics == {"train_runtime": 1.0, "eval_loss": 0.5}
+    assert run.info.run_name == "lifecycle"
+
+
+def test_resume_run_names_a_missing_or_deleted_run(store):
+    with pytest.raises(UserError, match="is not in sqlite:///"):
+        store.resume_run("0" * 32)
+    run_id = store.start_run("to-delete", tags={})
+    store.end_run(run_id)
+    store.client.delete_run(run_id)
+    with pytest.raises(UserError, match=f"is deleted .* mlflow runs restore --run-id {run_id}"):
+        store.resume_run(run_id)
+
+
+def test_runs_left_running_by_a_killed_process_are_marked_killed_when_a_stage_opens_a_run(store):
+    import socket
+    # A writer killed with SIGKILL: no guard, no handler runs; its run stays RUNNING.
+    script = textwrap.dedent("""
+        import os, signal
+        from onegpu import tracking
+        tr = tracking.connect("shared")
+        print(tr.start_run("sigkilled", {"stage": "train"}), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": store.uri}
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == -9, p.stderr
+    orphan = p.stdout.split()[0]
+    assert store.run_status(orphan) == "RUNNING"
+
+    host = socket.gethostname()
+    alive = store.start_run("alive", tags={})  # this process writes to it
+    other_host = store.client.create_run(store.experiment_id, tags={tracking.WRITER_HOST: "elsewhere",
+                                                                    tracking.WRITER_PID: "1"}).info.run_id
+    foreign = store.client.create_run(store.experiment_id, tags={}).info.run_id  # another tool's run
+    reused = store.client.create_run(store.experiment_id, tags={  # our pid, but another process's start time
+        tracking.WRITER_HOST: host, tracking.WRITER_PID: str(os.getpid()), tracking.WRITER_STARTED: "1.0"}).info.run_id
+
+    new = store.start_run("next stage", tags={})  # opening a run reaps the orphans
+    assert store.run_status(orphan) == "KILLED"
+    assert store.run_status(reused) == "KILLED"
+    reason = store.client.get_run(orphan).data.tags[tracking.KILLED_REASON]
+    assert reason.startswith("left RUNNING: its writer, process ") and f"on {host}, is gone" in reason
+    assert "another process" in store.client.get_run(reused).data.tags[tracking.KILLED_REASON]
+    for run_id in (alive, other_host, foreign, new):
+        assert store.run_status(run_id) == "RUNNING", run_id
+    assert store.reap_orphans() == []
+    for run_id in (alive, other_host, foreign, new):
+        store.end_run(run_id)
+
+
+def test_a_param_cut_at_mlflows_limit_gets_a_tag_saying_so(store):
+    run_id = store.start_run("long-param", tags={})
+    store.log_params(run_id, {"data.source": "x" * 7000, "short": "y"})
+    data = store.client.get_run(run_id).data
+    assert data.params["data.source"] == "x" * 6000
+    assert data.tags[tracking.TRUNCATED_PARAMS] == "data.source (7000 characters, cut to 6000)"
+    other = store.start_run("short-params", tags={})
+    store.log_params(other, {"short": "y"})
+    assert tracking.TRUNCATED_PARAMS not in store.client.get_run(other).data.tags
+    store.end_run(run_id)
+    store.end_run(other)
+
+
+def test_deleted_experiment_says_how_to_restore_it(fresh_root):
+    tr = tracking.connect("gone")
+    tr.client.delete_experiment(tr.experiment_id)
+    restore = f"mlflow experiments restore --experiment-id {tr.experiment_id}"
+    with pytest.raises(UserError, match=f"'gone' \\(id {tr.experiment_id}\\) is deleted in sqlite:///") as ei:
+        tracking.connect("gone")
+    assert restore in str(ei.value) and "tracking.experiment_name" in str(ei.value)
+    with pytest.raises(UserError, match=f"'gone' \\(id {tr.experiment_id}\\) is deleted in sqlite:///") as ei:
+        tracking.open_existing("gone")
+    assert restore in str(ei.value) and "--experiment" in str(ei.value)

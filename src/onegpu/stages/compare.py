@@ -13,6 +13,13 @@ from onegpu import equivalence, report, tracking
 from onegpu.errors import UserError
 
 
+def still_training(record: equivalence.RunRecord) -> bool:
+    """RUNNING without the train-end summary (``train_runtime``): its training process is still writing
+    steps, so comparing its curve now would report a spurious step-count difference. (A run that
+    evaluate has re-opened is RUNNING too, but its training is complete: it is compared.)"""
+    return record.status == "RUNNING" and "train_runtime" not in record.metrics
+
+
 def run(experiment: str, key: str | None = None, run_ids: list[str] | None = None,
         exp_names: list[str] | None = None, out_dir: str | Path = "reports") -> equivalence.Comparison:
     """Compare the selected training runs of MLflow experiment ``experiment`` and report.
@@ -21,7 +28,17 @@ def run(experiment: str, key: str | None = None, run_ids: list[str] | None = Non
         UserError: no store or experiment, or no training run matches the filters.
     """
     tracker = tracking.open_existing(experiment)
+    tracker.reap_orphans()  # a run whose training process died is KILLED, not "still training"
     records = [equivalence.RunRecord(**d) for d in tracking.training_runs(tracker, key, run_ids, exp_names)]
+    training = [r for r in records if still_training(r)]
+    for r in training:
+        steps = max((s for s, _ in r.series.get("loss", [])), default=0)
+        print(f"left out: MLflow run {r.name or r.run_id} ({r.run_id}) is still training ({steps} optimizer "
+              "steps logged so far); compare again when it has finished")
+    if training and len(training) == len(records):
+        raise UserError(f"the {len(records)} matching training run(s) are all still training: nothing to "
+                        "compare yet")
+    records = [r for r in records if not still_training(r)]
     if not records:
         filters = [f"{name} {' '.join(v) if isinstance(v, list) else v}"
                    for name, v in (("--key", key), ("--runs", run_ids), ("--exp", exp_names)) if v]

@@ -1,6 +1,7 @@
 """``onegpu evaluate``: the trained model on the test split -> metrics/eval.json, plots/predictions.csv.
 
-Logs into the training run (id from ``models/mlflow_run.json``) and finishes it: ``eval_loss``,
+Re-opens the training run (id from ``models/mlflow_run.json``; train ended it), logs into it and
+ends it again (FINISHED, or FAILED/KILLED): ``eval_loss``,
 ``eval_accuracy``, ``eval_f1_macro`` (classification) or ``eval_perplexity`` (causal LM),
 ``eval_runtime`` (s), ``eval_samples_per_second``, ``eval_mem_peak_bytes``, and for classification a
 confusion matrix image.
@@ -25,6 +26,7 @@ def run(cfg: Config) -> dict:
     run_id = paths.read_json(paths.RUN_FILE)["run_id"]
     tracker = tracking.connect(cfg.tracking.experiment_name)
     task = cfg.model.task
+    tracker.resume_run(run_id)
     with tracker.guard(run_id, finish=True):
         from datasets import load_from_disk
         from transformers.utils import logging as hf_logging

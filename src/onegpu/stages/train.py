@@ -1,7 +1,8 @@
 """``onegpu train``: fine-tune on data/processed -> models/, metrics/train.json, plots/train_steps.csv.
 
-Opens the training run (one per training configuration) and leaves it RUNNING for ``evaluate``,
-which logs into the same run and finishes it; the run id is kept in ``models/mlflow_run.json``.
+Opens the training run (one per training configuration) and ends it when the stage ends: FINISHED,
+or FAILED/KILLED on an error or a stop. ``evaluate`` re-opens the same run, logs into it and ends it
+again; the run id is kept in ``models/mlflow_run.json``.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def run(cfg: Config) -> dict:
     tags = {**tracking.run_context_tags(), "stage": "train", "equivalence_key": key,
             "device": measure.device_name(device), "data.fingerprint": stats["fingerprint"]}
     ckpt_dir, resume = _checkpoints(cfg, stats["fingerprint"])
+    _other_checkpoints(tracker, ckpt_dir, key, cfg, stats["fingerprint"], announce=True)
     if resume:
         tags["onegpu.resumed_from"] = resume[1].get("run_id", "")
         tags["onegpu.resumed_at_step"] = str(resume[1]["step"])
@@ -74,7 +76,7 @@ def run(cfg: Config) -> dict:
         buffer.add(metrics, step)
 
     buffer = tracker.metric_buffer(run_id)
-    with tracker.guard(run_id, finish=False, context=lambda: {"error.step": str(progress["step"] + 1)}), \
+    with tracker.guard(run_id, finish=True, context=lambda: {"error.step": str(progress["step"] + 1)}), \
             _flushed(buffer):
         tracker.log_params(run_id, flatten(cfg.to_dict()))
 
@@ -151,6 +153,7 @@ def run(cfg: Config) -> dict:
         paths.write_json_atomic(paths.RUN_FILE, {"run_id": run_id, "experiment_id": tracker.experiment_id,
                                                  "equivalence_key": key})
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # finished: nothing left to resume
+    _other_checkpoints(tracker, ckpt_dir, key, cfg, stats["fingerprint"], finished=True)
     print(f"train: {summary.get('train_steps', 0)} optimizer steps of {resolved.effective_batch_size} examples "
           f"({resolved.per_device_train_batch_size} x {resolved.gradient_accumulation_steps}), "
           f"train_loss {summary.get('train_loss', float('nan')):.4f}, {summary.get('train_runtime', 0):.1f} s, "
@@ -182,6 +185,28 @@ def _checkpoints(cfg: Config, fingerprint: str):
     ckpt_dir = paths.checkpoint_dir(run_config_hash(cfg, fingerprint))
     from onegpu.training.checkpoint import latest_checkpoint
     return ckpt_dir, latest_checkpoint(ckpt_dir)
+
+
+def _other_checkpoints(tracker, ckpt_dir, key: str, cfg: Config, fingerprint: str, announce: bool = False,
+                       finished: bool = False) -> None:
+    """Say which checkpoints of other configurations this run does not use (``announce``) and prune those
+    nothing can resume: at the start the ones whose run is deleted or finished, after a finished training
+    also the stopped runs of the same equivalence key. The rule: :func:`onegpu.training.checkpoint.
+    review_other_checkpoints`. Never stops training: a store or disk error skips it."""
+    from onegpu.training.checkpoint import review_other_checkpoints
+    try:
+        items = review_other_checkpoints(ckpt_dir, key, flatten(cfg.to_dict()), fingerprint, tracker.find_run)
+    except Exception:
+        return
+    for item in items:
+        if item["action"] == "prune" or (finished and item["action"] == "superseded"):
+            shutil.rmtree(item["folder"], ignore_errors=True)
+            msg = item["message"] if item["action"] == "prune" else (
+                f"removed the checkpoint of stopped MLflow run {item['run_id']} at optimizer step {item['step']} "
+                f"({item['folder']}): this run finished the same training (equivalence key {key})")
+            print(f"train: {msg}", flush=True)
+        elif announce and item["message"]:
+            print(f"train: {item['message']}", flush=True)
 
 
 @contextlib.contextmanager

@@ -89,3 +89,87 @@ def load_rng(checkpoint: str) -> None:
     random.setstate((other["python"][0], tuple(other["python"][1]), other["python"][2]))
     n = other["numpy"]
     np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), *n[2:]))
+
+
+def review_other_checkpoints(own_dir, key: str, params: dict, fingerprint: str, get_run) -> list[dict]:
+    """What to do with the checkpoints of *other* training configurations, found next to ``own_dir``
+    (``.onegpu/checkpoints/<config hash>/``, one folder per configuration).
+
+    A checkpoint is resumed only by a run of exactly its configuration, so a run with another split, seed
+    or learning rate starts afresh and never uses it. The rule, from the MLflow run named in the newest
+    complete checkpoint of each folder (``get_run(run_id)``: the run, or None when it is not in the store):
+
+    - ``in use``: that run, or the run that resumed it (tag ``onegpu.resumed_by``), is RUNNING: kept.
+    - ``prune`` now: the run is deleted in MLflow, or it FINISHED (a finished training removes its own
+      checkpoints; what is left cannot be resumed into anything).
+    - ``superseded``: the run was stopped (KILLED/FAILED) and has this run's ``equivalence_key``: this
+      run trains the same thing with another split. Said at the start; pruned when this run finishes.
+    - ``kept``: stopped, another equivalence key (or the run is not in this store): it can still save
+      work for a rerun of that configuration. Said at the start; kept until its run is deleted in MLflow
+      or a run of its equivalence key finishes.
+    Folders with no complete checkpoint are left alone (a run may be writing its first one).
+
+    Args:
+        own_dir: this configuration's folder (never judged).
+        key: this run's equivalence key; params: this run's params (``config.flatten``), to name what
+            differs; fingerprint: this run's data fingerprint.
+        get_run: run id -> MLflow run (``.info.status``, ``.info.lifecycle_stage``, ``.data.tags``,
+            ``.data.params``) or None.
+    Returns:
+        One dict per other folder with a complete checkpoint: ``folder``, ``step``, ``run_id``, ``action``
+        (one of the four above) and ``message`` (one line for the terminal; empty for ``in use``).
+    """
+    from pathlib import Path
+    own = Path(own_dir).resolve()
+    out = []
+    for folder in sorted(Path(own_dir).parent.glob("*")):
+        if not folder.is_dir() or folder.resolve() == own:
+            continue
+        found = latest_checkpoint(folder)
+        if found is None:
+            continue
+        step, run_id = found[1].get("step"), found[1].get("run_id") or ""
+        run = get_run(run_id) if run_id else None
+        item = {"folder": folder, "step": step, "run_id": run_id}
+        what = f"the checkpoint of stopped MLflow run {run_id} at optimizer step {step} ({folder})"
+        if run is None:
+            item["action"] = "kept"
+            item["message"] = (f"{what} is for another configuration and was not used; its run is not in "
+                               "this store; kept (delete the folder to drop it)")
+            out.append(item)
+            continue
+        tags = run.data.tags
+        successor = tags.get("onegpu.resumed_by")
+        succ = get_run(successor) if successor else None
+        if run.info.status == "RUNNING" or (succ is not None and succ.info.status == "RUNNING"):
+            item.update(action="in use", message="")
+        elif run.info.lifecycle_stage == "deleted" or run.info.status == "FINISHED":
+            why = "its run is deleted in MLflow" if run.info.lifecycle_stage == "deleted" else "its run finished"
+            item.update(action="prune", message=f"removed {what.replace('stopped ', '')}: {why}, nothing can resume it")
+        else:
+            differs = _differences(run.data.params, params, tags.get("data.fingerprint"), fingerprint)
+            if tags.get("equivalence_key") == key:
+                item.update(action="superseded", message=(
+                    f"{what} is for another configuration ({differs}) and was not used; this run trains the same "
+                    "(equivalence key) and removes it when it finishes"))
+            else:
+                item.update(action="kept", message=(
+                    f"{what} is for another configuration ({differs}) and was not used; kept for a rerun of "
+                    "that configuration (delete its MLflow run, or the folder, to drop it)"))
+        out.append(item)
+    return out
+
+
+# Params that do not enter onegpu.config.run_config_hash: never why a checkpoint was not used.
+_NOT_IN_HASH = ("tracking.", "evaluate.", "train.logging_steps", "train.save_steps")
+
+
+def _differences(theirs: dict, ours: dict, their_data: str | None, our_data: str, most: int = 3) -> str:
+    """``key there -> here`` for the first ``most`` params that differ (what a reader needs to see why)."""
+    diff = [f"{k} {theirs[k]} there, {ours[k]} here" for k in sorted(ours)
+            if k in theirs and str(ours[k]) != theirs[k] and not k.startswith(_NOT_IN_HASH)]
+    if their_data and their_data != our_data:
+        diff.insert(0, "other data")
+    if not diff:
+        return "a setting that is not a logged param differs"
+    return "; ".join(diff[:most]) + (f"; {len(diff) - most} more" if len(diff) > most else "")

@@ -1,0 +1,96 @@
+"""No MLflow run stays RUNNING without a process writing to it, whatever the sequence of stages,
+interrupts, failures and parallel queued experiments (the run lifecycle of onegpu.tracking)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import BIN, _env, dvc, make_project, run, runs, wait_for_queue
+
+pytestmark = pytest.mark.slow
+
+# The team's store checker; never copied into the repo, so its assertion is skipped where it is absent.
+CHECK_STORE = Path("/work/shared/tools/check_store.py")
+
+
+def _params(project: Path, **train) -> None:
+    p = yaml.safe_load((project / "params.yaml").read_text())
+    p["train"].update(train)
+    (project / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+
+
+def _train_runs(project: Path):
+    c, exp, all_runs = runs(project)
+    running = [(r.info.run_name, r.info.run_id) for r in all_runs if r.info.status == "RUNNING"]
+    assert running == [], running
+    return c, [r for r in all_runs if r.data.tags.get("stage") == "train"]
+
+
+def _checkpoints(project: Path) -> list[Path]:
+    return list((project / ".onegpu" / "checkpoints").glob("*/checkpoint-*"))
+
+
+def test_no_run_is_left_running_after_stages_interrupts_failures_and_a_parallel_queue(tmp_path):
+    project = make_project(tmp_path)
+
+    dvc(project, "repro", "train")  # train alone ends its run
+    c, train = _train_runs(project)
+    assert [r.info.status for r in train] == ["FINISHED"] and "eval_loss" not in train[0].data.metrics
+    first = train[0].info.run_id
+
+    dvc(project, "repro")  # evaluate re-opens the same run and ends it again
+    c, train = _train_runs(project)
+    assert [r.info.run_id for r in train] == [first]
+    assert "eval_loss" in c.get_run(first).data.metrics and c.get_run(first).info.status == "FINISHED"
+
+    # Ctrl-C: SIGINT to dvc's process group while train runs.
+    _params(project, seed=7, max_steps=8)
+    p = subprocess.Popen([str(BIN / "dvc"), "repro"], cwd=project, env={**_env(), "PYTHONUNBUFFERED": "1"},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if "'loss'" in line:  # an optimizer step is done
+            os.killpg(p.pid, signal.SIGINT)
+            break
+    seen.append(p.stdout.read())
+    assert p.wait(timeout=300) != 0, "".join(seen)
+    c, train = _train_runs(project)
+    assert sorted(r.info.status for r in train) == ["FINISHED", "KILLED"], "".join(seen)
+    assert len(_checkpoints(project)) == 1
+
+    # A run that fails inside the stage: not even a micro-batch of 1 fits the budget.
+    _params(project, seed=8, per_device_train_batch_size="auto", effective_batch_size=8, memory_budget_gib=1e-6)
+    failed = dvc(project, "repro", check=False)
+    assert failed.returncode != 0 and "not even a micro-batch of 1 fits" in failed.stdout + failed.stderr
+    c, train = _train_runs(project)
+    assert sorted(r.info.status for r in train) == ["FAILED", "FINISHED", "KILLED"]
+
+    # Two queued experiments on two workers: the stopped configuration (it resumes) and another split.
+    _params(project, seed=7, per_device_train_batch_size=4, effective_batch_size=None, memory_budget_gib=None)
+    run(["git", "add", "-A"], project)
+    run(["git", "commit", "-qm", "seed 7"], project)
+    dvc(project, "exp", "run", "--queue")
+    dvc(project, "exp", "run", "--queue", "-S", "train.per_device_train_batch_size=2",
+        "-S", "train.gradient_accumulation_steps=4")
+    dvc(project, "queue", "start", "-j", "2")
+    status = wait_for_queue(project)
+    assert status.count("Success") == 2, status
+    c, train = _train_runs(project)
+    assert sorted(r.info.status for r in train) == ["FAILED", "FINISHED", "FINISHED", "FINISHED", "KILLED"]
+    killed = [r for r in train if r.info.status == "KILLED"][0]
+    assert killed.data.tags.get("onegpu.resumed_by") in {r.info.run_id for r in train}
+    for r in train:
+        if r.info.status == "FINISHED":
+            assert "eval_loss" in r.data.metrics, r.info.run_name
+    assert _checkpoints(project) == []  # resumed and finished, or superseded: nothing left to resume
+    if CHECK_STORE.is_file():
+        check = subprocess.run([sys.executable, str(CHECK_STORE), str(project)], capture_output=True, text=True,
+                               env=_env(), timeout=300)
+        assert check.returncode == 0, check.stdout + check.stderr
