@@ -116,7 +116,7 @@ class RunRecord:
             ``train_samples_per_second``, ``eval_*``).
         series: per-step histories, ``{"loss": [(optimizer step, value), ...], ...}``, sorted by step.
         start_time: MLflow's start time, milliseconds since the epoch.
-        status: MLflow's run status (RUNNING until evaluate finishes the run).
+        status: MLflow's run status (SCHEDULED between train and evaluate, RUNNING while a stage writes).
         window: ``(first, last)`` step-metric timestamps in ms, for runs without the window tags.
     """
     run_id: str
@@ -477,7 +477,7 @@ def compare_run(run: RunRecord, reference: RunRecord) -> RunComparison:
                        "examples (an epoch's short last step): its loss and gradient are over those only")
     c.throughput_ratio = _ratio(run.samples_per_second, reference.samples_per_second)
     c.memory_ratio = _ratio(run.peak_memory_bytes, reference.peak_memory_bytes)
-    if run.status and run.status not in ("FINISHED", "RUNNING"):
+    if run.status and run.status not in ("FINISHED", "RUNNING", "SCHEDULED"):  # SCHEDULED: not evaluated yet
         c.notes.append(f"run status {run.status}")
     if run is reference:
         c.status, c.verdict = REFERENCE, "reference"

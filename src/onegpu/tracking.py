@@ -161,14 +161,15 @@ class Tracker:
         return reaped
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
-        """Set the run's status: FINISHED, FAILED or KILLED."""
+        """End the run with ``status``: FINISHED, FAILED, KILLED, or SCHEDULED (trained, not yet evaluated)."""
         self._write(run_id, "status", [status])
 
     @contextmanager
-    def guard(self, run_id: str, finish: bool = True, context=None):
+    def guard(self, run_id: str, finish: bool | str = True, context=None):
         """End ``run_id`` FAILED (KILLED on Ctrl-C or SIGTERM) with the error as tags if the block raises;
-        FINISHED if it returns and ``finish`` is true (a run that ``finish=False`` leaves RUNNING must be
-        ended by the same process: no run stays RUNNING without a writer).
+        if it returns, FINISHED when ``finish`` is true, or the status ``finish`` names (train ends its run
+        SCHEDULED: trained, its evaluate stage still to come). A run that ``finish=False`` leaves RUNNING
+        must be ended by the same process: no run stays RUNNING without a writer.
         ``context``: a callable returning more tags for the error (e.g. ``error.step``)."""
         try:
             yield
@@ -185,7 +186,7 @@ class Tracker:
             raise
         else:
             if finish:
-                self.end_run(run_id, "FINISHED")
+                self.end_run(run_id, finish if isinstance(finish, str) else "FINISHED")
 
     def find_run(self, run_id: str):
         """The MLflow run ``run_id`` (deleted ones too), or None when the store does not have it or

@@ -67,7 +67,7 @@ def test_unreachable_server_fails_fast_and_an_outage_mid_run_loses_nothing(tmp_p
         lines = []
         for line in train.stdout:
             lines.append(line)
-            if "'loss'" in line:  # the run exists on the server and training is under way
+            if " | loss " in line:  # the run exists on the server and training is under way
                 _stop(server)
                 server = None
                 break

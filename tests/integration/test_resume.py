@@ -34,7 +34,7 @@ def test_sigint_checkpoints_and_the_next_run_resumes_to_identical_losses_and_wei
     seen = []
     for line in p.stdout:
         seen.append(line)
-        if "'loss'" in line:  # the first optimizer step is done
+        if " | loss " in line:  # the first optimizer step is done
             p.send_signal(signal.SIGINT)
             break
     rest = p.stdout.read()

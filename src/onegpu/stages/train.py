@@ -1,8 +1,9 @@
 """``onegpu train``: fine-tune on data/processed -> models/, metrics/train.json, plots/train_steps.csv.
 
-Opens the training run (one per training configuration) and ends it when the stage ends: FINISHED,
-or FAILED/KILLED on an error or a stop. ``evaluate`` re-opens the same run, logs into it and ends it
-again; the run id is kept in ``models/mlflow_run.json``.
+Opens the training run (one per training configuration) and ends it when the stage ends: SCHEDULED
+(trained; its evaluation is still to come), or FAILED/KILLED on an error or a stop. ``evaluate``
+re-opens the same run, logs into it and ends it FINISHED; the run id is kept in ``models/mlflow_run.json``.
+No run is RUNNING unless a process writes to it.
 """
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def run(cfg: Config) -> dict:
         buffer.add(metrics, step)
 
     buffer = tracker.metric_buffer(run_id)
-    with tracker.guard(run_id, finish=True, context=lambda: {"error.step": str(progress["step"] + 1)}), \
+    # Ends SCHEDULED, not FINISHED: the configuration's run is finished once evaluate has logged into it.
+    with tracker.guard(run_id, finish="SCHEDULED", context=lambda: {"error.step": str(progress["step"] + 1)}), \
             _flushed(buffer):
         tracker.log_params(run_id, flatten(cfg.to_dict()))
 

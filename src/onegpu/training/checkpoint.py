@@ -100,7 +100,7 @@ def review_other_checkpoints(own_dir, key: str, params: dict, fingerprint: str, 
     complete checkpoint of each folder (``get_run(run_id)``: the run, or None when it is not in the store):
 
     - ``in use``: that run, or the run that resumed it (tag ``onegpu.resumed_by``), is RUNNING: kept.
-    - ``prune`` now: the run is deleted in MLflow, or it FINISHED (a finished training removes its own
+    - ``prune`` now: the run is deleted in MLflow, or it FINISHED or is SCHEDULED (a finished training removes its own
       checkpoints; what is left cannot be resumed into anything).
     - ``superseded``: the run was stopped (KILLED/FAILED) and has this run's ``equivalence_key``: this
       run trains the same thing with another split. Said at the start; pruned when this run finishes.
@@ -143,7 +143,7 @@ def review_other_checkpoints(own_dir, key: str, params: dict, fingerprint: str, 
         succ = get_run(successor) if successor else None
         if run.info.status == "RUNNING" or (succ is not None and succ.info.status == "RUNNING"):
             item.update(action="in use", message="")
-        elif run.info.lifecycle_stage == "deleted" or run.info.status == "FINISHED":
+        elif run.info.lifecycle_stage == "deleted" or run.info.status in ("FINISHED", "SCHEDULED"):
             why = "its run is deleted in MLflow" if run.info.lifecycle_stage == "deleted" else "its run finished"
             item.update(action="prune", message=f"removed {what.replace('stopped ', '')}: {why}, nothing can resume it")
         else:
