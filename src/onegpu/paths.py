@@ -108,3 +108,18 @@ def read_json(path: str | os.PathLike):
     import json
     with open(path) as f:
         return json.load(f)
+
+
+def only_in_user_repo(path: str | os.PathLike) -> Path | None:
+    """The user's copy of a relative ``path`` that is missing here because DVC runs this stage in a
+    queued or ``--temp`` experiment's clone (which holds only files git or DVC track); else None.
+
+    None also when ``path`` is absolute, exists here, or the current directory is the project root.
+    """
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists():
+        return None
+    here, root = Path.cwd().resolve(), project_root()
+    if here == root or not (root / p).exists():
+        return None
+    return root / p

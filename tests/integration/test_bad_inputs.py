@@ -251,9 +251,9 @@ CASES = [
          lambda d: (d / "d.jsonl").write_text('{"text": "ok", "label": "a"}\n{"text": broken\n')),
     Case("data-blank-texts", "prepare", ("no row has a non-blank text", "data.text_column='text'"), _set(**CSV),
          lambda d: _write_csv(d / "d.csv", [("   ", "a"), (" ", "b"), ("\t", "c")])),
-    # data.source is bbcnews or a .csv/.jsonl file: a directory (here one with no text files) is refused
-    # by name; the text-tree reader itself is checked in test_text_tree_without_text_files.
-    Case("data-directory-without-text-files", "prepare", ("data.source", "'texts'", ".csv or .jsonl"),
+    # data.source may be a directory of <label>/*.txt files: one with no text files is refused by name;
+    # the text-tree reader itself is checked in test_text_tree_without_text_files.
+    Case("data-directory-without-text-files", "prepare", ("data.source='texts'", "no <label>/*.txt files"),
          _set(**{"data.source": "texts"}), lambda d: (d / "texts" / "sport").mkdir(parents=True)),
     Case("data-directory-named-like-a-file", "prepare", ("data.source='texts.csv'", "is a directory"),
          _set(**{"data.source": "texts.csv"}), lambda d: (d / "texts.csv").mkdir()),
