@@ -72,7 +72,7 @@ def read_text_tree(root: Path) -> RawData:
     if not texts:
         raise DataError(f"data.source={str(root)!r} holds no <label>/*.txt files: a directory source needs "
                         "one subdirectory per label with one .txt file per example")
-    return RawData(texts, labels, source=root.as_uri(), undecodable=bad)
+    return RawData(texts, labels, source=root.resolve().as_uri(), undecodable=bad)
 
 
 def _decode_utf8(raw: bytes, path: str) -> str:

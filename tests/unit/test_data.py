@@ -97,12 +97,13 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
     return root
 
 
-def test_directory_source_counts_empty_files(tmp_path):
+def test_directory_source_counts_empty_files(tmp_path, monkeypatch):
     files = {f"{lab}/{i}.txt": f"{lab} story {i}" for lab in ("sport", "tech") for i in range(5)}
     files.update({"sport/empty.txt": "", "tech/blank.txt": " \n\n", "tech/again.txt": "tech story 1",
                   "tech/notes.md": "not read"})
-    root = _tree(tmp_path / "texts", files)
-    cfg = _cfg(str(root))
+    _tree(tmp_path / "texts", files)
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg("texts")  # relative, as in params.yaml
     data.check_source(cfg)
     raw = data.read(cfg)
     assert len(raw.texts) == 13
