@@ -112,10 +112,13 @@ def _check_file(path: str) -> None:
 
 
 def source_kind(source: str) -> str:
-    """``"package"`` for the packaged corpus, ``"directory"`` for a ``<label>/*.txt`` tree, ``"table"``
-    for a ``.csv``/``.jsonl`` file. Touches the file system only to tell a directory from a file."""
+    """``"package"`` for the packaged corpus, ``"table"`` for a path ending in ``.csv``/``.jsonl`` (a
+    directory of that name is refused later), ``"directory"`` for another directory (a ``<label>/*.txt``
+    tree), else ``"table"``. Touches the file system only to tell a directory from a file."""
     if source == PACKAGED_DATA:
         return "package"
+    if source.lower().endswith((".csv", ".jsonl")):
+        return "table"
     if Path(source).expanduser().is_dir():
         return "directory"
     return "table"
