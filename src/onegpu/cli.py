@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-STAGES = ("prepare", "train", "evaluate")
+STAGES = ("inputs", "prepare", "train", "evaluate")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -15,7 +15,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Fine-tune Hugging Face models on one GPU through DVC, with every run's memory, "
                     "speed and loss in MLflow.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, text in (("prepare", "read, de-duplicate, split and tokenize the data (DVC stage)"),
+    for name, text in (("inputs", "fingerprint the data source and the model that params.yaml names, so DVC "
+                                  "re-runs prepare and train when they change (DVC stage)"),
+                       ("prepare", "read, de-duplicate, split and tokenize the data (DVC stage)"),
                        ("train", "fine-tune the model with the params' micro-batch, accumulation and "
                                  "checkpointing (DVC stage)"),
                        ("evaluate", "evaluate the trained model on the test split (DVC stage)")):

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+from pathlib import Path
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
@@ -37,7 +38,7 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad",
 
 @dataclass
 class DataConfig:
-    source: str = PACKAGED_DATA          # "bbcnews" (packaged corpus) or a path to a .csv/.jsonl file
+    source: str = PACKAGED_DATA          # "bbcnews" (packaged corpus), a .csv/.jsonl file or a <label>/*.txt dir
     text_column: str = "text"
     label_column: str = "label"
     max_length: int = 64                  # tokens per example after truncation
@@ -246,11 +247,12 @@ def validate(cfg: Config, source: str = "params") -> None:
     for key, seed in (("data.seed", d.seed), ("train.seed", t.seed)):
         if not 0 <= seed < 2**32:
             _fail(source, key, f"must be an integer from 0 to 2**32 - 1 (numpy's range), got {seed}")
+    allowed = f"'{PACKAGED_DATA}', a .csv or .jsonl file, or a directory of <label>/*.txt files"
     if not d.source:
-        _fail(source, "data.source", f"must be '{PACKAGED_DATA}' or a path to a .csv or .jsonl file")
-    if d.source != PACKAGED_DATA and not d.source.lower().endswith((".csv", ".jsonl")):
-        _fail(source, "data.source", f"must be '{PACKAGED_DATA}' or a path ending in .csv or .jsonl, "
-              f"got {d.source!r}")
+        _fail(source, "data.source", f"must be {allowed}")
+    if (d.source != PACKAGED_DATA and not d.source.lower().endswith((".csv", ".jsonl"))
+            and not Path(d.source).expanduser().is_dir() and Path(d.source).suffix):
+        _fail(source, "data.source", f"must be {allowed}, got {d.source!r}")
 
     if m.task not in TASKS:
         _fail(source, "model.task", f"must be one of {', '.join(TASKS)}, got {m.task!r}")

@@ -6,7 +6,12 @@ Sources:
   labels, 98 exact duplicates, first line a headline, one file not valid UTF-8). The files are read by
   path; the package's modules are never imported (one of them fetches a dataset at import).
 - a user's ``.csv`` or ``.jsonl`` file with a text and a label column (``data.text_column``,
-  ``data.label_column``).
+  ``data.label_column``). Both columns are read as strings exactly as written (a CSV label ``7`` is the
+  label ``"7"``, never ``7.0``; a JSON number, boolean or null is spelled as JSON spells it).
+- a user's directory laid out like the packaged corpus: ``<dir>/<label>/*.txt``.
+
+Rows are dropped only for a reason, and every reason is counted (:func:`deduplicate`, :data:`DROP_REASONS`):
+an empty text (blank or whitespace only), an empty label, or an exact repeat of an earlier text.
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ from onegpu.config import PACKAGED_DATA, DataConfig
 from onegpu.errors import DataError
 
 SPLITS = ("train", "validation", "test")
+# Why a row read from the source is not used, in the order they are tested (a row counts once).
+DROP_REASONS = ("empty_text", "empty_label", "duplicate")
 # A tokenizer model_max_length at or above this means "no limit" (transformers uses 1e30 when unset).
 NO_LIMIT = 1_000_000
 
@@ -52,7 +59,7 @@ def read_text_tree(root: Path) -> RawData:
     """Read ``root/<label>/*.txt``: one example per file, the directory name as its label.
 
     Files that are not valid UTF-8 are decoded as cp1252 (the BBC corpus's one such file is) and
-    counted in ``undecodable``.
+    counted in ``undecodable``. Empty files are read as empty texts (dropped and counted later).
     Raises:
         DataError: no ``<label>/*.txt`` file under ``root``.
     """
@@ -63,8 +70,9 @@ def read_text_tree(root: Path) -> RawData:
         texts.append(text.strip())
         labels.append(f.parent.name)
     if not texts:
-        raise DataError(f"{root} holds no <label>/*.txt files")
-    return RawData(texts, labels, source=root.as_uri(), undecodable=bad)
+        raise DataError(f"data.source={str(root)!r} holds no <label>/*.txt files: a directory source needs "
+                        "one subdirectory per label with one .txt file per example")
+    return RawData(texts, labels, source=root.resolve().as_uri(), undecodable=bad)
 
 
 def _decode_utf8(raw: bytes, path: str) -> str:
@@ -82,27 +90,118 @@ def _decode_utf8(raw: bytes, path: str) -> str:
                         "cannot be decoded; save the file as UTF-8") from None
 
 
+def _not_in_clone(path: str) -> None:
+    """Raises DataError when DVC runs this stage in a queued/``--temp`` experiment's clone and ``path``
+    is in the user's repository but not in the clone: DVC copies only files that git or DVC track."""
+    from onegpu import paths
+    user_copy = paths.only_in_user_repo(path)
+    if user_copy is not None:
+        raise DataError(f"data.source={path!r} is in your repository ({user_copy}) but neither git nor DVC "
+                        "tracks it, and DVC runs queued and --temp experiments in a clean clone that holds "
+                        f"only tracked files: `git add {path}` (small files) or `dvc add {path}`, commit, "
+                        "and queue the experiment again")
+
+
 def _check_file(path: str) -> None:
     p = Path(path).expanduser()
     if p.is_dir():
         raise DataError(f"data.source={path!r} is a directory; give a .csv or .jsonl file")
     if not p.is_file():
+        _not_in_clone(path)
         raise DataError(f"data.source={path!r}: no such file (looked for {p.resolve()})")
 
 
+def source_kind(source: str) -> str:
+    """``"package"`` for the packaged corpus, ``"table"`` for a path ending in ``.csv``/``.jsonl`` (a
+    directory of that name is refused later), ``"directory"`` for another directory (a ``<label>/*.txt``
+    tree), else ``"table"``. Touches the file system only to tell a directory from a file."""
+    if source == PACKAGED_DATA:
+        return "package"
+    if source.lower().endswith((".csv", ".jsonl")):
+        return "table"
+    if Path(source).expanduser().is_dir():
+        return "directory"
+    return "table"
+
+
 def check_source(cfg: DataConfig) -> None:
-    """Fail fast, before any work, when the configured source is not there. Raises DataError."""
-    if cfg.source == PACKAGED_DATA:
+    """Fail fast, before any work, when the configured source is not there.
+
+    Raises:
+        DataError: the package is missing; the path is missing (also: it exists in the user's repository
+            but not in a queued experiment's clone, see :func:`_not_in_clone`); a file that is not
+            ``.csv``/``.jsonl``.
+    """
+    kind = source_kind(cfg.source)
+    if kind == "package":
         bbcnews_dir()
-    else:
+    elif kind == "table":
+        if not cfg.source.lower().endswith((".csv", ".jsonl")):
+            if not Path(cfg.source).expanduser().exists():
+                _not_in_clone(cfg.source)
+            raise DataError(f"data.source={cfg.source!r}: must be '{PACKAGED_DATA}', a .csv or .jsonl file, "
+                            "or a directory of <label>/*.txt files")
         _check_file(cfg.source)
 
 
+def _cell(value, key: str, column: str, where: str) -> str:
+    """A JSON field as the label/text string the user wrote: strings as they are, numbers and booleans
+    as JSON spells them (``7``, ``1.5``, ``true``), null or missing as ``""`` (an empty cell)."""
+    import json
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bool, int, float)):
+        return json.dumps(value)
+    raise DataError(f"{key}={column!r}: {where} holds a JSON {type(value).__name__}; a text or label must be "
+                    "a string, a number, a boolean or null")
+
+
+def _read_jsonl(text: str, path: str, text_column: str, label_column: str,
+                label_required: bool) -> tuple[list[str], list[str]]:
+    """Texts and labels of a JSON Lines file (blank lines skipped), read with the ``json`` module so
+    that values keep their spelling (pandas would turn ``[1, 7, null]`` into floats)."""
+    import json
+    records, columns = [], {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"data.source={path!r}: cannot parse line {n} as JSON: {e.msg} "
+                            f"(column {e.colno})") from None
+        if not isinstance(rec, dict):
+            raise DataError(f"data.source={path!r}: line {n} is a JSON {type(rec).__name__}; each line "
+                            "must be an object such as {\"" + text_column + "\": ..., \"" + label_column
+                            + "\": ...}")
+        records.append((n, rec))
+        columns.update(dict.fromkeys(rec))
+    if not records:
+        raise DataError(f"data.source={path!r}: the file holds no JSON line")
+    if not label_required and label_column not in columns:
+        records = [(n, {**r, label_column: "text"}) for n, r in records]
+        columns[label_column] = None
+    for key, col in (("data.text_column", text_column), ("data.label_column", label_column)):
+        if col not in columns:
+            raise DataError(f"{key}={col!r} is not a field of any line of {path} (fields: {', '.join(columns)})")
+    texts = [_cell(r.get(text_column), "data.text_column", text_column, f"line {n}") for n, r in records]
+    labels = [_cell(r.get(label_column), "data.label_column", label_column, f"line {n}") for n, r in records]
+    return texts, labels
+
+
 def read_table(path: str, text_column: str, label_column: str, label_required: bool = True) -> RawData:
-    """Read a ``.csv`` or ``.jsonl`` file with pandas; keep ``text_column`` and ``label_column``.
+    """Read a ``.csv`` (pandas) or ``.jsonl`` (``json``) file; keep ``text_column`` and ``label_column``.
 
-    Without ``label_required`` (causal LM) a missing label column gives every row the label ``text``.
+    Every cell is read as the string the file holds: no type inference (a label ``1`` stays ``"1"``) and
+    no NA guessing (``NA`` and ``None`` are texts; only an empty cell or JSON null is empty). Texts and
+    labels are stripped of surrounding whitespace; rows whose text or label is then empty are kept here
+    and dropped, counted, by :func:`deduplicate`. Without ``label_required`` (causal LM) a missing label
+    column gives every row the label ``text``.
 
+    Returns:
+        RawData with one entry per data row of the file (blank lines are not rows).
     Raises:
         DataError: the file is missing, a directory, empty, not UTF-8, unparsable, or lacks one of the
             columns.
@@ -115,44 +214,57 @@ def read_table(path: str, text_column: str, label_column: str, label_required: b
     if p.stat().st_size == 0:
         raise DataError(f"data.source={path!r}: the file is empty")
     text = _decode_utf8(p.read_bytes(), path)
-    try:
-        if p.suffix.lower() == ".csv":
-            df = pd.read_csv(io.StringIO(text))
-        else:
-            df = pd.read_json(io.StringIO(text), lines=True)
-    except (ValueError, pd.errors.ParserError, pd.errors.EmptyDataError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DataError(f"data.source={path!r}: cannot parse: {first}") from None
-    if not label_required and label_column not in df.columns:
-        df[label_column] = "text"
-    for key, col in (("data.text_column", text_column), ("data.label_column", label_column)):
-        if col not in df.columns:
-            raise DataError(f"{key}={col!r} is not a column of {path} (columns: {', '.join(map(str, df.columns))})")
-    df = df[[text_column, label_column]].dropna()
-    if df.empty:
-        raise DataError(f"data.source={path!r}: no row has both {text_column!r} and {label_column!r}")
-    return RawData(df[text_column].astype(str).str.strip().tolist(), df[label_column].astype(str).tolist(),
-                   source=p.resolve().as_uri())
+    if p.suffix.lower() == ".jsonl":
+        texts, labels = _read_jsonl(text, path, text_column, label_column, label_required)
+    else:
+        try:
+            df = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False)
+        except (ValueError, pd.errors.ParserError, pd.errors.EmptyDataError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise DataError(f"data.source={path!r}: cannot parse: {first}") from None
+        if not label_required and label_column not in df.columns:
+            df[label_column] = "text"
+        for key, col in (("data.text_column", text_column), ("data.label_column", label_column)):
+            if col not in df.columns:
+                raise DataError(f"{key}={col!r} is not a column of {path} "
+                                f"(columns: {', '.join(map(str, df.columns))})")
+        texts, labels = df[text_column].tolist(), df[label_column].tolist()
+    if not texts:
+        raise DataError(f"data.source={path!r}: the file has a header but no rows")
+    return RawData([t.strip() for t in texts], [lab.strip() for lab in labels], source=p.resolve().as_uri())
 
 
 def read(cfg: DataConfig, task: str = "sequence-classification") -> RawData:
     """Read the configured source (see the module docstring). Causal LM needs no label column."""
-    if cfg.source == PACKAGED_DATA:
+    kind = source_kind(cfg.source)
+    if kind == "package":
         return read_text_tree(bbcnews_dir())
+    if kind == "directory":
+        return read_text_tree(Path(cfg.source).expanduser())
     return read_table(cfg.source, cfg.text_column, cfg.label_column,
                       label_required=task == "sequence-classification")
 
 
-def deduplicate(raw: RawData) -> tuple[list[str], list[str], int]:
-    """Drop exact repeats of a text (first kept) and empty texts. Returns texts, labels, rows dropped."""
+def deduplicate(raw: RawData) -> tuple[list[str], list[str], dict[str, int]]:
+    """Drop rows with an empty text, then rows with an empty label, then exact repeats of a text
+    (the first kept), in that order; each dropped row counts under one reason.
+
+    Returns:
+        texts, labels kept (in source order), and ``{reason: rows}`` for every reason in
+        :data:`DROP_REASONS` (zeros included); kept + sum(dropped) == rows read.
+    """
     seen: set[str] = set()
     texts, labels = [], []
-    for t, l in zip(raw.texts, raw.labels):
-        if t and t not in seen:
-            seen.add(t)
-            texts.append(t)
-            labels.append(l)
-    return texts, labels, len(raw.texts) - len(texts)
+    dropped = dict.fromkeys(DROP_REASONS, 0)
+    for t, lab in zip(raw.texts, raw.labels):
+        reason = "empty_text" if not t else "empty_label" if not lab else "duplicate" if t in seen else None
+        if reason:
+            dropped[reason] += 1
+            continue
+        seen.add(t)
+        texts.append(t)
+        labels.append(lab)
+    return texts, labels, dropped
 
 
 def split(texts: list[str], labels: list[str], cfg: DataConfig, task: str = "sequence-classification"):
@@ -255,15 +367,19 @@ def fingerprint(dsd) -> str:
     return h.hexdigest()[:16]
 
 
-def stats(dsd, *, rows_read: int, duplicates: int, undecodable: int, max_length: int) -> dict:
+def stats(dsd, *, rows_read: int, dropped: dict[str, int], undecodable: int, max_length: int) -> dict:
     """Rows per split and label, token-length percentiles per split, and what was dropped.
 
-    Token lengths are counted after truncation to ``max_length``; ``truncated_share`` is the share of
-    rows that hit the limit.
+    ``rows_dropped`` holds the rows dropped per reason (:func:`deduplicate`); ``rows_kept`` = rows read
+    minus all of them, before the splits' caps (``data.max_*_samples``). ``duplicates_removed`` repeats
+    ``rows_dropped["duplicate"]``. Token lengths are counted after truncation to ``max_length``;
+    ``truncated_share`` is the share of rows that hit the limit.
     """
     import numpy as np
     names = dsd["train"].features["label"].names
-    out: dict = {"rows_read": rows_read, "duplicates_removed": duplicates, "undecodable_files": undecodable,
+    out: dict = {"rows_read": rows_read, "rows_kept": rows_read - sum(dropped.values()),
+                 "rows_dropped": dict(dropped), "duplicates_removed": dropped.get("duplicate", 0),
+                 "undecodable_files": undecodable,
                  "labels": names, "max_length": max_length, "fingerprint": fingerprint(dsd), "splits": {}}
     for s in SPLITS:
         lengths = np.asarray(dsd[s]["length"])

@@ -12,6 +12,7 @@ from pathlib import Path
 
 # Stage outputs, relative to the stage's working directory (the repo or DVC's temp clone).
 PARAMS = Path("params.yaml")
+INPUTS = Path("data/inputs.json")  # fingerprints of data.source and model.name_or_path (onegpu inputs)
 PROCESSED = Path("data/processed")
 STATS = Path("data/stats.json")
 TOKENIZER = PROCESSED / "tokenizer"  # causal-lm from config: the BPE tokenizer prepare trained
@@ -108,3 +109,18 @@ def read_json(path: str | os.PathLike):
     import json
     with open(path) as f:
         return json.load(f)
+
+
+def only_in_user_repo(path: str | os.PathLike) -> Path | None:
+    """The user's copy of a relative ``path`` that is missing here because DVC runs this stage in a
+    queued or ``--temp`` experiment's clone (which holds only files git or DVC track); else None.
+
+    None also when ``path`` is absolute, exists here, or the current directory is the project root.
+    """
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists():
+        return None
+    here, root = Path.cwd().resolve(), project_root()
+    if here == root or not (root / p).exists():
+        return None
+    return root / p

@@ -56,7 +56,8 @@ def make_project(dest: Path, overrides: dict | None = None) -> Path:
                            capture_output=True, text=True, check=True).stdout.split()
     for f in files:
         src = REPO / f
-        if src.is_file() and not f.startswith(("tests/", "bench/", "metrics/", "plots/", "data/stats.json")):
+        if src.is_file() and not f.startswith(("tests/", "bench/", "metrics/", "plots/", "data/stats.json",
+                                               "data/inputs.json")):
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / f)
     (dest / "dvc.lock").unlink(missing_ok=True)  # a developer's earlier run

@@ -44,7 +44,7 @@ from tests import defaults
 from .conftest import dvc, make_project
 
 REPO = Path(__file__).resolve().parents[2]
-STAGE_OUTPUTS = ("data/processed", "data/stats.json", "models", "metrics", "plots")
+STAGE_OUTPUTS = ("data/inputs.json", "data/processed", "data/stats.json", "models", "metrics", "plots")
 # What a failed stage may leave in the project: the MLflow store (with the run it marked FAILED) and
 # tracking's lock file.
 MAY_APPEAR = {"mlflow.db", "mlflow.db-journal", "mlartifacts", ".onegpu"}
@@ -252,9 +252,9 @@ CASES = [
          lambda d: (d / "d.jsonl").write_text('{"text": "ok", "label": "a"}\n{"text": broken\n')),
     Case("data-blank-texts", "prepare", ("no row has a non-blank text", "data.text_column='text'"), _set(**CSV),
          lambda d: _write_csv(d / "d.csv", [("   ", "a"), (" ", "b"), ("\t", "c")])),
-    # data.source is bbcnews or a .csv/.jsonl file: a directory (here one with no text files) is refused
-    # by name; the text-tree reader itself is checked in test_text_tree_without_text_files.
-    Case("data-directory-without-text-files", "prepare", ("data.source", "'texts'", ".csv or .jsonl"),
+    # data.source may be a directory of <label>/*.txt files: one with no text files is refused by name;
+    # the text-tree reader itself is checked in test_text_tree_without_text_files.
+    Case("data-directory-without-text-files", "prepare", ("data.source='texts'", "no <label>/*.txt files"),
          _set(**{"data.source": "texts"}), lambda d: (d / "texts" / "sport").mkdir(parents=True)),
     Case("data-directory-named-like-a-file", "prepare", ("data.source='texts.csv'", "is a directory"),
          _set(**{"data.source": "texts.csv"}), lambda d: (d / "texts.csv").mkdir()),
@@ -445,13 +445,14 @@ def test_dvc_repro_bad_data_caches_and_locks_nothing(outcomes, tmp_path, empty_s
     shutil.copy(empty_store, p / "mlflow.db")
     proc = dvc(p, "repro", check=False)
     assert proc.returncode != 0
-    errors = _dvc_error_lines(proc, "prepare")
-    assert errors == ["onegpu prepare: error: data.source='missing.csv': no such file (looked for "
+    # The first stage, inputs (fingerprints data.source), stops on it.
+    errors = _dvc_error_lines(proc, "inputs")
+    assert errors == ["onegpu inputs: error: data.source='missing.csv': no such file (looked for "
                       f"{(p / 'missing.csv').resolve()})"], proc.stderr
     # stderr: the stage's one line, then DVC's own.
     assert [line for line in proc.stderr.splitlines() if line.strip()] == [
-        *errors, "ERROR: failed to reproduce 'prepare': failed to run: onegpu prepare, exited with 2"]
-    assert "Running stage 'train'" not in proc.stdout
+        *errors, "ERROR: failed to reproduce 'inputs': failed to run: onegpu inputs, exited with 2"]
+    assert "Running stage 'prepare'" not in proc.stdout and "Running stage 'train'" not in proc.stdout
     assert not (p / "dvc.lock").exists()
     assert _cache_objects(p) == set() and _run_cache_cmds(p) == []
     for out in STAGE_OUTPUTS:
@@ -470,7 +471,7 @@ def test_dvc_repro_train_refused_after_prepare_locks_only_prepare(outcomes, tmp_
     assert "train.fp16" in line and "needs a CUDA GPU" in line
     assert [line for line in proc.stderr.splitlines() if line.strip()][-2:] == [
         line, "ERROR: failed to reproduce 'train': failed to run: onegpu train, exited with 2"]
-    assert _lock_stages(p) == {"prepare"}
+    assert _lock_stages(p) == {"inputs", "prepare"}  # inputs: always run, never cached
     # Every cached object is one of prepare's outputs; the run-cache holds prepare's run only.
     lock = yaml.safe_load((p / "dvc.lock").read_text())["stages"]["prepare"]
     outs = {o["path"]: o["md5"] for o in lock["outs"]}
@@ -507,8 +508,8 @@ def test_dvc_exp_run_sweep_value_of_wrong_type_fails_the_experiment(outcomes, tm
     shutil.copy(empty_store, p / "mlflow.db")
     proc = dvc(p, "exp", "run", "-S", "train.learning_rate=fast", check=False)
     assert proc.returncode != 0
-    [line] = _dvc_error_lines(proc, "prepare")
-    assert line == "onegpu prepare: error: params.yaml: train.learning_rate: expected a number, got 'fast'"
+    [line] = _dvc_error_lines(proc, "inputs")  # the first stage validates every param
+    assert line == "onegpu inputs: error: params.yaml: train.learning_rate: expected a number, got 'fast'"
     refs = subprocess.run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=p,
                           capture_output=True, text=True).stdout.split()
     assert [r for r in refs if not r.startswith("refs/exps/exec/")] == [], refs  # no experiment saved

@@ -1,8 +1,9 @@
 """``onegpu prepare``: read, de-duplicate, split, tokenize -> data/processed/ and data/stats.json.
 
 Logs a run of its own (tag ``stage=prepare``): ``prepare_runtime`` (s), ``prepare_rows_per_second``
-(rows read / runtime), ``prepare_mem_peak_bytes`` (process RSS peak), the stats, and each split as an
-MLflow dataset input.
+(rows read / runtime), ``prepare_mem_peak_bytes`` (process RSS peak), ``rows_read``, ``rows_kept`` and
+``rows_dropped_<reason>`` per reason in ``data.DROP_REASONS``, the stats (artifact ``stats.json``), and
+each split as an MLflow dataset input.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import tempfile
 
 from onegpu import data, measure, models, paths, tracking
 from onegpu.config import Config, flatten
+from onegpu.errors import DataError
 
 
 def _log_cost(tracker, run_id: str, metrics: dict) -> dict:
@@ -20,6 +22,12 @@ def _log_cost(tracker, run_id: str, metrics: dict) -> dict:
     except Exception:
         pass  # the store failed too: the error being reported matters more
     return {}
+
+
+def drop_summary(dropped: dict[str, int]) -> str:
+    """``"3 dropped (empty text 1, empty label 1, duplicate 1)"``, or ``"0 dropped"``."""
+    parts = [f"{r.replace('_', ' ')} {n}" for r, n in dropped.items() if n]
+    return f"{sum(dropped.values())} dropped" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def run(cfg: Config) -> dict:
@@ -45,14 +53,18 @@ def run(cfg: Config) -> dict:
         task = cfg.model.task
         raw = data.read(cfg.data, task)
         rows_read["n"] = len(raw.texts)
-        texts, labels, dups = data.deduplicate(raw)
+        texts, labels, dropped = data.deduplicate(raw)
+        if not texts:
+            raise DataError(f"data.source={cfg.data.source!r}: no row has a non-blank text in data.text_column="
+                            f"{cfg.data.text_column!r} and a label in data.label_column={cfg.data.label_column!r} "
+                            f"({len(raw.texts)} rows read, {drop_summary(dropped)})")
         dsd = data.split(texts, labels, cfg.data, task)
         if cfg.model.name_or_path is None:  # causal-lm from config: a BPE tokenizer of our own
             tokenizer = models.train_bpe_tokenizer(dsd["train"]["text"], cfg.model.vocab_size)
         else:
             tokenizer = models.load_tokenizer(models.resolve_model_path(cfg.model.name_or_path), task)
         dsd = data.tokenize(dsd, tokenizer, cfg.data.max_length, task)
-        stats = data.stats(dsd, rows_read=len(raw.texts), duplicates=dups, undecodable=raw.undecodable,
+        stats = data.stats(dsd, rows_read=len(raw.texts), dropped=dropped, undecodable=raw.undecodable,
                            max_length=cfg.data.max_length)
 
         # Write next to the target, then swap in: no half-written output for DVC to cache.
@@ -65,8 +77,9 @@ def run(cfg: Config) -> dict:
         shutil.move(tmp, paths.PROCESSED)
         paths.write_json_atomic(paths.STATS, stats)
 
-        metrics = {**cost(), "rows_read": stats["rows_read"], "duplicates_removed": dups,
-                   "undecodable_files": raw.undecodable}
+        metrics = {**cost(), "rows_read": stats["rows_read"], "rows_kept": stats["rows_kept"],
+                   **{f"rows_dropped_{r}": n for r, n in dropped.items()},
+                   "duplicates_removed": dropped["duplicate"], "undecodable_files": raw.undecodable}
         for s, st in stats["splits"].items():
             metrics.update({f"rows_{s}": st["rows"], f"tokens_{s}": st["tokens"],
                             f"length_p50_{s}": st["length_p50"], f"length_p90_{s}": st["length_p90"],
@@ -82,6 +95,6 @@ def run(cfg: Config) -> dict:
                                 context={"train": "training", "validation": "validation", "test": "test"}[s],
                                 targets="label")
     rows = {s: st["rows"] for s, st in stats["splits"].items()}
-    print(f"prepare: {stats['rows_read']} rows read, {dups} duplicates removed, splits {rows}, "
+    print(f"prepare: {stats['rows_read']} rows read, {drop_summary(dropped)}, splits {rows}, "
           f"{metrics['prepare_runtime']:.1f} s -> {paths.PROCESSED}")
     return stats

@@ -1,0 +1,130 @@
+"""What params.yaml names (data.source, model.name_or_path) is a dependency DVC sees: editing the CSV,
+JSONL, text directory or model directory re-runs prepare/train under `dvc repro` and `dvc exp run`;
+unchanged inputs re-run neither. A queued/--temp experiment on an untracked file says to add it."""
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from .conftest import dvc, make_project, run
+
+pytestmark = pytest.mark.slow
+
+
+def _rows(labels: str, per_label: int = 30, tag: str = "") -> list[tuple[str, str]]:
+    return [(f"{tag}example {i} of class {lab}, written for the test", lab)
+            for lab in labels for i in range(per_label)]
+
+
+def _write_csv(path: Path, rows) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        w.writerows(rows)
+
+
+def _write_jsonl(path: Path, rows) -> None:
+    path.write_text("".join(json.dumps({"text": t, "label": lab}) + "\n" for t, lab in rows))
+
+
+def _write_tree(root: Path, rows) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+    for i, (t, lab) in enumerate(rows):
+        (root / lab).mkdir(parents=True, exist_ok=True)
+        (root / lab / f"{i:03d}.txt").write_text(t)
+
+
+def _commit(p: Path, message: str) -> None:
+    run(["git", "add", "-A"], p)
+    run(["git", "commit", "-qm", message], p)
+
+
+def _ran(out: str) -> set[str]:
+    return {s for s in ("inputs", "prepare", "train", "evaluate") if f"Running stage '{s}'" in out}
+
+
+def _labels(p: Path) -> list[str]:
+    return json.loads((p / "data" / "stats.json").read_text())["labels"]
+
+
+def test_csv_edit_reruns_prepare_and_train_under_dvc_repro(tmp_path):
+    p = make_project(tmp_path, {"data": {"source": "d.csv"}})
+    _write_csv(p / "d.csv", _rows("ab"))
+    _commit(p, "data")
+    assert _ran(dvc(p, "repro").stdout) == {"inputs", "prepare", "train", "evaluate"}
+    assert _labels(p) == ["a", "b"]
+    _commit(p, "repro")
+
+    same = dvc(p, "repro").stdout
+    assert _ran(same) == {"inputs"}, same
+    for stage in ("prepare", "train", "evaluate"):
+        assert f"Stage '{stage}' didn't change, skipping" in same
+
+    _write_csv(p / "d.csv", _rows("abc", tag="new "))  # new rows and a third label
+    status = dvc(p, "status").stdout
+    assert "Data and pipelines are up to date" not in status and "always changed" in status
+    out = dvc(p, "repro").stdout
+    assert _ran(out) == {"inputs", "prepare", "train", "evaluate"}, out
+    assert _labels(p) == ["a", "b", "c"]
+    fingerprint = json.loads((p / "data" / "inputs.json").read_text())["data"]
+    assert (fingerprint["source"], fingerprint["kind"]) == ("d.csv", "file")
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "directory"])
+def test_jsonl_and_directory_edits_rerun_prepare(tmp_path, kind):
+    source, write = {"jsonl": ("d.jsonl", _write_jsonl), "directory": ("texts", _write_tree)}[kind]
+    p = make_project(tmp_path, {"data": {"source": source}})
+    write(p / source, _rows("ab"))
+    _commit(p, "data")
+    assert _ran(dvc(p, "repro", "prepare").stdout) == {"inputs", "prepare"}
+    assert _labels(p) == ["a", "b"]
+    _commit(p, "repro")
+
+    same = dvc(p, "repro", "prepare").stdout
+    assert _ran(same) == {"inputs"} and "Stage 'prepare' didn't change, skipping" in same
+
+    write(p / source, _rows("abc", tag="new "))
+    assert _ran(dvc(p, "repro", "prepare").stdout) == {"inputs", "prepare"}
+    assert _labels(p) == ["a", "b", "c"]
+
+
+def test_model_directory_edit_reruns_train_under_dvc_exp_run(tmp_path):
+    """A local copy of the packaged MiniLM as model.name_or_path (kept out of git, as a user's model
+    folder often is: the workspace `dvc exp run` reads it in place)."""
+    from onegpu import models
+    p = make_project(tmp_path, {"model": {"name_or_path": "./mini"}})
+    shutil.copytree(models.resolve_model_path("packaged:all-MiniLM-L6-v2"), p / "mini")
+    with open(p / ".gitignore", "a") as f:
+        f.write("/mini/\n")
+    _commit(p, "model dir")
+    first = dvc(p, "exp", "run", "train").stdout
+    assert _ran(first) == {"inputs", "prepare", "train"}, first
+
+    same = dvc(p, "exp", "run", "train").stdout
+    assert _ran(same) == {"inputs"}, same
+    assert "Stage 'train' didn't change, skipping" in same
+
+    config = json.loads((p / "mini" / "config.json").read_text())
+    config["attention_probs_dropout_prob"] = 0.2  # overridden by TINY's model.dropout: 0, still an edit
+    (p / "mini" / "config.json").write_text(json.dumps(config, indent=2))
+    out = dvc(p, "exp", "run", "train").stdout
+    assert {"inputs", "train"} <= _ran(out), out
+    assert json.loads((p / "data" / "inputs.json").read_text())["model"]["kind"] == "directory"
+
+
+def test_temp_experiment_on_an_untracked_csv_says_to_add_it(tmp_path):
+    p = make_project(tmp_path)
+    _write_csv(p / "d.csv", _rows("ab"))  # in the workspace, never added to git or DVC
+    proc = dvc(p, "exp", "run", "--temp", "-S", "data.source=d.csv", check=False)
+    assert proc.returncode != 0
+    both = proc.stdout + proc.stderr
+    assert "Traceback" not in both
+    [line] = [x for x in both.splitlines() if x.startswith("onegpu inputs: error:")]
+    assert line == (f"onegpu inputs: error: data.source='d.csv' is in your repository ({p.resolve() / 'd.csv'}) "
+                    "but neither git nor DVC tracks it, and DVC runs queued and --temp experiments in a clean "
+                    "clone that holds only tracked files: `git add d.csv` (small files) or `dvc add d.csv`, "
+                    "commit, and queue the experiment again")
