@@ -139,7 +139,7 @@ def run(cfg: Config) -> dict:
         tracker.set_tags(run_id, {**speed_tags, **_step_tags(steps, resolved.effective_batch_size)})
         tracker.log_metrics(run_id, {k: v for k, v in summary.items()
                                      if k not in ("train_steps", "train_samples", "train_tokens")},
-                            step=summary.get("train_steps", 0))
+                            step=0)  # step 0, like eval_*: MLflow draws a bar, not a lone dot
 
         # Outputs: written aside, then moved into place.
         paths.MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,96 @@
+"""``onegpu ui`` in a real browser: the printed link opens the training runs, with their loss, in
+MLflow's model-training view (not the GenAI view MLflow 3 opens by default)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.browser import load, require_chromium
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+# Final losses chosen to print exactly in the runs table.
+TRAINING = {"split-8x1": (8, 1, 0.8125), "split-2x4": (2, 4, 0.6875)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fill_store(root: Path) -> None:
+    """A prepare run, two training runs (tags and metrics as the stages log them) and a comparison run."""
+    from onegpu import tracking
+    tr = tracking.connect("onegpu", root=root)
+    prep = tr.start_run("prepare-run", {"stage": "prepare"})
+    tr.log_metrics(prep, {"prepare_runtime": 1.0, "prepare_rows_per_second": 100.0, "prepare_mem_peak_bytes": 1e8})
+    tr.end_run(prep)
+    ids = []
+    for name, (micro, accum, final) in TRAINING.items():
+        rid = tr.start_run(name, {"stage": "train", "equivalence_key": "k" * 16, "device": "cpu"})
+        tr.log_params(rid, {"resolved.per_device_train_batch_size": micro,
+                            "resolved.gradient_accumulation_steps": accum, "train.gradient_checkpointing": False})
+        buf = tr.metric_buffer(rid)
+        for step, loss in enumerate((1.5, 1.0, final), start=1):
+            buf.add({"loss": loss, "mem_peak_bytes": 2e8, "samples_per_second": 40.0}, step)
+        buf.flush()
+        tr.log_metrics(rid, {"train_mem_peak_bytes": 2e8, "train_samples_per_second": 40.0, "eval_loss": 0.5})
+        tr.end_run(rid)
+        ids.append(rid)
+    tracking.log_comparison(tr, [], ids, ["k" * 16])
+
+
+@pytest.mark.slow
+def test_ui_link_opens_training_runs_with_loss_in_model_training_view(tmp_path, monkeypatch):
+    require_chromium()
+    root = tmp_path / "project"
+    (root / ".git").mkdir(parents=True)  # the project root onegpu looks for
+    shutil.copy(REPO / "params.yaml", root / "params.yaml")
+    for k in [k for k in os.environ if k.startswith(("MLFLOW_", "DVC_"))]:
+        monkeypatch.delenv(k)
+    monkeypatch.chdir(root)
+    _fill_store(root)
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([str(BIN / "onegpu"), "ui", "--port", str(_free_port())], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, link, deadline = [], None, time.monotonic() + 90
+        while link is None and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+            out.append(line)
+            m = re.search(r"(http://127\.0\.0\.1:\d+/#/experiments/\d+/runs\S*)", line)
+            link = m.group(1) if m else None
+        assert link, f"onegpu ui printed no link:\n{''.join(out)}"
+        assert "workflowType=machine_learning" in link and "viewStateShareKey=" in link
+
+        page = load(link, screenshot=tmp_path / "runs.png")
+        text = page.text
+        for name, (_, _, final) in TRAINING.items():
+            assert name in text, f"training run {name} not on the page:\n{text[:3000]}"
+            assert str(final) in text, f"loss {final} of {name} not on the page"
+        assert "prepare-run" not in text and "compare-" not in text  # only training runs in the table
+        for column in ("loss", "eval_loss", "train_mem_peak_bytes", "train_samples_per_second"):
+            assert column in text, f"column {column} missing"
+        # The model-training view, not MLflow 3's GenAI one (its sidebar: Sessions, Judges, Agent versions)
+        assert "Runs" in text and "Training runs" not in text
+        for genai in ("Agent versions", "Judges", "Evaluation runs", "Sessions"):
+            assert genai not in text, f"GenAI view opened ({genai!r} on the page)"
+        assert any(u.startswith(link.split("#")[0]) and "ajax-api" in u for u in page.requests)
+        assert page.screenshot is not None and page.screenshot.stat().st_size > 10_000
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
