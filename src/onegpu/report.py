@@ -22,7 +22,8 @@ EXPLANATION = """\
 Runs share an `equivalence_key` when everything that decides the mathematics of training is equal:
 data, model, optimizer, schedule, seed, precision and the effective batch (examples per optimizer step).
 Left out of the key are only the ways of doing the same work: the split of the effective batch into
-micro-batch x accumulation, activation checkpointing and the backend (`onegpu.config.NOT_IN_EQUIVALENCE_KEY`).
+micro-batch x accumulation, activation checkpointing and the backend
+(`onegpu.equivalence.NOT_IN_EQUIVALENCE_KEY`).
 With the loss normalised over the whole effective batch, a split changes only the order of
 floating-point sums, and checkpointing recomputes the same activations, so such runs should follow the
 same loss curve.
