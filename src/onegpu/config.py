@@ -1,4 +1,4 @@
-"""params.yaml: the typed schema, loading, validation and the equivalence key.
+"""params.yaml: the typed schema, loading and validation.
 
 Every stage calls :func:`load` first, so a typo, a wrong type or an out-of-range value stops the stage
 with one message naming the key before any data is read. Keys in ``train`` use the names of
@@ -9,13 +9,11 @@ This module imports only the standard library and OmegaConf, so validation error
 from __future__ import annotations
 
 import difflib
-import hashlib
-import json
 import math
 import os
 from pathlib import Path
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -86,6 +84,12 @@ class TrainConfig:
     save_steps: Optional[int] = None      # resumable checkpoint every N optimizer steps; null = on interrupt only
     dataloader_num_workers: int = 0
 
+    @property
+    def mixed_precision(self) -> str:
+        """``"bf16"``, ``"fp16"`` or ``"no"`` (fp32): Accelerate's ``mixed_precision`` for the flags
+        ``bf16``/``fp16`` (at most one is true; :func:`validate` refuses both)."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+
 
 @dataclass
 class EvaluateConfig:
@@ -109,11 +113,14 @@ class Config:
         return asdict(self)
 
 
+# params.yaml's sections, in schema order, and the dataclass of each.
+SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig,
+                             "evaluate": EvaluateConfig, "tracking": TrackingConfig}
+
+
 def _allowed_keys(section: str) -> list[str]:
-    cls = {f.name: f.type for f in fields(Config)}
-    sub = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig,
-           "evaluate": EvaluateConfig, "tracking": TrackingConfig}.get(section)
-    return [f.name for f in fields(sub)] if sub else list(cls)
+    sub = SECTIONS.get(section)
+    return [f.name for f in fields(sub)] if sub else list(SECTIONS)
 
 
 def _unknown_key_message(full_key: str) -> str:
@@ -153,23 +160,25 @@ def load(path: str | os.PathLike = "params.yaml", overrides: list[str] | None = 
 
 
 def apply_override(raw: dict, item: str) -> None:
-    """Apply one DVC-style ``-S section.key=value`` (the value parsed as YAML) to ``raw`` in place.
+    """Apply one DVC-style ``-S section.key=value`` to ``raw`` in place, parsed by
+    ``OmegaConf.from_dotlist`` (the value read as YAML; a value YAML cannot read stays a string, so the
+    schema check names the key and the value).
 
     Raises:
         ConfigError: the item is not ``dotted.key=value``.
     """
-    import yaml
     key, sep, value = item.partition("=")
     parts = key.strip().split(".")
     if not sep or len(parts) < 2 or not all(parts):
         raise ConfigError(f"-S {item!r}: expected section.key=value, e.g. train.gradient_accumulation_steps=4")
-    node = raw
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
     try:
-        node[parts[-1]] = yaml.safe_load(value)
-    except yaml.YAMLError:
-        node[parts[-1]] = value
+        override = OmegaConf.from_dotlist([f"{'.'.join(parts)}={value}"])
+    except Exception:  # yaml's ParserError/ScannerError: keep the text for the type check to report
+        override = OmegaConf.create()
+        OmegaConf.update(override, ".".join(parts), value, force_add=True)
+    merged = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(raw), override))
+    raw.clear()
+    raw.update(merged)
 
 
 def from_container(raw: dict, source: str = "params") -> Config:
@@ -195,20 +204,21 @@ def from_container(raw: dict, source: str = "params") -> Config:
 
 
 def _type_message(e: ValidationError, key: str) -> str:
+    """What the schema expects at ``key`` (``section.name``) and what came, for a type error."""
     section, _, name = key.rpartition(".")
-    expected = "a value"
-    for cls in (DataConfig, ModelConfig, TrainConfig, EvaluateConfig, TrackingConfig):
-        for f in fields(cls):
-            if f.name == name:
-                expected = {"int": "an integer", "float": "a number", "bool": "true or false",
-                            "str": "a string", "Optional[int]": "an integer or null",
-                            "Optional[float]": "a number or null",
-                            "Optional[str]": "a string or null"}.get(str(f.type), str(f.type))
+    types = {f.name: str(f.type) for f in fields(SECTIONS[section])} if section in SECTIONS else {}
+    expected = _EXPECTED.get(types.get(name, ""), types.get(name) or "a value")
     value = getattr(e, "value", None)
     if expected in ("a number", "a number or null", "an integer", "an integer or null") and _non_finite(value):
         # DVC's `-S key=.inf` (Hydra's override grammar) writes the *string* '.inf' into params.yaml.
         return f"must be finite (a number{' or null' if 'null' in expected else ''}), got {value!r}"
     return f"expected {expected}, got {value!r}"
+
+
+# The schema's annotations (strings: this module uses postponed evaluation) in words.
+_EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+             "Optional[int]": "an integer or null", "Optional[float]": "a number or null",
+             "Optional[str]": "a string or null"}
 
 
 def _non_finite(value) -> bool:
@@ -225,28 +235,72 @@ def _fail(source: str, key: str, problem: str) -> None:
     raise ConfigError(f"{source}: {key}: {problem}")
 
 
-def validate(cfg: Config, source: str = "params") -> None:
-    """Check ranges and combinations that types alone cannot. Raises ConfigError naming the key."""
-    d, m, t = cfg.data, cfg.model, cfg.train
-    for key, value in flatten(cfg.to_dict()).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            _fail(source, key, f"must be finite (a number), got {value}")
-    if d.max_length < 8 or d.max_length > 8192:
-        _fail(source, "data.max_length", f"must be an integer from 8 to 8192, got {d.max_length}")
-    for k in ("validation_size", "test_size"):
-        v = getattr(d, k)
-        if not 0.0 < v < 1.0:
-            _fail(source, f"data.{k}", f"must be a fraction strictly between 0 and 1, got {v}")
+# -- validation: one rule per key (table), then the combinations of each section ---------------------
+
+def _positive(v) -> bool:
+    return v >= 1
+
+
+def _positive_or_null(v) -> bool:
+    return v is None or v >= 1
+
+
+def _fraction(v) -> bool:
+    return 0.0 < v < 1.0
+
+
+def _seed(v) -> bool:
+    return 0 <= v < 2**32
+
+
+def _one_of(choices: tuple[str, ...]) -> tuple:
+    return (lambda v: v in choices), f"must be one of {', '.join(choices)}, got {{v!r}}"
+
+
+_POSITIVE_INT = (_positive, "must be a positive integer, got {v}")
+_SEED = (_seed, "must be an integer from 0 to 2**32 - 1 (numpy's range), got {v}")
+
+# key -> (the value is allowed, the problem otherwise: ``{v}`` is the value). Checked in schema order.
+RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "data.max_length": (lambda v: 8 <= v <= 8192, "must be an integer from 8 to 8192, got {v}"),
+    "data.validation_size": (_fraction, "must be a fraction strictly between 0 and 1, got {v}"),
+    "data.test_size": (_fraction, "must be a fraction strictly between 0 and 1, got {v}"),
+    "data.max_train_samples": (_positive_or_null, "must be a positive integer or null (= all), got {v}"),
+    "data.max_eval_samples": (_positive_or_null, "must be a positive integer or null (= all), got {v}"),
+    "data.seed": _SEED,
+    "model.task": _one_of(TASKS),
+    "model.dropout": (lambda v: v is None or 0.0 <= v < 1.0, "must be null or a probability in [0, 1), got {v}"),
+    "model.n_layer": _POSITIVE_INT,
+    "model.n_embd": _POSITIVE_INT,
+    "model.n_head": _POSITIVE_INT,
+    "model.vocab_size": (lambda v: 256 <= v <= 262144,
+                         "must be from 256 (the byte alphabet) to 262144, got {v}"),
+    "train.backend": _one_of(BACKENDS),
+    "train.gradient_accumulation_steps": _POSITIVE_INT,
+    "train.memory_budget_gib": (lambda v: v is None or v > 0, "must be a positive number of GiB or null, got {v}"),
+    "train.learning_rate": (lambda v: v > 0, "must be a positive number, got {v}"),
+    "train.num_train_epochs": (lambda v: v > 0, "must be a positive number, got {v}"),
+    "train.max_steps": (lambda v: v == -1 or v > 0,
+                        "must be -1 (use num_train_epochs) or a positive integer, got {v}"),
+    "train.warmup_ratio": (lambda v: 0.0 <= v < 1.0, "must be in [0, 1), got {v}"),
+    "train.lr_scheduler_type": _one_of(LR_SCHEDULERS),
+    "train.weight_decay": (lambda v: v >= 0, "must be >= 0, got {v}"),
+    "train.optim": _one_of(OPTIMIZERS),
+    "train.max_grad_norm": (lambda v: v >= 0, "must be >= 0 (0 = no clipping), got {v}"),
+    "train.seed": _SEED,
+    "train.logging_steps": _POSITIVE_INT,
+    "train.save_steps": (_positive_or_null, "must be a positive integer or null, got {v}"),
+    "train.dataloader_num_workers": (lambda v: v >= 0, "must be >= 0, got {v}"),
+    "evaluate.per_device_eval_batch_size": _POSITIVE_INT,
+    "tracking.experiment_name": (lambda v: bool(v.strip()), "must be a non-empty string"),
+}
+
+
+def _check_data(d: DataConfig, source: str) -> None:
+    """The split sizes together, and ``data.source``'s form (the file itself is read by prepare)."""
     if d.validation_size + d.test_size >= 0.9:
         _fail(source, "data.test_size", "data.validation_size + data.test_size must leave at least 10% "
               f"for training, got {d.validation_size} + {d.test_size}")
-    for k in ("max_train_samples", "max_eval_samples"):
-        v = getattr(d, k)
-        if v is not None and v < 1:
-            _fail(source, f"data.{k}", f"must be a positive integer or null (= all), got {v}")
-    for key, seed in (("data.seed", d.seed), ("train.seed", t.seed)):
-        if not 0 <= seed < 2**32:
-            _fail(source, key, f"must be an integer from 0 to 2**32 - 1 (numpy's range), got {seed}")
     allowed = f"'{PACKAGED_DATA}', a .csv or .jsonl file, or a directory of <label>/*.txt files"
     if not d.source:
         _fail(source, "data.source", f"must be {allowed}")
@@ -254,23 +308,18 @@ def validate(cfg: Config, source: str = "params") -> None:
             and not Path(d.source).expanduser().is_dir() and Path(d.source).suffix):
         _fail(source, "data.source", f"must be {allowed}, got {d.source!r}")
 
-    if m.task not in TASKS:
-        _fail(source, "model.task", f"must be one of {', '.join(TASKS)}, got {m.task!r}")
-    for k in ("n_layer", "n_embd", "n_head"):
-        if getattr(m, k) < 1:
-            _fail(source, f"model.{k}", f"must be a positive integer, got {getattr(m, k)}")
+
+def _check_model(m: ModelConfig, source: str) -> None:
+    """Heads divide the width; a model built from config (name_or_path null) only for causal-lm."""
     if m.n_embd % m.n_head:
         _fail(source, "model.n_head", f"must divide model.n_embd ({m.n_embd}), got {m.n_head}")
-    if not 256 <= m.vocab_size <= 262144:
-        _fail(source, "model.vocab_size", f"must be from 256 (the byte alphabet) to 262144, got {m.vocab_size}")
     if m.name_or_path is None and m.task == "sequence-classification":
         _fail(source, "model.name_or_path", "null (a model built from config) exists only for "
               f"causal-lm; for sequence-classification use '{PACKAGED_MODEL}', a local directory or a hub id")
-    if m.dropout is not None and not 0.0 <= m.dropout < 1.0:
-        _fail(source, "model.dropout", f"must be null or a probability in [0, 1), got {m.dropout}")
 
-    if t.backend not in BACKENDS:
-        _fail(source, "train.backend", f"must be one of {', '.join(BACKENDS)}, got {t.backend!r}")
+
+def _check_train(t: TrainConfig, source: str) -> None:
+    """The micro-batch (an int or ``auto``), its agreement with the effective batch, one precision."""
     mb = t.per_device_train_batch_size
     if mb == "auto":
         if t.effective_batch_size is None:
@@ -279,11 +328,7 @@ def validate(cfg: Config, source: str = "params") -> None:
         if t.effective_batch_size < 1:
             _fail(source, "train.effective_batch_size", f"must be a positive integer, got {t.effective_batch_size}")
     elif isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
-        _fail(source, "train.per_device_train_batch_size",
-              f"must be a positive integer or 'auto', got {mb!r}")
-    if t.gradient_accumulation_steps < 1:
-        _fail(source, "train.gradient_accumulation_steps",
-              f"must be a positive integer, got {t.gradient_accumulation_steps}")
+        _fail(source, "train.per_device_train_batch_size", f"must be a positive integer or 'auto', got {mb!r}")
     if t.effective_batch_size is not None and mb != "auto":
         product = mb * t.gradient_accumulation_steps
         if t.effective_batch_size != product:
@@ -291,38 +336,33 @@ def validate(cfg: Config, source: str = "params") -> None:
                   f"is {t.effective_batch_size}, but per_device_train_batch_size x "
                   f"gradient_accumulation_steps = {mb} x {t.gradient_accumulation_steps} = {product} "
                   "(one process); make them agree or set effective_batch_size: null")
-    if t.memory_budget_gib is not None and t.memory_budget_gib <= 0:
-        _fail(source, "train.memory_budget_gib", f"must be a positive number of GiB or null, got {t.memory_budget_gib}")
-    if not t.learning_rate > 0:
-        _fail(source, "train.learning_rate", f"must be a positive number, got {t.learning_rate}")
-    if not t.num_train_epochs > 0:
-        _fail(source, "train.num_train_epochs", f"must be a positive number, got {t.num_train_epochs}")
-    if t.max_steps == 0 or t.max_steps < -1:
-        _fail(source, "train.max_steps", f"must be -1 (use num_train_epochs) or a positive integer, got {t.max_steps}")
-    if not 0.0 <= t.warmup_ratio < 1.0:
-        _fail(source, "train.warmup_ratio", f"must be in [0, 1), got {t.warmup_ratio}")
-    if t.lr_scheduler_type not in LR_SCHEDULERS:
-        _fail(source, "train.lr_scheduler_type",
-              f"must be one of {', '.join(LR_SCHEDULERS)}, got {t.lr_scheduler_type!r}")
-    if t.weight_decay < 0:
-        _fail(source, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
-    if t.optim not in OPTIMIZERS:
-        _fail(source, "train.optim", f"must be one of {', '.join(OPTIMIZERS)}, got {t.optim!r}")
-    if t.max_grad_norm < 0:
-        _fail(source, "train.max_grad_norm", f"must be >= 0 (0 = no clipping), got {t.max_grad_norm}")
     if t.bf16 and t.fp16:
         _fail(source, "train.fp16", "train.bf16 and train.fp16 are both true; choose at most one")
-    if t.logging_steps < 1:
-        _fail(source, "train.logging_steps", f"must be a positive integer, got {t.logging_steps}")
-    if t.save_steps is not None and t.save_steps < 1:
-        _fail(source, "train.save_steps", f"must be a positive integer or null, got {t.save_steps}")
-    if t.dataloader_num_workers < 0:
-        _fail(source, "train.dataloader_num_workers", f"must be >= 0, got {t.dataloader_num_workers}")
-    if cfg.evaluate.per_device_eval_batch_size < 1:
-        _fail(source, "evaluate.per_device_eval_batch_size",
-              f"must be a positive integer, got {cfg.evaluate.per_device_eval_batch_size}")
-    if not cfg.tracking.experiment_name.strip():
-        _fail(source, "tracking.experiment_name", "must be a non-empty string")
+
+
+# section -> the checks of its keys together (after each key's own rule).
+COMBINATIONS: dict[str, Callable[[Any, str], None]] = {"data": _check_data, "model": _check_model,
+                                                      "train": _check_train}
+
+
+def validate(cfg: Config, source: str = "params") -> None:
+    """Check ranges and combinations that types alone cannot: every value finite, then per section
+    (in schema order) each key's :data:`RULES` entry and the section's :data:`COMBINATIONS` check.
+
+    Raises:
+        ConfigError: naming the first offending key, what is allowed and the value given.
+    """
+    for key, value in flatten(cfg.to_dict()).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            _fail(source, key, f"must be finite (a number), got {value}")
+    for section in SECTIONS:
+        values = getattr(cfg, section)
+        for name, value in asdict(values).items():
+            allowed, problem = RULES.get(f"{section}.{name}", (None, ""))
+            if allowed is not None and not allowed(value):
+                _fail(source, f"{section}.{name}", problem.format(v=value))
+        if section in COMBINATIONS:
+            COMBINATIONS[section](values, source)
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -370,53 +410,13 @@ def resolve(cfg: Config, world_size: int = 1, micro_batch: int | None = None) ->
     return Resolved(micro_batch, t.effective_batch_size // per_step, world_size)
 
 
-# Params that decide only how the work is split or observed, not the mathematics of training.
-# Left out of the equivalence key:
-NOT_IN_EQUIVALENCE_KEY = {
-    "train.per_device_train_batch_size": "how the effective batch is split (the effective batch is in)",
-    "train.gradient_accumulation_steps": "how the effective batch is split (the effective batch is in)",
-    "train.effective_batch_size": "replaced by the resolved effective batch size",
-    "train.memory_budget_gib": "only steers the micro-batch finder",
-    "train.gradient_checkpointing": "recomputes activations; the same mathematics",
-    "train.backend": "Trainer and Accelerate loops compute the same steps",
-    "train.logging_steps": "terminal output only",
-    "train.oom_retry": "recovery re-splits the same effective batch",
-    "train.save_steps": "checkpoints do not change the training",
-    "train.dataloader_num_workers": "where batches are collated, not which",
-    "evaluate.per_device_eval_batch_size": "evaluation only",
-    "tracking.experiment_name": "where results are logged",
-    "data.max_eval_samples": "evaluation data only",
-}
+# Moved to onegpu.equivalence.key; re-exported here for one step (PEP 562) so callers keep working.
+_MOVED_TO_EQUIVALENCE = ("NOT_IN_EQUIVALENCE_KEY", "MODEL_FROM_CONFIG_KEYS", "equivalence_fields",
+                         "equivalence_key", "run_config_hash")
 
 
-MODEL_FROM_CONFIG_KEYS = ("model.n_layer", "model.n_embd", "model.n_head", "model.vocab_size")
-
-
-def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = "") -> dict[str, Any]:
-    """The values that define the mathematics of a training run.
-
-    Everything in params.yaml except :data:`NOT_IN_EQUIVALENCE_KEY`, plus the resolved effective batch
-    size and the prepared data's content fingerprint (so two runs on different data files never match).
-    """
-    flat = {k: v for k, v in flatten(cfg.to_dict()).items() if k not in NOT_IN_EQUIVALENCE_KEY}
-    if cfg.model.name_or_path is not None:  # the sizes apply only to a model built from config
-        for k in MODEL_FROM_CONFIG_KEYS:
-            flat.pop(k, None)
-    flat["resolved.effective_batch_size"] = resolved.effective_batch_size
-    flat["data.fingerprint"] = data_fingerprint
-    return flat
-
-
-def run_config_hash(cfg: Config, data_fingerprint: str = "") -> str:
-    """16 hex digits naming one exact training configuration (every param but tracking, evaluation and
-    terminal output, plus the data fingerprint): a checkpoint resumes only a run with the same hash."""
-    skip = ("tracking.", "evaluate.", "train.logging_steps", "train.save_steps")
-    flat = {k: v for k, v in flatten(cfg.to_dict()).items() if not k.startswith(skip)}
-    flat["data.fingerprint"] = data_fingerprint
-    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def equivalence_key(cfg: Config, resolved: Resolved, data_fingerprint: str = "") -> str:
-    """A stable 16-hex-digit hash (SHA-256 of sorted JSON) of :func:`equivalence_fields`."""
-    blob = json.dumps(equivalence_fields(cfg, resolved, data_fingerprint), sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+def __getattr__(name: str):
+    if name in _MOVED_TO_EQUIVALENCE:
+        from onegpu.equivalence import key
+        return getattr(key, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -90,16 +90,27 @@ def _decode_utf8(raw: bytes, path: str) -> str:
                         "cannot be decoded; save the file as UTF-8") from None
 
 
-def _not_in_clone(path: str) -> None:
-    """Raises DataError when DVC runs this stage in a queued/``--temp`` experiment's clone and ``path``
-    is in the user's repository but not in the clone: DVC copies only files that git or DVC track."""
+def untracked_in_clone(key: str, path: str, add: str) -> str | None:
+    """The message for a ``path`` (the value of params key ``key``) that DVC's clone lacks, or None.
+
+    DVC runs queued and ``--temp`` experiments in a clean clone that holds only files git or DVC track;
+    a path that exists in the user's repository but not in the clone gets a message naming ``add`` (the
+    command that tracks it, e.g. ```dvc add models/x```); a path present here, or absent in both, gets None.
+    """
     from onegpu import paths
     user_copy = paths.only_in_user_repo(path)
-    if user_copy is not None:
-        raise DataError(f"data.source={path!r} is in your repository ({user_copy}) but neither git nor DVC "
-                        "tracks it, and DVC runs queued and --temp experiments in a clean clone that holds "
-                        f"only tracked files: `git add {path}` (small files) or `dvc add {path}`, commit, "
-                        "and queue the experiment again")
+    if user_copy is None:
+        return None
+    return (f"{key}={path!r} is in your repository ({user_copy}) but neither git nor DVC tracks it, and DVC "
+            "runs queued and --temp experiments in a clean clone that holds only tracked files: "
+            f"{add}, commit, and queue the experiment again")
+
+
+def _not_in_clone(path: str) -> None:
+    """Raises DataError when ``path`` is in the user's repository but not in a queued experiment's clone."""
+    message = untracked_in_clone("data.source", path, f"`git add {path}` (small files) or `dvc add {path}`")
+    if message:
+        raise DataError(message)
 
 
 def _check_file(path: str) -> None:

@@ -160,12 +160,10 @@ def flops_per_token(model, seq_len: float) -> float:
     return train_flops(model, 1, seq_len, seq_len * seq_len) / seq_len
 
 
-def matmul_dtype(bf16: bool, fp16: bool) -> str:
-    if bf16:
-        return "bf16"
-    if fp16:
-        return "fp16"
-    return "fp32"
+def matmul_dtype(mixed_precision: str) -> str:
+    """The dtype of the matmuls (a key of :data:`PEAKS`' entries) for ``train.mixed_precision``
+    (:attr:`onegpu.config.TrainConfig.mixed_precision`): ``"bf16"``, ``"fp16"``, or ``"fp32"`` for ``"no"``."""
+    return {"bf16": "bf16", "fp16": "fp16", "no": "fp32"}[mixed_precision]
 
 
 def device_peak(device_name: str, dtype: str, device: str = "cpu", refresh: bool = False) -> tuple[float, str]:

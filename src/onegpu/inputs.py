@@ -26,7 +26,7 @@ import hashlib
 import importlib.metadata
 from pathlib import Path
 
-from onegpu import data, models, paths
+from onegpu import data, models
 from onegpu.config import Config
 from onegpu.errors import ModelError
 
@@ -95,12 +95,9 @@ def model_input(name_or_path: str | None) -> dict:
     """
     if name_or_path is None:
         return {"name_or_path": None, "kind": "from-config"}
-    user_copy = paths.only_in_user_repo(name_or_path)
-    if user_copy is not None:
-        raise ModelError(f"model.name_or_path={name_or_path!r} is in your repository ({user_copy}) but neither "
-                         "git nor DVC tracks it, and DVC runs queued and --temp experiments in a clean clone "
-                         f"that holds only tracked files: `dvc add {name_or_path}`, commit, and queue the "
-                         "experiment again")
+    untracked = data.untracked_in_clone("model.name_or_path", name_or_path, f"`dvc add {name_or_path}`")
+    if untracked:
+        raise ModelError(untracked)
     resolved = models.resolve_model_path(name_or_path)
     d = Path(resolved)
     if not d.is_dir():

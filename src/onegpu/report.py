@@ -22,7 +22,8 @@ EXPLANATION = """\
 Runs share an `equivalence_key` when everything that decides the mathematics of training is equal:
 data, model, optimizer, schedule, seed, precision and the effective batch (examples per optimizer step).
 Left out of the key are only the ways of doing the same work: the split of the effective batch into
-micro-batch x accumulation, activation checkpointing and the backend (`onegpu.config.NOT_IN_EQUIVALENCE_KEY`).
+micro-batch x accumulation, activation checkpointing and the backend
+(`onegpu.equivalence.NOT_IN_EQUIVALENCE_KEY`).
 With the loss normalised over the whole effective batch, a split changes only the order of
 floating-point sums, and checkpointing recomputes the same activations, so such runs should follow the
 same loss curve.
@@ -49,14 +50,19 @@ both relative to the reference. They compare only runs that trained alone: a val
 OVERLAP_MARK = "*"
 
 
+def md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown (GitHub pipe) table as lines: the header, the ``---`` rule, one line per row; cells
+    are written as given, one space inside each ``|`` (no column padding, so a row reads ``| a | b |``)."""
+    return ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|",
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
 def tolerance_table() -> str:
     """Markdown table of the per-precision tolerances (loss, grad_norm), machine epsilon and basis."""
-    lines = ["| precision | eps | loss rtol / atol | grad_norm rtol / atol | basis |", "|---|---|---|---|---|"]
-    for p, t in TOLERANCES.items():
-        g = GRAD_NORM_TOLERANCES[p]
-        lines.append(f"| {p} | {EPS[p]:.3g} | {t.rtol:g} / {t.atol:g} | {g.rtol:g} / {g.atol:g} | "
-                     f"{TOLERANCE_BASIS[p]} |")
-    return "\n".join(lines)
+    rows = [[p, f"{EPS[p]:.3g}", f"{t.rtol:g} / {t.atol:g}",
+             f"{GRAD_NORM_TOLERANCES[p].rtol:g} / {GRAD_NORM_TOLERANCES[p].atol:g}", TOLERANCE_BASIS[p]]
+            for p, t in TOLERANCES.items()]
+    return "\n".join(md_table(["precision", "eps", "loss rtol / atol", "grad_norm rtol / atol", "basis"], rows))
 
 
 # -- formatting ------------------------------------------------------------------------------------
@@ -100,7 +106,7 @@ def _group_table(g: GroupComparison) -> list[str]:
     head = ["run", "micro x accum", "ckpt", "precision", "steps", "verdict", "max abs Δ loss",
             "max rel Δ loss", "max abs Δ grad_norm", "max rel Δ grad_norm", *[f"Δ {m}" for m in evals], "peak MiB",
             "memory vs ref", "samples/s", "speed vs ref", "mean step s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
+    rows = []
     for c in g.rows:
         r = c.run
         verdict = f"**{c.verdict}**" if c.status == DIVERGED else c.verdict
@@ -115,7 +121,8 @@ def _group_table(g: GroupComparison) -> list[str]:
         cells += [_cost(_mib(r.peak_memory_bytes), c.cost_comparable), _cost(_ratio(c.memory_ratio), ok),
                   _cost(_num(r.samples_per_second), c.cost_comparable), _cost(_ratio(c.throughput_ratio), ok),
                   _cost(_num(r.mean_step_time_s, ".3f"), c.cost_comparable)]
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    lines = md_table(head, rows)
     flagged = [c for c in g.rows if not c.cost_comparable]
     if flagged:
         lines += ["", f"{OVERLAP_MARK} not comparable: "
@@ -163,10 +170,9 @@ def markdown(comparison: Comparison, experiment: str = "", store: str = "",
     if comparison.skipped:
         lines.append(f"{len(comparison.skipped)} run(s) without an `equivalence_key` tag were left out: "
                      + ", ".join(r.label for r in comparison.skipped) + ".")
-    lines += ["", "| group | key | runs | equivalent | diverged | summary |", "|---|---|---|---|---|---|"]
-    for i, g in enumerate(comparison.groups, 1):
-        lines.append(f"| {i} | `{g.key}` | {len(g.rows)} | {g.count(EQUIVALENT)} | {g.count(DIVERGED)} | "
-                     f"{g.summary} |")
+    lines += ["", *md_table(["group", "key", "runs", "equivalent", "diverged", "summary"],
+                            [[str(i), f"`{g.key}`", str(len(g.rows)), str(g.count(EQUIVALENT)),
+                              str(g.count(DIVERGED)), g.summary] for i, g in enumerate(comparison.groups, 1)])]
     lines += ["", EXPLANATION.format(tolerances=tol, mark=f"`{OVERLAP_MARK}`")]
     for i, g in enumerate(comparison.groups, 1):
         lines += _group_section(g, i)
@@ -344,6 +350,16 @@ def plot_memory_vs_throughput(comparison: Comparison, path: str | Path) -> Path:
 
 # -- terminal --------------------------------------------------------------------------------------
 
+def _text_table(head: tuple[str, ...], rows: list[tuple], right: tuple[int, ...] = ()) -> list[str]:
+    """Plain-text columns, two spaces apart and indented by two: the header, a dash rule per column, the
+    rows (columns in ``right`` right-aligned). tabulate's ``simple`` format pads each header by two more."""
+    rows = [tuple(map(str, head)), *(tuple(map(str, r)) for r in rows)]
+    widths = [max(len(row[j]) for row in rows) for j in range(len(head))]
+    lines = ["  " + "  ".join(v.rjust(w) if j in right else v.ljust(w)
+                              for j, (v, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+    return [lines[0], "  " + "  ".join("-" * w for w in widths), *lines[1:]]
+
+
 def terminal_table(comparison: Comparison, summaries: bool = True, width: int = 100) -> str:
     """A compact plain-text table, one row per run: name, micro x accumulation, checkpointing, verdict,
     max |Δ loss| against the reference, peak memory (MiB) and training samples per second; with
@@ -352,22 +368,16 @@ def terminal_table(comparison: Comparison, summaries: bool = True, width: int = 
     head = ("run", "micro x accum", "ckpt", "verdict", "max |d loss|", "peak MiB", "samples/s")
     out = []
     for i, g in enumerate(comparison.groups, 1):
-        rows = [head]
+        rows = []
         for c in g.rows:
             r = c.run
             rows.append((r.label, f"{r.micro_batch} x {r.accumulation}", "yes" if r.checkpointing else "no",
                          c.verdict, "-" if c.is_reference else _sci(c.loss.max_abs),
                          _cost(_mib(r.peak_memory_bytes), c.cost_comparable),
                          _cost(_num(r.samples_per_second), c.cost_comparable)))
-        widths = [max(len(str(row[j])) for row in rows) for j in range(len(head))]
-        right = {4, 5, 6}
         out.append(f"group {i} key {g.key} ({len(g.rows)} run{'s' if len(g.rows) != 1 else ''}, "
                    f"{g.count(EQUIVALENT)} equivalent, {g.count(DIVERGED)} diverged)")
-        for k, row in enumerate(rows):
-            cells = [str(v).rjust(w) if j in right else str(v).ljust(w) for j, (v, w) in enumerate(zip(row, widths))]
-            out.append("  " + "  ".join(cells).rstrip())
-            if k == 0:
-                out.append("  " + "  ".join("-" * w for w in widths))
+        out += _text_table(head, rows, right=(4, 5, 6))
         flagged = [c for c in g.rows if not c.cost_comparable]
         if flagged:
             out += textwrap.wrap(f"{OVERLAP_MARK} not comparable (trained at the same time as other runs): "

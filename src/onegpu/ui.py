@@ -24,6 +24,8 @@ import urllib.request
 from urllib.parse import urlencode
 
 from onegpu import paths, tracking
+from onegpu.equivalence.key import (KEY_TAG, RESOLVED_ACCUMULATION, RESOLVED_EFFECTIVE_BATCH,
+                                    RESOLVED_MICRO_BATCH)
 from onegpu.errors import UserError
 
 VIEW_KEY = "onegpu-training-runs"  # the saved view's key: tag mlflow.sharedViewState.<VIEW_KEY>
@@ -31,9 +33,9 @@ EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 # Columns of the runs table, in this order (those no training run has are left out).
 VIEW_METRICS = ("loss", "eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity",
                 "train_mem_peak_bytes", "train_samples_per_second", "train_runtime")
-VIEW_PARAMS = ("resolved.per_device_train_batch_size", "resolved.gradient_accumulation_steps",
-               "resolved.effective_batch_size", "train.gradient_checkpointing", "train.backend")
-VIEW_TAGS = ("equivalence_key",)
+VIEW_PARAMS = (RESOLVED_MICRO_BATCH, RESOLVED_ACCUMULATION, RESOLVED_EFFECTIVE_BATCH,
+               "train.gradient_checkpointing", "train.backend")
+VIEW_TAGS = (KEY_TAG,)
 TRAINING_FILTER = "tags.stage = 'train'"
 
 

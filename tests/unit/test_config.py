@@ -1,7 +1,6 @@
-"""params.yaml: schema, validation messages, flattening and the equivalence key."""
+"""params.yaml: schema, validation messages, overrides and flattening."""
 from __future__ import annotations
 
-import copy
 import re
 from pathlib import Path
 
@@ -20,26 +19,6 @@ def raw() -> dict:
     return defaults.params()
 
 
-# A fixed, complete params dict (the repo's params.yaml as written when the key was pinned). The pinned
-# equivalence key below is computed from this, not from params.yaml, so editing params.yaml (or
-# `dvc exp run -S`, which rewrites it) never breaks the pin; changing the key's definition or the schema
-# does.
-PINNED = {
-    "data": {"source": "bbcnews", "text_column": "text", "label_column": "label", "max_length": 64,
-             "validation_size": 0.1, "test_size": 0.2, "max_train_samples": 500, "max_eval_samples": None,
-             "seed": 42},
-    "model": {"task": "sequence-classification", "name_or_path": "packaged:all-MiniLM-L6-v2",
-              "dropout": None},
-    "train": {"backend": "trainer", "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
-              "effective_batch_size": None, "memory_budget_gib": None, "gradient_checkpointing": False,
-              "learning_rate": 1.0e-4, "num_train_epochs": 1, "max_steps": -1, "warmup_ratio": 0.0,
-              "lr_scheduler_type": "linear", "weight_decay": 0.0, "optim": "adamw_torch",
-              "max_grad_norm": 1.0, "seed": 42, "bf16": False, "fp16": False, "logging_steps": 10,
-              "dataloader_num_workers": 0},
-    "evaluate": {"per_device_eval_batch_size": 64},
-    "tracking": {"experiment_name": "onegpu"},
-}
-PINNED_KEY = "b029d38e93bebdf3"  # equivalence_key(from_container(PINNED), resolve(...), "abc")
 
 
 # -- the repo's params.yaml ----------------------------------------------------------------------
@@ -246,90 +225,6 @@ def test_flatten_of_config_has_every_schema_key():
     assert all(k.count(".") == 1 for k in flat)
 
 
-# -- equivalence key -----------------------------------------------------------------------------
-
-def _key(raw: dict, fingerprint: str = "abc", **train) -> str:
-    d = copy.deepcopy(raw)
-    d["train"]["effective_batch_size"] = None
-    d["train"].update(train)
-    cfg = config.from_container(d)
-    return config.equivalence_key(cfg, config.resolve(cfg), fingerprint)
-
-
-def test_equivalence_key_ignores_how_the_batch_is_split(raw):
-    a = _key(raw, per_device_train_batch_size=4, gradient_accumulation_steps=4)
-    b = _key(raw, per_device_train_batch_size=16, gradient_accumulation_steps=1)
-    c = _key(raw, per_device_train_batch_size=8, gradient_accumulation_steps=2, gradient_checkpointing=True,
-             logging_steps=1)
-    assert a == b == c
-
-
-def test_equivalence_key_ignores_observation_only_params(raw):
-    base = _key(raw)
-    d = copy.deepcopy(raw)
-    d["tracking"]["experiment_name"] = "other"
-    d["evaluate"]["per_device_eval_batch_size"] = 3
-    d["data"]["max_eval_samples"] = 11
-    d["train"]["dataloader_num_workers"] = 2
-    d["train"]["effective_batch_size"] = None
-    assert _key(d) == base
-
-
-@pytest.mark.parametrize("change", [
-    {"learning_rate": 3e-4},
-    {"seed": 7},
-    {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
-    {"max_steps": 5},
-    {"bf16": True},
-])
-def test_equivalence_key_changes_with_the_mathematics(raw, change):
-    base = _key(raw, per_device_train_batch_size=4, gradient_accumulation_steps=4)
-    assert _key(raw, **{"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4, **change}) != base
-
-
-def test_equivalence_key_effective_batch_4x2_vs_4x4_differs(raw):
-    assert (_key(raw, per_device_train_batch_size=4, gradient_accumulation_steps=2)
-            != _key(raw, per_device_train_batch_size=4, gradient_accumulation_steps=4))
-
-
-def test_equivalence_key_changes_with_dropout_and_data(raw):
-    base = _key(raw)
-    d = copy.deepcopy(raw)
-    d["model"]["dropout"] = 0.0  # null (the model's own) and 0.0 are different trainings
-    assert _key(d) != base
-    d = copy.deepcopy(raw)
-    d["model"]["dropout"] = 0.2
-    assert _key(d) != base
-    d = copy.deepcopy(raw)
-    d["data"]["max_train_samples"] = 100
-    assert _key(d) != base
-    assert _key(raw, fingerprint="abd") != base
-
-
-def test_equivalence_key_changes_with_world_size(raw):
-    cfg = config.from_container(raw)
-    assert (config.equivalence_key(cfg, config.resolve(cfg, 1), "abc")
-            != config.equivalence_key(cfg, config.resolve(cfg, 2), "abc"))
-
-
-def test_equivalence_key_is_16_hex_and_pinned():
-    cfg = config.from_container(copy.deepcopy(PINNED))
-    key = config.equivalence_key(cfg, config.resolve(cfg), "abc")
-    assert re.fullmatch(r"[0-9a-f]{16}", key)
-    assert key == config.equivalence_key(config.from_container(copy.deepcopy(PINNED)), config.resolve(cfg), "abc")
-    assert key == PINNED_KEY
-
-
-def test_equivalence_fields_hold_resolved_batch_and_fingerprint():
-    cfg = config.from_container(copy.deepcopy(PINNED))
-    f = config.equivalence_fields(cfg, config.resolve(cfg), "abc")
-    assert f["resolved.effective_batch_size"] == 16
-    assert f["data.fingerprint"] == "abc"
-    assert f["train.learning_rate"] == 1e-4
-    for k in config.NOT_IN_EQUIVALENCE_KEY:
-        assert k not in f
-
-
 # `dvc exp run -S train.max_grad_norm=.inf` goes through Hydra's override grammar, which reads `.inf` and
 # `.nan` as *strings* and writes them quoted into params.yaml; `inf`/`nan` become floats. Both spellings
 # must say "must be finite", never "expected a number".
@@ -353,3 +248,65 @@ def test_non_finite_integer_says_must_be_finite(raw, key):
     raw[section][name] = ".inf"
     with pytest.raises(ConfigError, match=rf"{re.escape(key)}: must be finite"):
         config.from_container(raw)
+
+
+# -- -S overrides (OmegaConf.from_dotlist) -------------------------------------------------------
+
+def test_overrides_are_parsed_as_yaml_and_merged(tmp_path, raw):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = config.load(path, ["train.gradient_accumulation_steps=4", "train.learning_rate=1e-4",
+                             "train.bf16=true", "data.max_train_samples=null", "train.effective_batch_size=null"])
+    assert cfg.train.gradient_accumulation_steps == 4
+    assert cfg.train.learning_rate == 1e-4  # YAML 1.2 exponent without a dot: a float
+    assert cfg.train.bf16 is True and cfg.data.max_train_samples is None
+    assert cfg.model.name_or_path == raw["model"]["name_or_path"]  # untouched keys stay
+
+
+def test_override_into_a_section_the_file_leaves_out(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("data:\n  max_length: 32\n")
+    assert config.load(path, ["tracking.experiment_name=sweep"]).tracking.experiment_name == "sweep"
+
+
+def test_override_unparsable_value_is_named_with_its_key(tmp_path, raw):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as e:
+        config.load(path, ["train.learning_rate=[1,"])
+    assert "train.learning_rate: expected a number, got '[1,'" in str(e.value)
+
+
+@pytest.mark.parametrize("item", ["learning_rate", "train.learning_rate", "=1", "train..seed=1", ".seed=1"])
+def test_override_not_dotted_key_value(tmp_path, raw, item):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        config.load(path, [item])
+
+
+# -- type messages per section, precision ----------------------------------------------------------
+
+@pytest.mark.parametrize("key, expected", [
+    ("data.seed", "an integer"), ("train.seed", "an integer"), ("data.max_eval_samples", "an integer or null"),
+    ("model.dropout", "a number or null"), ("train.gradient_checkpointing", "true or false"),
+    ("train.memory_budget_gib", "a number or null"), ("model.name_or_path", "a string or null"),
+    ("evaluate.per_device_eval_batch_size", "an integer"),
+])
+def test_type_message_names_the_type_of_the_key_in_its_section(raw, key, expected):
+    section, name = key.split(".")
+    raw[section][name] = [1, 2]
+    with pytest.raises(ConfigError) as e:
+        config.from_container(raw)
+    assert f"{key}: expected {expected}, got [1, 2]" in str(e.value)
+
+
+@pytest.mark.parametrize("bf16, fp16, expected", [(True, False, "bf16"), (False, True, "fp16"), (False, False, "no")])
+def test_mixed_precision_from_the_flags(bf16, fp16, expected):
+    assert config.TrainConfig(bf16=bf16, fp16=fp16).mixed_precision == expected
+
+
+def test_every_rule_names_a_schema_key():
+    schema = set(config.flatten(config.Config().to_dict()))
+    assert set(config.RULES) <= schema
+    assert set(config.COMBINATIONS) <= set(config.SECTIONS)

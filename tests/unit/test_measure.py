@@ -110,6 +110,11 @@ def test_attention_flops_use_each_examples_own_length():
     assert flops.train_flops(model, 2, 40, 10**2 + 30**2) == 6 * n_tok * 40 + 12 * 2 * 32 * 1000
 
 
+@pytest.mark.parametrize("mixed, dtype", [("bf16", "bf16"), ("fp16", "fp16"), ("no", "fp32")])
+def test_matmul_dtype_of_the_mixed_precision(mixed, dtype):
+    assert flops.matmul_dtype(mixed) == dtype
+
+
 def test_device_peak_uses_the_datasheet_for_known_gpus_and_measures_a_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("ONEGPU_CACHE_DIR", str(tmp_path))
     assert flops.device_peak("NVIDIA H200", "bf16", "cuda:0") == (989e12, "datasheet")

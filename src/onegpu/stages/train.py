@@ -291,7 +291,7 @@ def _speed(model, summary: dict, cfg: Config, device: str, device_name: str,
     total = flops.train_flops(model, summary["train_samples"], summary["train_tokens"],
                               tokens_sq)
     achieved = total / summary["train_runtime"]
-    m = flops.mfu(achieved, device_name, flops.matmul_dtype(cfg.train.bf16, cfg.train.fp16), device)
+    m = flops.mfu(achieved, device_name, flops.matmul_dtype(cfg.train.mixed_precision), device)
     metrics = {"train_flops_per_second": achieved, "model_flops_per_token": total / summary["train_tokens"],
                "device_peak_flops": m["peak"]}
     params = {"device_peak_flops.source": m["source"]}

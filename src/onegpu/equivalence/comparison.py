@@ -27,13 +27,19 @@ An optimizer step that saw fewer examples than the effective batch (an epoch's s
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
+from onegpu.equivalence.key import (KEY_TAG, RESOLVED_ACCUMULATION, RESOLVED_EFFECTIVE_BATCH,
+                                   RESOLVED_MICRO_BATCH)
+
 
 class Tolerance(NamedTuple):
-    """Per-step tolerance: a step differs when ``|x - ref| > atol + rtol * |ref|``."""
+    """Per-step tolerance: a step differs when ``|x - ref| > atol + rtol * |ref|`` (``numpy.isclose(x, ref)``)."""
     rtol: float
     atol: float
 
@@ -143,7 +149,6 @@ class RunRecord:
     def partial_steps(self) -> list[dict]:
         """Optimizer steps that saw fewer examples than the effective batch: from the tag
         ``onegpu.partial_steps``, else the ``step_examples`` series; ``[{"step", "examples", ...}]``."""
-        import json
         raw = self.tags.get("onegpu.partial_steps")
         if raw:
             try:
@@ -157,7 +162,7 @@ class RunRecord:
     @property
     def key(self) -> str | None:
         """The ``equivalence_key`` tag (None when the run has none)."""
-        return self.tags.get("equivalence_key") or None
+        return self.tags.get(KEY_TAG) or None
 
     @property
     def label(self) -> str:
@@ -167,19 +172,17 @@ class RunRecord:
     @property
     def micro_batch(self) -> int | None:
         """Examples per micro-batch (forward/backward pass), as resolved by the train stage."""
-        return _int(self.params.get("resolved.per_device_train_batch_size",
-                                    self.params.get("train.per_device_train_batch_size")))
+        return _int(self.params.get(RESOLVED_MICRO_BATCH, self.params.get("train.per_device_train_batch_size")))
 
     @property
     def accumulation(self) -> int | None:
         """Micro-batches per optimizer step."""
-        return _int(self.params.get("resolved.gradient_accumulation_steps",
-                                    self.params.get("train.gradient_accumulation_steps")))
+        return _int(self.params.get(RESOLVED_ACCUMULATION, self.params.get("train.gradient_accumulation_steps")))
 
     @property
     def effective_batch(self) -> int | None:
         """Examples per optimizer step."""
-        v = _int(self.params.get("resolved.effective_batch_size"))
+        v = _int(self.params.get(RESOLVED_EFFECTIVE_BATCH))
         if v is None and self.micro_batch and self.accumulation:
             v = self.micro_batch * self.accumulation
         return v
@@ -402,17 +405,13 @@ def series_diff(run: Series, reference: Series) -> Diff:
 
 def first_divergence(run: Series, reference: Series, tol: Tolerance) -> int | None:
     """The first common optimizer step where ``|run - reference| > atol + rtol * |reference|``
-    (a NaN on one side only counts as a divergence); None when every common step is within tolerance."""
+    (``numpy.isclose``; a NaN on one side only counts as a divergence, NaN on both sides does not);
+    None when every common step is within tolerance."""
     a, b = _as_dict(run), _as_dict(reference)
-    for s in sorted(a.keys() & b.keys()):
-        x, y = a[s], b[s]
-        if math.isnan(x) or math.isnan(y):
-            if not (math.isnan(x) and math.isnan(y)):
-                return s
-            continue
-        if abs(x - y) > tol.atol + tol.rtol * abs(y):
-            return s
-    return None
+    steps = sorted(a.keys() & b.keys())
+    close = np.isclose([a[s] for s in steps], [b[s] for s in steps], rtol=tol.rtol, atol=tol.atol,
+                       equal_nan=True)
+    return next((s for s, ok in zip(steps, close) if not ok), None)
 
 
 def _dropout(r: RunRecord) -> float:

@@ -1,0 +1,84 @@
+"""The equivalence key: which params define the mathematics of a training run, and their hash.
+
+Two runs with the same key compute the same optimizer steps (up to floating-point summation order):
+only the split of the effective batch, checkpointing, the backend and what is observed may differ.
+The train stage writes the key as the run's ``equivalence_key`` tag and the resolved batch layout as the
+``resolved.*`` params named here; :mod:`onegpu.equivalence.comparison` reads both back.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from onegpu.config import Config, Resolved, flatten
+
+# The MLflow tag holding a training run's key.
+KEY_TAG = "equivalence_key"
+
+# MLflow params of the batch layout actually used (:class:`onegpu.config.Resolved`).
+RESOLVED_MICRO_BATCH = "resolved.per_device_train_batch_size"
+RESOLVED_ACCUMULATION = "resolved.gradient_accumulation_steps"
+RESOLVED_EFFECTIVE_BATCH = "resolved.effective_batch_size"
+RESOLVED_WORLD_SIZE = "resolved.world_size"
+
+
+def resolved_params(resolved: Resolved) -> dict[str, int]:
+    """The ``resolved.*`` MLflow params of a batch layout (examples per micro-batch, micro-batches per
+    optimizer step, examples per optimizer step, processes)."""
+    return {RESOLVED_MICRO_BATCH: resolved.per_device_train_batch_size,
+            RESOLVED_ACCUMULATION: resolved.gradient_accumulation_steps,
+            RESOLVED_EFFECTIVE_BATCH: resolved.effective_batch_size,
+            RESOLVED_WORLD_SIZE: resolved.world_size}
+
+
+# Params that decide only how the work is split or observed, not the mathematics of training.
+# Left out of the equivalence key:
+NOT_IN_EQUIVALENCE_KEY = {
+    "train.per_device_train_batch_size": "how the effective batch is split (the effective batch is in)",
+    "train.gradient_accumulation_steps": "how the effective batch is split (the effective batch is in)",
+    "train.effective_batch_size": "replaced by the resolved effective batch size",
+    "train.memory_budget_gib": "only steers the micro-batch finder",
+    "train.gradient_checkpointing": "recomputes activations; the same mathematics",
+    "train.backend": "Trainer and Accelerate loops compute the same steps",
+    "train.logging_steps": "terminal output only",
+    "train.oom_retry": "recovery re-splits the same effective batch",
+    "train.save_steps": "checkpoints do not change the training",
+    "train.dataloader_num_workers": "where batches are collated, not which",
+    "evaluate.per_device_eval_batch_size": "evaluation only",
+    "tracking.experiment_name": "where results are logged",
+    "data.max_eval_samples": "evaluation data only",
+}
+
+
+MODEL_FROM_CONFIG_KEYS = ("model.n_layer", "model.n_embd", "model.n_head", "model.vocab_size")
+
+
+def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = "") -> dict[str, Any]:
+    """The values that define the mathematics of a training run.
+
+    Everything in params.yaml except :data:`NOT_IN_EQUIVALENCE_KEY`, plus the resolved effective batch
+    size and the prepared data's content fingerprint (so two runs on different data files never match).
+    """
+    flat = {k: v for k, v in flatten(cfg.to_dict()).items() if k not in NOT_IN_EQUIVALENCE_KEY}
+    if cfg.model.name_or_path is not None:  # the sizes apply only to a model built from config
+        for k in MODEL_FROM_CONFIG_KEYS:
+            flat.pop(k, None)
+    flat[RESOLVED_EFFECTIVE_BATCH] = resolved.effective_batch_size
+    flat["data.fingerprint"] = data_fingerprint
+    return flat
+
+
+def run_config_hash(cfg: Config, data_fingerprint: str = "") -> str:
+    """16 hex digits naming one exact training configuration (every param but tracking, evaluation and
+    terminal output, plus the data fingerprint): a checkpoint resumes only a run with the same hash."""
+    skip = ("tracking.", "evaluate.", "train.logging_steps", "train.save_steps")
+    flat = {k: v for k, v in flatten(cfg.to_dict()).items() if not k.startswith(skip)}
+    flat["data.fingerprint"] = data_fingerprint
+    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def equivalence_key(cfg: Config, resolved: Resolved, data_fingerprint: str = "") -> str:
+    """A stable 16-hex-digit hash (SHA-256 of sorted JSON) of :func:`equivalence_fields`."""
+    blob = json.dumps(equivalence_fields(cfg, resolved, data_fingerprint), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

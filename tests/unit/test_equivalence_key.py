@@ -1,0 +1,139 @@
+"""The equivalence key (onegpu.equivalence.key): what it ignores, what changes it, its pinned value."""
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+
+from onegpu import config
+from onegpu.equivalence import key as eqkey
+
+from tests import defaults
+
+
+@pytest.fixture
+def raw() -> dict:
+    """The repo's committed params.yaml as a plain dict (a fresh copy per test)."""
+    return defaults.params()
+
+
+# A fixed, complete params dict (the repo's params.yaml as written when the key was pinned). The pinned
+# equivalence key below is computed from this, not from params.yaml, so editing params.yaml (or
+# `dvc exp run -S`, which rewrites it) never breaks the pin; changing the key's definition or the schema
+# does.
+PINNED = {
+    "data": {"source": "bbcnews", "text_column": "text", "label_column": "label", "max_length": 64,
+             "validation_size": 0.1, "test_size": 0.2, "max_train_samples": 500, "max_eval_samples": None,
+             "seed": 42},
+    "model": {"task": "sequence-classification", "name_or_path": "packaged:all-MiniLM-L6-v2",
+              "dropout": None},
+    "train": {"backend": "trainer", "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
+              "effective_batch_size": None, "memory_budget_gib": None, "gradient_checkpointing": False,
+              "learning_rate": 1.0e-4, "num_train_epochs": 1, "max_steps": -1, "warmup_ratio": 0.0,
+              "lr_scheduler_type": "linear", "weight_decay": 0.0, "optim": "adamw_torch",
+              "max_grad_norm": 1.0, "seed": 42, "bf16": False, "fp16": False, "logging_steps": 10,
+              "dataloader_num_workers": 0},
+    "evaluate": {"per_device_eval_batch_size": 64},
+    "tracking": {"experiment_name": "onegpu"},
+}
+PINNED_KEY = "b029d38e93bebdf3"  # equivalence_key(from_container(PINNED), resolve(...), "abc")
+
+
+# -- the key -----------------------------------------------------------------------------
+
+def _key(raw: dict, fingerprint: str = "abc", **train) -> str:
+    d = copy.deepcopy(raw)
+    d["train"]["effective_batch_size"] = None
+    d["train"].update(train)
+    cfg = config.from_container(d)
+    return eqkey.equivalence_key(cfg, config.resolve(cfg), fingerprint)
+
+
+def test_equivalence_key_ignores_how_the_batch_is_split(raw):
+    a = _key(raw, per_device_train_batch_size=4, gradient_accumulation_steps=4)
+    b = _key(raw, per_device_train_batch_size=16, gradient_accumulation_steps=1)
+    c = _key(raw, per_device_train_batch_size=8, gradient_accumulation_steps=2, gradient_checkpointing=True,
+             logging_steps=1)
+    assert a == b == c
+
+
+def test_equivalence_key_ignores_observation_only_params(raw):
+    base = _key(raw)
+    d = copy.deepcopy(raw)
+    d["tracking"]["experiment_name"] = "other"
+    d["evaluate"]["per_device_eval_batch_size"] = 3
+    d["data"]["max_eval_samples"] = 11
+    d["train"]["dataloader_num_workers"] = 2
+    d["train"]["effective_batch_size"] = None
+    assert _key(d) == base
+
+
+@pytest.mark.parametrize("change", [
+    {"learning_rate": 3e-4},
+    {"seed": 7},
+    {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
+    {"max_steps": 5},
+    {"bf16": True},
+])
+def test_equivalence_key_changes_with_the_mathematics(raw, change):
+    base = _key(raw, per_device_train_batch_size=4, gradient_accumulation_steps=4)
+    assert _key(raw, **{"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4, **change}) != base
+
+
+def test_equivalence_key_effective_batch_4x2_vs_4x4_differs(raw):
+    assert (_key(raw, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+            != _key(raw, per_device_train_batch_size=4, gradient_accumulation_steps=4))
+
+
+def test_equivalence_key_changes_with_dropout_and_data(raw):
+    base = _key(raw)
+    d = copy.deepcopy(raw)
+    d["model"]["dropout"] = 0.0  # null (the model's own) and 0.0 are different trainings
+    assert _key(d) != base
+    d = copy.deepcopy(raw)
+    d["model"]["dropout"] = 0.2
+    assert _key(d) != base
+    d = copy.deepcopy(raw)
+    d["data"]["max_train_samples"] = 100
+    assert _key(d) != base
+    assert _key(raw, fingerprint="abd") != base
+
+
+def test_equivalence_key_changes_with_world_size(raw):
+    cfg = config.from_container(raw)
+    assert (eqkey.equivalence_key(cfg, config.resolve(cfg, 1), "abc")
+            != eqkey.equivalence_key(cfg, config.resolve(cfg, 2), "abc"))
+
+
+def test_equivalence_key_is_16_hex_and_pinned():
+    cfg = config.from_container(copy.deepcopy(PINNED))
+    key = eqkey.equivalence_key(cfg, config.resolve(cfg), "abc")
+    assert re.fullmatch(r"[0-9a-f]{16}", key)
+    assert key == eqkey.equivalence_key(config.from_container(copy.deepcopy(PINNED)), config.resolve(cfg), "abc")
+    assert key == PINNED_KEY
+
+
+def test_equivalence_fields_hold_resolved_batch_and_fingerprint():
+    cfg = config.from_container(copy.deepcopy(PINNED))
+    f = eqkey.equivalence_fields(cfg, config.resolve(cfg), "abc")
+    assert f["resolved.effective_batch_size"] == 16
+    assert f["data.fingerprint"] == "abc"
+    assert f["train.learning_rate"] == 1e-4
+    for k in eqkey.NOT_IN_EQUIVALENCE_KEY:
+        assert k not in f
+
+
+def test_resolved_params_name_the_layout():
+    cfg = config.from_container(copy.deepcopy(PINNED))
+    assert eqkey.resolved_params(config.resolve(cfg, 2)) == {
+        "resolved.per_device_train_batch_size": 8, "resolved.gradient_accumulation_steps": 2,
+        "resolved.effective_batch_size": 32, "resolved.world_size": 2}
+
+
+def test_config_still_reexports_the_moved_names():
+    # one step only: the train stage and bench import these from onegpu.config until they move
+    assert config.equivalence_key is eqkey.equivalence_key
+    assert config.NOT_IN_EQUIVALENCE_KEY is eqkey.NOT_IN_EQUIVALENCE_KEY
+    from onegpu.config import run_config_hash
+    assert run_config_hash is eqkey.run_config_hash
