@@ -1,7 +1,7 @@
 """Activation checkpointing: step-time overhead and activation memory, off versus on.
 
 For each model, paired runs in one process (off/on order alternating between repetitions) of
-``onegpu.training.hf_trainer.train`` with ``train.gradient_checkpointing`` false/true (HF's
+``onegpu.training.session.fit`` with ``train.gradient_checkpointing`` false/true (HF's
 ``activation_checkpointing``, non-reentrant), same init, data and config, metrics sink a no-op:
 
 - step time: median over optimizer steps 2..N of each run, then the median over repetitions;

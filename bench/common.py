@@ -2,13 +2,14 @@
 
 Each script builds a small but real setup in its own process: the packaged BBC News corpus read,
 de-duplicated, split and tokenized by :mod:`onegpu.data` with the packaged MiniLM tokenizer, a
-``Config`` validated by :func:`onegpu.config.from_container`, and the real training code
-(:func:`onegpu.training.hf_trainer.train`). Nothing is fetched from a hub, and the user's MLflow store
+``Config`` validated by :func:`onegpu.config.from_container`, and the real training code, driven
+through :mod:`onegpu.training.session` as the train stage drives it (:func:`~onegpu.training.session.run`
+for a tracked run, :func:`~onegpu.training.session.fit` for the training alone). Nothing is fetched from a hub, and the user's MLflow store
 is never touched: :func:`setup` points ``DVC_ROOT`` at a temporary directory (so ``tracking.connect``
 opens ``<tmp>/mlflow.db``), removes every ``MLFLOW_*`` variable, and deletes the directory at exit.
 
 Timing conventions used by every script:
-- ``step_time_s`` comes from :class:`onegpu.training.callbacks.StepRecorder` (wall time from the end of
+- ``step_time_s`` comes from :class:`onegpu.training.recorder.StepRecorder` (wall time from the end of
   one optimizer step to the end of the next, data loading included, CUDA-synchronised);
 - optimizer step 1 is warm-up and is excluded from step-time medians and steady-state throughput;
 - repetitions are summarised by their median.
@@ -58,7 +59,7 @@ def setup() -> Path:
     _TMP = Path(tempfile.mkdtemp(prefix="onegpu-bench-"))
     (_TMP / "tmp").mkdir()
     os.environ["DVC_ROOT"] = str(_TMP)        # tracking.connect -> sqlite:///<tmp>/mlflow.db
-    tempfile.tempdir = str(_TMP / "tmp")      # hf_trainer.train's output_dir (mkdtemp) lands here too
+    tempfile.tempdir = str(_TMP / "tmp")      # the trainer backend's scratch output_dir lands here too
     atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
     import signal
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # so atexit runs (timeout)
@@ -190,10 +191,8 @@ def make_cfg(args, *, micro: int, accum: int, steps: int | None = None, checkpoi
                   "bf16": bool(args.bf16), "seed": args.seed, "logging_steps": 10**6, **train},
         "tracking": {"experiment_name": "bench"},
     }
-    from dataclasses import fields
-    if "oom_retry" in {f.name for f in fields(config.TrainConfig)} and "oom_retry" not in train:
-        # An out-of-memory error is a result here ("OOM"), not something to recover from by re-splitting.
-        raw["train"]["oom_retry"] = False
+    # An out-of-memory error is a result here ("OOM"), not something to recover from by re-splitting.
+    raw["train"].setdefault("oom_retry", False)
     return config.from_container(raw, source="bench")
 
 
@@ -289,100 +288,55 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def stage_extras() -> tuple[object, dict]:
-    """What the train stage hands the backend besides the sink, where the installed onegpu has it:
-    a ``GracefulStop`` (Ctrl-C handling, entered around training) and a checkpoint directory (with
-    ``train.save_steps`` null, written only on a stop). Returns (context manager, kwargs)."""
-    import inspect
-    from onegpu.training import hf_trainer
-    params = inspect.signature(hf_trainer.train).parameters
-    ctx, kw = contextlib.nullcontext(), {}
-    if "stop" in params:
-        from onegpu.training.interrupt import GracefulStop
-        ctx = kw["stop"] = GracefulStop()
-    if "checkpoint_dir" in params:
-        kw["checkpoint_dir"] = tempfile.mkdtemp(prefix="ckpt-", dir=tmpdir())
-        kw["checkpoint_meta"] = {"run_id": "bench"}
-    return ctx, kw
+def _plan(cfg, dsd):
+    """The session's plan for ``cfg`` on the bench data (fingerprint ``"bench"``)."""
+    from onegpu.training import session
+    return session.plan(cfg, {"fingerprint": "bench", "labels": dsd["train"].features["label"].names})
+
+
+def _result(rec, wall: float) -> dict:
+    out = steady(rec.rows)
+    out.update(wall_s=wall, summary=rec.summary(), memory=rec.memory(),
+               rows=[dict(r) for r in rec.rows], oom_events=list(rec.events))
+    return out
 
 
 def train_once(model, tokenizer, dsd, cfg, sink=noop_sink, verbose: bool = False, stage_like: bool = False,
                release: bool = True) -> dict:
-    """One ``hf_trainer.train`` run; the per-step rows and their steady-state summary (steps 2..N).
+    """One training run (:func:`onegpu.training.session.fit`, the configured backend); the per-step rows
+    and their steady-state summary (steps 2..N).
 
-    ``stage_like``: also what the train stage passes besides the sink (:func:`stage_extras`).
-    ``release``: free memory (:func:`release_memory`) first, outside the timing.
+    ``stage_like``: as the train stage trains (Ctrl-C handling and a checkpoint folder, written only on a
+    stop with ``train.save_steps`` null). ``release``: free memory (:func:`release_memory`) first,
+    outside the timing.
     """
-    from onegpu.config import resolve
-    from onegpu.training import hf_trainer
-    ctx, kw = stage_extras() if stage_like else (contextlib.nullcontext(), {})
+    from onegpu.training import session
+    plan = _plan(cfg, dsd)
     if release:
         release_memory()
     t0 = time.perf_counter()
-    with quiet(verbose), ctx:
-        _, rec = hf_trainer.train(model, tokenizer, dsd, cfg, resolve(cfg), sink=sink, **kw)
-    wall = time.perf_counter() - t0
-    out = steady(rec.rows)
-    out.update(wall_s=wall, summary=rec.summary(), memory=rec.memory(),
-               rows=[{k: v for k, v in r.items()} for r in rec.rows],
-               oom_events=list(getattr(rec, "events", []) or []))
-    del rec
-    return out
+    with quiet(verbose):
+        _, rec = session.fit(plan, model, tokenizer, dsd, sink, run_id="bench", checkpoints=stage_like)
+    return _result(rec, time.perf_counter() - t0)
 
 
 def stage_run(tracker, model, tok, dsd, cfg, verbose: bool = False) -> dict:
-    """What ``onegpu.stages.train`` does around the training loop, into ``tracker``'s store: start_run
-    with the stage's tags, params, model tags, the batched writer as the per-step sink, MLflow's
-    system-metrics monitor around training (where the installed onegpu has it), then flush, summary
-    metrics and end_run (saving the model is left out). ``total_s`` = the whole of it;
-    ``outside_loop_s`` = the tracking work before and after ``hf_trainer.train``."""
-    from onegpu import measure, models, tracking
-    from onegpu.config import equivalence_key, flatten, resolve
-    resolved = resolve(cfg)
-    device = "cuda:0" if _cuda() else "cpu"
+    """The train stage's run, :func:`onegpu.training.session.run`, into ``tracker``'s store with the given
+    model (saving outputs is left out): start_run with the stage's tags, params, model tags, the batched
+    writer as the per-step sink, MLflow's system-metrics monitor around training, flush, summary metrics.
+    ``total_s`` = the whole of it; ``outside_loop_s`` = the part outside the backend's training loop."""
+    from onegpu.training import session
+    plan = _plan(cfg, dsd)
     release_memory()  # the harness's own clean-up, before the clock starts
     t0 = time.perf_counter()
-    tags = {**tracking.run_context_tags(), "stage": "train", "equivalence_key": equivalence_key(cfg, resolved),
-            "device": measure.device_name(device), "data.fingerprint": "bench"}
-    run_id = tracker.start_run(tracking.run_name(), tags)
-    buffer = tracker.metric_buffer(run_id)
-    progress = {"step": 0}
-
-    def sink(metrics: dict, step: int) -> None:  # the stage's sink: remembers the step, then buffers
-        progress["step"] = step
-        buffer.add(metrics, step)
-
-    tracker.log_params(run_id, flatten(cfg.to_dict()))
-    tracker.set_tags(run_id, models.describe(model))
-    tracker.log_params(run_id, {
-        "resolved.per_device_train_batch_size": resolved.per_device_train_batch_size,
-        "resolved.gradient_accumulation_steps": resolved.gradient_accumulation_steps,
-        "resolved.effective_batch_size": resolved.effective_batch_size,
-        "resolved.world_size": resolved.world_size})
-    monitor = tracker.system_metrics(run_id) if hasattr(tracker, "system_metrics") else contextlib.nullcontext()
-    before = time.perf_counter() - t0
-    t_loop = time.perf_counter()
-    with monitor:
-        res = train_once(model, tok, dsd, cfg, sink=sink, verbose=verbose, stage_like=True, release=False)
-    loop = time.perf_counter() - t_loop
-    t1 = time.perf_counter()
-    buffer.flush()
-    summary = {**res["summary"], **res["memory"]}
-    tracker.log_metrics(run_id, {k: v for k, v in summary.items()
-                                 if k not in ("train_steps", "train_samples", "train_tokens")},
-                        step=summary.get("train_steps", 0))
-    tracker.end_run(run_id)
-    after = time.perf_counter() - t1
-    logged = len(tracker.client.get_metric_history(run_id, "loss"))
-    res.update(outside_loop_s=before + (loop - res["wall_s"]) + after, total_s=before + loop + after,
-               flush_s=after, metrics_logged=buffer.logged, loss_points_in_store=logged,
-               system_metrics=hasattr(tracker, "system_metrics"))
+    with quiet(verbose):
+        result = session.run(plan, tracker, dsd, built=(model, tok))
+    total = time.perf_counter() - t0
+    res = _result(result.steps, result.train_s)
+    logged = len(tracker.client.get_metric_history(result.run_id, "loss"))
+    res.update(outside_loop_s=total - result.train_s, total_s=total, loss_points_in_store=logged,
+               system_metrics=True)
     return res
-
-
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
 
 
 def steady(rows: list[dict]) -> dict:

@@ -1,6 +1,6 @@
 """The split sweep: one effective batch (64) as micro-batch x accumulation = 64x1, 16x4, 4x16, 1x64.
 
-Each split trains the same model init, data and config with ``onegpu.training.hf_trainer.train``
+Each split trains the same model init, data and config with ``onegpu.training.session.fit``
 (metrics sink a no-op) for a few optimizer steps of the same effective batch. Reported per split:
 samples/s and median step time over steps 2..N (step 1 is warm-up; median over repetitions),
 ``train_mem_peak_bytes`` (max over steps: CUDA allocator peak on GPU, process RSS peak on CPU) and

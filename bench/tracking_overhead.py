@@ -1,7 +1,7 @@
 """Tracking overhead: the train stage with full MLflow tracking versus the same with tracking off.
 
 Paired runs in one process, the order alternating between repetitions (tracked first in odd
-repetitions, off first in even ones). Both arms run ``onegpu.training.hf_trainer.train`` on the same
+repetitions, off first in even ones). Both arms run ``onegpu.training.session.fit`` on the same
 model init, data and config; they differ only in the metrics sink and what the train stage does around
 the loop:
 

@@ -1,11 +1,11 @@
 """Against the peer: onegpu's train stage versus plain HF Trainer with report_to=["mlflow"].
 
 Both arms train the same model init (same seed), data, collator and TrainingArguments values
-(``hf_trainer.training_arguments``: logging_steps=1, no checkpoints, no evaluation) in one process,
+(``onegpu.training.backends.hf_trainer.training_arguments``: logging_steps=1, no checkpoints, no evaluation) in one process,
 the order alternating between repetitions:
 
 - ours: what ``onegpu.stages.train`` does (``common.stage_run``): run + params + tags into MLflow,
-  ``hf_trainer.train`` (``ExactLossTrainer``, the step-measurement callbacks, the activation probe at
+  ``onegpu.training.session.run`` with the trainer backend (``ExactLossTrainer``, the step-measurement callbacks, the activation probe at
   train begin, Ctrl-C handling) with the batched MLflow writer as sink and MLflow's system-metrics
   monitor running, then flush, summary metrics and end_run;
 - plain: ``transformers.Trainer`` with the same arguments except ``report_to=["mlflow"]``, so HF's
@@ -32,7 +32,8 @@ def plain_run(model, tok, dsd, cfg, verbose: bool) -> dict:
     from transformers.integrations import MLflowCallback
 
     from onegpu.config import resolve
-    from onegpu.training import hf_trainer
+    from onegpu.training.backends import hf_trainer
+    from onegpu.training.batches import collator_for, model_inputs
 
     class Stamps(TrainerCallback):
         def __init__(self):
@@ -51,9 +52,9 @@ def plain_run(model, tok, dsd, cfg, verbose: bool) -> dict:
     t0 = time.perf_counter()
     args = hf_trainer.training_arguments(cfg, resolved, out)
     args.report_to = ["mlflow"]
-    train_ds = hf_trainer.model_inputs(dsd, cfg.model.task)["train"]
+    train_ds = model_inputs(dsd, cfg.model.task)["train"]
     trainer = Trainer(model=model, args=args, train_dataset=train_ds,
-                      data_collator=hf_trainer.collator_for(cfg.model.task, tok), processing_class=tok)
+                      data_collator=collator_for(cfg.model.task, tok), processing_class=tok)
     assert any(isinstance(c, MLflowCallback) for c in trainer.callback_handler.callbacks)
     stamps = Stamps()
     trainer.add_callback(stamps)
@@ -76,11 +77,11 @@ def our_extras(cfg, labels, path, tok, dsd) -> dict:
     the per-step measurement (RSS peak reset and read)."""
     from onegpu import measure
     from onegpu.config import resolve
-    from onegpu.training import hf_trainer
+    from onegpu.training.batches import collator_for, model_inputs, probe_batch
     from onegpu.training.loss import loss_for
     model = common.pretrained_model(cfg, labels, path)
-    ds = hf_trainer.model_inputs(dsd, cfg.model.task)["train"]
-    batch = hf_trainer.probe_batch(ds, hf_trainer.collator_for(cfg.model.task, tok), resolve(cfg))
+    ds = model_inputs(dsd, cfg.model.task)["train"]
+    batch = probe_batch(ds, collator_for(cfg.model.task, tok), resolve(cfg).per_device_train_batch_size)
     measure.activation_bytes(model, batch, loss_for(cfg.model.task))  # warm
     t0 = time.perf_counter()
     measure.activation_bytes(model, batch, loss_for(cfg.model.task))

@@ -85,27 +85,6 @@ def _batch(dataset, collator, rows: list[int], device) -> dict:
     return {k: v.to(device) for k, v in b.items()}
 
 
-def _cuda_probe(model, batch: dict, loss_fn, device) -> int:
-    """Allocator peak (bytes) of one forward + backward; gradients dropped and RNG restored after."""
-    import torch
-    cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state_all()
-    model.train()
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    try:
-        out = model(**{k: v for k, v in batch.items() if k != "labels"})
-        loss_fn(out, batch["labels"]).backward()
-        del out
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device))
-    finally:
-        model.zero_grad(set_to_none=True)
-        torch.set_rng_state(cpu_rng)
-        torch.cuda.set_rng_state_all(cuda_rng)
-        torch.cuda.empty_cache()
-
-
 def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: int, budget_bytes: int,
                      optim: str, device: str, world_size: int = 1) -> tuple[int, list[Probe]]:
     """The largest micro-batch dividing ``effective_batch_size / world_size`` whose step fits.
@@ -125,16 +104,16 @@ def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: in
     usable = int(budget_bytes * SAFETY)
     states = state_bytes_predicted(model, optim)
     probes: list[Probe] = []
-    cuda = str(device).startswith("cuda")
+    cuda = measure.is_cuda(device)
     for m in divisors_desc(per_process):
         batch = _batch(dataset, collator, longest_rows(dataset, m), device)
         if cuda:
             try:
-                peak = _cuda_probe(model, batch, loss_fn, device) + states["mem_optimizer_bytes"]
+                peak = measure.cuda_step_peak(model, batch, loss_fn, device) + states["mem_optimizer_bytes"]
                 how = "measured (CUDA allocator)"
             except torch.OutOfMemoryError:
                 model.zero_grad(set_to_none=True)
-                torch.cuda.empty_cache()
+                measure.empty_cache()
                 probes.append(Probe(m, -1, usable, False, "out of memory"))
                 continue
         else:
@@ -158,10 +137,8 @@ def budget_bytes(memory_budget_gib: float | None, device: str) -> int:
     """
     if memory_budget_gib is not None:
         return int(memory_budget_gib * 2**30)
-    if str(device).startswith("cuda"):
-        import torch
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
+    if measure.is_cuda(device):
+        return measure.free_bytes(device)
     raise ConfigError("params.yaml: train.memory_budget_gib: is required with per_device_train_batch_size: "
                       "auto on CPU (no device memory to read); give the GiB the training step may use")
 

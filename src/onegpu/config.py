@@ -409,14 +409,3 @@ def resolve(cfg: Config, world_size: int = 1, micro_batch: int | None = None) ->
                           f"micro-batch {micro_batch} x {world_size} process(es)")
     return Resolved(micro_batch, t.effective_batch_size // per_step, world_size)
 
-
-# Moved to onegpu.equivalence.key; re-exported here for one step (PEP 562) so callers keep working.
-_MOVED_TO_EQUIVALENCE = ("NOT_IN_EQUIVALENCE_KEY", "MODEL_FROM_CONFIG_KEYS", "equivalence_fields",
-                         "equivalence_key", "run_config_hash")
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_EQUIVALENCE:
-        from onegpu.equivalence import key
-        return getattr(key, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,6 +11,30 @@ import time
 from onegpu.config import Config
 
 
+def predict(model, tokenizer, dataset, cfg: Config):
+    """Run a classifier over ``dataset`` (prepared columns) with HF ``Trainer`` and return its
+    ``PredictionOutput``.
+
+    Its ``metrics`` hold ``eval_loss`` (mean cross-entropy per example,
+    :func:`onegpu.training.loss.classification_loss`), ``eval_runtime`` (seconds),
+    ``eval_samples_per_second``; ``predictions`` are logits ``(rows, num_labels)``; ``label_ids`` the gold ids.
+    """
+    import tempfile
+
+    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
+
+    from onegpu import measure
+    from onegpu.training.batches import model_inputs
+    from onegpu.training.loss import loss_for
+    with tempfile.TemporaryDirectory(prefix="onegpu-eval-") as out:  # Trainer wants one; nothing is saved
+        args = TrainingArguments(output_dir=out, per_device_eval_batch_size=cfg.evaluate.per_device_eval_batch_size,
+                                 report_to="none", remove_unused_columns=False, bf16_full_eval=False,
+                                 disable_tqdm=True, dataloader_pin_memory=measure.cuda_available())
+        trainer = Trainer(model=model, args=args, data_collator=DataCollatorWithPadding(tokenizer),
+                          processing_class=tokenizer, compute_loss_func=loss_for("sequence-classification"))
+        return trainer.predict(model_inputs(dataset), metric_key_prefix="eval")
+
+
 def classifier_metrics(model, tokenizer, dataset, cfg: Config) -> tuple[dict, list[int], list[int]]:
     """Predict the split with HF Trainer; return metrics, gold and predicted class ids.
 
@@ -20,8 +44,7 @@ def classifier_metrics(model, tokenizer, dataset, cfg: Config) -> tuple[dict, li
     import numpy as np
     from sklearn.metrics import accuracy_score, f1_score
 
-    from onegpu.training import hf_trainer
-    out = hf_trainer.predict(model, tokenizer, dataset, cfg)
+    out = predict(model, tokenizer, dataset, cfg)
     pred = np.asarray(out.predictions).argmax(-1)
     gold = np.asarray(out.label_ids)
     metrics = {"eval_loss": out.metrics["eval_loss"],
@@ -42,7 +65,7 @@ def causal_lm_metrics(model, tokenizer, dataset, cfg: Config, device: str) -> di
     import torch
     from torch.utils.data import DataLoader
 
-    from onegpu.training.hf_trainer import CausalLMCollator, model_inputs
+    from onegpu.training.batches import CausalLMCollator, model_inputs
     from onegpu.training.loss import causal_lm_loss, count_items
     ds = model_inputs(dataset, "causal-lm")
     loader = DataLoader(ds, batch_size=cfg.evaluate.per_device_eval_batch_size,

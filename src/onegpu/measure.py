@@ -1,4 +1,6 @@
-"""Memory and time measurement: the only module that reads ``torch.cuda`` memory statistics.
+"""Memory and time measurement: the only module that reads ``torch.cuda`` memory statistics (the step
+peaks, the ``auto`` finder's probe peak, free device memory) and the one place that asks whether CUDA is
+available (:func:`cuda_available`).
 
 Memory figures are bytes. On CUDA the step peak is the caching allocator's peak of allocated bytes
 (``torch.cuda.max_memory_allocated``), reset at the start of each step and each stage; it leaves out
@@ -38,20 +40,46 @@ def reset_rss_peak() -> bool:
         return False
 
 
-def _cuda(device) -> bool:
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA GPU (``torch.cuda.is_available()``)."""
+    import torch
+    return torch.cuda.is_available()
+
+
+def default_device() -> str:
+    """``"cuda:0"`` when a CUDA GPU is visible, else ``"cpu"``: the device every stage runs on."""
+    return "cuda:0" if cuda_available() else "cpu"
+
+
+def is_cuda(device) -> bool:
+    """Whether ``device`` (a ``torch.device`` or a string such as ``"cuda:0"``) is a CUDA device."""
     return str(device).startswith("cuda")
+
+
+def empty_cache() -> None:
+    """Return the CUDA allocator's cached free blocks to the device (no-op without CUDA)."""
+    if cuda_available():
+        import torch
+        torch.cuda.empty_cache()
+
+
+def free_bytes(device) -> int:
+    """Free memory on CUDA ``device`` in bytes (``torch.cuda.mem_get_info``)."""
+    import torch
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
 
 
 def synchronize(device) -> None:
     """Wait for queued CUDA work on ``device`` (no-op on CPU), so wall times cover the work."""
-    if _cuda(device):
+    if is_cuda(device):
         import torch
         torch.cuda.synchronize(device)
 
 
 def reset_peak(device) -> None:
     """Start a new peak-memory window on ``device`` (CUDA allocator peak, or process RSS peak)."""
-    if _cuda(device):
+    if is_cuda(device):
         import torch
         torch.cuda.reset_peak_memory_stats(device)
     else:
@@ -60,7 +88,7 @@ def reset_peak(device) -> None:
 
 def peak_bytes(device) -> int:
     """Peak memory in bytes since :func:`reset_peak`: CUDA ``max_memory_allocated``, else RSS peak."""
-    if _cuda(device):
+    if is_cuda(device):
         import torch
         return int(torch.cuda.max_memory_allocated(device))
     return rss_peak_bytes()
@@ -68,7 +96,7 @@ def peak_bytes(device) -> int:
 
 def device_name(device) -> str:
     """``'cpu'`` or the CUDA device's name, e.g. ``'NVIDIA H200'`` (the contract's ``device`` tag)."""
-    if _cuda(device):
+    if is_cuda(device):
         import torch
         return torch.cuda.get_device_name(device)
     return str(device).split(":")[0]
@@ -185,8 +213,34 @@ def activation_bytes(model, batch: dict, loss_fn) -> int:
 
 def cuda_peaks(device) -> dict[str, int]:
     """``mem_allocated_peak_bytes`` and ``mem_reserved_peak_bytes`` since the last reset (CUDA only)."""
-    if not _cuda(device):
+    if not is_cuda(device):
         return {}
     import torch
     return {"mem_allocated_peak_bytes": int(torch.cuda.max_memory_allocated(device)),
             "mem_reserved_peak_bytes": int(torch.cuda.max_memory_reserved(device))}
+
+
+def cuda_step_peak(model, batch: dict, loss_fn, device) -> int:
+    """Allocator peak (bytes, ``torch.cuda.max_memory_allocated``) of one forward + backward of ``batch``
+    on CUDA ``device``; gradients are dropped and the RNG states restored afterwards.
+
+    Raises:
+        torch.OutOfMemoryError: the step does not fit.
+    """
+    import torch
+    cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state_all()
+    model.train()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        out = model(**{k: v for k, v in batch.items() if k != "labels"})
+        loss_fn(out, batch["labels"]).backward()
+        del out
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    finally:
+        model.zero_grad(set_to_none=True)
+        torch.set_rng_state(cpu_rng)
+        torch.cuda.set_rng_state_all(cuda_rng)
+        torch.cuda.empty_cache()

@@ -7,8 +7,14 @@ that must outlive a stage (the MLflow store, its artifacts, the lock) is therefo
 """
 from __future__ import annotations
 
+import contextlib
+import csv
+import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Iterator, TextIO
 
 # Stage outputs, relative to the stage's working directory (the repo or DVC's temp clone).
 PARAMS = Path("params.yaml")
@@ -87,17 +93,17 @@ def lock_file(root: Path | None = None) -> Path:
     return d / "tracking.lock"
 
 
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write JSON to ``path`` through a temp file and a rename, so no half-written file is left."""
-    import json
-    import tempfile
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, newline: str | None = None) -> Iterator[TextIO]:
+    """Write a text file atomically: yields a file open for writing at a temporary name next to ``path``;
+    when the block ends without an error it is renamed over ``path`` (mode 0644), else removed. Readers
+    (and DVC) never see a half-written file. The parent folder is created."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
+        with os.fdopen(fd, "w", newline=newline) as f:
+            yield f
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
@@ -105,8 +111,39 @@ def write_json_atomic(path: str | os.PathLike, obj) -> None:
         raise
 
 
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Write a folder atomically: yields an empty temporary folder next to ``path``; when the block ends
+    without an error the old ``path`` is removed and the new one moved into its place, else the temporary
+    folder is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.move(str(tmp), str(path))
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """Write JSON to ``path`` (indented, sorted keys) through :func:`atomic_file`."""
+    with atomic_file(path) as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def write_csv_atomic(path: str | os.PathLike, header: list[str], rows) -> None:
+    """Write a CSV file (``header``, then ``rows`` as sequences) through :func:`atomic_file`."""
+    with atomic_file(path, newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+
+
 def read_json(path: str | os.PathLike):
-    import json
     with open(path) as f:
         return json.load(f)
 

@@ -10,7 +10,7 @@ import torch
 from datasets import ClassLabel, Dataset, DatasetDict
 
 from onegpu import config, measure, models
-from onegpu.training import accel, hf_trainer
+from onegpu.training.backends import accelerate as accel, hf_trainer
 
 pytestmark = pytest.mark.gpu
 LABELS = ["a", "b", "c"]

@@ -7,7 +7,8 @@ from datasets import ClassLabel, Dataset, DatasetDict
 
 from onegpu import autobatch, config, measure, models
 from onegpu.errors import UserError
-from onegpu.training import accel, hf_trainer
+from onegpu.training import batches
+from onegpu.training.backends import accelerate as accel, hf_trainer
 
 BACKENDS = pytest.mark.parametrize("backend", [hf_trainer, accel], ids=["trainer", "accelerate"])
 from onegpu.training.loss import classification_loss
@@ -64,8 +65,8 @@ def test_longest_rows_are_the_worst_case(dsd):
 
 def test_finder_takes_the_largest_divisor_that_fits_the_budget(tokenizer, dsd):
     model = tiny_bert(tokenizer)
-    ds = hf_trainer.model_inputs(dsd)["train"].add_column("length", dsd["train"]["length"])
-    collator = hf_trainer.collator_for("sequence-classification", tokenizer)
+    ds = batches.model_inputs(dsd)["train"].add_column("length", dsd["train"]["length"])
+    collator = batches.collator_for("sequence-classification", tokenizer)
     states = sum(autobatch.state_bytes_predicted(model, "adamw_torch").values())
     act = {m: measure.activation_bytes(model, collator([ds[i] for i in autobatch.longest_rows(ds, m)]),
                                        classification_loss) for m in (8, 16)}
@@ -134,7 +135,7 @@ def test_estimate_predicts_measured_activation_bytes_within_15_percent(tokenizer
     ds = ds.add_column("input_ids", enc["input_ids"]).add_column("attention_mask", enc["attention_mask"])
     ds = ds.add_column("token_type_ids", enc["token_type_ids"]).add_column("length", [len(x) for x in enc["input_ids"]])
     rows = ds.rename_column("label", "labels").remove_columns("text")
-    collator = hf_trainer.collator_for("sequence-classification", tokenizer)
+    collator = batches.collator_for("sequence-classification", tokenizer)
     est = autobatch.estimate(model, rows, collator, loss_fn, [8], "adamw_torch", False, models.enable_checkpointing)
     model.activation_checkpointing_disable()
     measured = measure.activation_bytes(model, collator([rows[i] for i in range(8)]), loss_fn)

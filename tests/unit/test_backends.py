@@ -69,8 +69,8 @@ def run(backend: str, micro: int, accum: int, n: int = 24, max_steps: int = 3, e
                   "max_grad_norm": max_grad_norm, "seed": 7, "gradient_checkpointing": checkpointing,
                   "logging_steps": 2},
     }, source="test")
-    module = importlib.import_module({"trainer": "onegpu.training.hf_trainer",
-                                      "accelerate": "onegpu.training.accel"}[backend])
+    from onegpu.training.backends import base
+    module = importlib.import_module(base.REGISTRY[backend])
     sunk = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -170,7 +170,7 @@ def test_accelerate_stop_and_resume_gives_the_uninterrupted_losses_and_weights(t
     """Stop after step 2 of 5 (dropout on: the RNG state must resume too), resume from the checkpoint."""
     from transformers import BertForSequenceClassification
 
-    from onegpu.training import accel
+    from onegpu.training.backends import accelerate as accel
     from onegpu.training.checkpoint import latest_checkpoint
     from onegpu.training.interrupt import Interrupted
     monkeypatch.chdir(tmp_path)
@@ -201,7 +201,7 @@ def test_accelerate_stop_and_resume_gives_the_uninterrupted_losses_and_weights(t
         accel.train(build(), tokenizer(), dataset(24), cfg, resolve(cfg), sink, checkpoint_dir=ckpt, stop=stop,
                     checkpoint_meta={"run_id": "r1"})
     resume = latest_checkpoint(ckpt)
-    assert resume is not None and resume[1]["step"] == 2 and resume[1]["run_id"] == "r1"
+    assert resume is not None and resume.step == 2 and resume.run_id == "r1"
     rest = []
     model, rec = accel.train(build(), tokenizer(), dataset(24), cfg, resolve(cfg), lambda m, s: rest.append(m["loss"]),
                              checkpoint_dir=ckpt, resume=resume)
@@ -216,11 +216,36 @@ def test_trainer_backend_leaves_no_scratch_folders(tmp_path, monkeypatch):
     temporary and removed (they were left in /tmp, one per evaluate and per training run)."""
     import tempfile
 
-    from onegpu.training import hf_trainer
+    from onegpu.evaluation import predict
+    from onegpu.training.backends import hf_trainer
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     cfg = from_container({"model": {"dropout": 0.0}, "train": {"per_device_train_batch_size": 4, "max_steps": 1,
                                                               "logging_steps": 100}})
     model, _ = hf_trainer.train(tiny_bert(), tokenizer(), dataset(8), cfg, resolve(cfg), sink=lambda m, s: None)
-    out = hf_trainer.predict(model, tokenizer(), dataset(8)["train"], cfg)
+    out = predict(model, tokenizer(), dataset(8)["train"], cfg)
     assert out.predictions.shape == (8, 3)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_one_backend_registry_and_the_config_accepts_exactly_its_names():
+    from onegpu import config
+    from onegpu.training.backends import base
+    assert tuple(base.REGISTRY) == tuple(config.BACKENDS) == ("trainer", "accelerate")
+    assert all(callable(base.get(name).train) for name in base.REGISTRY)
+
+
+def test_accelerate_backend_and_recorder_import_no_hf_trainer():
+    """The Accelerate loop and the backend-neutral recorder stand without HF ``Trainer`` and its callbacks."""
+    import ast
+    from pathlib import Path
+
+    import onegpu.training
+    root = Path(onegpu.training.__file__).parent
+    for rel in ("backends/accelerate.py", "recorder.py", "batches.py", "interrupt.py", "session.py"):
+        names = set()
+        for node in ast.walk(ast.parse((root / rel).read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names |= {f"{node.module}.{a.name}" for a in node.names}
+        assert not {n for n in names if n.startswith("transformers.") and
+                    n.rsplit(".", 1)[1] in ("Trainer", "TrainerCallback", "TrainingArguments")}, rel
+        assert not {n for n in names if "backends.hf_trainer" in n}, rel

@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from onegpu import config
-from onegpu.stages import train
+from onegpu.training import session
 from onegpu.training.checkpoint import STATE_FILE, review_other_checkpoints
 
 REPO_PARAMS = Path(__file__).parents[2] / "params.yaml"
@@ -80,7 +80,7 @@ def test_train_stage_says_what_it_does_not_use_and_prunes_what_nothing_can_resum
     runs["split"].data.params["train.per_device_train_batch_size"] = "2"
     tracker = SimpleNamespace(find_run=runs.get)
 
-    train._other_checkpoints(tracker, own, KEY, cfg, DATA, announce=True)
+    session._other_checkpoints(tracker, own, KEY, cfg, DATA, announce=True)
     out = capsys.readouterr().out
     left = {p.name for p in root.iterdir()}
     assert left == {"own", "cfg-running", "cfg-resumed", "cfg-split", "cfg-other-key", "cfg-not-in-store",
@@ -92,8 +92,22 @@ def test_train_stage_says_what_it_does_not_use_and_prunes_what_nothing_can_resum
     assert f"train: removed the checkpoint of MLflow run deleted at optimizer step 4 ({root / 'cfg-deleted'})" in out
     assert len(out.strip().splitlines()) == 5  # deleted, finished, split, other-key, not-in-store
 
-    train._other_checkpoints(tracker, own, KEY, cfg, DATA, finished=True)
+    session._other_checkpoints(tracker, own, KEY, cfg, DATA, finished=True)
     out = capsys.readouterr().out
     assert "cfg-split" not in {p.name for p in root.iterdir()}
     assert out.strip() == (f"train: removed the checkpoint of stopped MLflow run split at optimizer step 7 "
                            f"({root / 'cfg-split'}): this run finished the same training (equivalence key {KEY})")
+
+
+def test_latest_checkpoint_is_a_resume_point_with_the_state_it_was_written_with(tmp_path):
+    from onegpu.training.checkpoint import ResumePoint, latest_checkpoint
+    _checkpoint(tmp_path, "cfg", 3, "r1")
+    _checkpoint(tmp_path, "cfg", 5, "r1", complete=False)  # cut off: never resumed
+    point = latest_checkpoint(tmp_path / "cfg")
+    assert isinstance(point, ResumePoint)
+    assert (point.step, point.run_id, point.micro_batch) == (3, "r1", None)
+    assert point.path.endswith("checkpoint-3")
+    full = ResumePoint.from_state("c", {"step": 7, "rows": [{"step": 1}], "breakdown": {"mem_params_bytes": 8},
+                                        "events": [{"step": 2}], "run_id": "", "micro_batch": 4})
+    assert (full.step, full.rows, full.breakdown, full.events, full.run_id, full.micro_batch) == (
+        7, [{"step": 1}], {"mem_params_bytes": 8}, [{"step": 2}], None, 4)

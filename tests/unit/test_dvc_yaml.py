@@ -22,7 +22,7 @@ def _file(module: str) -> Path:
 
 def _imports(path: Path) -> set[str]:
     """onegpu modules that ``path`` imports anywhere (top level or inside functions), or names in a
-    string (``importlib.import_module("onegpu.training.accel")``)."""
+    string (``importlib.import_module("onegpu.training.backends.accelerate")``)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):

@@ -129,11 +129,3 @@ def test_resolved_params_name_the_layout():
     assert eqkey.resolved_params(config.resolve(cfg, 2)) == {
         "resolved.per_device_train_batch_size": 8, "resolved.gradient_accumulation_steps": 2,
         "resolved.effective_batch_size": 32, "resolved.world_size": 2}
-
-
-def test_config_still_reexports_the_moved_names():
-    # one step only: the train stage and bench import these from onegpu.config until they move
-    assert config.equivalence_key is eqkey.equivalence_key
-    assert config.NOT_IN_EQUIVALENCE_KEY is eqkey.NOT_IN_EQUIVALENCE_KEY
-    from onegpu.config import run_config_hash
-    assert run_config_hash is eqkey.run_config_hash

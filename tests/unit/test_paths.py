@@ -122,3 +122,30 @@ def test_write_json_atomic_failure_leaves_no_temp(tmp_path):
         paths.write_json_atomic(target, {"bad": object()})
     assert paths.read_json(target) == {"ok": 1}  # the old file survives
     assert os.listdir(tmp_path) == ["m.json"]
+
+
+# -- atomic_file / atomic_dir / write_csv_atomic -------------------------------------------------
+
+def test_atomic_file_and_dir_replace_on_success_and_leave_the_old_output_on_error(tmp_path):
+    target = tmp_path / "plots" / "steps.csv"
+    paths.write_csv_atomic(target, ["step", "loss"], [(1, 0.5), (2, None)])
+    assert target.read_bytes() == b"step,loss\r\n1,0.5\r\n2,\r\n"
+    with pytest.raises(RuntimeError):
+        with paths.atomic_file(target) as f:
+            f.write("half")
+            raise RuntimeError("cut off")
+    assert target.read_bytes() == b"step,loss\r\n1,0.5\r\n2,\r\n"  # the old file, whole
+    folder = tmp_path / "models" / "model"
+    with paths.atomic_dir(folder) as tmp:
+        (tmp / "a.txt").write_text("1")
+    with pytest.raises(RuntimeError):
+        with paths.atomic_dir(folder) as tmp:
+            (tmp / "b.txt").write_text("2")
+            raise RuntimeError("cut off")
+    assert sorted(p.name for p in folder.iterdir()) == ["a.txt"]
+    with paths.atomic_dir(folder) as tmp:
+        (tmp / "c.txt").write_text("3")
+    assert sorted(p.name for p in folder.iterdir()) == ["c.txt"]  # replaced, not merged
+    # no temporary file or folder is left next to the outputs
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["steps.csv"]
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["model"]

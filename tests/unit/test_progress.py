@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from onegpu.training.callbacks import progress_line
+from onegpu.training.recorder import progress_line
 
 ROWS = [{"step": s, "loss": 2.0 - 0.1 * s, "samples_per_second": 40.0 + s, "step_time_s": 0.5 + 0.1 * s,
          "mem_peak_bytes": 3 * 2**29} for s in (1, 2, 3, 4)]
@@ -29,8 +29,8 @@ def test_training_prints_onegpu_progress_not_hf_log_dicts(backend, capsys):
                           "train": {"backend": backend, "per_device_train_batch_size": 4,
                                     "gradient_accumulation_steps": 2, "max_steps": 3, "logging_steps": 2}},
                          source="test")
-    module = importlib.import_module({"trainer": "onegpu.training.hf_trainer",
-                                      "accelerate": "onegpu.training.accel"}[backend])
+    from onegpu.training.backends import base
+    module = importlib.import_module(base.REGISTRY[backend])
     module.train(tiny_bert(), tokenizer(), dataset(24), cfg, resolve(cfg), sink=lambda m, s: None)
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
@@ -41,7 +41,7 @@ def test_training_prints_onegpu_progress_not_hf_log_dicts(backend, capsys):
 
 
 def test_cpu_peak_says_it_is_process_rss_and_why_it_exceeds_the_auto_budget():
-    from onegpu.stages.train import _peak_text
+    from onegpu.training.session import _peak_text
     text = _peak_text(1727 * 2**20, "cpu", int(0.8 * 2**30))
     assert text.startswith("peak 1727 MiB process RSS (the auto budget, 0.80 GiB, covers the probed training "
                            "state only; RSS also holds the Python runtime, libraries and data)")

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from onegpu.training.callbacks import BatchCounter, StepRecorder, TrainingDiverged
+from onegpu.training.recorder import BatchCounter, StepRecorder, TrainingDiverged
 
 
 def _recorder():

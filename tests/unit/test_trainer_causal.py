@@ -11,8 +11,8 @@ import torch
 from datasets import ClassLabel, Dataset, DatasetDict
 
 from onegpu import config, models
-from onegpu.training import hf_trainer
-from onegpu.training.hf_trainer import CausalLMCollator
+from onegpu.training.backends import hf_trainer
+from onegpu.training.batches import CausalLMCollator
 
 
 def test_trainer_step_loss_equals_the_models_own_loss_over_the_effective_batch(tmp_path, monkeypatch):

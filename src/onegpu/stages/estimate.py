@@ -38,7 +38,7 @@ def _rows(cfg: Config, tokenizer_path):
 def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float | None = None) -> dict:
     from datasets.utils.logging import disable_progress_bar
 
-    from onegpu.training.hf_trainer import collator_for, model_inputs
+    from onegpu.training.batches import collator_for, model_inputs
     from onegpu.training.loss import loss_for
     disable_progress_bar()
     start = time.perf_counter()

@@ -8,9 +8,6 @@ confusion matrix image.
 """
 from __future__ import annotations
 
-import csv
-import os
-
 from onegpu import evaluation, measure, models, paths, tracking
 from onegpu.config import Config
 from onegpu.errors import DataError
@@ -34,7 +31,7 @@ def run(cfg: Config) -> dict:
 
         model, tokenizer = models.load_trained(paths.MODEL_DIR, task)
         test = load_from_disk(str(paths.PROCESSED))["test"]
-        device = "cuda:0" if _cuda() else "cpu"
+        device = measure.default_device()
         measure.reset_peak(device)
         with tracker.system_metrics(run_id, resume=True):
             if task == "causal-lm":
@@ -58,11 +55,6 @@ def run(cfg: Config) -> dict:
     return metrics
 
 
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
-
 def _confusion_figure(gold, pred, names):
     import matplotlib
     matplotlib.use("Agg")
@@ -80,10 +72,4 @@ def _write_predictions(gold, pred, names) -> None:
     """plots/predictions.csv (actual, predicted label names): DVC's confusion plot reads it.
 
     Causal LM has no classes: the file then holds the header alone."""
-    paths.PREDICTIONS.parent.mkdir(parents=True, exist_ok=True)
-    tmp = paths.PREDICTIONS.with_suffix(".tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["actual", "predicted"])
-        w.writerows((names[g], names[p]) for g, p in zip(gold, pred))
-    os.replace(tmp, paths.PREDICTIONS)
+    paths.write_csv_atomic(paths.PREDICTIONS, ["actual", "predicted"], ((names[g], names[p]) for g, p in zip(gold, pred)))

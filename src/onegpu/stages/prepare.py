@@ -7,10 +7,6 @@ each split as an MLflow dataset input.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-
 from onegpu import data, measure, models, paths, tracking
 from onegpu.config import Config, flatten
 from onegpu.errors import DataError
@@ -67,34 +63,46 @@ def run(cfg: Config) -> dict:
         stats = data.stats(dsd, rows_read=len(raw.texts), dropped=dropped, undecodable=raw.undecodable,
                            max_length=cfg.data.max_length)
 
-        # Write next to the target, then swap in: no half-written output for DVC to cache.
-        paths.PROCESSED.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=paths.PROCESSED.parent, prefix=".processed-")
-        dsd.save_to_disk(tmp)
-        if cfg.model.name_or_path is None:
-            tokenizer.save_pretrained(os.path.join(tmp, paths.TOKENIZER.name))
-        shutil.rmtree(paths.PROCESSED, ignore_errors=True)
-        shutil.move(tmp, paths.PROCESSED)
-        paths.write_json_atomic(paths.STATS, stats)
-
-        metrics = {**cost(), "rows_read": stats["rows_read"], "rows_kept": stats["rows_kept"],
-                   **{f"rows_dropped_{r}": n for r, n in dropped.items()},
-                   "duplicates_removed": dropped["duplicate"], "undecodable_files": raw.undecodable}
-        for s, st in stats["splits"].items():
-            metrics.update({f"rows_{s}": st["rows"], f"tokens_{s}": st["tokens"],
-                            f"length_p50_{s}": st["length_p50"], f"length_p90_{s}": st["length_p90"],
-                            f"truncated_share_{s}": st["truncated_share"]})
-        tracker.log_metrics(run_id, metrics)
-        tracker.set_tags(run_id, {"data.fingerprint": stats["fingerprint"]})
-        tracker.log_dict(run_id, stats, "stats.json")
-        names = stats["labels"]
-        for s in data.SPLITS:
-            df = dsd[s].select_columns(["text", "label"]).to_pandas()
-            df["label"] = df["label"].map(lambda i: names[i])
-            tracker.log_dataset(run_id, df, name=f"{cfg.data.source}-{s}", source=raw.source,
-                                context={"train": "training", "validation": "validation", "test": "test"}[s],
-                                targets="label")
+        _write(dsd, tokenizer if cfg.model.name_or_path is None else None, stats)
+        metrics = {**cost(), **_data_metrics(stats, dropped, raw.undecodable)}
+        _log_data(tracker, run_id, cfg, dsd, stats, metrics, raw.source)
     rows = {s: st["rows"] for s, st in stats["splits"].items()}
     print(f"prepare: {stats['rows_read']} rows read, {drop_summary(dropped)}, splits {rows}, "
           f"{metrics['prepare_runtime']:.1f} s -> {paths.PROCESSED}")
     return stats
+
+
+def _write(dsd, own_tokenizer, stats: dict) -> None:
+    """data/processed (with the tokenizer prepare trained, if any) and data/stats.json, each atomically:
+    no half-written output for DVC to cache."""
+    with paths.atomic_dir(paths.PROCESSED) as tmp:
+        dsd.save_to_disk(str(tmp))
+        if own_tokenizer is not None:
+            own_tokenizer.save_pretrained(str(tmp / paths.TOKENIZER.name))
+    paths.write_json_atomic(paths.STATS, stats)
+
+
+def _data_metrics(stats: dict, dropped: dict[str, int], undecodable: int) -> dict:
+    """Row counts, drops by reason and per-split sizes, tokens, length percentiles and truncated share."""
+    metrics = {"rows_read": stats["rows_read"], "rows_kept": stats["rows_kept"],
+               **{f"rows_dropped_{r}": n for r, n in dropped.items()},
+               "duplicates_removed": dropped["duplicate"], "undecodable_files": undecodable}
+    for s, st in stats["splits"].items():
+        metrics.update({f"rows_{s}": st["rows"], f"tokens_{s}": st["tokens"],
+                        f"length_p50_{s}": st["length_p50"], f"length_p90_{s}": st["length_p90"],
+                        f"truncated_share_{s}": st["truncated_share"]})
+    return metrics
+
+
+def _log_data(tracker, run_id: str, cfg: Config, dsd, stats: dict, metrics: dict, source: str) -> None:
+    """The prepare run's metrics, fingerprint tag, stats artifact and one MLflow dataset input per split."""
+    tracker.log_metrics(run_id, metrics)
+    tracker.set_tags(run_id, {"data.fingerprint": stats["fingerprint"]})
+    tracker.log_dict(run_id, stats, "stats.json")
+    names = stats["labels"]
+    for s in data.SPLITS:
+        df = dsd[s].select_columns(["text", "label"]).to_pandas()
+        df["label"] = df["label"].map(lambda i: names[i])
+        tracker.log_dataset(run_id, df, name=f"{cfg.data.source}-{s}", source=source,
+                            context={"train": "training", "validation": "validation", "test": "test"}[s],
+                            targets="label")

@@ -13,13 +13,42 @@ import json
 import os
 import random
 import shutil
+from dataclasses import dataclass, field
+
+from onegpu import measure
 
 STATE_FILE = "onegpu_state.json"
 
 
-def latest_checkpoint(checkpoint_dir) -> tuple[str, dict] | None:
-    """The newest complete ``checkpoint-N`` under ``checkpoint_dir`` and its onegpu state (the step rows
-    so far, the memory breakdown, the MLflow run id, the micro-batch); None when there is none."""
+@dataclass(frozen=True)
+class ResumePoint:
+    """A complete checkpoint to continue from, with onegpu's state as ``onegpu_state.json`` holds it.
+
+    ``path``: the ``checkpoint-N`` folder; ``step``: optimizer steps done (N); ``rows``: the step rows
+    recorded so far (:class:`onegpu.training.recorder.StepRecorder`); ``breakdown``: the memory breakdown
+    (bytes); ``events``: out-of-memory recoveries; ``run_id``: the MLflow run that wrote it (None when
+    unknown); ``micro_batch``: the micro-batch it was trained with (None when not recorded).
+    """
+    path: str
+    step: int
+    rows: list = field(default_factory=list)
+    breakdown: dict = field(default_factory=dict)
+    events: list = field(default_factory=list)
+    run_id: str | None = None
+    micro_batch: int | None = None
+
+    @classmethod
+    def from_state(cls, path: str, state: dict) -> "ResumePoint":
+        """From a folder and its parsed ``onegpu_state.json`` (keys as :func:`write_state` writes them)."""
+        micro = state.get("micro_batch")
+        return cls(path=path, step=int(state["step"]), rows=list(state.get("rows", [])),
+                   breakdown=dict(state.get("breakdown", {})), events=list(state.get("events", [])),
+                   run_id=state.get("run_id") or None, micro_batch=int(micro) if micro else None)
+
+
+def latest_checkpoint(checkpoint_dir) -> ResumePoint | None:
+    """The newest complete ``checkpoint-N`` under ``checkpoint_dir`` as a :class:`ResumePoint`; None when
+    there is none."""
     found = []
     for d in glob.glob(os.path.join(str(checkpoint_dir), "checkpoint-*")):
         try:
@@ -30,7 +59,7 @@ def latest_checkpoint(checkpoint_dir) -> tuple[str, dict] | None:
         state = os.path.join(d, STATE_FILE)
         if os.path.isfile(state):
             with open(state) as f:
-                return d, json.load(f)
+                return ResumePoint.from_state(d, json.load(f))
     return None
 
 
@@ -52,7 +81,7 @@ def save_loop_state(checkpoint_dir, step: int, model, optimizer, scheduler, reco
     torch.save(optimizer.state_dict(), os.path.join(d, "optimizer.pt"))
     torch.save(scheduler.state_dict(), os.path.join(d, "scheduler.pt"))
     rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if measure.cuda_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     torch.save(rng, os.path.join(d, "rng_state.pt"))
     np_state = np.random.get_state()
@@ -82,7 +111,7 @@ def load_rng(checkpoint: str) -> None:
     import torch
     rng = torch.load(os.path.join(checkpoint, "rng_state.pt"), weights_only=True)
     torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
+    if "cuda" in rng and measure.cuda_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     with open(os.path.join(checkpoint, "rng_state.json")) as f:
         other = json.load(f)
@@ -126,41 +155,41 @@ def review_other_checkpoints(own_dir, key: str, params: dict, fingerprint: str, 
         if not folder.is_dir() or folder.resolve() == own:
             continue
         found = latest_checkpoint(folder)
-        if found is None:
-            continue
-        step, run_id = found[1].get("step"), found[1].get("run_id") or ""
-        run = get_run(run_id) if run_id else None
-        item = {"folder": folder, "step": step, "run_id": run_id}
-        what = f"the checkpoint of stopped MLflow run {run_id} at optimizer step {step} ({folder})"
-        if run is None:
-            item["action"] = "kept"
-            item["message"] = (f"{what} is for another configuration and was not used; its run is not in "
-                               "this store; kept (delete the folder to drop it)")
-            out.append(item)
-            continue
-        tags = run.data.tags
-        successor = tags.get("onegpu.resumed_by")
-        succ = get_run(successor) if successor else None
-        if run.info.status == "RUNNING" or (succ is not None and succ.info.status == "RUNNING"):
-            item.update(action="in use", message="")
-        elif run.info.lifecycle_stage == "deleted" or run.info.status in ("FINISHED", "SCHEDULED"):
-            why = "its run is deleted in MLflow" if run.info.lifecycle_stage == "deleted" else "its run finished"
-            item.update(action="prune", message=f"removed {what.replace('stopped ', '')}: {why}, nothing can resume it")
-        else:
-            differs = _differences(run.data.params, params, tags.get("data.fingerprint"), fingerprint)
-            if tags.get("equivalence_key") == key:
-                item.update(action="superseded", message=(
-                    f"{what} is for another configuration ({differs}) and was not used; this run trains the same "
-                    "(equivalence key) and removes it when it finishes"))
-            else:
-                item.update(action="kept", message=(
-                    f"{what} is for another configuration ({differs}) and was not used; kept for a rerun of "
-                    "that configuration (delete its MLflow run, or the folder, to drop it)"))
-        out.append(item)
+        if found is not None:
+            out.append(_judge(folder, found, key, params, fingerprint, get_run))
     return out
 
 
-# Params that do not enter onegpu.config.run_config_hash: never why a checkpoint was not used.
+def _judge(folder, found: ResumePoint, key: str, params: dict, fingerprint: str, get_run) -> dict:
+    """One item of :func:`review_other_checkpoints` for ``folder`` and its newest complete checkpoint."""
+    step, run_id = found.step, found.run_id or ""
+    run = get_run(run_id) if run_id else None
+    item = {"folder": folder, "step": step, "run_id": run_id}
+    what = f"the checkpoint of stopped MLflow run {run_id} at optimizer step {step} ({folder})"
+    if run is None:
+        return {**item, "action": "kept", "message": (
+            f"{what} is for another configuration and was not used; its run is not in "
+            "this store; kept (delete the folder to drop it)")}
+    tags = run.data.tags
+    successor = tags.get("onegpu.resumed_by")
+    succ = get_run(successor) if successor else None
+    if run.info.status == "RUNNING" or (succ is not None and succ.info.status == "RUNNING"):
+        return {**item, "action": "in use", "message": ""}
+    if run.info.lifecycle_stage == "deleted" or run.info.status in ("FINISHED", "SCHEDULED"):
+        why = "its run is deleted in MLflow" if run.info.lifecycle_stage == "deleted" else "its run finished"
+        return {**item, "action": "prune",
+                "message": f"removed {what.replace('stopped ', '')}: {why}, nothing can resume it"}
+    differs = _differences(run.data.params, params, tags.get("data.fingerprint"), fingerprint)
+    if tags.get("equivalence_key") == key:
+        return {**item, "action": "superseded", "message": (
+            f"{what} is for another configuration ({differs}) and was not used; this run trains the same "
+            "(equivalence key) and removes it when it finishes")}
+    return {**item, "action": "kept", "message": (
+        f"{what} is for another configuration ({differs}) and was not used; kept for a rerun of "
+        "that configuration (delete its MLflow run, or the folder, to drop it)")}
+
+
+# Params that do not enter onegpu.equivalence.run_config_hash: never why a checkpoint was not used.
 _NOT_IN_HASH = ("tracking.", "evaluate.", "train.logging_steps", "train.save_steps")
 
 

@@ -10,8 +10,6 @@ import signal
 import sys
 import threading
 
-from transformers import TrainerCallback
-
 
 class Interrupted(KeyboardInterrupt):
     """Training stopped on a signal after saving a checkpoint. ``signum``: the signal number."""
@@ -47,15 +45,3 @@ class GracefulStop:
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old.clear()
-
-
-class StopCallback(TrainerCallback):
-    """For HF Trainer: after a requested stop, save a checkpoint at the step's end and stop."""
-
-    def __init__(self, stop: GracefulStop) -> None:
-        self.stop = stop
-
-    def on_step_end(self, args, state, control, **kw):
-        if self.stop.requested is not None:
-            control.should_save = True
-            control.should_training_stop = True

@@ -1,6 +1,6 @@
 """The ``accelerate`` backend: a plain training loop on 🤗 Accelerate (in the style of nanoGPT's train.py).
 
-It trains the same way as the ``trainer`` backend (:mod:`onegpu.training.hf_trainer`), so that on the same
+It trains the same way as the ``trainer`` backend (:mod:`onegpu.training.backends.hf_trainer`), so that on the same
 params both give the same per-step losses: the same data order (a ``RandomSampler`` reseeded with
 ``train.seed + epoch`` each epoch), collator, optimizer with weight-decay groups, scheduler and warmup,
 gradient clipping, number of optimizer steps, and the exact loss over each effective batch
@@ -23,23 +23,21 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
+from onegpu import measure
 from onegpu.config import Config, Resolved
-from onegpu.training.callbacks import BatchCounter, StepRecorder, progress_line
-from onegpu.training.checkpoint import load_loop_state, load_rng, save_loop_state
+from onegpu.training import oom
+from onegpu.training.batches import collator_for, model_inputs, probe_batch
+from onegpu.training.checkpoint import ResumePoint, load_loop_state, load_rng, save_loop_state
 from onegpu.training.interrupt import Interrupted
-from onegpu.training.hf_trainer import collator_for, model_inputs, probe_batch
 from onegpu.training.loss import count_items, loss_for
+from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
 
 # Parameter names that get no weight decay: Trainer.get_decay_parameter_names (transformers/trainer.py).
 NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
-
-
-def mixed_precision(cfg: Config) -> str:
-    """Accelerate's ``mixed_precision`` for ``train.bf16`` / ``train.fp16``: "bf16", "fp16" or "no"."""
-    return "bf16" if cfg.train.bf16 else "fp16" if cfg.train.fp16 else "no"
 
 
 def param_groups(model, weight_decay: float) -> list[dict]:
@@ -108,19 +106,12 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
         torch.OutOfMemoryError: a piece did not fit (or ``oom_injector`` said so).
     """
     import torch
-    pieces = []
-    for inputs in micro_batches:
-        rows = int(inputs["input_ids"].shape[0])
-        for idx in torch.arange(rows).tensor_split(min(split, rows)):
-            pieces.append({k: v[idx] if hasattr(v, "shape") and v.dim() > 0 and v.shape[0] == rows else v
-                           for k, v in inputs.items()} if split > 1 else inputs)
+    pieces = [p for inputs in micro_batches for p in oom.pieces(inputs, split)]
     step_loss = torch.zeros((), device=accelerator.device)
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
         accelerator.sync_gradients = last  # as Trainer sets it; the optimizer steps only when True
-        if oom_injector is not None and oom_injector(step, int(piece["input_ids"].shape[0])):
-            raise torch.OutOfMemoryError(f"injected out-of-memory (step {step}, "
-                                         f"{int(piece['input_ids'].shape[0])} rows)")
+        oom.injected(oom_injector, step, int(piece["input_ids"].shape[0]))
         features = {k: v for k, v in piece.items() if k != "labels"}
         with contextlib.nullcontext() if last else accelerator.no_sync(model):
             loss = loss_fn(model(**features), piece["labels"], num_items)  # this piece's share of the mean
@@ -129,89 +120,44 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
     return step_loss
 
 
-def _recover(error, model, micro_batches: list[dict], split: int, accum: int, step: int, enabled: bool,
-             events: list[dict]) -> int:
-    """After an out-of-memory error: drop the step's gradients, free cached memory and return the next
-    split (twice as many pieces per micro-batch). The event is appended to ``events`` and printed.
-
-    Raises:
-        torch.OutOfMemoryError: ``train.oom_retry`` is false (the error itself).
-        UserError: a micro-batch cannot be cut further (its pieces are one row already).
-    """
-    import gc
-
-    import torch
-
-    from onegpu.errors import UserError
-    micro = max(int(b["input_ids"].shape[0]) for b in micro_batches)
-    if not enabled:
-        raise error
-    if split * 2 > micro:
-        raise UserError(f"out of memory at optimizer step {step} even with micro-batch {max(1, micro // split)}: "
-                        "no smaller split is left; lower data.max_length, turn train.gradient_checkpointing on, "
-                        "or use a smaller model") from error
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    old, new = (micro // split, accum * split), (micro // (split * 2), accum * split * 2)
-    events.append({"step": step, "old": f"{old[0]} x {old[1]}", "new": f"{new[0]} x {new[1]}",
-                   "micro_batch": new[0]})
-    print(f"out of memory at optimizer step {step}: redoing the step with micro-batch {new[0]} x {new[1]} "
-          f"accumulation (was {old[0]} x {old[1]}); same effective batch, same result", flush=True)
-    return split * 2
+@dataclass
+class _Loop:
+    """What the loop works with, built by :func:`_build` in Trainer's order (the RNG draws depend on it)."""
+    accelerator: object
+    model: object
+    optimizer: object
+    scheduler: object
+    loader: object
+    train_set: object
+    collator: object
+    total_steps: int
+    steps_per_epoch: int
+    epochs: int
+    plateau: bool
 
 
-def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
-          sink: Callable[[dict, int], None], checkpoint_dir=None, stop=None,
-          resume: tuple[str, dict] | None = None, checkpoint_meta: dict | None = None,
-          oom_injector=None) -> tuple[object, StepRecorder]:
-    """Fine-tune ``model`` on ``dsd['train']``; per-step metrics go to ``sink(metrics, step)``.
-
-    Args:
-        model: a transformers model (float32), e.g. ``AutoModelForSequenceClassification``.
-        tokenizer: its tokenizer (pads each micro-batch to its longest row).
-        dsd: the prepared ``DatasetDict`` (``train`` with ``input_ids``, ``attention_mask``, ``label``...).
-        cfg, resolved: the validated params and the batch layout (micro-batch x accumulation).
-        sink: receives one dict of metrics per optimizer step (see :class:`StepRecorder`).
-        checkpoint_dir, stop, resume, checkpoint_meta: as for :func:`onegpu.training.hf_trainer.train`;
-            checkpoints are :func:`onegpu.training.checkpoint.save_loop_state`'s.
-        oom_injector: tests only: ``(step, rows) -> bool``; True raises an injected out-of-memory error
-            before that piece's forward pass.
-    Out-of-memory recovery (``train.oom_retry``, as the ``trainer`` backend): the step's gradients are
-    dropped and all its micro-batches are redone, each cut into twice as many pieces; later steps keep
-    the finer split. Every piece's loss is divided by the whole step's item count, so the step's
-    gradient is the same (float rounding aside). Events go to the recorder's ``events``.
-    Returns:
-        The trained model, unwrapped from Accelerate (``save_pretrained`` saves it), and the step recorder
-        (one row per optimizer step: loss = the step's exact mean loss, grad_norm = total L2 norm before
-        clipping, learning_rate = the rate that step used, times and throughput).
-    """
+def _build(model, tokenizer, dsd, cfg: Config, resolved: Resolved) -> _Loop:
+    """Accelerator, data loader, model set-up, optimizer and scheduler, as Trainer builds them."""
     import torch
     from accelerate import Accelerator, DataLoaderConfiguration
     from torch.utils.data import DataLoader, RandomSampler
-    from transformers import get_scheduler, set_seed
+    from transformers import get_scheduler
     from transformers.trainer_utils import align_special_tokens, seed_worker
-
     t = cfg.train
-    micro, accum = resolved.per_device_train_batch_size, resolved.gradient_accumulation_steps
-    set_seed(t.seed)  # Trainer.__init__ seeds again after the model is built (dropout draws from here)
-
     # Data order as Trainer's: a RandomSampler that Accelerate replaces by its SeedableRandomSampler,
     # reseeded with data_seed + epoch at each epoch (transformers' AcceleratorConfig has
     # use_seedable_sampler=True; hf_trainer sets data_seed = train.seed; accelerate/data_loader.py).
     accelerator = Accelerator(
-        mixed_precision=mixed_precision(cfg),
+        mixed_precision=t.mixed_precision,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=t.seed))
-    device = accelerator.device
     train_set = model_inputs(dsd, cfg.model.task)["train"]
+    collator = collator_for(cfg.model.task, tokenizer)
     loader = DataLoader(
-        train_set, batch_size=micro, sampler=RandomSampler(train_set), drop_last=False,
-        collate_fn=collator_for(cfg.model.task, tokenizer), num_workers=t.dataloader_num_workers,
-        pin_memory=torch.cuda.is_available(),
+        train_set, batch_size=resolved.per_device_train_batch_size, sampler=RandomSampler(train_set),
+        drop_last=False, collate_fn=collator, num_workers=t.dataloader_num_workers,
+        pin_memory=measure.cuda_available(),
         worker_init_fn=partial(seed_worker, num_workers=t.dataloader_num_workers,
                                rank=accelerator.process_index))
-
     # Model: as Trainer does (__init__ sets config.use_cache = TrainingArguments.use_cache, False;
     # Trainer.train enables checkpointing and aligns special tokens before its loop).
     if getattr(model, "config", None) is not None:
@@ -219,7 +165,6 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
     if t.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     align_special_tokens(model, tokenizer)
-
     optimizer = make_optimizer(model, cfg)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     # The scheduler is not prepared (neither is Trainer's): Accelerate would step it once per process.
@@ -228,82 +173,122 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=warmup,
                               num_training_steps=total_steps)
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)  # stepped by eval only
-    loss_fn = loss_for(cfg.model.task)
+    return _Loop(accelerator, model, optimizer, scheduler, loader, train_set, collator, total_steps,
+                 steps_per_epoch, epochs, plateau)
 
-    counter = BatchCounter()
-    recorder = StepRecorder(sink, device, counter)
-    print(f"accelerate: {total_steps} optimizer steps of {resolved.effective_batch_size} examples "
-          f"({micro} x {accum}), {len(train_set)} examples, {epochs} epoch(s), {accelerator.device}, "
-          f"mixed precision {accelerator.mixed_precision}", flush=True)
 
-    start, split = 0, 1  # split: pieces per micro-batch after out-of-memory recoveries
-    if resume is not None:  # weights, optimizer, scheduler; the data position and RNG below
-        load_loop_state(resume[0], accelerator.unwrap_model(model), optimizer, scheduler)
-        start = int(resume[1]["step"])
-        recorder.rows = list(resume[1]["rows"])
-        recorder.breakdown.update(resume[1].get("breakdown", {}))
-        recorder.events.extend(resume[1].get("events", []))
+def _optimizer_step(lp: _Loop, cfg: Config, recorder: StepRecorder):
+    """Clip, step the optimizer and the scheduler, zero the gradients. Returns (grad norm, learning rate)."""
+    t = cfg.train
+    # Norm before clipping; with max_grad_norm 0 an infinite bound only measures it
+    # (Trainer._clip_grad_norm / _get_grad_norm).
+    grad_norm = lp.accelerator.clip_grad_norm_(lp.model.parameters(), t.max_grad_norm or float("inf"))
+    lp.optimizer.step()
+    recorder.record_states(lp.model, lp.optimizer)  # once: grads and optimizer states exist now
+    lr = lp.optimizer.param_groups[0]["lr"] if lp.plateau else lp.scheduler.get_last_lr()[0]
+    if not lp.accelerator.optimizer_step_was_skipped and not lp.plateau:  # fp16 skips steps with inf grads
+        lp.scheduler.step()
+    lp.optimizer.zero_grad(set_to_none=True)
+    return grad_norm, lr
+
+
+def _epoch_steps(lp: _Loop, epoch: int, skip: int, accum: int):
+    """The optimizer steps of ``epoch`` after the first ``skip``: yields each step's micro-batches.
+
+    Prefetches a step's micro-batches (to count its items before the first forward, as
+    Trainer.get_batch_samples); the epoch's last step takes what is left. A resumed epoch draws the
+    same order (the sampler is seeded per epoch) and skips what was done."""
+    lp.loader.set_epoch(epoch)
+    batches = iter(lp.accelerator.skip_first_batches(lp.loader, skip * accum) if skip else lp.loader)
+    for update in range(skip, lp.steps_per_epoch):
+        n = accum if update < lp.steps_per_epoch - 1 else (len(lp.loader) % accum or accum)
+        yield list(itertools.islice(batches, n))
+
+
+def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
+          sink: Callable[[dict, int], None], checkpoint_dir=None, stop=None,
+          resume: ResumePoint | None = None, checkpoint_meta: dict | None = None,
+          oom_injector=None) -> tuple[object, StepRecorder]:
+    """Fine-tune ``model`` on ``dsd['train']`` in a plain Accelerate loop; the contract is
+    :class:`onegpu.training.backends.base.Backend`.
+
+    Checkpoints are :func:`onegpu.training.checkpoint.save_loop_state`'s. Out-of-memory recovery
+    (``train.oom_retry``): :mod:`onegpu.training.oom`, as the ``trainer`` backend. The returned model is
+    unwrapped from Accelerate; the recorder's rows are one per optimizer step (loss = the step's exact
+    mean loss, grad_norm = total L2 norm before clipping, learning_rate = the rate that step used).
+    """
+    from transformers import set_seed
+    set_seed(cfg.train.seed)  # Trainer.__init__ seeds again after the model is built (dropout draws from here)
+    lp = _build(model, tokenizer, dsd, cfg, resolved)
+    recorder = StepRecorder(sink, lp.accelerator.device, BatchCounter())
+    micro, accum = resolved.per_device_train_batch_size, resolved.gradient_accumulation_steps
+    print(f"accelerate: {lp.total_steps} optimizer steps of {resolved.effective_batch_size} examples "
+          f"({micro} x {accum}), {len(lp.train_set)} examples, {lp.epochs} epoch(s), {lp.accelerator.device}, "
+          f"mixed precision {lp.accelerator.mixed_precision}", flush=True)
+    start = 0
+    if resume is not None:  # weights, optimizer, scheduler; the data position and RNG in _run
+        load_loop_state(resume.path, lp.accelerator.unwrap_model(lp.model), lp.optimizer, lp.scheduler)
+        start = resume.step
+        recorder.restore(resume)
         print(f"accelerate: resuming after optimizer step {start}", flush=True)
-
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    probe = probe_batch(train_set, collator_for(cfg.model.task, tokenizer), resolved)
-    recorder.probe_activations(model, {k: v.to(device) for k, v in probe.items()}, loss_fn)
+    lp.model.train()
+    lp.optimizer.zero_grad(set_to_none=True)
+    probe = probe_batch(lp.train_set, lp.collator, micro)
+    recorder.probe_activations(lp.model, {k: v.to(lp.accelerator.device) for k, v in probe.items()},
+                               loss_for(cfg.model.task))
     recorder.start()
-    step = start
-    first_epoch, first_update = divmod(start, steps_per_epoch)
-    for epoch in range(first_epoch, epochs):
-        loader.set_epoch(epoch)
-        skip = first_update if epoch == first_epoch else 0
-        # A resumed epoch draws the same order (the sampler is seeded per epoch) and skips what was done.
-        batches = iter(accelerator.skip_first_batches(loader, skip * accum) if skip else loader)
-        for update in range(skip, steps_per_epoch):
-            # Prefetch the step's micro-batches and count its items (Trainer.get_batch_samples); the
-            # epoch's last step takes what is left.
-            n = accum if update < steps_per_epoch - 1 else (len(loader) % accum or accum)
-            micro_batches = list(itertools.islice(batches, n))
+    _run(lp, cfg, accum, recorder, start, resume, checkpoint_dir, stop, checkpoint_meta, oom_injector)
+    return lp.accelerator.unwrap_model(lp.model, keep_fp32_wrapper=False), recorder
+
+
+def _run(lp: _Loop, cfg: Config, accum: int, recorder: StepRecorder, start: int, resume, checkpoint_dir, stop,
+         checkpoint_meta, oom_injector) -> None:
+    """The optimizer steps from ``start`` to the end: one host sync per step (loss, grad norm, counts)."""
+    import torch
+    t, device, loss_fn = cfg.train, lp.accelerator.device, loss_for(cfg.model.task)
+    step, split = start, 1  # split: pieces per micro-batch after out-of-memory recoveries
+    first_epoch, first_update = divmod(start, lp.steps_per_epoch)
+    for epoch in range(first_epoch, lp.epochs):
+        for micro_batches in _epoch_steps(lp, epoch, first_update if epoch == first_epoch else 0, accum):
             if resume is not None and step == start:
                 # Only now: a fresh DataLoader iterator draws its base seed from the global RNG at its
                 # first batch, which the uninterrupted run did before step 1. Dropout then matches.
-                load_rng(resume[0])
+                load_rng(resume.path)
             num_items = sum(count_items(b["labels"], cfg.model.task) for b in micro_batches)
-
             while True:  # more than once only after an out-of-memory error (train.oom_retry)
                 try:
-                    step_loss = _forward_backward(accelerator, model, micro_batches, num_items, loss_fn,
+                    step_loss = _forward_backward(lp.accelerator, lp.model, micro_batches, num_items, loss_fn,
                                                   split, oom_injector, step + 1)
                     break
                 except torch.OutOfMemoryError as e:
-                    split = _recover(e, model, micro_batches, split, accum, step + 1, t.oom_retry,
-                                     recorder.events)
+                    rows = max(int(b["input_ids"].shape[0]) for b in micro_batches)
+                    split = oom.recover(e, lp.model, rows, split, accum, step + 1, t.oom_retry, recorder.events)
             for inputs in micro_batches:  # counted once, whatever the split
-                counter.add(inputs)
-
-            # Norm before clipping; with max_grad_norm 0 an infinite bound only measures it
-            # (Trainer._clip_grad_norm / _get_grad_norm).
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
-            optimizer.step()
-            recorder.record_states(model, optimizer)  # once: grads and optimizer states exist now
-            lr = optimizer.param_groups[0]["lr"] if plateau else scheduler.get_last_lr()[0]
-            if not accelerator.optimizer_step_was_skipped and not plateau:  # fp16 skips steps with inf grads
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+                recorder.counter.add(inputs)
+            grad_norm, lr = _optimizer_step(lp, cfg, recorder)
             step += 1
             recorder.end_step(step)
-
             values = torch.stack([step_loss.float(), torch.as_tensor(grad_norm, device=device).float()])
             loss_value, norm_value = values.tolist()  # the step's one host sync
             recorder.log(step, loss_value, norm_value, float(lr))
-            if step % t.logging_steps == 0 or step == total_steps:
-                print(progress_line(step, total_steps, recorder.rows, device), flush=True)
-            stopping = stop is not None and stop.requested is not None and step < total_steps
-            if checkpoint_dir and (stopping or (t.save_steps and step % t.save_steps == 0 and step < total_steps)):
-                save_loop_state(checkpoint_dir, step, accelerator.unwrap_model(model), optimizer, scheduler,
-                                recorder, checkpoint_meta or {})
-            if stopping:
-                raise Interrupted(stop.requested, step)
-            if step >= total_steps:
-                break
-        if step >= total_steps:
-            break
-    return accelerator.unwrap_model(model, keep_fp32_wrapper=False), recorder
+            _after_step(lp, cfg, recorder, step, checkpoint_dir, stop, checkpoint_meta)
+            if step >= lp.total_steps:
+                return
+
+
+def _after_step(lp: _Loop, cfg: Config, recorder: StepRecorder, step: int, checkpoint_dir, stop,
+                checkpoint_meta) -> None:
+    """Progress line, checkpoint (every ``train.save_steps`` and on a requested stop) and the stop itself.
+
+    Raises:
+        Interrupted: a stop was requested (after the checkpoint is saved).
+    """
+    t = cfg.train
+    if step % t.logging_steps == 0 or step == lp.total_steps:
+        print(progress_line(step, lp.total_steps, recorder.rows, lp.accelerator.device), flush=True)
+    stopping = stop is not None and stop.requested is not None and step < lp.total_steps
+    if checkpoint_dir and (stopping or (t.save_steps and step % t.save_steps == 0 and step < lp.total_steps)):
+        save_loop_state(checkpoint_dir, step, lp.accelerator.unwrap_model(lp.model), lp.optimizer, lp.scheduler,
+                        recorder, checkpoint_meta or {})
+    if stopping:
+        raise Interrupted(stop.requested, step)

@@ -1,16 +1,15 @@
-"""Per-optimizer-step measurement: time, memory, samples and tokens, plus the backend's loss.
+"""Per-optimizer-step measurement, backend-neutral: time, memory, samples and tokens, plus the backend's loss.
 
 Host-device syncs: one per optimizer step (to time the step and read its token count), none per
 micro-batch. Metrics go to a ``sink(metrics: dict, step: int)`` (the stage passes a batched MLflow
-writer), so this module knows nothing of MLflow.
+writer), so this module knows nothing of MLflow, and it imports no backend: each backend feeds the
+recorder from its own loop or callbacks (:mod:`onegpu.training.backends`).
 """
 from __future__ import annotations
 
 import math
 import time
 from typing import Callable
-
-from transformers import TrainerCallback
 
 from onegpu import measure
 from onegpu.errors import UserError
@@ -116,6 +115,13 @@ class StepRecorder:
         self.window_end: float | None = None
         self._wall_start: float | None = None
 
+    def restore(self, point) -> None:
+        """Continue from a checkpoint: its step rows, memory breakdown and out-of-memory events
+        (``point``: a :class:`onegpu.training.checkpoint.ResumePoint`)."""
+        self.rows = list(point.rows)
+        self.breakdown.update(point.breakdown)
+        self.events.extend(point.events)
+
     def probe_activations(self, model, batch: dict, loss_fn) -> None:
         """Record ``mem_activation_bytes`` for one micro-batch (:func:`onegpu.measure.activation_bytes`)."""
         self.breakdown["mem_activation_bytes"] = measure.activation_bytes(model, batch, loss_fn)
@@ -166,7 +172,7 @@ class StepRecorder:
         out = dict(self.breakdown)
         out.update(self._cuda_peaks)
         rss = measure.rss_peak_bytes()
-        if not str(self.device).startswith("cuda") and self.rows:
+        if not measure.is_cuda(self.device) and self.rows:
             rss = max(rss, max(r["mem_peak_bytes"] for r in self.rows))
         out["mem_rss_peak_bytes"] = rss
         return out
@@ -201,35 +207,6 @@ class StepRecorder:
         }
 
 
-class StepMetrics(TrainerCallback):
-    """Feeds a :class:`StepRecorder` from HF Trainer's events (``logging_steps=1``).
-
-    ``probe``: an optional ``(batch, loss_fn)`` whose activation bytes are measured at train begin,
-    after Trainer has switched checkpointing on.
-    """
-
-    def __init__(self, recorder: StepRecorder, probe: tuple | None = None) -> None:
-        self.recorder, self.probe = recorder, probe
-
-    def on_train_begin(self, args, state, control, model=None, **kw):
-        if self.probe is not None and model is not None:
-            batch, loss_fn = self.probe
-            dev = next(model.parameters()).device
-            self.recorder.probe_activations(model, {k: v.to(dev) for k, v in batch.items()}, loss_fn)
-        self.recorder.start()
-
-    def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
-        if model is not None:
-            self.recorder.record_states(model, optimizer)
-
-    def on_step_end(self, args, state, control, **kw):
-        self.recorder.end_step(state.global_step)
-
-    def on_log(self, args, state, control, logs=None, **kw):
-        if logs and "loss" in logs:
-            self.recorder.log(state.global_step, logs["loss"], logs.get("grad_norm"), logs.get("learning_rate"))
-
-
 def progress_line(step: int, total: int, rows: list[dict], device) -> str:
     """The terminal line for optimizer step ``step`` of ``total``, from the recorder's ``rows`` (the last is
     this step's): loss, throughput over the last row, step time, peak memory and the time left.
@@ -240,30 +217,9 @@ def progress_line(step: int, total: int, rows: list[dict], device) -> str:
     """
     row = rows[-1]
     mem = row.get("mem_peak_bytes", 0) / 2**30
-    where = "allocated" if str(device).startswith("cuda") else "RSS"
+    where = "allocated" if measure.is_cuda(device) else "RSS"
     mean = sum(r["step_time_s"] for r in rows) / len(rows)
     left = max(total - step, 0) * mean
     left_text = f"{left / 60:.1f} min left" if left >= 120 else f"{left:.0f} s left"
     return (f"step {step}/{total} | loss {row['loss']:.4f} | {row.get('samples_per_second', 0):.1f} samples/s | "
             f"{row['step_time_s']:.2f} s/step | peak {mem:.2f} GiB {where} | {left_text}")
-
-
-class Progress(TrainerCallback):
-    """onegpu's terminal progress for HF Trainer, in place of its progress bar and log dicts: a start line,
-    then :func:`progress_line` every ``every`` optimizer steps and at the last. Added after
-    :class:`StepMetrics`, so the step's row is recorded when ``on_log`` runs."""
-
-    def __init__(self, recorder: StepRecorder, every: int) -> None:
-        self.recorder, self.every = recorder, every
-
-    def on_train_begin(self, args, state, control, **kw):
-        print(f"train: {state.max_steps} optimizer steps of {args.train_batch_size * args.gradient_accumulation_steps}"
-              f" examples ({args.train_batch_size} x {args.gradient_accumulation_steps}) on {args.device}; "
-              f"progress every {self.every} steps, every step goes to MLflow", flush=True)
-
-    def on_log(self, args, state, control, logs=None, **kw):
-        step = state.global_step
-        if not (logs and "loss" in logs) or not self.recorder.rows or self.recorder.rows[-1]["step"] != step:
-            return
-        if step % self.every == 0 or step == state.max_steps:
-            print(progress_line(step, state.max_steps, self.recorder.rows, self.recorder.device), flush=True)

@@ -1,0 +1,262 @@
+"""The ``trainer`` backend: HF ``Trainer`` with ``TrainingArguments`` built from params.yaml's ``train``.
+
+The loss is the exact mean over each optimizer step's effective batch (:mod:`onegpu.training.loss`),
+passed as ``compute_loss_func`` so that Trainer counts the step's labels over all its micro-batches
+(``num_items_in_batch``) and does not divide by the accumulation count again.
+
+The Trainer callbacks that feed onegpu's backend-neutral :class:`~onegpu.training.recorder.StepRecorder`,
+print its progress lines, add onegpu's checkpoint state and honour a requested stop live here too.
+"""
+from __future__ import annotations
+
+import tempfile
+from typing import Callable
+
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import ProgressCallback
+
+from onegpu import measure
+from onegpu.config import Config, Resolved
+from onegpu.training import oom
+from onegpu.training.batches import collator_for, model_inputs, probe_batch
+from onegpu.training.checkpoint import ResumePoint, write_state
+from onegpu.training.loss import count_items, loss_for
+from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
+
+
+# train.* keys that TrainingArguments takes under the same name and meaning.
+SAME_NAME = ("learning_rate", "num_train_epochs", "max_steps", "lr_scheduler_type", "weight_decay", "optim",
+             "max_grad_norm", "seed", "bf16", "fp16", "dataloader_num_workers")
+
+
+def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> TrainingArguments:
+    """``TrainingArguments`` from ``cfg.train`` under HF's own names.
+
+    Fixed by onegpu: ``logging_steps=1`` (every optimizer step is logged to MLflow; ``train.logging_steps``
+    only paces the terminal), ``report_to="none"`` (onegpu logs to MLflow itself), checkpoints only
+    every ``train.save_steps`` (and on a requested stop; models/ gets the final model), no evaluation
+    during training.
+    ``train.warmup_ratio`` becomes ``warmup_steps`` (transformers 5 reads values below 1 as a ratio).
+    ``train.gradient_checkpointing`` becomes ``activation_checkpointing`` (its current name) with
+    non-reentrant checkpointing.
+    """
+    t = cfg.train
+    return TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=resolved.per_device_train_batch_size,
+        gradient_accumulation_steps=resolved.gradient_accumulation_steps,
+        activation_checkpointing=t.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
+        **{name: getattr(t, name) for name in SAME_NAME},
+        warmup_steps=t.warmup_ratio,
+        data_seed=t.seed,
+        dataloader_pin_memory=measure.cuda_available(),
+        use_cpu=not measure.cuda_available(),  # lets bf16 autocast run on a CPU (TrainingArguments refuses it otherwise)
+        logging_strategy="steps",
+        logging_steps=1,
+        logging_nan_inf_filter=False,
+        save_strategy="steps" if t.save_steps else "no",
+        save_steps=t.save_steps or 500,
+        save_total_limit=1,
+        eval_strategy="no",
+        report_to="none",
+        remove_unused_columns=False,
+        per_device_eval_batch_size=cfg.evaluate.per_device_eval_batch_size,
+    )
+
+
+class ExactLossTrainer(Trainer):
+    """``Trainer`` whose loss is already normalised over the whole effective batch, that counts the
+    examples and tokens it trains on (for throughput) without a host sync, and that survives an
+    out-of-memory error in a step (``oom_retry``).
+
+    Out-of-memory recovery: the failing micro-batch and every earlier micro-batch of the same
+    optimizer step are redone, each cut into twice as many pieces as before, after the step's
+    gradients are dropped; later steps keep the finer split. Because every piece's loss is divided by
+    the whole step's item count, any split of the step gives the same gradient (float rounding aside):
+    the run stays equivalent. Each event is kept in ``oom_events``.
+    """
+
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args, task: str = "sequence-classification", counter: BatchCounter | None = None,
+                 oom_retry: bool = False, oom_injector=None, **kwargs):
+        super().__init__(*args, compute_loss_func=loss_for(task), **kwargs)
+        self.task = task
+        self.counter = counter
+        self.oom_retry = oom_retry
+        self.oom_injector = oom_injector  # tests: (step, rows) -> True raises an injected OOM
+        self.oom_events: list[dict] = []
+        self.split = 1
+        self._step_inputs: list = []
+        self._inputs_step = -1
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Trainer's prefetch of one optimizer step's micro-batches, with the step's item count taken by
+        :func:`onegpu.training.loss.count_items` instead of Trainer's guess.
+
+        Trainer decides whether to count causal-LM labels shifted from ``model.loss_type``; a GPT-2 in
+        transformers 5.24 has ``loss_type`` None, so Trainer counts every label and each row's first
+        token too: the step loss came out (targets / (targets + rows)) too small (1.6% at 64 tokens).
+        """
+        batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if not batch_samples or "labels" not in batch_samples[0]:
+            return batch_samples, None
+        num_items = sum(count_items(b["labels"], self.task) for b in batch_samples)
+        return batch_samples, num_items.to(device)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.counter is not None and model.training:
+            self.counter.add(inputs)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        import torch
+        if self.state.global_step != self._inputs_step:
+            self._step_inputs, self._inputs_step = [], self.state.global_step
+        self._step_inputs.append(inputs)
+        while True:
+            try:
+                return self._pieces_step(model, inputs, num_items_in_batch)
+            except torch.OutOfMemoryError as e:
+                self._recover(model, inputs, e)
+                try:
+                    counter, self.counter = self.counter, None  # earlier pieces were counted already
+                    for past in self._step_inputs[:-1]:
+                        self._pieces_step(model, past, num_items_in_batch)
+                finally:
+                    self.counter = counter
+
+    def _pieces_step(self, model, inputs, num_items_in_batch):
+        if self.split == 1 and self.oom_injector is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        total = None
+        for piece in oom.pieces(inputs, self.split):
+            oom.injected(self.oom_injector, self.state.global_step + 1, int(piece["input_ids"].shape[0]))
+            loss = super().training_step(model, piece, num_items_in_batch)
+            total = loss if total is None else total + loss
+        return total
+
+    def _recover(self, model, inputs, error) -> None:
+        self.split = oom.recover(error, model, int(inputs["input_ids"].shape[0]), self.split,
+                                 self.args.gradient_accumulation_steps, self.state.global_step + 1,
+                                 self.oom_retry, self.oom_events)
+
+
+class CheckpointState(TrainerCallback):
+    """After Trainer saves ``checkpoint-N``, add onegpu's state (step rows, breakdown, events, ``meta``)."""
+
+    def __init__(self, recorder: StepRecorder, meta: dict) -> None:
+        self.recorder, self.meta = recorder, meta
+
+    def on_save(self, args, state, control, **kw):
+        import os
+        write_state(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), state.global_step,
+                    self.recorder, self.meta)
+
+
+class StepMetrics(TrainerCallback):
+    """Feeds a :class:`StepRecorder` from HF Trainer's events (``logging_steps=1``).
+
+    ``probe``: an optional ``(batch, loss_fn)`` whose activation bytes are measured at train begin,
+    after Trainer has switched checkpointing on.
+    """
+
+    def __init__(self, recorder: StepRecorder, probe: tuple | None = None) -> None:
+        self.recorder, self.probe = recorder, probe
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        if self.probe is not None and model is not None:
+            batch, loss_fn = self.probe
+            dev = next(model.parameters()).device
+            self.recorder.probe_activations(model, {k: v.to(dev) for k, v in batch.items()}, loss_fn)
+        self.recorder.start()
+
+    def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
+        if model is not None:
+            self.recorder.record_states(model, optimizer)
+
+    def on_step_end(self, args, state, control, **kw):
+        self.recorder.end_step(state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs:
+            self.recorder.log(state.global_step, logs["loss"], logs.get("grad_norm"), logs.get("learning_rate"))
+
+
+class Progress(TrainerCallback):
+    """onegpu's terminal progress for HF Trainer, in place of its progress bar and log dicts: a start line,
+    then :func:`~onegpu.training.recorder.progress_line` every ``every`` optimizer steps and at the last.
+    Added after :class:`StepMetrics`, so the step's row is recorded when ``on_log`` runs."""
+
+    def __init__(self, recorder: StepRecorder, every: int) -> None:
+        self.recorder, self.every = recorder, every
+
+    def on_train_begin(self, args, state, control, **kw):
+        print(f"train: {state.max_steps} optimizer steps of {args.train_batch_size * args.gradient_accumulation_steps}"
+              f" examples ({args.train_batch_size} x {args.gradient_accumulation_steps}) on {args.device}; "
+              f"progress every {self.every} steps, every step goes to MLflow", flush=True)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        step = state.global_step
+        if not (logs and "loss" in logs) or not self.recorder.rows or self.recorder.rows[-1]["step"] != step:
+            return
+        if step % self.every == 0 or step == state.max_steps:
+            print(progress_line(step, state.max_steps, self.recorder.rows, self.recorder.device), flush=True)
+
+
+class StopCallback(TrainerCallback):
+    """After a requested stop (:class:`onegpu.training.interrupt.GracefulStop`), save a checkpoint at the
+    step's end and stop."""
+
+    def __init__(self, stop) -> None:
+        self.stop = stop
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.stop.requested is not None:
+            control.should_save = True
+            control.should_training_stop = True
+
+
+def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
+          sink: Callable[[dict, int], None], checkpoint_dir=None, stop=None,
+          resume: ResumePoint | None = None, checkpoint_meta: dict | None = None,
+          oom_injector=None) -> tuple[object, StepRecorder]:
+    """Fine-tune ``model`` on ``dsd['train']`` with HF ``Trainer``; the contract is
+    :class:`onegpu.training.backends.base.Backend`.
+
+    Checkpoints are Trainer's format (safetensors weights; optimizer, scheduler and RNG states loaded with
+    ``weights_only=True``) plus onegpu's state file, written every ``train.save_steps`` steps and when
+    ``stop`` is requested.
+    """
+    from onegpu.training.interrupt import Interrupted
+    counter = BatchCounter()
+    scratch = None if checkpoint_dir else tempfile.TemporaryDirectory(prefix="onegpu-trainer-")
+    out = str(checkpoint_dir) if checkpoint_dir else scratch.name  # scratch: removed when training ends
+    args = training_arguments(cfg, resolved, out)
+    train_ds = model_inputs(dsd, cfg.model.task)["train"]
+    collator = collator_for(cfg.model.task, tokenizer)
+    trainer = ExactLossTrainer(
+        model=model, args=args, train_dataset=train_ds, data_collator=collator, processing_class=tokenizer,
+        counter=counter, task=cfg.model.task, oom_retry=cfg.train.oom_retry, oom_injector=oom_injector)
+    steps = StepRecorder(sink, args.device, counter)
+    steps.events = trainer.oom_events
+    if resume is not None:
+        steps.restore(resume)
+    if checkpoint_dir:
+        trainer.add_callback(CheckpointState(steps, checkpoint_meta or {}))
+    if stop is not None:
+        trainer.add_callback(StopCallback(stop))
+    trainer.add_callback(StepMetrics(steps, probe=(probe_batch(train_ds, collator, resolved.per_device_train_batch_size),
+                                                   loss_for(cfg.model.task))))
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(Progress(steps, cfg.train.logging_steps))
+    try:
+        trainer.train(resume_from_checkpoint=resume.path if resume else None)
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
+    if stop is not None and stop.requested is not None:
+        raise Interrupted(stop.requested, trainer.state.global_step)
+    return trainer.model, steps

@@ -1,0 +1,393 @@
+"""One training run, as the train stage and ``bench/`` run it: :func:`plan` then :func:`run`.
+
+:func:`plan` decides everything that needs no model: the device, the ``auto`` memory budget, this
+configuration's checkpoint folder and the checkpoint to resume from (:class:`ResumePoint`), the batch
+layout (computed once; for ``auto`` without a checkpoint it is left to the finder, which needs the
+model) and the equivalence key. :func:`run` opens the MLflow run, builds the model, trains with the
+backend named by ``train.backend`` (:mod:`onegpu.training.backends.base`), logs what the recorder
+measured, and hands the result to the caller's ``save`` inside the run's guard (an error there fails
+the run). :func:`fit` is the training alone (bench's untracked arms).
+
+The run ends SCHEDULED, not FINISHED: the configuration's run is finished once evaluate has logged into it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from onegpu import measure, models, paths
+from onegpu.config import Config, Resolved, flatten, resolve
+from onegpu.equivalence import equivalence_key, resolved_params, run_config_hash
+from onegpu.errors import ConfigError, DataError, ModelError
+from onegpu.training.checkpoint import ResumePoint
+
+_BUDGET_CPU = ("; on a CPU the budget covers the training state: params, grads, optimizer states and "
+               "activations, not the whole process")
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """What one training run will do, decided before any model exists.
+
+    ``stats``: data/stats.json (``fingerprint``, ``labels``); ``device``: ``"cuda:0"`` or ``"cpu"``;
+    ``budget``: bytes the ``auto`` finder may use (None for a fixed micro-batch); ``checkpoint_dir``: this
+    configuration's checkpoints; ``resume``: the checkpoint to continue from (None: start afresh);
+    ``resolved``: the batch layout, None only while ``auto`` still has to find the micro-batch;
+    ``key``: the equivalence key (:func:`onegpu.equivalence.equivalence_key`).
+    """
+    cfg: Config
+    stats: dict
+    device: str
+    budget: int | None
+    checkpoint_dir: Path
+    resume: ResumePoint | None
+    resolved: Resolved | None
+    key: str
+
+    @property
+    def fingerprint(self) -> str:
+        return self.stats["fingerprint"]
+
+
+@dataclass
+class TrainResult:
+    """A finished training: the model and tokenizer to save, the step recorder (``steps.rows``), the
+    summary metrics logged to the run, the plan with its final layout, the MLflow run and experiment ids,
+    ``saved_config`` (model config values to put back before saving, e.g. ``use_cache``) and
+    ``train_s`` (wall seconds inside the backend's ``train``)."""
+    model: object
+    tokenizer: object
+    steps: object
+    summary: dict
+    plan: TrainPlan
+    run_id: str
+    experiment_id: str
+    saved_config: dict
+    train_s: float
+
+
+def load_processed():
+    """``(DatasetDict, stats)`` from data/processed and data/stats.json.
+
+    Raises:
+        DataError: prepare has not run.
+    """
+    from datasets import load_from_disk
+    if not paths.PROCESSED.is_dir() or not paths.STATS.is_file():
+        raise DataError(f"{paths.PROCESSED} or {paths.STATS} is missing: run the prepare stage first (dvc repro)")
+    return load_from_disk(str(paths.PROCESSED)), paths.read_json(paths.STATS)
+
+
+def device_for(cfg: Config) -> str:
+    """The device to train on, after checking the precision flags against it.
+
+    Raises:
+        ConfigError: fp16 without CUDA, or bf16 on a GPU without bf16 support.
+    """
+    import torch
+    cuda = measure.cuda_available()
+    if cfg.train.fp16 and not cuda:
+        raise ConfigError("params.yaml: train.fp16: fp16 mixed precision needs a CUDA GPU and none is "
+                          "visible; use bf16 (CPU autocast) or neither")
+    if cfg.train.bf16 and cuda and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"params.yaml: train.bf16: {torch.cuda.get_device_name(0)} has no bf16 support; "
+                          "use fp16 or neither")
+    return measure.default_device()
+
+
+def plan(cfg: Config, stats: dict) -> TrainPlan:
+    """The :class:`TrainPlan` for ``cfg`` on the prepared data ``stats``; fails before any work.
+
+    Raises:
+        ConfigError: see :func:`device_for`; ``auto`` on a CPU without ``train.memory_budget_gib``.
+    """
+    from onegpu.training.checkpoint import latest_checkpoint
+    device = device_for(cfg)
+    auto = cfg.train.per_device_train_batch_size == "auto"
+    budget = None
+    if auto:
+        from onegpu import autobatch
+        budget = autobatch.budget_bytes(cfg.train.memory_budget_gib, device)
+    ckpt_dir = paths.checkpoint_dir(run_config_hash(cfg, stats["fingerprint"]))
+    resume = latest_checkpoint(ckpt_dir)
+    micro = resume.micro_batch if auto and resume is not None else None  # the split it was written with
+    resolved = resolve(cfg, micro_batch=micro) if not auto or micro else None
+    # The key reads the effective batch only, which `auto` keeps fixed: known before the finder runs.
+    layout = resolved or Resolved(cfg.train.effective_batch_size, 1, 1)
+    return TrainPlan(cfg, stats, device, budget, ckpt_dir, resume, resolved,
+                     equivalence_key(cfg, layout, stats["fingerprint"]))
+
+
+def build_model(cfg: Config, stats: dict):
+    """``(model, tokenizer)`` as configured, seeded with ``train.seed`` (the new head's init draws from it).
+
+    Raises:
+        ModelError: ``train.gradient_checkpointing`` on a model that does not support it.
+    """
+    from transformers import set_seed
+    path = models.resolve_model_path(cfg.model.name_or_path)
+    task = cfg.model.task
+    tokenizer = models.load_tokenizer(str(paths.TOKENIZER) if path is None else path, task)
+    set_seed(cfg.train.seed)
+    if task == "causal-lm":
+        model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout)
+    else:
+        model = models.build_classifier(path, stats["labels"], cfg.model.dropout)
+    if cfg.train.gradient_checkpointing and not models.supports_checkpointing(model):
+        raise ModelError(f"train.gradient_checkpointing: {type(model).__name__} does not support "
+                         "activation checkpointing; set it to false")
+    return model, tokenizer
+
+
+def fit(plan: TrainPlan, model, tokenizer, dsd, sink: Callable[[dict, int], None], run_id: str = "",
+        checkpoints: bool = True):
+    """Train with the configured backend; returns ``(model, StepRecorder)``.
+
+    ``checkpoints``: as the stage does it, resumable (checkpoints every ``train.save_steps`` and on
+    Ctrl-C/SIGTERM, a clean stop, into ``plan.checkpoint_dir``; ``plan.resume`` continued); False trains
+    without either (benchmarks).
+    Raises:
+        onegpu.training.interrupt.Interrupted: a stop was requested (after the checkpoint is saved).
+    """
+    from onegpu.training.backends import base
+    from onegpu.training.interrupt import GracefulStop
+    backend = base.get(plan.cfg.train.backend)
+    if not checkpoints:
+        return backend.train(model, tokenizer, dsd, plan.cfg, plan.resolved, sink=sink)
+    stop = GracefulStop()
+    meta = {"run_id": run_id, "micro_batch": plan.resolved.per_device_train_batch_size}
+    with stop:
+        return backend.train(model, tokenizer, dsd, plan.cfg, plan.resolved, sink=sink,
+                             checkpoint_dir=plan.checkpoint_dir, stop=stop, resume=plan.resume, checkpoint_meta=meta)
+
+
+def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | None = None,
+        built: tuple | None = None) -> TrainResult:
+    """The whole training run into ``tracker``'s store (a ``tracking.connect`` handle).
+
+    ``save``: writes the outputs from the result, inside the run's guard; ``built``: a ``(model,
+    tokenizer)`` to train instead of :func:`build_model`'s (benchmarks).
+    Returns:
+        The :class:`TrainResult`; the run is left SCHEDULED.
+    """
+    run_id = _start_run(plan, tracker)
+    buffer = tracker.metric_buffer(run_id)
+    progress = {"step": 0}
+
+    def sink(metrics: dict, step: int) -> None:
+        progress["step"] = step
+        buffer.add(metrics, step)
+
+    with tracker.guard(run_id, finish="SCHEDULED", context=lambda: {"error.step": str(progress["step"] + 1)}), \
+            _flushed(buffer):
+        tracker.log_params(run_id, flatten(plan.cfg.to_dict()))
+        model, tokenizer = built or build_model(plan.cfg, plan.stats)
+        tracker.set_tags(run_id, models.describe(model))
+        # Training switches the KV cache off (Trainer and checkpointing); the saved model gets it back.
+        saved_config = {"use_cache": model.config.use_cache} if hasattr(model.config, "use_cache") else {}
+        plan = _with_layout(plan, model, tokenizer, dsd, tracker, run_id)
+        from onegpu.training.recorder import step_metrics
+        for row in (plan.resume.rows if plan.resume else []):  # the stopped run's steps, so this one is whole
+            sink(step_metrics(row), row["step"])
+        with tracker.system_metrics(run_id):
+            t0 = time.perf_counter()
+            model, steps = fit(plan, model, tokenizer, dsd, sink, run_id)
+            train_s = time.perf_counter() - t0
+        summary = _log_results(plan, tracker, run_id, buffer, model, steps)
+        result = TrainResult(model, tokenizer, steps, summary, plan, run_id, tracker.experiment_id,
+                             saved_config, train_s)
+        if save is not None:
+            save(result)
+    shutil.rmtree(plan.checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
+    _other_checkpoints(tracker, plan.checkpoint_dir, plan.key, plan.cfg, plan.fingerprint, finished=True)
+    return result
+
+
+def _start_run(plan: TrainPlan, tracker) -> str:
+    """Say which other checkpoints this run does not use, start the MLflow run with the stage's tags and
+    link it to the run it resumes. Returns the run id."""
+    from onegpu import tracking
+    tags = {**tracking.run_context_tags(), "stage": "train", "equivalence_key": plan.key,
+            "device": measure.device_name(plan.device), "data.fingerprint": plan.fingerprint}
+    _other_checkpoints(tracker, plan.checkpoint_dir, plan.key, plan.cfg, plan.fingerprint, announce=True)
+    resume = plan.resume
+    if resume:
+        tags["onegpu.resumed_from"] = resume.run_id or ""
+        tags["onegpu.resumed_at_step"] = str(resume.step)
+    run_id = tracker.start_run(tracking.run_name(), tags)
+    if resume:
+        print(f"train: resuming from {resume.path} (optimizer step {resume.step} of MLflow run "
+              f"{resume.run_id}, which was stopped); this run is {run_id}")
+        try:
+            tracker.set_tags(resume.run_id, {"onegpu.resumed_by": run_id})
+        except Exception:
+            pass  # the earlier run may be in another store; the link on this run is what matters
+    return run_id
+
+
+def _with_layout(plan: TrainPlan, model, tokenizer, dsd, tracker, run_id: str) -> TrainPlan:
+    """``plan`` with its batch layout (the ``auto`` finder runs when it has none yet), logged as
+    ``resolved.*`` params."""
+    if plan.resolved is None:
+        micro = _find_micro_batch(model, tokenizer, dsd, plan, tracker, run_id)
+        plan = dataclasses.replace(plan, resolved=resolve(plan.cfg, micro_batch=micro))
+    tracker.log_params(run_id, resolved_params(plan.resolved))
+    return plan
+
+
+def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: str) -> int:
+    """Run the ``auto`` finder (:mod:`onegpu.autobatch`); print and log its probes."""
+    from onegpu import autobatch
+    from onegpu.training.batches import collator_for, training_rows
+    from onegpu.training.loss import loss_for
+    cfg, device, budget = plan.cfg, plan.device, plan.budget
+    task = cfg.model.task
+    model.to(device)
+    if cfg.train.gradient_checkpointing:
+        models.enable_checkpointing(model)
+    micro, probes = autobatch.find_micro_batch(
+        model, training_rows(dsd, task), collator_for(task, tokenizer), loss_for(task),
+        cfg.train.effective_batch_size, budget, cfg.train.optim, device)
+    table = autobatch.format_probes(probes)
+    print(f"auto micro-batch: {micro} x {cfg.train.effective_batch_size // micro} accumulation = "
+          f"{cfg.train.effective_batch_size} (budget {budget / 2**30:.2f} GiB, longest training rows"
+          f"{_BUDGET_CPU if not measure.is_cuda(device) else ''})\n{table}")
+    tracker.log_dict(run_id, {"budget_bytes": budget, "probes": [p.as_row() for p in probes]},
+                     "auto_micro_batch.json")
+    tracker.log_text(run_id, table + "\n", "auto_micro_batch.md")
+    return micro
+
+
+def _log_results(plan: TrainPlan, tracker, run_id: str, buffer, model, steps) -> dict:
+    """Log what the recorder measured (out-of-memory events, summary, memory, speed, step tags) and
+    return the summary metrics."""
+    for ev in steps.events:  # out-of-memory recoveries: the split changed, the result did not
+        buffer.add({"oom_retry_micro_batch": ev["micro_batch"]}, ev["step"])
+    buffer.flush()
+    if steps.events:
+        import json
+        tracker.set_tags(run_id, {"oom_retry.events": json.dumps(steps.events),
+                                  "oom_retry.final_split": steps.events[-1]["new"]})
+    summary = steps.summary()
+    summary.update(steps.memory())
+    speed, speed_params, speed_tags = _speed(model, summary, plan.cfg, plan.device,
+                                             measure.device_name(plan.device), steps.tokens_sq())
+    summary.update(speed)
+    tracker.log_params(run_id, speed_params)
+    tracker.set_tags(run_id, {**speed_tags, **_step_tags(steps, plan.resolved.effective_batch_size)})
+    tracker.log_metrics(run_id, {k: v for k, v in summary.items()
+                                 if k not in ("train_steps", "train_samples", "train_tokens")},
+                        step=0)  # step 0, like eval_*: MLflow draws a bar, not a lone dot
+    return summary
+
+
+def closing_line(result: TrainResult) -> str:
+    """The stage's last line: steps, layout, loss, time, peak memory (:func:`_peak_text`), device, run."""
+    s, r, p = result.summary, result.plan.resolved, result.plan
+    return (f"train: {s.get('train_steps', 0)} optimizer steps of {r.effective_batch_size} examples "
+            f"({r.per_device_train_batch_size} x {r.gradient_accumulation_steps}), "
+            f"train_loss {s.get('train_loss', float('nan')):.4f}, {s.get('train_runtime', 0):.1f} s, "
+            f"{_peak_text(s.get('train_mem_peak_bytes', 0), p.device, p.budget)} "
+            f"on {measure.device_name(p.device)}; MLflow run {result.run_id}")
+
+
+def _peak_text(peak: int, device: str, budget: int | None) -> str:
+    """The peak memory for the closing line, saying what it measures. On a CPU it is the process RSS,
+    which holds the Python runtime, the libraries and the data besides the training state, so it
+    exceeds an ``auto`` budget (which covers the probed training state only)."""
+    if measure.is_cuda(device):
+        return f"peak {peak / 2**20:.0f} MiB allocated"
+    text = f"peak {peak / 2**20:.0f} MiB process RSS"
+    if budget is not None:
+        text += (f" (the auto budget, {budget / 2**30:.2f} GiB, covers the probed training state only; RSS "
+                 "also holds the Python runtime, libraries and data)")
+    return text
+
+
+def _other_checkpoints(tracker, ckpt_dir, key: str, cfg: Config, fingerprint: str, announce: bool = False,
+                       finished: bool = False) -> None:
+    """Say which checkpoints of other configurations this run does not use (``announce``) and prune those
+    nothing can resume: at the start the ones whose run is deleted or finished, after a finished training
+    also the stopped runs of the same equivalence key. The rule: :func:`onegpu.training.checkpoint.
+    review_other_checkpoints`. Never stops training: a store or disk error skips it."""
+    from onegpu.training.checkpoint import review_other_checkpoints
+    try:
+        items = review_other_checkpoints(ckpt_dir, key, flatten(cfg.to_dict()), fingerprint, tracker.find_run)
+    except Exception:
+        return
+    for item in items:
+        if item["action"] == "prune" or (finished and item["action"] == "superseded"):
+            shutil.rmtree(item["folder"], ignore_errors=True)
+            msg = item["message"] if item["action"] == "prune" else (
+                f"removed the checkpoint of stopped MLflow run {item['run_id']} at optimizer step {item['step']} "
+                f"({item['folder']}): this run finished the same training (equivalence key {key})")
+            print(f"train: {msg}", flush=True)
+        elif announce and item["message"]:
+            print(f"train: {item['message']}", flush=True)
+
+
+@contextlib.contextmanager
+def _flushed(buffer):
+    """Write buffered step metrics whatever happens: a failed or stopped run keeps every step it logged."""
+    try:
+        yield
+    finally:
+        try:
+            buffer.flush()
+        except Exception:
+            pass
+def _step_tags(steps, effective_batch: int) -> dict:
+    """Tags from the recorder: ``onegpu.machine``, the training window (``onegpu.train_start_ms`` and
+    ``onegpu.train_end_ms``, milliseconds since the epoch, first step's start to last step's end in this
+    process) and ``onegpu.partial_steps`` when an optimizer step saw fewer examples than the effective batch."""
+    import hashlib
+    import json
+    import platform
+    # Which machine trained (a hash of the host name, not the name): only runs on one machine compete.
+    out = {"onegpu.machine": hashlib.sha256(platform.node().encode()).hexdigest()[:12]}
+    if steps.window_start is not None and steps.window_end is not None:
+        out["onegpu.train_start_ms"] = str(int(steps.window_start * 1000))
+        out["onegpu.train_end_ms"] = str(int(steps.window_end * 1000))
+    partial = steps.partial_steps(effective_batch)
+    if partial:
+        out["onegpu.partial_steps"] = json.dumps(partial)
+        for p in partial:
+            print(f"train: optimizer step {p['step']} saw {p['examples']} of {effective_batch} examples "
+                  "(the epoch's last rows); its loss is the mean over those")
+    return out
+
+
+def _speed(model, summary: dict, cfg: Config, device: str, device_name: str,
+           tokens_sq: int | None = None) -> tuple[dict, dict, dict]:
+    """``train_flops_per_second`` (model FLOPs, :mod:`onegpu.flops`) and ``train_mfu`` against the
+    device's peak in the matmul dtype; ``model_flops_per_token`` and ``device_peak_flops`` with them.
+
+    Returns ``(metrics, params, tags)``: params name the peak's source and, for a measured peak, its
+    cache file; with no trustworthy peak ``train_mfu`` is left out and the tag
+    ``train_mfu.unknown_reason`` says why."""
+    from onegpu import flops
+    if not summary.get("train_samples") or not summary.get("train_runtime"):
+        return {}, {}, {}
+    total = flops.train_flops(model, summary["train_samples"], summary["train_tokens"],
+                              tokens_sq)
+    achieved = total / summary["train_runtime"]
+    m = flops.mfu(achieved, device_name, flops.matmul_dtype(cfg.train.mixed_precision), device)
+    metrics = {"train_flops_per_second": achieved, "model_flops_per_token": total / summary["train_tokens"],
+               "device_peak_flops": m["peak"]}
+    params = {"device_peak_flops.source": m["source"]}
+    if m["source"] == "measured":
+        params["device_peak_flops.cache"] = flops.display_path(flops.cache_file())
+    tags = {}
+    if m["mfu"] is None:
+        tags["train_mfu.unknown_reason"] = m["unknown_reason"]
+        print(f"train: {m['unknown_reason']}")
+    else:
+        metrics["train_mfu"] = m["mfu"]
+    return metrics, params, tags
+
+
