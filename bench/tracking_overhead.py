@@ -19,6 +19,11 @@ over repetitions, the ratio tracked/off and the target (at most 2% slower per op
 sink's own cost measured directly (1,000 steps of real rows through the writer, flushes included), which
 is free of run-to-run noise, and the one-off tracking work outside the loop.
 
+The training loop must never wait on an MLflow write (the batched writer hands its batches to a
+background thread), so the longest step of a run (steps 2..N) is reported too: with a flush inside the
+loop, one step in every batch would carry the store's write time. Reported per arm: the longest step per
+run, where it fell, and its ratio to the run's median step.
+
 Runs differ from each other by a few percent on a small shared machine even with the same config (each
 builds its model anew), which is as much as the 2% target. So one more run interleaves the two arms
 step by step: its sink writes to MLflow on odd optimizer steps and does nothing on even ones. A sink
@@ -37,18 +42,22 @@ TARGET = 1.02
 
 
 def sink_cost(tracker, row: dict, n: int = 1000) -> float:
-    """Seconds per optimizer step spent in the batched writer: n real rows through ``add``, flushes
-    (every 200 values) and the final flush included."""
+    """Seconds per optimizer step spent in the batched writer (n real rows through ``add``, flushes
+    every 200 values and the final flush included), and the longest single ``add`` call: the most the
+    training loop waited on tracking in one step."""
     run_id = tracker.start_run(None, {"stage": "bench-sink"})
     buffer = tracker.metric_buffer(run_id)
     metrics = {k: v for k, v in row.items() if k not in ("step", "samples", "tokens")}
     t0 = time.perf_counter()
+    longest = 0.0
     for step in range(1, n + 1):
+        s0 = time.perf_counter()
         buffer.add(metrics, step)
+        longest = max(longest, time.perf_counter() - s0)
     buffer.flush()
     dt = time.perf_counter() - t0
     tracker.end_run(run_id)
-    return dt / n
+    return dt / n, longest
 
 
 class AlternatingSink:
@@ -80,10 +89,35 @@ def interleaved(tracker, cfg, labels, path, tok, dsd, verbose) -> dict:
     return res
 
 
+def outlier(rows: list[dict]) -> dict:
+    """The longest optimizer step of a run (steps 2..N): seconds, its step, and its ratio to the median."""
+    kept = [r for r in rows if r["step"] > 1]
+    top = max(kept, key=lambda r: r["step_time_s"])
+    med = statistics.median(r["step_time_s"] for r in kept)
+    return {"max_step_s": top["step_time_s"], "max_at_step": top["step"], "max_over_median": top["step_time_s"] / med}
+
+
+def outlier_lines(runs: dict, load: str) -> list[str]:
+    """The outlier table: per arm, the longest step of each run and its ratio to that run's median."""
+    rows = []
+    for a in ("off", "tracked"):
+        o = [r["outlier"] for r in runs[a]]
+        rows.append(["tracking off (no-op sink)" if a == "off" else "full tracking (background metric writer)",
+                     ", ".join(f"{x['max_step_s']:.4f} (step {x['max_at_step']})" for x in o),
+                     f"{max(x['max_step_s'] for x in o):.4f} s",
+                     ", ".join(f"{x['max_over_median']:.2f}" for x in o)])
+    worst = {a: max(r["outlier"]["max_step_s"] for r in runs[a]) for a in runs}
+    return ["", "Longest step-time outlier (steps 2..N) with tracking on vs off" + (f" ({load})" if load else "")
+            + ":", "",
+            common.table(["arm", "longest step per run (s)", "longest of all", "longest / run's median step"], rows),
+            "", f"- Longest step, tracked/off: **{worst['tracked'] / worst['off']:.3f}**."]
+
+
 def main() -> None:
     p = common.parser(__doc__.splitlines()[0], reps=5, steps=30, rows=200, micro=4, accum=1)
     p.add_argument("--interleaved-steps", type=int, default=60,
                    help="optimizer steps of the interleaved run (0: skip it)")
+    p.add_argument("--load", default="", help="other load on the machine during the run, named in the report")
     args = p.parse_args()
     common.setup()
     from onegpu import tracking
@@ -104,9 +138,11 @@ def main() -> None:
                 return common.train_once(model, tok, dsd, cfg, verbose=args.verbose, stage_like=True)
             res = common.clean_run(one, args, arm)
             res["rep"], res["position"] = rep, order.index(arm)
+            res["outlier"] = outlier(res["rows"])
             runs[arm].append(res)
             print(f"rep {rep + 1}/{args.reps} {arm:7s}: median step {res['median_step_s']:.4f} s, "
-                  f"mean {res['mean_step_s']:.4f} s, wall {res['wall_s']:.1f} s", flush=True)
+                  f"mean {res['mean_step_s']:.4f} s, longest {res['outlier']['max_step_s']:.4f} s "
+                  f"(step {res['outlier']['max_at_step']}), wall {res['wall_s']:.1f} s", flush=True)
 
     inter = None
     if args.interleaved_steps > 1:
@@ -115,7 +151,7 @@ def main() -> None:
                                  args, "interleaved")
         print(f"interleaved: median step after a write {inter['median_after_write']:.4f} s, after a no-op "
               f"{inter['median_after_noop']:.4f} s", flush=True)
-    per_step = sink_cost(tracker, runs["tracked"][0]["rows"][-1])
+    per_step, longest_add = sink_cost(tracker, runs["tracked"][0]["rows"][-1])
     med = {a: common.median(r["median_step_s"] for r in runs[a]) for a in runs}
     mean = {a: common.median(r["mean_step_s"] for r in runs[a]) for a in runs}
     ratio = med["tracked"] / med["off"]
@@ -153,10 +189,13 @@ def main() -> None:
            f"ratio **{inter['median_after_write'] / inter['median_after_noop']:.4f}** (means: "
            f"{inter['mean_after_write'] / inter['mean_after_noop']:.4f}, flushes included)." if inter else ""),
         f"- Direct cost of the per-step sink (1,000 real step rows through `MetricBuffer.add`, flushes "
-        f"included): {per_step * 1e6:.0f} us per optimizer step = {direct_pct:.3f}% of a {med['off']:.3f} s step.",
+        f"included): {per_step * 1e6:.0f} us per optimizer step = {direct_pct:.3f}% of a {med['off']:.3f} s step; "
+        f"longest single `add` (what one step waited on tracking at most): {longest_add * 1e3:.2f} ms.",
         f"- One-off tracking work outside the loop (start_run, params, tags, starting and stopping the "
         f"system-metrics monitor, final flush, summary metrics, end_run): {outside:.3f} s per run (not per step).",
-        f"- {common.load_note(runs['tracked'] + runs['off'])}",
+        f"- {common.load_note(runs['tracked'] + runs['off'])}" + (f" Load named by the operator: {args.load}."
+                                                                  if args.load else ""),
+        *outlier_lines(runs, args.load),
     ]
     if not met:
         inter_ratio = inter["median_after_write"] / inter["median_after_noop"] if inter else None
@@ -173,7 +212,7 @@ def main() -> None:
                          f"more than the sink's direct cost ({direct_pct:.3f}%) accounts for.")
     payload = {"interleaved": {k: v for k, v in inter.items() if k != "rows"} if inter else None,
                "target_ratio_max": TARGET, "ratio_median_step": ratio, "ratio_mean_step": ratio_mean,
-               "pair_ratios": pair_ratios, "target_met": met, "sink_seconds_per_step": per_step,
+               "pair_ratios": pair_ratios, "target_met": met, "sink_seconds_per_step": per_step, "longest_add_s": longest_add,
                "outside_loop_s": outside, "median_step_s": med, "mean_step_s": mean,
                "runs": {a: [{k: v for k, v in r.items() if k != "rows"} for r in runs[a]] for a in runs}}
     common.report("tracking_overhead", args, "Tracking overhead per optimizer step", lines, payload)

@@ -84,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             from onegpu import ui
             return ui.serve(cfg.tracking.experiment_name, args.host, args.port)
         elif args.command == "sync":
-            from onegpu import tracking
+            from onegpu import paths, tracking
             runs, records = tracking.sync()
             print(f"onegpu sync: {records} spooled record(s) of {runs} run(s) written to "
-                  f"{tracking.redact(tracking.paths.tracking_uri())}")
+                  f"{tracking.redact(paths.tracking_uri())}")
         elif args.command == "summary":
             from onegpu import summary
             print(summary.text(cfg))

@@ -76,29 +76,12 @@ def _check_hub(repo_id: str, timeout_s: float = 5.0) -> None:
     except Exception:  # an id huggingface_hub rejects: from_pretrained reports it
         return
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    reason = _unreachable(endpoint, timeout_s)
+    from onegpu.net import unreachable
+    reason = unreachable(endpoint, timeout_s)
     if reason:
         raise ModelError(f"model.name_or_path={repo_id!r} is not a local directory, and as a hub id it needs "
                          f"{endpoint}, which cannot be reached ({reason}); give '{PACKAGED_MODEL}' or a "
                          "local model directory (one with config.json), or download the model first")
-
-
-def _unreachable(url: str, timeout_s: float) -> str | None:
-    """Why ``url``'s host (or the proxy that would carry the request) refuses a TCP connection, or None."""
-    import socket
-    import urllib.request
-    from urllib.parse import urlparse
-    u = urlparse(url)
-    host, port = u.hostname or "", u.port or (443 if u.scheme == "https" else 80)
-    proxy = urllib.request.getproxies().get(u.scheme)
-    if proxy and not urllib.request.proxy_bypass(host):
-        pu = urlparse(proxy if "://" in proxy else f"http://{proxy}")
-        host, port = pu.hostname or "", pu.port or 80
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return None
-    except OSError as e:
-        return f"{host}:{port}: {e.strerror or type(e).__name__}"
 
 
 def is_local(name_or_path: str | None) -> bool:

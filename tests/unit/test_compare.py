@@ -62,31 +62,27 @@ def _log_training_run(tr: tracking.Tracker, name: str, key: str, micro: int, acc
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory):
+def project(store_root):
     """A project root with params.yaml and a store: experiment 'onegpu' with a prepare run, 4 training
     runs of KEY_A (64x1, 4x16, 64x1 ckpt, 8x8 with dropout diverging at step 3) and 1 of KEY_B;
     experiment 'empty' with a prepare run only."""
-    root = tmp_path_factory.mktemp("proj").resolve()
+    root = store_root
     defaults.write_params(root)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        mp.setenv("DVC_ROOT", str(root))
-        mp.chdir(root)
-        tr = tracking.connect("onegpu")
-        prep = tr.start_run("prepare", {"stage": "prepare"})
-        tr.end_run(prep)
-        ids = {
-            "ref-64x1": _log_training_run(tr, "ref-64x1", KEY_A, 64, 1, mem=4e9, sps=100.0),
-            "split-4x16": _log_training_run(tr, "split-4x16", KEY_A, 4, 16, mem=1e9, sps=60.0,
-                                            loss_factor=lambda s: 1 + 2e-6 * s),
-            "ckpt-64x1": _log_training_run(tr, "ckpt-64x1", KEY_A, 64, 1, ckpt=True, mem=2e9, sps=75.0),
-            "drop-8x8": _log_training_run(tr, "drop-8x8", KEY_A, 8, 8, dropout=0.1, mem=1.5e9, sps=70.0,
-                                          loss_factor=lambda s: 1.0 if s < 3 else 1.03, eval_accuracy=0.88),
-            "other": _log_training_run(tr, "other", KEY_B, 16, 1),
-        }
-        empty = tracking.connect("empty")
-        empty.end_run(empty.start_run("prepare", {"stage": "prepare"}))
-        yield root, tr, ids
+    tr = tracking.connect("onegpu")
+    prep = tr.start_run("prepare", {"stage": "prepare"})
+    tr.end_run(prep)
+    ids = {
+        "ref-64x1": _log_training_run(tr, "ref-64x1", KEY_A, 64, 1, mem=4e9, sps=100.0),
+        "split-4x16": _log_training_run(tr, "split-4x16", KEY_A, 4, 16, mem=1e9, sps=60.0,
+                                        loss_factor=lambda s: 1 + 2e-6 * s),
+        "ckpt-64x1": _log_training_run(tr, "ckpt-64x1", KEY_A, 64, 1, ckpt=True, mem=2e9, sps=75.0),
+        "drop-8x8": _log_training_run(tr, "drop-8x8", KEY_A, 8, 8, dropout=0.1, mem=1.5e9, sps=70.0,
+                                      loss_factor=lambda s: 1.0 if s < 3 else 1.03, eval_accuracy=0.88),
+        "other": _log_training_run(tr, "other", KEY_B, 16, 1),
+    }
+    empty = tracking.connect("empty")
+    empty.end_run(empty.start_run("prepare", {"stage": "prepare"}))
+    return root, tr, ids
 
 
 @pytest.fixture

@@ -17,28 +17,10 @@ from onegpu import tracking
 from onegpu.errors import UserError
 
 
-@pytest.fixture
-def fresh_root(tmp_path, monkeypatch) -> Path:
-    """An empty project root: DVC_ROOT points at it, MLFLOW_TRACKING_URI is unset, cwd is elsewhere."""
-    root = (tmp_path / "proj").resolve()
-    root.mkdir()
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("DVC_ROOT", str(root))
-    monkeypatch.chdir(cwd)  # nothing may land in the cwd (DVC's temp clone in real use)
-    return root
-
-
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
+def store(store_root):
     """One tracker on one fresh default store, shared by the run-level tests of this module."""
-    root = tmp_path_factory.mktemp("store").resolve()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        mp.setenv("DVC_ROOT", str(root))
-        mp.chdir(root)
-        yield tracking.connect("shared")
+    return tracking.connect("shared")
 
 
 # -- connect -------------------------------------------------------------------------------------

@@ -1,0 +1,27 @@
+"""Everything MLflow; the only package that imports mlflow. It uses ``MlflowClient`` with explicit run
+ids (no global "active run").
+
+Modules, in dependency order (each imports only those above it):
+
+- :mod:`~onegpu.tracking.uri`: which store (the tracking URI, its checks, credentials redacted);
+- :mod:`~onegpu.tracking.spool`: writes that survive an outage (:func:`is_outage`, the spool, ``onegpu sync``'s replay);
+- :mod:`~onegpu.tracking.writer`: :class:`MetricBuffer`, per-step metrics written by a background thread;
+- :mod:`~onegpu.tracking.runs`: :class:`RunHandle` (one run's params, tags, metrics, artifacts, status), the run
+  lifecycle (writer tags, re-opening, reaping orphans) and the tags every run carries;
+- :mod:`~onegpu.tracking.store`: :func:`connect`, :func:`open_existing`, :func:`sync` and :class:`Tracker`;
+- :mod:`~onegpu.tracking.query`: compare-time queries (training runs, histories, windows) and the comparison run.
+"""
+from onegpu.tracking.query import (STEP_SERIES, log_comparison, metric_histories, step_window,
+                                   training_run_windows, training_runs)
+from onegpu.tracking.runs import (KILLED_REASON, TRUNCATED_PARAMS, WRITER_HOST, WRITER_PID, WRITER_STARTED,
+                                  RunHandle, git_commit, run_context_tags, run_name, writer_gone, writer_tags)
+from onegpu.tracking.spool import Spool, SpoolingWriter, is_outage
+from onegpu.tracking.store import Tracker, connect, deleted_experiment_message, open_existing, sync
+from onegpu.tracking.uri import check_reachable, redact
+from onegpu.tracking.writer import MetricBuffer
+
+__all__ = ["STEP_SERIES", "KILLED_REASON", "TRUNCATED_PARAMS", "WRITER_HOST", "WRITER_PID", "WRITER_STARTED",
+           "MetricBuffer", "RunHandle", "Spool", "SpoolingWriter", "Tracker", "check_reachable", "connect",
+           "deleted_experiment_message", "git_commit", "is_outage", "log_comparison", "metric_histories",
+           "open_existing", "redact", "run_context_tags", "run_name", "step_window", "sync",
+           "training_run_windows", "training_runs", "writer_gone", "writer_tags"]

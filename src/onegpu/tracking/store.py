@@ -1,0 +1,221 @@
+"""The store and one experiment in it: :func:`connect` (get or create, for writing), :func:`open_existing`
+(read only), :func:`sync` (replay the outage spool), and :class:`Tracker`, the connection they return.
+
+Store and experiment creation are serialised with a file lock in the project root: several processes
+opening a *fresh* SQLite store at once crash creating its schema, and several setting a *new* experiment
+at once can silently log into experiment 0 (measured on this project's SQLite stores).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from onegpu import paths
+from onegpu.errors import UserError
+from onegpu.tracking import runs
+from onegpu.tracking.spool import SpoolingWriter, replay_all
+from onegpu.tracking.uri import redact, store_uri
+
+
+@dataclass
+class Tracker:
+    """A connection to the project's store and experiment ``experiment_id``.
+
+    ``spool_dir``: where writes that cannot reach the store wait (``<root>/.onegpu/spool``); None
+    writes straight through and raises on failure. :meth:`run` gives the handle of one run; the
+    methods taking a ``run_id`` first are shorthands for the handle's.
+    """
+    client: Any
+    experiment_id: str
+    uri: str
+    spool_dir: Path | None = None
+    writer: SpoolingWriter = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.writer = SpoolingWriter(self.client, self.uri, self.spool_dir)
+
+    def run(self, run_id: str) -> runs.RunHandle:
+        """The handle that writes to ``run_id`` (params, tags, metrics, artifacts, status)."""
+        return runs.RunHandle(self.client, run_id, self.writer)
+
+    def start_run(self, run_name: str | None, tags: dict[str, str]) -> str:
+        """Create a run (status RUNNING, this process as its writer) and return its id. Orphans of the
+        experiment are reaped first (:meth:`reap_orphans`)."""
+        self.reap_orphans()
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags={**tags, **runs.writer_tags()})
+        return run.info.run_id
+
+    def resume_run(self, run_id: str) -> None:
+        """Reap orphans, then re-open the ended run ``run_id`` (:meth:`RunHandle.reopen`).
+
+        Raises:
+            UserError: the run does not exist in this store, or is deleted.
+        """
+        self.reap_orphans()
+        self.run(run_id).reopen()
+
+    def reap_orphans(self) -> list[str]:
+        """Mark KILLED the experiment's RUNNING runs whose writer is gone (:func:`runs.reap_orphans`)."""
+        return runs.reap_orphans(self.client, self.experiment_id)
+
+    def find_run(self, run_id: str):
+        """The MLflow run ``run_id`` (deleted ones too), or None when the store does not have it or
+        cannot be read."""
+        try:
+            return self.client.get_run(run_id)
+        except Exception:
+            return None
+
+    def runs_table_url(self, base: str) -> str:
+        """The UI address of this experiment's training-runs table (not MLflow 3's GenAI overview)."""
+        return f"{base.rstrip('/')}/#/experiments/{self.experiment_id}/runs"
+
+    # -- shorthands for self.run(run_id).<method>: the stages' calls ---------------------------
+    def run_status(self, run_id: str) -> str | None:
+        return self.run(run_id).status()
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.run(run_id).end(status)
+
+    def guard(self, run_id: str, finish: bool | str = True, context=None):
+        return self.run(run_id).guard(finish, context)
+
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        self.run(run_id).log_params(params)
+
+    def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        self.run(run_id).set_tags(tags)
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        self.run(run_id).log_metrics(metrics, step)
+
+    def metric_buffer(self, run_id: str, flush_every: int = 200, flush_seconds: float = 30.0):
+        return self.run(run_id).metric_buffer(flush_every, flush_seconds)
+
+    def log_artifact(self, run_id: str, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        self.run(run_id).log_artifact(path, artifact_path)
+
+    def log_dict(self, run_id: str, obj: dict, artifact_file: str) -> None:
+        self.run(run_id).log_dict(obj, artifact_file)
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        self.run(run_id).log_text(text, artifact_file)
+
+    def log_figure(self, run_id: str, figure, artifact_file: str) -> None:
+        self.run(run_id).log_figure(figure, artifact_file)
+
+    def log_dataset(self, run_id: str, df, name: str, source: str, context: str, targets: str | None = None) -> None:
+        self.run(run_id).log_dataset(df, name, source, context, targets)
+
+    def system_metrics(self, run_id: str, interval_s: float = 5.0, resume: bool = False):
+        return self.run(run_id).system_metrics(interval_s, resume)
+
+
+def deleted_experiment_message(exp, uri: str, alternative: str) -> str:
+    """One message for a deleted experiment, the same from every command: its name and id, and how to
+    restore it (``mlflow experiments restore``) or what else to do (``alternative``)."""
+    return (f"MLflow experiment {exp.name!r} (id {exp.experiment_id}) is deleted in {redact(uri)}; restore it "
+            f"(MLFLOW_TRACKING_URI={redact(uri)} mlflow experiments restore --experiment-id {exp.experiment_id}, "
+            f"or in the UI) or {alternative}")
+
+
+@contextmanager
+def _opening(uri: str):
+    """Around opening the store: any failure but a UserError becomes "cannot open the MLflow store";
+    MLflow's "Creating initial MLflow database tables..." log line is silenced."""
+    db_log = logging.getLogger("mlflow.store.db.utils")
+    old_level = db_log.level
+    try:
+        db_log.setLevel(logging.WARNING)
+        yield
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"cannot open the MLflow store {redact(uri)}: {type(e).__name__}: {e}") from None
+    finally:
+        db_log.setLevel(old_level)
+
+
+def _experiment_id(client, uri: str, name: str, alternative: str) -> str | None:
+    """The id of experiment ``name`` in the store, or None when it does not exist.
+
+    Raises:
+        UserError: the experiment is deleted (the message says how to restore it, or ``alternative``).
+    """
+    exp = client.get_experiment_by_name(name)
+    if exp is not None and exp.lifecycle_stage == "deleted":
+        raise UserError(deleted_experiment_message(exp, uri, alternative))
+    return None if exp is None else exp.experiment_id
+
+
+def connect(experiment_name: str, root: Path | None = None) -> Tracker:
+    """Open the project's store and get or create ``experiment_name``.
+
+    Store: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<project root>/mlflow.db``; a new experiment
+    on the default store keeps its artifacts in ``<project root>/mlartifacts`` (absolute, so a run from
+    DVC's temp clone never points into a directory that is deleted).
+
+    Raises:
+        UserError: the URI is malformed, the server unreachable, the experiment deleted, or the store
+            cannot be opened.
+    """
+    import filelock
+    from mlflow import MlflowClient
+
+    root = root or paths.project_root()
+    uri = store_uri(root)
+    if urlparse(uri).scheme in ("http", "https"):
+        # MLflow's REST client retries for minutes by default; the spool takes over much sooner.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    location = paths.artifact_root(root).as_uri() if paths.uses_default_store() else None
+    with filelock.FileLock(str(paths.lock_file(root)), timeout=120), _opening(uri):
+        client = MlflowClient(tracking_uri=uri)
+        exp_id = _experiment_id(client, uri, experiment_name, "choose another tracking.experiment_name")
+        if exp_id is None:
+            exp_id = client.create_experiment(experiment_name, artifact_location=location)
+    return Tracker(client=client, experiment_id=exp_id, uri=uri, spool_dir=paths.spool_dir(root))
+
+
+def open_existing(experiment_name: str, root: Path | None = None) -> Tracker:
+    """Open the project's store and ``experiment_name`` for reading; create neither.
+
+    Raises:
+        UserError: the default store file does not exist yet, the experiment does not exist (the
+            message lists the ones that do) or is deleted, or the store cannot be opened.
+    """
+    from mlflow import MlflowClient
+
+    root = root or paths.project_root()
+    uri = store_uri(root)
+    if paths.uses_default_store() and not (root / "mlflow.db").is_file():
+        raise UserError(f"no MLflow store at {root / 'mlflow.db'}: no training runs yet. Train first "
+                        "(`dvc repro` or `dvc exp run -S ...`), or set MLFLOW_TRACKING_URI")
+    with _opening(uri):
+        client = MlflowClient(tracking_uri=uri)
+        exp_id = _experiment_id(client, uri, experiment_name, "choose another with --experiment")
+        names = [] if exp_id is not None else [e.name for e in client.search_experiments()]
+    if exp_id is None:
+        raise UserError(f"no MLflow experiment {experiment_name!r} in {redact(uri)}"
+                        + (f"; experiments there: {', '.join(sorted(names))}" if names else "")
+                        + " (choose one with --experiment)")
+    return Tracker(client=client, experiment_id=exp_id, uri=uri)
+
+
+def sync(root: Path | None = None) -> tuple[int, int]:
+    """Replay every run's spool into the store (``onegpu sync``). Returns (runs, records) written.
+
+    Raises:
+        UserError: the store is still unreachable (the spool is kept).
+    """
+    from mlflow import MlflowClient
+    root = root or paths.project_root()
+    uri = store_uri(root, note=f"; the store is still unreachable, so the spool in {paths.spool_dir(root)} "
+                               "is kept")
+    return replay_all(MlflowClient(tracking_uri=uri), uri, paths.spool_dir(root))

@@ -1,0 +1,32 @@
+"""Fixtures shared by the unit tests: project roots with their own MLflow store, never the user's."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def fresh_root(tmp_path, monkeypatch) -> Path:
+    """An empty project root: DVC_ROOT points at it, MLFLOW_TRACKING_URI is unset, cwd is elsewhere."""
+    root = (tmp_path / "proj").resolve()
+    root.mkdir()
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("DVC_ROOT", str(root))
+    monkeypatch.chdir(cwd)  # nothing may land in the cwd (DVC's temp clone in real use)
+    return root
+
+
+@pytest.fixture(scope="module")
+def store_root(tmp_path_factory) -> Path:
+    """One project root per test module, the environment pointing at it for the module's tests
+    (DVC_ROOT, no MLFLOW_TRACKING_URI, cwd): ``tracking.connect`` opens ``<root>/mlflow.db``.
+    Creating a fresh SQLite store costs a few seconds (schema migrations), so a module shares one."""
+    root = tmp_path_factory.mktemp("store").resolve()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        mp.setenv("DVC_ROOT", str(root))
+        mp.chdir(root)
+        yield root
