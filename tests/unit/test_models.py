@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from onegpu import config, models
+from onegpu import config, models, net
 from onegpu.errors import ModelError
 
 LABELS = ["business", "sport", "tech"]
@@ -59,7 +59,7 @@ def test_local_directory_missing_or_without_config(tmp_path, monkeypatch, given,
 
 def test_hub_id_is_kept_when_the_hub_answers(no_hf_cache, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(models, "_unreachable", lambda url, timeout_s: None)
+    monkeypatch.setattr(net, "unreachable", lambda url, timeout_s: None)
     assert models.resolve_model_path("someone/tiny-model") == "someone/tiny-model"
     assert not models.is_local("someone/tiny-model")
 
@@ -67,7 +67,7 @@ def test_hub_id_is_kept_when_the_hub_answers(no_hf_cache, monkeypatch, tmp_path)
 def test_hub_id_unreachable_fails_fast_naming_the_endpoint(no_hf_cache, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_ENDPOINT", "https://hub.example")
-    monkeypatch.setattr(models, "_unreachable", lambda url, timeout_s: "hub.example:443: refused")
+    monkeypatch.setattr(net, "unreachable", lambda url, timeout_s: "hub.example:443: refused")
     with pytest.raises(ModelError, match=r"'someone/tiny-model' is not a local directory.*https://hub.example, "
                                          r"which cannot be reached \(hub.example:443: refused\)"):
         models.resolve_model_path("someone/tiny-model")
