@@ -21,6 +21,7 @@ STEP_COLUMNS = ["step", "loss", "grad_norm", "learning_rate", "step_time_s", "sa
 
 
 def run(cfg: Config) -> dict:
+    session.device_for(cfg)  # fp16 without CUDA, bf16 on a GPU without it: one line before any data is read
     dsd, stats = session.load_processed()
     plan = session.plan(cfg, stats)
     tracker = tracking.connect(cfg.tracking.experiment_name)
