@@ -48,6 +48,15 @@ class DataConfig:
 
 
 @dataclass
+class LoraConfig:
+    """``model.lora``: PEFT LoRA adapters (peft.LoraConfig under r, lora_alpha, lora_dropout, target_modules)."""
+    r: int = 8                            # rank of each adapter's A (r x in) and B (out x r) matrices
+    alpha: float = 16.0                   # scale: the update B @ A is multiplied by alpha / r
+    dropout: float = 0.0                  # dropout probability on the adapter's input, in [0, 1)
+    target_modules: Optional[list[str]] = None  # module names to adapt; null = peft's default for the architecture
+
+
+@dataclass
 class ModelConfig:
     task: str = "sequence-classification"
     name_or_path: Optional[str] = PACKAGED_MODEL
@@ -58,6 +67,9 @@ class ModelConfig:
     n_embd: int = 128
     n_head: int = 4
     vocab_size: int = 4096
+    # null = full fine-tuning; a mapping (r, alpha, dropout, target_modules) = train LoRA adapters only
+    # (plus the classification head), saved as models/adapter and merged into models/model.
+    lora: Optional[LoraConfig] = None
 
 
 @dataclass
@@ -118,8 +130,12 @@ SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "train": 
                              "evaluate": EvaluateConfig, "tracking": TrackingConfig}
 
 
+# Mappings inside a section, by dotted name, and the dataclass of each.
+SUBSECTIONS: dict[str, type] = {"model.lora": LoraConfig}
+
+
 def _allowed_keys(section: str) -> list[str]:
-    sub = SECTIONS.get(section)
+    sub = SECTIONS.get(section) or SUBSECTIONS.get(section)
     return [f.name for f in fields(sub)] if sub else list(SECTIONS)
 
 
@@ -183,6 +199,10 @@ def apply_override(raw: dict, item: str) -> None:
 
 def from_container(raw: dict, source: str = "params") -> Config:
     """Validate a plain dict shaped like params.yaml (see :func:`load`)."""
+    model = raw.get("model")
+    lora = model.get("lora") if isinstance(model, dict) else None
+    if lora is not None and not isinstance(lora, dict):  # OmegaConf's message for a list names no key
+        raise ConfigError(f"{source}: model.lora: expected {_EXPECTED['Optional[LoraConfig]']}, got {lora!r}")
     schema = OmegaConf.structured(Config)
     OmegaConf.set_struct(schema, True)
     try:
@@ -206,7 +226,8 @@ def from_container(raw: dict, source: str = "params") -> Config:
 def _type_message(e: ValidationError, key: str) -> str:
     """What the schema expects at ``key`` (``section.name``) and what came, for a type error."""
     section, _, name = key.rpartition(".")
-    types = {f.name: str(f.type) for f in fields(SECTIONS[section])} if section in SECTIONS else {}
+    schema = SECTIONS.get(section) or SUBSECTIONS.get(section)
+    types = {f.name: str(f.type) for f in fields(schema)} if schema else {}
     expected = _EXPECTED.get(types.get(name, ""), types.get(name) or "a value")
     value = getattr(e, "value", None)
     if expected in ("a number", "a number or null", "an integer", "an integer or null") and _non_finite(value):
@@ -218,7 +239,8 @@ def _type_message(e: ValidationError, key: str) -> str:
 # The schema's annotations (strings: this module uses postponed evaluation) in words.
 _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
              "Optional[int]": "an integer or null", "Optional[float]": "a number or null",
-             "Optional[str]": "a string or null"}
+             "Optional[str]": "a string or null", "Optional[list[str]]": "a list of strings or null",
+             "Optional[LoraConfig]": "null or a mapping with keys r, alpha, dropout, target_modules"}
 
 
 def _non_finite(value) -> bool:
@@ -316,6 +338,23 @@ def _check_model(m: ModelConfig, source: str) -> None:
     if m.name_or_path is None and m.task == "sequence-classification":
         _fail(source, "model.name_or_path", "null (a model built from config) exists only for "
               f"causal-lm; for sequence-classification use '{PACKAGED_MODEL}', a local directory or a hub id")
+    if m.lora is not None:
+        _check_lora(m.lora, source)
+
+
+def _check_lora(lora: LoraConfig, source: str) -> None:
+    """``model.lora``'s values: a positive rank and alpha, a dropout probability, module names."""
+    if lora.r < 1:
+        _fail(source, "model.lora.r", f"must be a positive integer (the adapter rank), got {lora.r}")
+    if not lora.alpha > 0:
+        _fail(source, "model.lora.alpha", f"must be a positive number (the update is scaled by alpha / r), "
+              f"got {lora.alpha}")
+    if not 0.0 <= lora.dropout < 1.0:
+        _fail(source, "model.lora.dropout", f"must be a probability in [0, 1), got {lora.dropout}")
+    t = lora.target_modules
+    if t is not None and (not t or not all(isinstance(x, str) and x.strip() for x in t)):
+        _fail(source, "model.lora.target_modules", "must be null (peft's default for the architecture) or a "
+              f"non-empty list of module names, e.g. [query, value] for BERT or [c_attn] for GPT-2, got {t!r}")
 
 
 def _check_train(t: TrainConfig, source: str) -> None:

@@ -247,7 +247,8 @@ def build_classifier(path: str, labels: list[str], dropout: float | None):
 def describe(model) -> dict[str, str]:
     """Facts about a built model that decide whether differently split runs can match bit for bit.
 
-    Returns tags: ``model.class``, ``model.parameters`` (count), ``model.dropout_max`` (the largest
+    Returns tags: ``model.class``, ``model.parameters`` (count), ``model.trainable_parameters`` (those
+    with ``requires_grad``: all of them, or under LoRA the adapters and the head), ``model.dropout_max`` (the largest
     dropout probability in the config; > 0 means each micro-batch split draws other masks) and
     ``model.batchnorm_layers`` (BatchNorm modules, whose statistics are per micro-batch).
     """
@@ -257,6 +258,7 @@ def describe(model) -> dict[str, str]:
     bn = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     return {"model.class": type(model).__name__,
             "model.parameters": str(sum(p.numel() for p in model.parameters())),
+            "model.trainable_parameters": str(sum(p.numel() for p in model.parameters() if p.requires_grad)),
             "model.dropout_max": str(max(probs, default=0.0)),
             "model.batchnorm_layers": str(bn)}
 

@@ -23,6 +23,7 @@ PROCESSED = Path("data/processed")
 STATS = Path("data/stats.json")
 TOKENIZER = PROCESSED / "tokenizer"  # causal-lm from config: the BPE tokenizer prepare trained
 MODEL_DIR = Path("models/model")
+ADAPTER_DIR = Path("models/adapter")  # model.lora: the LoRA adapter (MODEL_DIR holds the merged model)
 RUN_FILE = Path("models/mlflow_run.json")
 TRAIN_METRICS = Path("metrics/train.json")
 EVAL_METRICS = Path("metrics/eval.json")

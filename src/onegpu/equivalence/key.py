@@ -61,6 +61,10 @@ def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = 
     size and the prepared data's content fingerprint (so two runs on different data files never match).
     """
     flat = {k: v for k, v in flatten(cfg.to_dict()).items() if k not in NOT_IN_EQUIVALENCE_KEY}
+    # LoRA trains other parameters: model.lora.* are in the key. Off (null) adds nothing, so keys of
+    # full fine-tuning stay as they were before the knob existed.
+    if cfg.model.lora is None:
+        flat.pop("model.lora", None)
     if cfg.model.name_or_path is not None:  # the sizes apply only to a model built from config
         for k in MODEL_FROM_CONFIG_KEYS:
             flat.pop(k, None)
@@ -74,6 +78,8 @@ def run_config_hash(cfg: Config, data_fingerprint: str = "") -> str:
     terminal output, plus the data fingerprint): a checkpoint resumes only a run with the same hash."""
     skip = ("tracking.", "evaluate.", "train.logging_steps", "train.save_steps")
     flat = {k: v for k, v in flatten(cfg.to_dict()).items() if not k.startswith(skip)}
+    if cfg.model.lora is None:  # as in the key: checkpoints written before the knob existed still resume
+        flat.pop("model.lora", None)
     flat["data.fingerprint"] = data_fingerprint
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

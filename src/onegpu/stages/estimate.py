@@ -50,6 +50,9 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
         model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout)
     else:
         model = models.build_classifier(path, labels, cfg.model.dropout)
+    if cfg.model.lora is not None:  # grads and optimizer states then exist for the adapters only
+        from onegpu import lora
+        model = lora.apply(model, cfg.model.lora, task, cfg.train.gradient_checkpointing)
     rows = model_inputs(dsd, task)["train"].add_column("length", dsd["train"]["length"])
     est = autobatch.estimate(model, rows, collator_for(task, tokenizer), loss_for(task),
                              micro_batches or DEFAULT_MICRO_BATCHES, cfg.train.optim,

@@ -7,6 +7,8 @@ No run is RUNNING unless a process writes to it. The run itself: :mod:`onegpu.tr
 """
 from __future__ import annotations
 
+import shutil
+
 from onegpu import paths, tracking
 from onegpu.config import Config
 from onegpu.training import session
@@ -31,11 +33,19 @@ def run(cfg: Config) -> dict:
 
 
 def _write_outputs(result: session.TrainResult) -> None:
-    """models/ (model, tokenizer, run file), plots/train_steps.csv and metrics/train.json, each atomically."""
+    """models/ (model, tokenizer, run file; with model.lora also adapter/), plots/train_steps.csv and metrics/train.json, each atomically."""
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar between the progress lines
+    model = result.model
+    from onegpu import lora
+    if lora.is_peft(model):  # the adapter as trained, then the merged model that evaluate loads
+        with paths.atomic_dir(paths.ADAPTER_DIR) as tmp:
+            model = lora.save(model, tmp)
+            result.tokenizer.save_pretrained(tmp)
+    else:
+        shutil.rmtree(paths.ADAPTER_DIR, ignore_errors=True)  # a LoRA run's adapter is not this model's
     with paths.atomic_dir(paths.MODEL_DIR) as tmp:
-        _save_model(result.model, tmp, result.saved_config)
+        _save_model(model, tmp, result.saved_config)
         result.tokenizer.save_pretrained(tmp)
     paths.write_csv_atomic(paths.STEP_PLOT, STEP_COLUMNS,
                            ([r.get(c, "") for c in STEP_COLUMNS] for r in result.steps.rows))

@@ -126,8 +126,10 @@ def plan(cfg: Config, stats: dict) -> TrainPlan:
 def build_model(cfg: Config, stats: dict):
     """``(model, tokenizer)`` as configured, seeded with ``train.seed`` (the new head's init draws from it).
 
+    With ``model.lora`` the model is a ``peft.PeftModel`` (:func:`onegpu.lora.apply`).
     Raises:
-        ModelError: ``train.gradient_checkpointing`` on a model that does not support it.
+        ModelError: ``train.gradient_checkpointing`` on a model that does not support it; LoRA target
+            modules that match nothing.
     """
     from transformers import set_seed
     path = models.resolve_model_path(cfg.model.name_or_path)
@@ -141,6 +143,9 @@ def build_model(cfg: Config, stats: dict):
     if cfg.train.gradient_checkpointing and not models.supports_checkpointing(model):
         raise ModelError(f"train.gradient_checkpointing: {type(model).__name__} does not support "
                          "activation checkpointing; set it to false")
+    if cfg.model.lora is not None:
+        from onegpu import lora
+        model = lora.apply(model, cfg.model.lora, task, cfg.train.gradient_checkpointing)
     return model, tokenizer
 
 

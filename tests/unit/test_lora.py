@@ -1,0 +1,248 @@
+"""PEFT LoRA (``model.lora``): config, both backends, checkpointing, what trains, saving, key, estimate.
+
+Tiny models on CPU: the 2-layer BERT classifier of ``test_backends`` and a 1-layer GPT-2 built from params.
+"""
+from __future__ import annotations
+
+import importlib
+import types
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from onegpu import autobatch, lora, measure, models  # noqa: E402
+from onegpu.config import Resolved, from_container, resolve  # noqa: E402
+from onegpu.equivalence import equivalence_key  # noqa: E402
+from onegpu.errors import ConfigError  # noqa: E402
+from tests.unit.test_backends import LOSS_TOL, NORM_TOL, dataset, tiny_bert, tokenizer  # noqa: E402
+
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["query", "value"]}
+
+
+def _cfg(backend="accelerate", checkpointing=False, lora_cfg=LORA, max_steps=3, lr=1e-2, micro=4, accum=2,
+         **model):
+    return from_container({
+        "model": {"dropout": 0.0, "lora": lora_cfg, **model},
+        "train": {"backend": backend, "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum,
+                  "max_steps": max_steps, "learning_rate": lr, "seed": 7, "gradient_checkpointing": checkpointing,
+                  "logging_steps": 100}}, source="test")
+
+
+def _train(cfg, model, tok, dsd):
+    from onegpu.training.backends import base
+    module = importlib.import_module(base.REGISTRY[cfg.train.backend])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return module.train(model, tok, dsd, cfg, resolve(cfg), sink=lambda m, s: None)
+
+
+def _lora_bert(cfg):
+    return lora.apply(tiny_bert(), cfg.model.lora, cfg.model.task, cfg.train.gradient_checkpointing)
+
+
+def _losses(rows):
+    return [r["loss"] for r in rows]
+
+
+# -- config ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad,key", [
+    ({"r": 0}, "model.lora.r"), ({"r": "x"}, "model.lora.r"), ({"alpha": 0}, "model.lora.alpha"),
+    ({"dropout": 1.0}, "model.lora.dropout"), ({"dropout": -0.1}, "model.lora.dropout"),
+    ({"target_modules": []}, "model.lora.target_modules"), ({"target_modules": "query"}, "model.lora.target_modules"),
+    ({"rank": 4}, "model.lora.rank"), (5, "model.lora"), ([4], "model.lora"),
+])
+def test_bad_lora_values_give_one_line_naming_the_key(bad, key):
+    with pytest.raises(ConfigError) as e:
+        from_container({"model": {"lora": bad}}, source="params.yaml")
+    msg = str(e.value)
+    assert msg.startswith(f"params.yaml: {key}") or f"'{key}'" in msg, msg
+    assert "\n" not in msg
+
+
+def test_lora_defaults_and_override():
+    from onegpu.config import apply_override
+    assert from_container({}).model.lora is None
+    raw = {"model": {"lora": None}}
+    apply_override(raw, "model.lora.r=16")
+    got = from_container(raw).model.lora
+    assert (got.r, got.alpha, got.dropout, got.target_modules) == (16, 16.0, 0.0, None)
+
+
+def test_lora_is_in_the_equivalence_key_and_off_adds_nothing():
+    layout = Resolved(8, 1, 1)
+    off = equivalence_key(from_container({}), layout)
+    assert equivalence_key(from_container({"model": {"lora": None}}), layout) == off
+    on = equivalence_key(from_container({"model": {"lora": {"r": 4}}}), layout)
+    assert on != off
+    assert equivalence_key(from_container({"model": {"lora": {"r": 8}}}), layout) != on
+    assert equivalence_key(from_container({"model": {"lora": {"r": 4, "dropout": 0.1}}}), layout) != on
+
+
+# -- training ----------------------------------------------------------------------------------------
+
+def test_lora_takes_the_same_steps_on_both_backends_and_only_adapters_and_head_change():
+    runs = {}
+    for backend in ("trainer", "accelerate"):
+        cfg = _cfg(backend)
+        model = _lora_bert(cfg)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trained, steps = _train(cfg, model, tokenizer(), dataset(24))
+        after = dict(trained.named_parameters())
+        changed = {n for n in before if not torch.equal(before[n], after[n].detach())}
+        trainable = {n for n, p in after.items() if p.requires_grad}
+        assert changed and changed <= trainable, sorted(changed - trainable)[:3]
+        assert all("lora_" in n or "classifier.modules_to_save" in n for n in trainable), sorted(trainable)
+        assert any("classifier.modules_to_save" in n for n in changed)  # the new head trains
+        assert any("lora_B" in n for n in changed)
+        runs[backend] = steps.rows
+    hf, acc = runs["trainer"], runs["accelerate"]
+    assert [r["step"] for r in hf] == [r["step"] for r in acc] == [1, 2, 3]
+    assert max(abs(a - b) for a, b in zip(_losses(hf), _losses(acc))) <= LOSS_TOL, (_losses(hf), _losses(acc))
+    assert max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(hf, acc)) <= NORM_TOL
+
+
+def test_state_bytes_count_trainable_parameters_only_and_the_estimate_matches():
+    cfg = _cfg("accelerate", max_steps=1)
+    model = _lora_bert(cfg)
+    trainable = lora.trainable_parameters(model)
+    total = sum(p.numel() for p in model.parameters())
+    assert 0 < trainable < total / 10
+    predicted = autobatch.state_bytes_predicted(model, "adamw_torch")
+    from onegpu.training.backends.accelerate import make_optimizer
+    opt = make_optimizer(model, cfg)
+    from onegpu.training.batches import collator_for, model_inputs
+    rows = model_inputs(dataset(8))["train"]
+    batch = collator_for("sequence-classification", tokenizer())([rows[i] for i in range(8)])
+    model(**batch).loss.backward()
+    opt.step()
+    measured = measure.state_bytes(model, opt)
+    assert measured["mem_grads_bytes"] == 4 * trainable
+    assert measured["mem_optimizer_bytes"] == 2 * 4 * trainable  # AdamW: exp_avg + exp_avg_sq in fp32
+    for k in measured:
+        assert predicted[k] == pytest.approx(measured[k], rel=0.15), (k, predicted[k], measured[k])
+
+
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+def test_lora_with_checkpointing_trains_the_classifier(backend):
+    # 8 rows, one micro-batch of 8: every step sees the same batch, so the loss must fall.
+    base = _cfg(backend, micro=8, accum=1, max_steps=8, lr=0.1)
+    plain = _train(base, _lora_bert(base), tokenizer(), dataset(8))[1].rows
+    cfg = _cfg(backend, checkpointing=True, micro=8, accum=1, max_steps=8, lr=0.1)
+    _, steps = _train(cfg, _lora_bert(cfg), tokenizer(), dataset(8))
+    losses = _losses(steps.rows)
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert max(abs(a - b) for a, b in zip(losses, _losses(plain))) <= LOSS_TOL  # checkpointing: same steps
+
+
+def _tiny_gpt2_data():
+    from datasets import ClassLabel, Dataset, DatasetDict
+    texts = [" ".join(f"w{(i * 7 + j) % 50}" for j in range(5 + (i * 5) % 23)) for i in range(8)]
+    tok = models.train_bpe_tokenizer(texts, 300)
+    ds = Dataset.from_dict({"text": texts, "label": ["x"] * 8}).cast_column("label", ClassLabel(names=["x"]))
+    dsd = DatasetDict(train=ds).map(
+        lambda b: tok([t + tok.eos_token for t in b["text"]], truncation=True, max_length=32), batched=True)
+    return tok, dsd
+
+
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+def test_lora_with_checkpointing_trains_the_causal_lm(backend):
+    tok, dsd = _tiny_gpt2_data()
+    cfg = _cfg(backend, checkpointing=True, micro=8, accum=1, max_steps=4, lr=5e-2,
+               lora_cfg={"r": 4, "alpha": 8, "target_modules": None}, task="causal-lm", name_or_path=None,
+               n_layer=1, n_embd=32, n_head=2, vocab_size=300)
+    torch.manual_seed(0)
+    model = lora.apply(models.build_causal_lm(None, tok, cfg.model, 32, 0.0), cfg.model.lora, "causal-lm", True)
+    assert {n.split(".")[-3] for n, p in model.named_parameters() if p.requires_grad} == {"lora_A", "lora_B"}
+    assert any("c_attn.lora_A" in n for n, _ in model.named_parameters())  # peft's GPT-2 default target
+    _, steps = _train(cfg, model, tok, dsd)
+    losses = _losses(steps.rows)
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_checkpointing_makes_the_frozen_embedding_output_require_grad():
+    """The plain PEFT failure: with frozen embeddings, the input of the first checkpointed block does not
+    require grad. ``lora.apply(checkpointing=True)`` makes it (``enable_input_require_grads``)."""
+    seen = {}
+    for on in (False, True):
+        model = _lora_bert(_cfg(checkpointing=on))
+        model.get_input_embeddings().register_forward_hook(lambda m, i, o, on=on: seen.setdefault(on, o.requires_grad))
+        model.train()
+        model(**tokenizer()(["a market text"], return_tensors="pt"))
+    assert seen == {False: False, True: True}
+
+
+def test_lora_under_reentrant_checkpointing_gets_gradients():
+    cfg = _cfg(checkpointing=True)
+    model = _lora_bert(cfg)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    batch = tokenizer()(["a market text", "the team won"], return_tensors="pt", padding=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(**batch, labels=torch.tensor([0, 1])).loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "layer.0." in n and "lora_B" in n]  # B starts at 0
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_describe_counts_trainable_parameters():
+    cfg = _cfg()
+    tags = models.describe(_lora_bert(cfg))
+    assert int(tags["model.trainable_parameters"]) == lora.trainable_parameters(_lora_bert(cfg))
+    assert int(tags["model.trainable_parameters"]) < int(tags["model.parameters"]) / 10
+    plain = models.describe(tiny_bert())
+    assert plain["model.trainable_parameters"] == plain["model.parameters"]
+
+
+# -- saving ------------------------------------------------------------------------------------------
+
+def test_train_stage_saves_adapter_and_merged_model_that_evaluate_the_same(tmp_path, monkeypatch):
+    from peft import PeftModel
+
+    from onegpu import evaluation, paths
+    from onegpu.stages import train as train_stage
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg("accelerate", lora_cfg={**LORA, "dropout": 0.1})
+    model, steps = _train(cfg, _lora_bert(cfg), tokenizer(), dataset(24))
+    result = types.SimpleNamespace(model=model, tokenizer=tokenizer(), steps=steps, summary={"train_loss": 1.0},
+                                   run_id="r", experiment_id="e", plan=types.SimpleNamespace(key="k"),
+                                   saved_config={})
+    train_stage._write_outputs(result)
+    assert (paths.ADAPTER_DIR / "adapter_config.json").is_file()
+    merged, tok = models.load_trained(paths.MODEL_DIR)
+    assert type(merged).__name__ == "BertForSequenceClassification"
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    adapter = PeftModel.from_pretrained(tiny_bert(), str(paths.ADAPTER_DIR))
+    data = dataset(24)["train"]
+    m_merged, _, pred_merged = evaluation.classifier_metrics(merged, tok, data, cfg)
+    m_adapter, _, pred_adapter = evaluation.classifier_metrics(adapter, tok, data, cfg)
+    assert m_merged["eval_loss"] == pytest.approx(m_adapter["eval_loss"], abs=1e-5)
+    assert pred_merged == pred_adapter
+    assert m_merged["eval_accuracy"] == m_adapter["eval_accuracy"]
+    # and the adapter made a difference: the merged model is not the untrained base
+    base, _, _ = evaluation.classifier_metrics(tiny_bert(), tok, data, cfg)
+    assert abs(base["eval_loss"] - m_merged["eval_loss"]) > 1e-3
+
+
+def test_full_fine_tuning_removes_a_stale_adapter(tmp_path, monkeypatch):
+    from onegpu import paths
+    from onegpu.stages import train as train_stage
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / paths.ADAPTER_DIR).mkdir(parents=True)
+    (tmp_path / paths.ADAPTER_DIR / "adapter_config.json").write_text("{}")
+    result = types.SimpleNamespace(model=tiny_bert(), tokenizer=tokenizer(), steps=types.SimpleNamespace(rows=[]),
+                                   summary={}, run_id="r", experiment_id="e", plan=types.SimpleNamespace(key="k"),
+                                   saved_config={})
+    train_stage._write_outputs(result)
+    assert not (tmp_path / paths.ADAPTER_DIR).exists()
+    assert (tmp_path / paths.MODEL_DIR / "config.json").is_file()
+
+
+def test_unknown_target_module_is_one_model_error():
+    from onegpu.errors import ModelError
+    cfg = _cfg(lora_cfg={"r": 2, "target_modules": ["nope"]})
+    with pytest.raises(ModelError, match=r"model.lora.target_modules=\['nope'\].*query"):
+        _lora_bert(cfg)
