@@ -46,10 +46,14 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     path = models.resolve_model_path(cfg.model.name_or_path)
     dsd, tokenizer, where = _rows(cfg, path)
     labels = dsd["train"].features["label"].names
+    from onegpu import measure
+    from onegpu.training.session import check_kernels
+    check_kernels(cfg, measure.cuda_available())  # flash_attention_2 / adamw_bnb_8bit: one line, not a traceback
+    attn = cfg.model.attn_implementation  # eager saves the attention probabilities; SDPA does not
     if task == "causal-lm":
-        model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout)
+        model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout, attn)
     else:
-        model = models.build_classifier(path, labels, cfg.model.dropout)
+        model = models.build_classifier(path, labels, cfg.model.dropout, attn)
     rows = model_inputs(dsd, task)["train"].add_column("length", dsd["train"]["length"])
     est = autobatch.estimate(model, rows, collator_for(task, tokenizer), loss_for(task),
                              micro_batches or DEFAULT_MICRO_BATCHES, cfg.train.optim,
