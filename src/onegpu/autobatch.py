@@ -54,21 +54,31 @@ def longest_rows(dataset, n: int) -> list[int]:
 def optimizer_state_bytes(model, optim: str) -> int:
     """Predicted bytes of optimizer states for the trainable parameters, kept in fp32 as torch does.
 
-    AdamW: ``exp_avg`` + ``exp_avg_sq`` = 2 x trainable bytes (torch.optim.AdamW); SGD without momentum
-    (Trainer's default for ``sgd``): 0; Adagrad and RMSprop: one buffer; Adafactor: row + column
-    factors for matrices, a full buffer for vectors (transformers.optimization.Adafactor).
+    AdamW (``adamw_torch``, ``adamw_torch_fused``): ``exp_avg`` + ``exp_avg_sq`` = 2 x trainable bytes
+    (torch.optim.AdamW); SGD without momentum (Trainer's default for ``sgd``): 0; Adagrad and RMSprop: one
+    buffer; Adafactor (``beta1`` None, as Trainer builds it): for a tensor of 2 or more dims, the factored
+    second moment ``exp_avg_sq_row`` (shape[:-1]) + ``exp_avg_sq_col`` (shape[:-2] + shape[-1:]), else
+    one full buffer (transformers.optimization.Adafactor ``step``); 0-dim ``RMS``/``step`` are left
+    out, as in :func:`onegpu.measure.state_bytes`. ``adamw_bnb_8bit`` (bitsandbytes ``Optimizer2State``
+    with ``optim_bits=8``): two uint8 states plus one fp32 absmax per block of 256 for each of them on
+    tensors of at least ``min_8bit_size`` = 4096 elements, two fp32 states on smaller ones (the two
+    shared 256-entry quantization maps are left out).
     """
+    import math
     total = 0
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        nbytes = p.numel() * 4
-        if optim.startswith("adamw"):
-            total += 2 * nbytes
+        n = p.numel()
+        if optim == "adamw_bnb_8bit":
+            total += 2 * (n + 4 * math.ceil(n / 256)) if n >= 4096 else 2 * n * 4
+        elif optim.startswith("adamw"):
+            total += 2 * n * 4
         elif optim in ("adagrad", "rmsprop"):
-            total += nbytes
+            total += n * 4
         elif optim == "adafactor":
-            total += (p.shape[0] + p.shape[1]) * 4 if p.dim() == 2 else nbytes
+            shape = tuple(p.shape)
+            total += (math.prod(shape[:-1]) + math.prod(shape[:-2] + shape[-1:])) * 4 if p.dim() >= 2 else n * 4
     return total
 
 

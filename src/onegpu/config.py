@@ -32,6 +32,12 @@ LR_SCHEDULERS = (
 )  # cosine_with_min_lr and warmup_stable_decay need extra kwargs that params.yaml does not carry
 # The subset of transformers.training_args.OptimizerNames that needs no extra package.
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
+# OptimizerNames that need an optional package (checked before training: training/session.device_for).
+OPTIMIZERS_EXTRA = ("adamw_bnb_8bit",)  # bitsandbytes' 8-bit AdamW (needs bitsandbytes and CUDA)
+# transformers' attn_implementation values onegpu accepts (null = the model's default).
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
+# torch.compile modes (TrainingArguments.torch_compile_mode).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 
 @dataclass
@@ -67,6 +73,7 @@ class ModelConfig:
     n_embd: int = 128
     n_head: int = 4
     vocab_size: int = 4096
+    attn_implementation: Optional[str] = None  # eager | sdpa | flash_attention_2; null = the model's default
     # null = full fine-tuning; a mapping (r, alpha, dropout, target_modules) = train LoRA adapters only
     # (plus the classification head), saved as models/adapter and merged into models/model.
     lora: Optional[LoraConfig] = None
@@ -95,6 +102,11 @@ class TrainConfig:
     logging_steps: int = 10               # terminal progress every N optimizer steps (MLflow gets every step)
     save_steps: Optional[int] = None      # resumable checkpoint every N optimizer steps; null = on interrupt only
     dataloader_num_workers: int = 0
+    dataloader_pin_memory: Optional[bool] = None  # page-locked host batches; null = on with CUDA, off on CPU
+    torch_empty_cache_steps: Optional[int] = None  # empty the CUDA cache every N optimizer steps; null = never
+    tf32: bool = False                    # TF32 matmuls/convolutions on Ampere+ GPUs; a no-op on CPU
+    torch_compile: bool = False           # torch.compile the model (inductor)
+    torch_compile_mode: Optional[str] = None  # default | reduce-overhead | max-autotune; null = torch's default
 
     @property
     def mixed_precision(self) -> str:
@@ -240,6 +252,7 @@ def _type_message(e: ValidationError, key: str) -> str:
 _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
              "Optional[int]": "an integer or null", "Optional[float]": "a number or null",
              "Optional[str]": "a string or null", "Optional[list[str]]": "a list of strings or null",
+             "Optional[bool]": "true, false or null",
              "Optional[LoraConfig]": "null or a mapping with keys r, alpha, dropout, target_modules"}
 
 
@@ -297,6 +310,9 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.n_head": _POSITIVE_INT,
     "model.vocab_size": (lambda v: 256 <= v <= 262144,
                          "must be from 256 (the byte alphabet) to 262144, got {v}"),
+    "model.attn_implementation": (lambda v: v is None or v in ATTN_IMPLEMENTATIONS,
+                                  f"must be null (the model's default) or one of {', '.join(ATTN_IMPLEMENTATIONS)}, "
+                                  "got {v!r}"),
     "train.backend": _one_of(BACKENDS),
     "train.gradient_accumulation_steps": _POSITIVE_INT,
     "train.memory_budget_gib": (lambda v: v is None or v > 0, "must be a positive number of GiB or null, got {v}"),
@@ -307,12 +323,16 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.warmup_ratio": (lambda v: 0.0 <= v < 1.0, "must be in [0, 1), got {v}"),
     "train.lr_scheduler_type": _one_of(LR_SCHEDULERS),
     "train.weight_decay": (lambda v: v >= 0, "must be >= 0, got {v}"),
-    "train.optim": _one_of(OPTIMIZERS),
+    "train.optim": _one_of(OPTIMIZERS + OPTIMIZERS_EXTRA),
     "train.max_grad_norm": (lambda v: v >= 0, "must be >= 0 (0 = no clipping), got {v}"),
     "train.seed": _SEED,
     "train.logging_steps": _POSITIVE_INT,
     "train.save_steps": (_positive_or_null, "must be a positive integer or null, got {v}"),
     "train.dataloader_num_workers": (lambda v: v >= 0, "must be >= 0, got {v}"),
+    "train.torch_empty_cache_steps": (_positive_or_null,
+                                      "must be a positive integer (optimizer steps) or null (= never), got {v}"),
+    "train.torch_compile_mode": (lambda v: v is None or v in COMPILE_MODES,
+                                 f"must be null or one of {', '.join(COMPILE_MODES)}, got {{v!r}}"),
     "evaluate.per_device_eval_batch_size": _POSITIVE_INT,
     "tracking.experiment_name": (lambda v: bool(v.strip()), "must be a non-empty string"),
 }
@@ -377,6 +397,9 @@ def _check_train(t: TrainConfig, source: str) -> None:
                   "(one process); make them agree or set effective_batch_size: null")
     if t.bf16 and t.fp16:
         _fail(source, "train.fp16", "train.bf16 and train.fp16 are both true; choose at most one")
+    if t.torch_compile_mode is not None and not t.torch_compile:
+        _fail(source, "train.torch_compile_mode", f"is {t.torch_compile_mode!r} but train.torch_compile is false; "
+              "set train.torch_compile: true or the mode to null")
 
 
 # section -> the checks of its keys together (after each key's own rule).

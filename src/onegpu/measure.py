@@ -144,7 +144,10 @@ def state_bytes(model, optimizer=None) -> dict[str, int]:
 
     Call after the first optimizer step (before ``zero_grad``) so that gradients and lazily created
     optimizer states (AdamW's ``exp_avg``/``exp_avg_sq``: 2 x the trainable parameters in fp32) exist.
-    Optimizer bytes count per-parameter state buffers; 0-dim counters (AdamW's ``step``) are left out.
+    Optimizer bytes are read from the optimizer's real state, whatever its shape and dtype: Adafactor's
+    factored row and column moments, bitsandbytes' uint8 states with their fp32 block maxima (a buffer
+    shared between parameters, such as its quantization map, counts once). Per-parameter state buffers
+    only; 0-dim counters (AdamW's ``step``, Adafactor's ``RMS``) are left out.
     Returns:
         ``mem_params_bytes``, ``mem_grads_bytes``, ``mem_optimizer_bytes`` (int, bytes).
     """

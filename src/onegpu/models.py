@@ -156,10 +156,12 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int):
                                    model_max_length=1_000_000)
 
 
-def build_causal_lm(path: str | None, tokenizer, sizes, context: int, dropout: float | None):
+def build_causal_lm(path: str | None, tokenizer, sizes, context: int, dropout: float | None,
+                    attn_implementation: str | None = None):
     """A causal LM: pretrained from ``path``, or (``path`` None) GPT-2 built from ``sizes``.
 
     Args:
+        attn_implementation: ``model.attn_implementation`` (None = the model's default).
         sizes: an object with ``n_layer``, ``n_embd``, ``n_head`` (``config.ModelConfig``).
         context: positions of a model built from config (``data.max_length``).
     Returns:
@@ -175,17 +177,22 @@ def build_causal_lm(path: str | None, tokenizer, sizes, context: int, dropout: f
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         if dropout is not None:
             _set_dropout(config, dropout)
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config, **_attn(attn_implementation))
     try:
         config = AutoConfig.from_pretrained(path)
         if dropout is not None:
             _set_dropout(config, dropout)
-        model = AutoModelForCausalLM.from_pretrained(path, config=config)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, **_attn(attn_implementation))
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelError(f"cannot load a causal LM from {path!r}: {str(e).splitlines()[0]}") from None
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def _attn(attn_implementation: str | None) -> dict:
+    """``from_pretrained``/``from_config`` keyword for ``model.attn_implementation`` (none for null)."""
+    return {} if attn_implementation is None else {"attn_implementation": attn_implementation}
 
 
 def _set_dropout(config, p: float) -> list[str]:
@@ -201,9 +208,10 @@ def _set_dropout(config, p: float) -> list[str]:
     return sorted(set(names))
 
 
-def build_classifier(path: str, labels: list[str], dropout: float | None):
+def build_classifier(path: str, labels: list[str], dropout: float | None, attn_implementation: str | None = None):
     """A pretrained encoder with a new ``num_labels``-way head (``AutoModelForSequenceClassification``).
 
+    ``attn_implementation``: ``model.attn_implementation`` (None = the model's default).
     The head's initialisation draws from torch's RNG: seed first (``transformers.set_seed``). A
     checkpoint that is already a classifier, with a head for another number of labels, gets a new head.
     Returns:
@@ -228,7 +236,8 @@ def build_classifier(path: str, labels: list[str], dropout: float | None):
         # A checkpoint that is already a classifier may have a head for another number of labels: that
         # head is replaced (the new head this function promises); any other shape mismatch is an error.
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, config=config, ignore_mismatched_sizes=True, output_loading_info=True)
+            path, config=config, ignore_mismatched_sizes=True, output_loading_info=True,
+            **_attn(attn_implementation))
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelError(f"cannot load a sequence-classification model from {path!r}: "
                          f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None

@@ -144,3 +144,38 @@ def test_estimate_predicts_measured_activation_bytes_within_15_percent(tokenizer
     assert est["rows"][0]["activations_checkpointed"] * 3 < predicted
     s = est["states"]
     assert s["mem_grads_bytes"] == s["mem_params_bytes"] and s["mem_optimizer_bytes"] == 2 * s["mem_params_bytes"]
+
+
+@pytest.mark.parametrize("optim", ["adafactor", "adamw_torch", "adamw_torch_fused"])
+def test_optimizer_state_estimate_is_within_15_percent_of_the_measured_state(optim):
+    """The estimate of ``onegpu estimate`` against the state the optimizer really holds after a step
+    (:func:`onegpu.measure.state_bytes`), including a 3-d parameter (Adafactor factors its last two dims)."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+    from transformers.optimization import Adafactor
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=500, hidden_size=32, num_hidden_layers=2,
+                                                     num_attention_heads=2, intermediate_size=64, num_labels=3))
+    model.register_parameter("cube", torch.nn.Parameter(torch.randn(3, 5, 7)))
+    if optim == "adafactor":
+        opt = Adafactor(model.parameters(), lr=1e-3, scale_parameter=False, relative_step=False)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=optim.endswith("fused") or None)
+    out = model(input_ids=torch.randint(0, 500, (4, 9)), labels=torch.tensor([0, 1, 2, 0]))
+    (out.loss + model.cube.sum()).backward()
+    opt.step()
+    measured = measure.state_bytes(model, opt)["mem_optimizer_bytes"]
+    predicted = autobatch.state_bytes_predicted(model, optim)["mem_optimizer_bytes"]
+    assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
+    params = measure.state_bytes(model, opt)["mem_params_bytes"]
+    assert (measured < 0.1 * params) if optim == "adafactor" else measured == 2 * params
+
+
+def test_8bit_adamw_estimate_is_a_quarter_of_adamw_on_large_tensors():
+    import torch
+    big, small = torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(8, 8, bias=False)
+    model = torch.nn.Sequential(big, small)
+    n_big, n_small = 256 * 256, 64
+    # bitsandbytes: uint8 exp_avg and exp_avg_sq + one fp32 absmax per 256 elements each; fp32 below 4096 elements
+    assert autobatch.optimizer_state_bytes(model, "adamw_bnb_8bit") == 2 * (n_big + 4 * n_big // 256) + 8 * n_small
+    assert autobatch.optimizer_state_bytes(model, "adamw_torch") == 8 * (n_big + n_small)

@@ -41,10 +41,10 @@ def dataset(n: int):
     return tokenize(DatasetDict(train=ds), tokenizer(), max_length=32)
 
 
-def tiny_bert():
+def tiny_bert(attn: str | None = None):
     from transformers import BertConfig, BertForSequenceClassification
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=tokenizer().vocab_size, hidden_size=32, num_hidden_layers=2,
+    config = BertConfig(**({} if attn is None else {"attn_implementation": attn}),vocab_size=tokenizer().vocab_size, hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=64, num_labels=3,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                         pad_token_id=tokenizer().pad_token_id)
@@ -54,11 +54,12 @@ def tiny_bert():
 @functools.lru_cache(maxsize=None)
 def run(backend: str, micro: int, accum: int, n: int = 24, max_steps: int = 3, epochs: float = 1.0,
         optim: str = "adamw_torch", lr: float = 1e-3, warmup: float = 0.0, max_grad_norm: float = 1.0,
-        checkpointing: bool = False) -> tuple[list[dict], list[str], bool]:
-    """Train a fresh, identically seeded tiny BERT.
+        checkpointing: bool = False, attn: str | None = None, extra: tuple = ()) -> tuple[list[dict], list[str], bool, dict]:
+    """Train a fresh, identically seeded tiny BERT (attention kernel ``attn``; ``extra``: more
+    ``(train key, value)`` pairs).
 
-    Returns the StepRecorder rows, the warnings raised, and whether the trained model has activation
-    checkpointing on.
+    Returns the StepRecorder rows, the warnings raised, whether the trained model has activation
+    checkpointing on, and the recorder's memory breakdown (bytes).
     """
     import importlib
     cfg = from_container({
@@ -67,18 +68,18 @@ def run(backend: str, micro: int, accum: int, n: int = 24, max_steps: int = 3, e
                   "gradient_accumulation_steps": accum, "max_steps": max_steps, "num_train_epochs": epochs,
                   "learning_rate": lr, "warmup_ratio": warmup, "weight_decay": 0.01, "optim": optim,
                   "max_grad_norm": max_grad_norm, "seed": 7, "gradient_checkpointing": checkpointing,
-                  "logging_steps": 2},
+                  "logging_steps": 2, **dict(extra)},
     }, source="test")
     from onegpu.training.backends import base
     module = importlib.import_module(base.REGISTRY[backend])
     sunk = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, steps = module.train(tiny_bert(), tokenizer(), dataset(n), cfg, resolve(cfg),
+        model, steps = module.train(tiny_bert(attn), tokenizer(), dataset(n), cfg, resolve(cfg),
                                     sink=lambda m, s: sunk.append((s, m)))
     assert [s for s, _ in sunk] == [r["step"] for r in steps.rows]
     assert not hasattr(model, "module"), "the returned model must be unwrapped"
-    return steps.rows, [str(w.message) for w in caught], model.is_activation_checkpointing
+    return steps.rows, [str(w.message) for w in caught], model.is_activation_checkpointing, dict(steps.breakdown)
 
 
 def col(rows, key):
@@ -135,8 +136,8 @@ def test_step_recorder_rows():
 
 
 def test_activation_checkpointing_keeps_the_losses():
-    plain, _, plain_on = run("accelerate", 4, 2)
-    ckpt, caught, ckpt_on = run("accelerate", 4, 2, checkpointing=True)
+    plain, _, plain_on, _ = run("accelerate", 4, 2)
+    ckpt, caught, ckpt_on, _ = run("accelerate", 4, 2, checkpointing=True)
     assert (plain_on, ckpt_on) == (False, True)
     assert max_diff(plain, ckpt, "loss") <= LOSS_TOL
     assert max_diff(plain, ckpt, "grad_norm") <= NORM_TOL
@@ -249,3 +250,90 @@ def test_accelerate_backend_and_recorder_import_no_hf_trainer():
         assert not {n for n in names if n.startswith("transformers.") and
                     n.rsplit(".", 1)[1] in ("Trainer", "TrainerCallback", "TrainingArguments")}, rel
         assert not {n for n in names if "backends.hf_trainer" in n}, rel
+
+
+# -- the single-GPU guide's knobs (issue 12) ------------------------------------------------------
+
+FP32_RTOL = 1e-4  # equivalence.TOLERANCES["fp32"]: the same mathematics with other kernels
+
+
+def rel_diff(a, b, key="loss"):
+    assert len(a) == len(b), f"{len(a)} vs {len(b)} steps"
+    return max(abs(x - y) / abs(y) for x, y in zip(col(a, key), col(b, key)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks that train.tf32 is a no-op without CUDA")
+@pytest.mark.parametrize("backend", ["trainer", "accelerate"])
+def test_tf32_is_accepted_and_a_no_op_on_cpu(backend):
+    on, *_ = run(backend, 4, 2, extra=(("tf32", True),))
+    off, *_ = run(backend, 4, 2)
+    assert col(on, "loss") == col(off, "loss") and col(on, "grad_norm") == col(off, "grad_norm")
+
+
+@pytest.mark.parametrize("optim", ["adafactor", "adamw_torch_fused"])
+def test_adafactor_and_fused_adamw_take_the_same_steps_on_both_backends(optim):
+    hf, _, _, hf_mem = run("trainer", 4, 2, optim=optim)
+    acc, _, _, acc_mem = run("accelerate", 4, 2, optim=optim)
+    assert col(hf, "step") == col(acc, "step") == [1, 2, 3]
+    assert max_diff(hf, acc, "loss") <= LOSS_TOL, (col(hf, "loss"), col(acc, "loss"))
+    assert max_diff(hf, acc, "grad_norm") <= NORM_TOL
+    # the optimizer state is the optimizer's own: Adafactor's factored moments are far below AdamW's 2 x params
+    assert hf_mem["mem_optimizer_bytes"] == acc_mem["mem_optimizer_bytes"]
+    adamw_mem = run("trainer", 4, 2)[3]
+    ratio = hf_mem["mem_optimizer_bytes"] / adamw_mem["mem_optimizer_bytes"]
+    assert (ratio < 0.2) if optim == "adafactor" else ratio == 1.0, ratio
+
+
+def test_fused_adamw_is_the_same_training_as_adamw_within_fp32_tolerance():
+    fused, *_ = run("accelerate", 4, 2, optim="adamw_torch_fused")
+    plain, *_ = run("accelerate", 4, 2)
+    assert rel_diff(fused, plain) <= FP32_RTOL, (col(fused, "loss"), col(plain, "loss"))
+    assert col(fused, "loss") != col(run("accelerate", 4, 2, optim="adafactor")[0], "loss")
+
+
+@pytest.mark.parametrize("backend", ["trainer", "accelerate"])
+def test_sdpa_and_eager_attention_give_the_same_losses(backend):
+    sdpa, *_ = run(backend, 4, 2, attn="sdpa")
+    eager, *_ = run(backend, 4, 2, attn="eager")
+    assert rel_diff(sdpa, eager) <= FP32_RTOL, (col(sdpa, "loss"), col(eager, "loss"))
+    assert rel_diff(sdpa, eager, "grad_norm") <= 1e-3
+
+
+@pytest.mark.parametrize("backend", ["trainer", "accelerate"])
+def test_empty_cache_runs_every_n_optimizer_steps_on_both_backends(backend, monkeypatch):
+    from onegpu import measure
+    calls = []
+    monkeypatch.setattr(measure, "empty_cache", lambda: calls.append(1))
+    run.__wrapped__(backend, 4, 2, max_steps=4, extra=(("torch_empty_cache_steps", 2),))
+    assert len(calls) == 2  # after optimizer steps 2 and 4
+
+
+def test_trainer_arguments_carry_the_knobs_under_hf_names():
+    from onegpu.training.backends.hf_trainer import training_arguments
+    cfg = from_container({"train": {"tf32": True, "torch_compile": True, "torch_compile_mode": "max-autotune",
+                                    "dataloader_pin_memory": False, "optim": "adafactor"}}, source="test")
+    args = training_arguments(cfg, resolve(cfg), "unused")
+    assert args.torch_compile and args.torch_compile_mode == "max-autotune" and args.optim == "adafactor"
+    assert args.dataloader_pin_memory is False
+    assert args.torch_empty_cache_steps is None  # EmptyCache does it once per optimizer step instead
+    if not torch.cuda.is_available():
+        assert args.tf32 is None  # a no-op on CPU (TrainingArguments refuses tf32=True there)
+
+
+def _compile_works() -> str | None:
+    try:
+        torch.compile(lambda x: x * 2)(torch.ones(2))
+    except Exception as e:  # no C compiler for inductor, unsupported platform ...
+        return f"torch.compile cannot run here: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+def test_torch_compile_gives_the_eager_losses_within_fp32_tolerance(backend):
+    reason = _compile_works()
+    if reason:
+        pytest.skip(reason)
+    compiled, *_ = run(backend, 4, 2, extra=(("torch_compile", True),))
+    plain, *_ = run(backend, 4, 2)
+    assert rel_diff(compiled, plain) <= FP32_RTOL, (col(compiled, "loss"), col(plain, "loss"))

@@ -103,6 +103,22 @@ BAD = [
      ["positive"]),
     ("experiment-blank", {"tracking.experiment_name": "  "}, "tracking.experiment_name", ["non-empty"]),
     ("memory-budget-0", {"train.memory_budget_gib": 0}, "train.memory_budget_gib", ["positive"]),
+    # the single-GPU guide's knobs (issue 12)
+    ("tf32-not-bool", {"train.tf32": "maybe"}, "train.tf32", ["true or false"]),
+    ("optim-8bit-typo", {"train.optim": "adamw_8bit"}, "train.optim", ["'adamw_8bit'", "adamw_bnb_8bit"]),
+    ("attn-nope", {"model.attn_implementation": "flash"}, "model.attn_implementation",
+     ["'flash'", "eager", "sdpa", "flash_attention_2"]),
+    ("compile-not-bool", {"train.torch_compile": "yes please"}, "train.torch_compile", ["true or false"]),
+    ("compile-mode-nope", {"train.torch_compile": True, "train.torch_compile_mode": "fast"},
+     "train.torch_compile_mode", ["'fast'", "max-autotune"]),
+    ("compile-mode-without-compile", {"train.torch_compile_mode": "max-autotune"}, "train.torch_compile_mode",
+     ["train.torch_compile is false"]),
+    ("pin-memory-not-bool", {"train.dataloader_pin_memory": "sometimes"}, "train.dataloader_pin_memory",
+     ["true, false or null"]),
+    ("empty-cache-0", {"train.torch_empty_cache_steps": 0}, "train.torch_empty_cache_steps",
+     ["positive integer", "null"]),
+    ("empty-cache-str", {"train.torch_empty_cache_steps": "often"}, "train.torch_empty_cache_steps",
+     ["integer or null"]),
 ]
 
 
@@ -310,3 +326,18 @@ def test_every_rule_names_a_schema_key():
     schema = set(config.flatten(config.Config().to_dict()))
     assert set(config.RULES) <= schema
     assert set(config.COMBINATIONS) <= set(config.SECTIONS)
+
+
+def test_guide_knobs_accept_their_values(raw):
+    for changes in ({"train.tf32": True}, {"train.optim": "adamw_bnb_8bit"}, {"train.optim": "adafactor"},
+                    {"train.optim": "adamw_torch_fused"}, {"model.attn_implementation": "sdpa"},
+                    {"model.attn_implementation": "eager"}, {"model.attn_implementation": "flash_attention_2"},
+                    {"train.torch_compile": True, "train.torch_compile_mode": "reduce-overhead"},
+                    {"train.dataloader_pin_memory": False}, {"train.torch_empty_cache_steps": 5}):
+        d = __import__("copy").deepcopy(raw)
+        for dotted, value in changes.items():
+            _set(d, dotted, value)
+        cfg = config.from_container(d)
+        for dotted, value in changes.items():
+            section, name = dotted.split(".")
+            assert getattr(getattr(cfg, section), name) == value

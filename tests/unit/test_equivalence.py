@@ -250,3 +250,44 @@ def test_a_short_last_step_is_noted():
     rows = cmp.groups[0].rows
     assert all(any("optimizer step 7 saw 4 of 16 examples" in n for n in c.notes) for c in rows)
     assert "Step 7 saw fewer examples than the effective batch" in cmp.groups[0].summary
+
+
+def _with(r: RunRecord, **params) -> RunRecord:
+    r.params.update({k: str(v) for k, v in params.items()})
+    return r
+
+
+@pytest.mark.parametrize("param,value,named", [
+    ("train.tf32", True, "train.tf32 differs (true vs false)"),
+    ("model.attn_implementation", "eager", "model.attn_implementation differs (eager vs none)"),
+    ("train.torch_compile", True, "train.torch_compile differs (true vs false)"),
+    ("train.optim", "adamw_torch_fused", "train.optim differs (adamw_torch_fused vs adamw_torch)"),
+    ("train.torch_empty_cache_steps", 4, "train.torch_empty_cache_steps differs (4 vs none)"),
+])
+def test_compare_names_the_knob_that_differs_when_runs_diverge(param, value, named):
+    ref = _with(record("ref", 64, 1), **{"train.optim": "adamw_torch", "train.tf32": False,
+                                         "model.attn_implementation": None, "train.torch_compile": False,
+                                         "train.torch_empty_cache_steps": None})
+    run = _with(record("k", 64, 1, loss=drifted(3)), **{param: value})
+    c = eq.compare_run(run, ref)
+    assert c.verdict == "diverged at step 3"
+    assert any(cause.startswith(named) for cause in c.causes), c.causes
+    # the same knob on both sides (or a run logged before the knob existed, read as the default) is no cause
+    same = eq.compare_run(_with(record("s", 64, 1, loss=drifted(3)), **{"train.optim": "adamw_torch"}), ref)
+    assert not any(param in cause for cause in same.causes), same.causes
+
+
+def test_tf32_on_a_gpu_uses_its_looser_tolerance_and_is_a_no_op_on_cpu():
+    assert eq.EPS["tf32"] == pytest.approx(9.8e-4, rel=1e-2)
+    assert eq.TOLERANCES["fp32"].rtol < eq.TOLERANCES["tf32"].rtol < eq.TOLERANCES["bf16"].rtol
+    loss = drifted(3, rel=1e-3)  # beyond fp32's tolerance, within tf32's
+    gpu = "NVIDIA H200"
+    c = eq.compare_run(_with(record("t", 4, 16, loss=loss, device=gpu), **{"train.tf32": True}),
+                       record("ref", 64, 1, device=gpu))
+    assert c.precision == "tf32" and c.tolerance == eq.TOLERANCES["tf32"] and c.verdict == "equivalent"
+    assert any(cause.startswith("train.tf32 differs") for cause in c.causes)
+    assert not any("mixed precision" in cause for cause in c.causes)
+    cpu = eq.compare_run(_with(record("t", 4, 16, loss=loss), **{"train.tf32": True}), record("ref", 64, 1))
+    assert cpu.precision == "fp32" and cpu.verdict == "diverged at step 3"
+    assert eq.compare_run(_with(record("t", 4, 16, loss=drifted(4, rel=5e-3), device=gpu), **{"train.tf32": True}),
+                          record("ref", 64, 1, device=gpu)).verdict == "diverged at step 4"

@@ -70,6 +70,31 @@ def test_equivalence_key_ignores_observation_only_params(raw):
 
 
 @pytest.mark.parametrize("change", [
+    {"tf32": True}, {"torch_compile": True}, {"torch_compile": True, "torch_compile_mode": "max-autotune"},
+    {"dataloader_pin_memory": True}, {"dataloader_pin_memory": False}, {"torch_empty_cache_steps": 2},
+    {"optim": "adamw_torch_fused"},
+])
+def test_equivalence_key_ignores_precision_and_kernel_knobs(raw, change):
+    # the same mathematics in another precision or kernel: one key, compared within that precision
+    assert _key(raw, **{"optim": "adamw_torch", **change}) == _key(raw, optim="adamw_torch")
+    for k, v in change.items():  # each with its written reason
+        assert f"train.{k}" in eqkey.NOT_IN_EQUIVALENCE_KEY or (f"train.{k}", v) in eqkey.SAME_AS_IN_KEY
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "flash_attention_2"])
+def test_equivalence_key_ignores_the_attention_kernel(raw, attn):
+    d = copy.deepcopy(raw)
+    d["model"]["attn_implementation"] = attn
+    assert _key(d) == _key(raw)
+    assert "model.attn_implementation" in eqkey.NOT_IN_EQUIVALENCE_KEY
+
+
+@pytest.mark.parametrize("optim", ["adafactor", "adamw_bnb_8bit", "sgd"])
+def test_another_optimizer_is_another_training(raw, optim):
+    assert _key(raw, optim=optim) != _key(raw, optim="adamw_torch")
+
+
+@pytest.mark.parametrize("change", [
     {"learning_rate": 3e-4},
     {"seed": 7},
     {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},

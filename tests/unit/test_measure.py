@@ -204,3 +204,21 @@ def test_an_mfu_still_above_1_is_not_reported(tmp_path, monkeypatch):
     # A datasheet peak is not re-measured.
     m = flops.mfu(2e15, "NVIDIA H200", "bf16", "cuda:0")
     assert m["mfu"] is None and not m["remeasured"] and m["source"] == "datasheet"
+
+
+def test_state_bytes_read_adafactors_factored_moments(minilm):
+    from transformers.optimization import Adafactor
+
+    from onegpu import autobatch
+    model, batch = minilm
+    model = type(model)(model.config)
+    opt = Adafactor(model.parameters(), lr=1e-4, scale_parameter=False, relative_step=False)  # as Trainer builds it
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    classification_loss(model(**inputs), batch["labels"]).backward()
+    opt.step()
+    b = measure.state_bytes(model, opt)
+    # a row and a column vector per matrix, a full buffer per vector: far below AdamW's 2 x params
+    assert 0 < b["mem_optimizer_bytes"] < 0.05 * b["mem_params_bytes"]
+    predicted = autobatch.optimizer_state_bytes(model, "adafactor")
+    assert abs(predicted - b["mem_optimizer_bytes"]) <= 0.15 * b["mem_optimizer_bytes"]
+    assert predicted == b["mem_optimizer_bytes"]  # exact, in fact: the same shapes

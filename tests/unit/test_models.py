@@ -95,6 +95,19 @@ def test_classifier_dropout_override_sets_every_dropout(packaged):
     assert tags["model.dropout_max"] == "0.0" and tags["model.batchnorm_layers"] == "0"
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_classifier_takes_the_attention_implementation(packaged, attn):
+    model = models.build_classifier(packaged, LABELS, dropout=None, attn_implementation=attn)
+    assert model.config._attn_implementation == attn
+
+
+def test_causal_lm_built_from_config_takes_the_attention_implementation():
+    from onegpu.config import ModelConfig
+    tok = models.train_bpe_tokenizer(["a small text to train on"] * 20, 300)
+    model = models.build_causal_lm(None, tok, ModelConfig(n_layer=1, n_embd=16, n_head=2), 16, None, "eager")
+    assert model.config._attn_implementation == "eager"
+
+
 def test_classifier_from_a_directory_without_a_model(tmp_path):
     with pytest.raises(ModelError, match="cannot load a model config from"):
         models.build_classifier(str(tmp_path), LABELS, None)

@@ -46,16 +46,19 @@ class Tolerance(NamedTuple):
 
 # Machine epsilon (spacing of floats at 1.0) of each training precision: IEEE 754 binary32 2^-23,
 # bfloat16 2^-7 (8-bit significand), binary16 2^-10.
-EPS = {"fp32": 2.0**-23, "bf16": 2.0**-7, "fp16": 2.0**-10}
+# TF32 (train.tf32 on a CUDA GPU): matmul inputs rounded to a 10-bit mantissa, 2^-10, accumulated in fp32.
+EPS = {"fp32": 2.0**-23, "tf32": 2.0**-10, "bf16": 2.0**-7, "fp16": 2.0**-10}
 
 # Tolerances by training precision, for the loss and for the gradient norm of each optimizer step.
 TOLERANCES: dict[str, Tolerance] = {
     "fp32": Tolerance(rtol=1e-4, atol=1e-6),
+    "tf32": Tolerance(rtol=2e-3, atol=1e-5),
     "bf16": Tolerance(rtol=1e-2, atol=1e-4),
     "fp16": Tolerance(rtol=1e-2, atol=1e-4),
 }
 GRAD_NORM_TOLERANCES: dict[str, Tolerance] = {
     "fp32": Tolerance(rtol=1e-3, atol=1e-6),
+    "tf32": Tolerance(rtol=1e-2, atol=1e-5),
     "bf16": Tolerance(rtol=5e-2, atol=1e-4),
     "fp16": Tolerance(rtol=5e-2, atol=1e-4),
 }
@@ -72,6 +75,10 @@ TOLERANCE_BASIS: dict[str, str] = {
              "moves the loss by 1e-3 or more at once; the gradient norm gets 10x more (1e-3): it is a "
              "derivative, smaller than the loss late in training, so the same weight difference moves it "
              "more in relative terms"),
+    "tf32": ("eps 9.8e-4: TF32 rounds matmul inputs to 11 significant bits and accumulates in fp32, so a "
+             "reordered sum can move an activation by ~eps/2; as for bf16, loss rtol 2e-3 (~2 eps, the loss is "
+             "reduced in fp32), grad_norm 1e-2 (~10 eps); applies to runs with train.tf32 on a CUDA device "
+             "(a no-op on CPU: fp32 there); not measured here (no Ampere GPU in the tests)"),
     "bf16": ("eps 7.8e-3: autocast rounds matmul inputs to 8 significant bits, so a reordered sum can move "
              "an activation by ~eps/2; loss rtol 1e-2 (~1.3 eps, the loss is reduced in fp32), grad_norm "
              "5e-2; not measured here (no bf16 pair in the tests)"),
@@ -194,11 +201,14 @@ class RunRecord:
 
     @property
     def precision(self) -> str:
-        """``bf16``, ``fp16`` (mixed precision) or ``fp32``."""
+        """``bf16``, ``fp16`` (mixed precision), ``tf32`` (``train.tf32`` on a device other than ``cpu``,
+        as tagged; TF32 is a no-op on CPU) or ``fp32``."""
         if _bool(self.params.get("train.bf16", False)):
             return "bf16"
         if _bool(self.params.get("train.fp16", False)):
             return "fp16"
+        if _bool(self.params.get("train.tf32", False)) and self.tags.get("device", "").lower() != "cpu":
+            return "tf32"
         return "fp32"
 
     @property
@@ -340,7 +350,7 @@ def choose_reference(runs: list[RunRecord]) -> RunRecord:
 
 def tolerance_for(run: RunRecord, reference: RunRecord) -> tuple[str, Tolerance]:
     """The precision that decides the tolerance of a pair (the lower of the two) and its tolerance."""
-    order = ("fp32", "fp16", "bf16")  # ascending tolerance
+    order = ("fp32", "tf32", "fp16", "bf16")  # ascending tolerance
     p = max(run.precision, reference.precision, key=order.index)
     return p, TOLERANCES[p]
 
@@ -420,11 +430,32 @@ def _dropout(r: RunRecord) -> float:
     return v if v is not None else (_float(r.params.get("model.dropout")) or 0.0)
 
 
+# Knobs outside the equivalence key (or, for train.optim, values it treats as one) that change the kernels
+# or precision of the same mathematics: (param, value when not logged, why the losses can move).
+KERNEL_KNOBS = (
+    ("train.tf32", "false", "TF32 matmuls round their inputs to 10 mantissa bits on Ampere+ GPUs "
+                            "(no effect on CPU)"),
+    ("model.attn_implementation", "none", "another attention kernel sums in another order"),
+    ("train.torch_compile", "false", "compiled, fused kernels sum in another order"),
+    ("train.torch_compile_mode", "none", "other compiled kernels sum in another order"),
+    ("train.optim", "adamw_torch", "the fused AdamW kernel rounds the same update differently"),
+    ("train.dataloader_pin_memory", "none", "page-locked host memory; no arithmetic changes, unlikely alone"),
+    ("train.torch_empty_cache_steps", "none", "allocator cache only; no arithmetic changes, unlikely alone"),
+)
+
+
+def _param(r: RunRecord, key: str, default: str) -> str:
+    """A logged param in lower case (``None``/``null`` as ``none``), ``default`` when the run lacks it."""
+    v = str(r.params.get(key, default)).strip().lower()
+    return "none" if v in ("none", "null", "") else v
+
+
 def likely_causes(run: RunRecord, reference: RunRecord) -> list[str]:
     """Params and tags of a pair that explain why their losses can differ step by step.
 
     Detected: dropout with a different micro-batch split (other masks); BatchNorm with a different
-    micro-batch (statistics per micro-batch); mixed precision; non-deterministic GPU kernels (device
+    micro-batch (statistics per micro-batch); mixed precision; a knob of :data:`KERNEL_KNOBS` that
+    differs (tf32, attention kernel, torch.compile, fused AdamW, ...); non-deterministic GPU kernels (device
     tag not ``cpu``); a different backend; a different device; a different code commit.
     """
     causes = []
@@ -440,7 +471,7 @@ def likely_causes(run: RunRecord, reference: RunRecord) -> list[str]:
     if bn > 0 and split_differs:
         causes.append(f"{bn} BatchNorm layer(s) with a different micro-batch ({ms}): mean and variance "
                       "are computed per micro-batch, so the forward pass itself differs")
-    mixed = sorted({r.precision for r in (run, reference) if r.precision != "fp32"})
+    mixed = sorted({r.precision for r in (run, reference) if r.precision not in ("fp32", "tf32")})
     if mixed:
         causes.append(f"mixed precision ({', '.join(mixed)}): activations are rounded to "
                       f"{'/'.join(mixed)}, and a different summation order rounds differently")
@@ -449,6 +480,10 @@ def likely_causes(run: RunRecord, reference: RunRecord) -> list[str]:
     if gpus:
         causes.append(f"non-deterministic GPU kernels ({', '.join(gpus)}): atomic adds in reductions and "
                       "kernel choice by shape make sums differ between runs")
+    for knob, default, why in KERNEL_KNOBS:
+        a, b = _param(run, knob, default), _param(reference, knob, default)
+        if a != b:
+            causes.append(f"{knob} differs ({a} vs {b}): {why}")
     rb, fb = run.params.get("train.backend"), reference.params.get("train.backend")
     if rb and fb and rb != fb:
         causes.append(f"a different backend ({rb} vs {fb}): the training loops order the work differently")

@@ -48,6 +48,23 @@ NOT_IN_EQUIVALENCE_KEY = {
     "evaluate.per_device_eval_batch_size": "evaluation only",
     "tracking.experiment_name": "where results are logged",
     "data.max_eval_samples": "evaluation data only",
+    # Same mathematics in another precision or kernel: compared within that precision's tolerance
+    # (onegpu compare names the knob as a likely cause when such runs diverge).
+    "train.tf32": "TF32 matmuls (10-bit mantissa inputs, fp32 accumulation) on Ampere+ GPUs; the same "
+                  "mathematics in lower precision (compared with the tf32 tolerance); a no-op on CPU",
+    "model.attn_implementation": "eager, SDPA and FlashAttention-2 compute the same softmax attention "
+                                 "with other kernels (other summation order)",
+    "train.torch_compile": "the same graph compiled into fused kernels (other summation order)",
+    "train.torch_compile_mode": "how torch.compile tunes its kernels, not what they compute",
+    "train.dataloader_pin_memory": "where host batches live before the copy to the device, not their values",
+    "train.torch_empty_cache_steps": "returns cached allocator blocks to the device; no arithmetic changes",
+}
+
+# Values of a param in the key that compute the same training as another value: (param, value) -> the
+# value the key uses instead, with the reason. Any other optimizer is a different training (in the key).
+SAME_AS_IN_KEY = {
+    ("train.optim", "adamw_torch_fused"): ("adamw_torch", "the fused AdamW kernel computes the same update "
+                                                          "as the for-each one (other rounding order)"),
 }
 
 
@@ -57,7 +74,8 @@ MODEL_FROM_CONFIG_KEYS = ("model.n_layer", "model.n_embd", "model.n_head", "mode
 def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = "") -> dict[str, Any]:
     """The values that define the mathematics of a training run.
 
-    Everything in params.yaml except :data:`NOT_IN_EQUIVALENCE_KEY`, plus the resolved effective batch
+    Everything in params.yaml except :data:`NOT_IN_EQUIVALENCE_KEY` (values listed in
+    :data:`SAME_AS_IN_KEY` replaced by the value they compute the same as), plus the resolved effective batch
     size and the prepared data's content fingerprint (so two runs on different data files never match).
     """
     flat = {k: v for k, v in flatten(cfg.to_dict()).items() if k not in NOT_IN_EQUIVALENCE_KEY}
@@ -65,6 +83,9 @@ def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = 
     # full fine-tuning stay as they were before the knob existed.
     if cfg.model.lora is None:
         flat.pop("model.lora", None)
+    for k, v in flat.items():
+        if v is None or isinstance(v, (str, int, float, bool)):  # scalars; lists (LoRA targets) stay as given
+            flat[k] = SAME_AS_IN_KEY.get((k, v), (v,))[0]
     if cfg.model.name_or_path is not None:  # the sizes apply only to a model built from config
         for k in MODEL_FROM_CONFIG_KEYS:
             flat.pop(k, None)

@@ -46,10 +46,14 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     path = models.resolve_model_path(cfg.model.name_or_path)
     dsd, tokenizer, where = _rows(cfg, path)
     labels = dsd["train"].features["label"].names
+    from onegpu import measure
+    from onegpu.training.session import check_kernels
+    check_kernels(cfg, measure.cuda_available())  # flash_attention_2 / adamw_bnb_8bit: one line, not a traceback
+    attn = cfg.model.attn_implementation  # eager saves the attention probabilities; SDPA does not
     if task == "causal-lm":
-        model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout)
+        model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout, attn)
     else:
-        model = models.build_classifier(path, labels, cfg.model.dropout)
+        model = models.build_classifier(path, labels, cfg.model.dropout, attn)
     if cfg.model.lora is not None:  # grads and optimizer states then exist for the adapters only
         from onegpu import lora
         model = lora.apply(model, cfg.model.lora, task, cfg.train.gradient_checkpointing)

@@ -87,7 +87,7 @@ def device_for(cfg: Config) -> str:
     """The device to train on, after checking the precision flags against it.
 
     Raises:
-        ConfigError: fp16 without CUDA, or bf16 on a GPU without bf16 support.
+        ConfigError: fp16 without CUDA, or bf16 on a GPU without bf16 support; see :func:`check_kernels`.
     """
     import torch
     cuda = measure.cuda_available()
@@ -97,7 +97,41 @@ def device_for(cfg: Config) -> str:
     if cfg.train.bf16 and cuda and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"params.yaml: train.bf16: {torch.cuda.get_device_name(0)} has no bf16 support; "
                           "use fp16 or neither")
+    check_kernels(cfg, cuda)
     return measure.default_device()
+
+
+def check_kernels(cfg: Config, cuda: bool) -> None:
+    """Optional packages and hardware of ``train.optim``, ``model.attn_implementation`` and ``train.tf32``.
+
+    ``tf32`` is a no-op without CUDA (CPU matmuls stay fp32), so it passes there.
+    Raises:
+        ConfigError: ``adamw_bnb_8bit`` without bitsandbytes or CUDA; ``flash_attention_2`` without the
+            ``flash_attn`` package or CUDA; ``tf32`` on a CUDA GPU older than Ampere.
+    """
+    import importlib.util
+    t = cfg.train
+    if t.optim == "adamw_bnb_8bit":
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError("params.yaml: train.optim: adamw_bnb_8bit needs the bitsandbytes package, which is "
+                              "not installed (pip install bitsandbytes); or use adamw_torch, adamw_torch_fused "
+                              "or adafactor")
+        if not cuda:
+            raise ConfigError("params.yaml: train.optim: adamw_bnb_8bit (bitsandbytes) needs a CUDA GPU and none is "
+                              "visible; use adamw_torch, adamw_torch_fused or adafactor")
+    if cfg.model.attn_implementation == "flash_attention_2":
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError("params.yaml: model.attn_implementation: flash_attention_2 needs the flash_attn "
+                              "package, which is not installed; use sdpa, eager or null")
+        if not cuda:
+            raise ConfigError("params.yaml: model.attn_implementation: flash_attention_2 needs a CUDA GPU and none "
+                              "is visible; use sdpa, eager or null")
+    if t.tf32 and cuda:
+        from transformers.utils import is_torch_tf32_available
+        if not is_torch_tf32_available():
+            import torch
+            raise ConfigError(f"params.yaml: train.tf32: {torch.cuda.get_device_name(0)} has no TF32 (needs an "
+                              "Ampere or newer GPU); set train.tf32: false")
 
 
 def plan(cfg: Config, stats: dict) -> TrainPlan:
@@ -137,9 +171,10 @@ def build_model(cfg: Config, stats: dict):
     tokenizer = models.load_tokenizer(str(paths.TOKENIZER) if path is None else path, task)
     set_seed(cfg.train.seed)
     if task == "causal-lm":
-        model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout)
+        model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout,
+                                       cfg.model.attn_implementation)
     else:
-        model = models.build_classifier(path, stats["labels"], cfg.model.dropout)
+        model = models.build_classifier(path, stats["labels"], cfg.model.dropout, cfg.model.attn_implementation)
     if cfg.train.gradient_checkpointing and not models.supports_checkpointing(model):
         raise ModelError(f"train.gradient_checkpointing: {type(model).__name__} does not support "
                          "activation checkpointing; set it to false")

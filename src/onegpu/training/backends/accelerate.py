@@ -58,7 +58,7 @@ def make_optimizer(model, cfg: Config):
     """The optimizer ``train.optim`` names, with Trainer's defaults for it.
 
     Source: ``transformers/trainer_optimizer.py`` (``_get_adamw_torch``, ``_get_sgd``, ``_get_adagrad``,
-    ``_get_rmsprop``, ``_get_adafactor``) with ``TrainingArguments``' defaults: AdamW betas (0.9, 0.999),
+    ``_get_rmsprop``, ``_get_adafactor``, ``_get_bitsandbytes_optimizer``) with ``TrainingArguments``' defaults: AdamW betas (0.9, 0.999),
     eps 1e-8; the others take torch's defaults and only ``lr``.
     """
     import torch
@@ -76,6 +76,10 @@ def make_optimizer(model, cfg: Config):
     if t.optim == "adafactor":
         from transformers.optimization import Adafactor
         return Adafactor(groups, lr=t.learning_rate, scale_parameter=False, relative_step=False)
+    if t.optim == "adamw_bnb_8bit":  # _get_bitsandbytes_optimizer: bnb AdamW, optim_bits=8, not paged
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW(groups, lr=t.learning_rate, betas=(0.9, 0.999), eps=1e-8, optim_bits=8,
+                               is_paged=False)
     raise ValueError(f"train.optim={t.optim!r} is not supported by the accelerate backend")
 
 
@@ -147,15 +151,26 @@ def _build(model, tokenizer, dsd, cfg: Config, resolved: Resolved) -> _Loop:
     # Data order as Trainer's: a RandomSampler that Accelerate replaces by its SeedableRandomSampler,
     # reseeded with data_seed + epoch at each epoch (transformers' AcceleratorConfig has
     # use_seedable_sampler=True; hf_trainer sets data_seed = train.seed; accelerate/data_loader.py).
+    cuda = measure.cuda_available()
+    if cuda:  # as TrainingArguments sets train.tf32 (transformers' enable_tf32); a no-op on CPU
+        from transformers.utils.import_utils import enable_tf32, is_torch_tf32_available
+        if t.tf32 or is_torch_tf32_available():
+            enable_tf32(t.tf32)
+    # torch.compile as Trainer asks Accelerate for it (Trainer.create_accelerator_and_postprocess):
+    # a dynamo plugin, backend inductor (TrainingArguments' default), compiled in prepare().
+    dynamo = None
+    if t.torch_compile:
+        from accelerate.utils import TorchDynamoPlugin
+        dynamo = TorchDynamoPlugin(backend="inductor", mode=t.torch_compile_mode)
     accelerator = Accelerator(
-        mixed_precision=t.mixed_precision,
+        mixed_precision=t.mixed_precision, dynamo_plugin=dynamo,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=t.seed))
     train_set = model_inputs(dsd, cfg.model.task)["train"]
     collator = collator_for(cfg.model.task, tokenizer)
     loader = DataLoader(
         train_set, batch_size=resolved.per_device_train_batch_size, sampler=RandomSampler(train_set),
         drop_last=False, collate_fn=collator, num_workers=t.dataloader_num_workers,
-        pin_memory=measure.cuda_available(),
+        pin_memory=cuda if t.dataloader_pin_memory is None else t.dataloader_pin_memory,
         worker_init_fn=partial(seed_worker, num_workers=t.dataloader_num_workers,
                                rank=accelerator.process_index))
     # Model: as Trainer does (__init__ sets config.use_cache = TrainingArguments.use_cache, False;
@@ -175,6 +190,11 @@ def _build(model, tokenizer, dsd, cfg: Config, resolved: Resolved) -> _Loop:
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)  # stepped by eval only
     return _Loop(accelerator, model, optimizer, scheduler, loader, train_set, collator, total_steps,
                  steps_per_epoch, epochs, plateau)
+
+
+def _plain(lp: _Loop):
+    """The model without Accelerate's and torch.compile's wrappers (same parameters)."""
+    return lp.accelerator.unwrap_model(lp.model, keep_torch_compile=False)
 
 
 def _optimizer_step(lp: _Loop, cfg: Config, recorder: StepRecorder):
@@ -227,18 +247,18 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
           f"mixed precision {lp.accelerator.mixed_precision}", flush=True)
     start = 0
     if resume is not None:  # weights, optimizer, scheduler; the data position and RNG in _run
-        load_loop_state(resume.path, lp.accelerator.unwrap_model(lp.model), lp.optimizer, lp.scheduler)
+        load_loop_state(resume.path, _plain(lp), lp.optimizer, lp.scheduler)
         start = resume.step
         recorder.restore(resume)
         print(f"accelerate: resuming after optimizer step {start}", flush=True)
     lp.model.train()
     lp.optimizer.zero_grad(set_to_none=True)
     probe = probe_batch(lp.train_set, lp.collator, micro)
-    recorder.probe_activations(lp.model, {k: v.to(lp.accelerator.device) for k, v in probe.items()},
+    recorder.probe_activations(_plain(lp), {k: v.to(lp.accelerator.device) for k, v in probe.items()},
                                loss_for(cfg.model.task))
     recorder.start()
     _run(lp, cfg, accum, recorder, start, resume, checkpoint_dir, stop, checkpoint_meta, oom_injector)
-    return lp.accelerator.unwrap_model(lp.model, keep_fp32_wrapper=False), recorder
+    return lp.accelerator.unwrap_model(lp.model, keep_fp32_wrapper=False, keep_torch_compile=False), recorder
 
 
 def _run(lp: _Loop, cfg: Config, accum: int, recorder: StepRecorder, start: int, resume, checkpoint_dir, stop,
@@ -271,6 +291,8 @@ def _run(lp: _Loop, cfg: Config, accum: int, recorder: StepRecorder, start: int,
             values = torch.stack([step_loss.float(), torch.as_tensor(grad_norm, device=device).float()])
             loss_value, norm_value = values.tolist()  # the step's one host sync
             recorder.log(step, loss_value, norm_value, float(lr))
+            if t.torch_empty_cache_steps and step % t.torch_empty_cache_steps == 0:
+                measure.empty_cache()
             _after_step(lp, cfg, recorder, step, checkpoint_dir, stop, checkpoint_meta)
             if step >= lp.total_steps:
                 return
@@ -288,7 +310,7 @@ def _after_step(lp: _Loop, cfg: Config, recorder: StepRecorder, step: int, check
         print(progress_line(step, lp.total_steps, recorder.rows, lp.accelerator.device), flush=True)
     stopping = stop is not None and stop.requested is not None and step < lp.total_steps
     if checkpoint_dir and (stopping or (t.save_steps and step % t.save_steps == 0 and step < lp.total_steps)):
-        save_loop_state(checkpoint_dir, step, lp.accelerator.unwrap_model(lp.model), lp.optimizer, lp.scheduler,
+        save_loop_state(checkpoint_dir, step, _plain(lp), lp.optimizer, lp.scheduler,
                         recorder, checkpoint_meta or {})
     if stopping:
         raise Interrupted(stop.requested, step)

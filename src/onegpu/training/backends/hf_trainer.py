@@ -39,8 +39,14 @@ def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> Trai
     ``train.warmup_ratio`` becomes ``warmup_steps`` (transformers 5 reads values below 1 as a ratio).
     ``train.gradient_checkpointing`` becomes ``activation_checkpointing`` (its current name) with
     non-reentrant checkpointing.
+    ``train.tf32`` goes to TrainingArguments only with CUDA (there it is set either way, so that
+    ``torch_compile`` does not switch TF32 on by itself); without CUDA it is a no-op and left None
+    (TrainingArguments refuses ``tf32=True`` there). ``train.dataloader_pin_memory`` null = on with CUDA.
+    ``train.torch_empty_cache_steps`` is not passed (Trainer would empty the cache on every micro-batch
+    of such a step): :class:`EmptyCache` does it once per N optimizer steps, as the accelerate backend.
     """
     t = cfg.train
+    cuda = measure.cuda_available()
     return TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=resolved.per_device_train_batch_size,
@@ -50,8 +56,11 @@ def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> Trai
         **{name: getattr(t, name) for name in SAME_NAME},
         warmup_steps=t.warmup_ratio,
         data_seed=t.seed,
-        dataloader_pin_memory=measure.cuda_available(),
-        use_cpu=not measure.cuda_available(),  # lets bf16 autocast run on a CPU (TrainingArguments refuses it otherwise)
+        dataloader_pin_memory=cuda if t.dataloader_pin_memory is None else t.dataloader_pin_memory,
+        tf32=t.tf32 if cuda else None,
+        torch_compile=t.torch_compile,
+        torch_compile_mode=t.torch_compile_mode,
+        use_cpu=not cuda,  # lets bf16 autocast run on a CPU (TrainingArguments refuses it otherwise)
         logging_strategy="steps",
         logging_steps=1,
         logging_nan_inf_filter=False,
@@ -206,6 +215,17 @@ class Progress(TrainerCallback):
             print(progress_line(step, state.max_steps, self.recorder.rows, self.recorder.device), flush=True)
 
 
+class EmptyCache(TrainerCallback):
+    """``measure.empty_cache()`` after every ``every``-th optimizer step (``train.torch_empty_cache_steps``)."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step % self.every == 0:
+            measure.empty_cache()
+
+
 class StopCallback(TrainerCallback):
     """After a requested stop (:class:`onegpu.training.interrupt.GracefulStop`), save a checkpoint at the
     step's end and stop."""
@@ -248,6 +268,8 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
         trainer.add_callback(CheckpointState(steps, checkpoint_meta or {}))
     if stop is not None:
         trainer.add_callback(StopCallback(stop))
+    if cfg.train.torch_empty_cache_steps:
+        trainer.add_callback(EmptyCache(cfg.train.torch_empty_cache_steps))
     trainer.add_callback(StepMetrics(steps, probe=(probe_batch(train_ds, collator, resolved.per_device_train_batch_size),
                                                    loss_for(cfg.model.task))))
     trainer.remove_callback(ProgressCallback)
