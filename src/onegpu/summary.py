@@ -14,7 +14,7 @@ NEXT = """Next:
   dvc queue start -j 1
                      a sweep: queue one line per micro-batch split, then run them one at a time
   onegpu compare     which runs trained the same model with another split, and what each cost
-  dvc exp show --only-changed --drop 'Created|models|data/|src/|model.dropout|eval_loss|train_mem'
+  dvc exp show --only-changed --drop 'Created|State|Executor|models|data/|src/|model.dropout|eval_loss|train_mem'
                      the sweep as a table (README.md: A sweep)"""
 
 
