@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from datasets import ClassLabel, Dataset, DatasetDict
 
-from onegpu import config, measure, models
+from onegpu import config, measure
 from onegpu.training.backends import accelerate as accel, hf_trainer
 
 pytestmark = pytest.mark.gpu
-LABELS = ["a", "b", "c"]
 
 
 @pytest.fixture(autouse=True)
@@ -23,21 +21,6 @@ def _exact_fp32():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    models.go_offline()
-    return models.load_tokenizer(models.resolve_model_path("packaged:all-MiniLM-L6-v2"), "sequence-classification")
-
-
-@pytest.fixture(scope="module")
-def dsd(tokenizer):
-    texts = [" ".join(["token"] * (3 + (7 * i) % 29)) + f" {i}" for i in range(32)]
-    ds = Dataset.from_dict({"text": texts, "label": [LABELS[i % 3] for i in range(32)]})
-    ds = ds.cast_column("label", ClassLabel(names=LABELS))
-    d = DatasetDict(train=ds, validation=ds.select(range(4)), test=ds.select(range(4)))
-    return d.map(lambda b: tokenizer(b["text"], truncation=True, max_length=32), batched=True)
 
 
 def _model(tokenizer):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from datasets import ClassLabel, Dataset, DatasetDict
+from datasets import Dataset
 
 from onegpu import autobatch, config, measure, models
 from onegpu.errors import UserError
@@ -14,26 +14,6 @@ BACKENDS = pytest.mark.parametrize("backend", [hf_trainer, accel], ids=["trainer
 from onegpu.training.loss import classification_loss
 
 LABELS = ["a", "b", "c"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    models.go_offline()
-    return models.load_tokenizer(models.resolve_model_path("packaged:all-MiniLM-L6-v2"), "sequence-classification")
-
-
-@pytest.fixture(scope="module")
-def dsd(tokenizer):
-    texts = [" ".join(["token"] * (3 + (7 * i) % 29)) + f" {i}" for i in range(32)]
-    ds = Dataset.from_dict({"text": texts, "label": [LABELS[i % 3] for i in range(32)]})
-    ds = ds.cast_column("label", ClassLabel(names=LABELS))
-    d = DatasetDict(train=ds, validation=ds.select(range(4)), test=ds.select(range(4)))
-
-    def tok(b):
-        enc = tokenizer(b["text"], truncation=True, max_length=32)
-        enc["length"] = [len(x) for x in enc["input_ids"]]
-        return enc
-    return d.map(tok, batched=True)
 
 
 def tiny_bert(tokenizer):
