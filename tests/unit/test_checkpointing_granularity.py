@@ -200,3 +200,23 @@ def test_the_granularity_is_out_of_the_equivalence_key():
         hashes.add(run_config_hash(cfg))
     assert keys == {equivalence_key(base, resolve(base))}
     assert len(hashes) == len(SETTINGS)  # a checkpoint resumes only its own configuration
+
+
+def test_estimate_reports_the_configured_granularity():
+    """``onegpu estimate``'s "with checkpointing" column comes from checkpointing.enable with the params'
+    granularity (as the stage passes it): attention-only keeps more than whole layers, less than none."""
+    from onegpu import autobatch
+    from onegpu.training.batches import collator_for, model_inputs
+    rows = model_inputs(dataset(24), "sequence-classification")["train"].add_column(
+        "length", dataset(24)["train"]["length"])
+    collator = collator_for("sequence-classification", tokenizer())
+    col = {}
+    for setting in [(1, "layer", False), (1, "attention", False)]:
+        t = train_cfg(*setting)
+        est = autobatch.estimate(bert4(), rows, collator, classification_loss, [4], "adamw_torch", True,
+                                 lambda m, t=t: checkpointing.enable(m, t))
+        col[setting[1]] = est["rows"][0]
+    full, attn = col["layer"], col["attention"]
+    assert full["activations"] == attn["activations"]  # without checkpointing: the same model
+    assert full["activations_checkpointed"] < attn["activations_checkpointed"] < attn["activations"], col
+    assert attn["total"] - full["total"] == attn["activations_checkpointed"] - full["activations_checkpointed"]
