@@ -63,6 +63,13 @@ class LoraConfig:
 
 
 @dataclass
+class CheckpointingKwargs:
+    """``train.gradient_checkpointing_kwargs``: HF's keys of ``activation_checkpointing_kwargs``."""
+    use_reentrant: bool = False           # torch.utils.checkpoint's reentrant variant (false = non-reentrant)
+    every_n_layers: int = 1               # recompute every n-th transformer layer (layers 0, n, 2n, ...)
+
+
+@dataclass
 class ModelConfig:
     task: str = "sequence-classification"
     name_or_path: Optional[str] = PACKAGED_MODEL
@@ -88,6 +95,10 @@ class TrainConfig:
     memory_budget_gib: Optional[float] = None  # for "auto": null = free device memory (CUDA); required on CPU
     oom_retry: bool = True                # CUDA out-of-memory in a step: halve the micro-batch, redo the step
     gradient_checkpointing: bool = False  # activation checkpointing
+    # with gradient_checkpointing: use_reentrant and every_n_layers (HF's names), and which part of a
+    # chosen layer recomputes: layer | attention | mlp (onegpu's; attention/mlp for BERT-style and GPT-2)
+    gradient_checkpointing_kwargs: CheckpointingKwargs = field(default_factory=CheckpointingKwargs)
+    gradient_checkpointing_blocks: str = "layer"
     learning_rate: float = 5e-5
     num_train_epochs: float = 1.0
     max_steps: int = -1                   # optimizer steps; -1 = from num_train_epochs
@@ -143,7 +154,10 @@ SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "train": 
 
 
 # Mappings inside a section, by dotted name, and the dataclass of each.
-SUBSECTIONS: dict[str, type] = {"model.lora": LoraConfig}
+SUBSECTIONS: dict[str, type] = {"model.lora": LoraConfig, "train.gradient_checkpointing_kwargs": CheckpointingKwargs}
+
+# train.gradient_checkpointing_blocks: the part of each chosen layer that recomputes.
+CHECKPOINTING_BLOCKS = ("layer", "attention", "mlp")
 
 
 def _allowed_keys(section: str) -> list[str]:
@@ -215,6 +229,11 @@ def from_container(raw: dict, source: str = "params") -> Config:
     lora = model.get("lora") if isinstance(model, dict) else None
     if lora is not None and not isinstance(lora, dict):  # OmegaConf's message for a list names no key
         raise ConfigError(f"{source}: model.lora: expected {_EXPECTED['Optional[LoraConfig]']}, got {lora!r}")
+    train = raw.get("train")
+    gck = train.get("gradient_checkpointing_kwargs", {}) if isinstance(train, dict) else {}
+    if not isinstance(gck, dict):
+        raise ConfigError(f"{source}: train.gradient_checkpointing_kwargs: expected "
+                          f"{_EXPECTED['CheckpointingKwargs']}, got {gck!r}")
     schema = OmegaConf.structured(Config)
     OmegaConf.set_struct(schema, True)
     try:
@@ -253,7 +272,8 @@ _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", 
              "Optional[int]": "an integer or null", "Optional[float]": "a number or null",
              "Optional[str]": "a string or null", "Optional[list[str]]": "a list of strings or null",
              "Optional[bool]": "true, false or null",
-             "Optional[LoraConfig]": "null or a mapping with keys r, alpha, dropout, target_modules"}
+             "Optional[LoraConfig]": "null or a mapping with keys r, alpha, dropout, target_modules",
+             "CheckpointingKwargs": "a mapping with keys use_reentrant (true/false), every_n_layers (a positive integer)"}
 
 
 def _non_finite(value) -> bool:
@@ -331,6 +351,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.dataloader_num_workers": (lambda v: v >= 0, "must be >= 0, got {v}"),
     "train.torch_empty_cache_steps": (_positive_or_null,
                                       "must be a positive integer (optimizer steps) or null (= never), got {v}"),
+    "train.gradient_checkpointing_blocks": _one_of(CHECKPOINTING_BLOCKS),
     "train.torch_compile_mode": (lambda v: v is None or v in COMPILE_MODES,
                                  f"must be null or one of {', '.join(COMPILE_MODES)}, got {{v!r}}"),
     "evaluate.per_device_eval_batch_size": _POSITIVE_INT,
@@ -397,6 +418,19 @@ def _check_train(t: TrainConfig, source: str) -> None:
                   "(one process); make them agree or set effective_batch_size: null")
     if t.bf16 and t.fp16:
         _fail(source, "train.fp16", "train.bf16 and train.fp16 are both true; choose at most one")
+    every = t.gradient_checkpointing_kwargs.every_n_layers
+    if every < 1:
+        _fail(source, "train.gradient_checkpointing_kwargs.every_n_layers",
+              f"must be a positive integer (1 = every layer, n = layers 0, n, 2n, ...), got {every}")
+    if not t.gradient_checkpointing:
+        changed = [f"{k}: {v!r}" for k, v, d in (
+            ("gradient_checkpointing_kwargs.every_n_layers", every, 1),
+            ("gradient_checkpointing_kwargs.use_reentrant", t.gradient_checkpointing_kwargs.use_reentrant, False),
+            ("gradient_checkpointing_blocks", t.gradient_checkpointing_blocks, "layer")) if v != d]
+        if changed:
+            _fail(source, "train.gradient_checkpointing", f"is false but {', '.join(changed)} asks for a "
+                  "checkpointing granularity; set train.gradient_checkpointing: true or leave those at their "
+                  "defaults (every_n_layers 1, use_reentrant false, blocks layer)")
     if t.torch_compile_mode is not None and not t.torch_compile:
         _fail(source, "train.torch_compile_mode", f"is {t.torch_compile_mode!r} but train.torch_compile is false; "
               "set train.torch_compile: true or the mode to null")

@@ -272,14 +272,20 @@ def describe(model) -> dict[str, str]:
             "model.batchnorm_layers": str(bn)}
 
 
-def enable_checkpointing(model) -> None:
-    """Activation checkpointing on, non-reentrant, with the current transformers name where it exists."""
+def enable_checkpointing(model, kwargs: dict | None = None) -> None:
+    """Activation checkpointing on, with the current transformers name where it exists.
+
+    ``kwargs``: ``use_reentrant`` (default False) and optionally ``every_n_layers`` (transformers'
+    ``activation_checkpointing_enable``); :mod:`onegpu.training.checkpointing` builds them from params."""
+    kwargs = dict(kwargs or {"use_reentrant": False})
+    every = kwargs.pop("every_n_layers", 1)
+    extra = {"every_n_layers": every} if every != 1 else {}
     if getattr(model.config, "use_cache", None):
         model.config.use_cache = False  # a KV cache is useless in training and clashes with checkpointing
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **extra)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **extra)
 
 
 def supports_checkpointing(model) -> bool:

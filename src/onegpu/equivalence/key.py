@@ -40,6 +40,12 @@ NOT_IN_EQUIVALENCE_KEY = {
     "train.effective_batch_size": "replaced by the resolved effective batch size",
     "train.memory_budget_gib": "only steers the micro-batch finder",
     "train.gradient_checkpointing": "recomputes activations; the same mathematics",
+    "train.gradient_checkpointing_kwargs.use_reentrant": "how torch recomputes the checkpointed activations "
+                                                         "(reentrant or not); the same mathematics",
+    "train.gradient_checkpointing_kwargs.every_n_layers": "which layers recompute their activations; the "
+                                                          "same mathematics",
+    "train.gradient_checkpointing_blocks": "which part of a layer recomputes its activations; the same "
+                                           "mathematics",
     "train.backend": "Trainer and Accelerate loops compute the same steps",
     "train.logging_steps": "terminal output only",
     "train.oom_retry": "recovery re-splits the same effective batch",
@@ -66,6 +72,12 @@ SAME_AS_IN_KEY = {
     ("train.optim", "adamw_torch_fused"): ("adamw_torch", "the fused AdamW kernel computes the same update "
                                                           "as the for-each one (other rounding order)"),
 }
+
+
+# The checkpointing granularity at its defaults (today's behaviour): left out of the run-config hash.
+_GRANULARITY_DEFAULTS = {"train.gradient_checkpointing_kwargs.use_reentrant": False,
+                         "train.gradient_checkpointing_kwargs.every_n_layers": 1,
+                         "train.gradient_checkpointing_blocks": "layer"}
 
 
 MODEL_FROM_CONFIG_KEYS = ("model.n_layer", "model.n_embd", "model.n_head", "model.vocab_size")
@@ -101,6 +113,9 @@ def run_config_hash(cfg: Config, data_fingerprint: str = "") -> str:
     flat = {k: v for k, v in flatten(cfg.to_dict()).items() if not k.startswith(skip)}
     if cfg.model.lora is None:  # as in the key: checkpoints written before the knob existed still resume
         flat.pop("model.lora", None)
+    for k, default in _GRANULARITY_DEFAULTS.items():  # the same for the checkpointing granularity
+        if flat.get(k) == default:
+            flat.pop(k)
     flat["data.fingerprint"] = data_fingerprint
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from onegpu import autobatch, data, models, paths
+from onegpu.training import checkpointing
 from onegpu.config import Config
 
 DEFAULT_MICRO_BATCHES = [1, 2, 4, 8, 16, 32, 64]
@@ -60,7 +61,8 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     rows = model_inputs(dsd, task)["train"].add_column("length", dsd["train"]["length"])
     est = autobatch.estimate(model, rows, collator_for(task, tokenizer), loss_for(task),
                              micro_batches or DEFAULT_MICRO_BATCHES, cfg.train.optim,
-                             cfg.train.gradient_checkpointing, models.enable_checkpointing)
+                             cfg.train.gradient_checkpointing,
+                             lambda m: checkpointing.enable(m, cfg.train))
     budget_gib = budget_gib if budget_gib is not None else cfg.train.memory_budget_gib
     budget = int(budget_gib * 2**30) if budget_gib else None
     print(f"memory estimate for {type(model).__name__}, optimizer {cfg.train.optim}, rows from {where}:")

@@ -162,7 +162,8 @@ def build_model(cfg: Config, stats: dict):
 
     With ``model.lora`` the model is a ``peft.PeftModel`` (:func:`onegpu.lora.apply`).
     Raises:
-        ModelError: ``train.gradient_checkpointing`` on a model that does not support it; LoRA target
+        ModelError: ``train.gradient_checkpointing`` on a model that does not support it (or its
+            ``gradient_checkpointing_blocks``); LoRA target
             modules that match nothing.
     """
     from transformers import set_seed
@@ -178,6 +179,9 @@ def build_model(cfg: Config, stats: dict):
     if cfg.train.gradient_checkpointing and not models.supports_checkpointing(model):
         raise ModelError(f"train.gradient_checkpointing: {type(model).__name__} does not support "
                          "activation checkpointing; set it to false")
+    if cfg.train.gradient_checkpointing:
+        from onegpu.training import checkpointing
+        checkpointing.check_supported(model, cfg.train)
     if cfg.model.lora is not None:
         from onegpu import lora
         model = lora.apply(model, cfg.model.lora, task, cfg.train.gradient_checkpointing)
@@ -289,7 +293,8 @@ def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: s
     task = cfg.model.task
     model.to(device)
     if cfg.train.gradient_checkpointing:
-        models.enable_checkpointing(model)
+        from onegpu.training import checkpointing
+        checkpointing.enable(model, cfg.train)
     micro, probes = autobatch.find_micro_batch(
         model, training_rows(dsd, task), collator_for(task, tokenizer), loss_for(task),
         cfg.train.effective_batch_size, budget, cfg.train.optim, device)

@@ -29,7 +29,7 @@ from typing import Callable
 
 from onegpu import measure
 from onegpu.config import Config, Resolved
-from onegpu.training import oom
+from onegpu.training import checkpointing, oom
 from onegpu.training.batches import collator_for, model_inputs, probe_batch
 from onegpu.training.checkpoint import ResumePoint, load_loop_state, load_rng, save_loop_state
 from onegpu.training.interrupt import Interrupted
@@ -178,7 +178,7 @@ def _build(model, tokenizer, dsd, cfg: Config, resolved: Resolved) -> _Loop:
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
     if t.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing.enable(model, t)
     align_special_tokens(model, tokenizer)
     optimizer = make_optimizer(model, cfg)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

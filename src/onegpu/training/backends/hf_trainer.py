@@ -17,7 +17,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from onegpu import measure
 from onegpu.config import Config, Resolved
-from onegpu.training import oom
+from onegpu.training import checkpointing, oom
 from onegpu.training.batches import collator_for, model_inputs, probe_batch
 from onegpu.training.checkpoint import ResumePoint, write_state
 from onegpu.training.loss import count_items, loss_for
@@ -38,7 +38,9 @@ def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> Trai
     during training.
     ``train.warmup_ratio`` becomes ``warmup_steps`` (transformers 5 reads values below 1 as a ratio).
     ``train.gradient_checkpointing`` becomes ``activation_checkpointing`` (its current name) with
-    non-reentrant checkpointing.
+    ``train.gradient_checkpointing_kwargs`` (``use_reentrant``, ``every_n_layers``) as its kwargs; with
+    ``gradient_checkpointing_blocks`` attention/mlp Trainer's is off and the backend wraps the sub-blocks
+    (:mod:`onegpu.training.checkpointing`).
     ``train.tf32`` goes to TrainingArguments only with CUDA (there it is set either way, so that
     ``torch_compile`` does not switch TF32 on by itself); without CUDA it is a no-op and left None
     (TrainingArguments refuses ``tf32=True`` there). ``train.dataloader_pin_memory`` null = on with CUDA.
@@ -51,8 +53,10 @@ def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> Trai
         output_dir=output_dir,
         per_device_train_batch_size=resolved.per_device_train_batch_size,
         gradient_accumulation_steps=resolved.gradient_accumulation_steps,
-        activation_checkpointing=t.gradient_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
+        # blocks attention/mlp: onegpu wraps the sub-blocks itself (train()), Trainer checkpoints nothing
+        activation_checkpointing=t.gradient_checkpointing and checkpointing.is_default(t),
+        activation_checkpointing_kwargs=(checkpointing.hf_kwargs(t) if t.gradient_checkpointing
+                                         and checkpointing.is_default(t) else None),
         **{name: getattr(t, name) for name in SAME_NAME},
         warmup_steps=t.warmup_ratio,
         data_seed=t.seed,
@@ -255,6 +259,8 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
     scratch = None if checkpoint_dir else tempfile.TemporaryDirectory(prefix="onegpu-trainer-")
     out = str(checkpoint_dir) if checkpoint_dir else scratch.name  # scratch: removed when training ends
     args = training_arguments(cfg, resolved, out)
+    if cfg.train.gradient_checkpointing and not checkpointing.is_default(cfg.train):
+        checkpointing.enable(model, cfg.train)  # sub-blocks: Trainer's own checkpointing is off (args)
     train_ds = model_inputs(dsd, cfg.model.task)["train"]
     collator = collator_for(cfg.model.task, tokenizer)
     trainer = ExactLossTrainer(
