@@ -101,11 +101,13 @@ def _net_log_urls(path: Path) -> list[str]:
 
 
 def load(url: str | Path, screenshot: str | Path | None = None, window: tuple[int, int] = (1600, 1000),
-         budget_ms: int = 25000, timeout_s: float = 120) -> Page:
+         budget_ms: int = 25000, timeout_s: float = 120, offline: bool = False) -> Page:
     """Render ``url`` (an http(s) URL, or a local file path) in headless Chromium.
 
     ``budget_ms``: page time (virtual) Chromium gives scripts and requests before it dumps the DOM.
     ``screenshot``: also write a PNG of ``window`` (width, height) pixels there (a second load).
+    ``offline``: route every request through a proxy that refuses connections (127.0.0.1:9), so any
+    network fetch fails and the page shows only what it carries itself.
     Raises:
         AssertionError: Chromium failed or ran past ``timeout_s``.
     """
@@ -114,7 +116,8 @@ def load(url: str | Path, screenshot: str | Path | None = None, window: tuple[in
     with tempfile.TemporaryDirectory(prefix="onegpu-chromium-") as tmp:
         net_log = Path(tmp) / "net.json"
         # A fresh profile per load: what a first visit shows (no remembered UI state).
-        common = [exe, *FLAGS, f"--virtual-time-budget={budget_ms}", f"--window-size={window[0]},{window[1]}"]
+        common = [exe, *FLAGS, f"--virtual-time-budget={budget_ms}", f"--window-size={window[0]},{window[1]}",
+                  *(["--proxy-server=127.0.0.1:9"] if offline else [])]
         try:
             p = subprocess.run([*common, f"--user-data-dir={tmp}/dom", f"--log-net-log={net_log}", "--dump-dom",
                                 target],

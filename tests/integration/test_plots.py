@@ -2,14 +2,12 @@
 .dvc/config) inlines vega, so the page loads nothing from the network and the charts render."""
 from __future__ import annotations
 
-import shutil
-import subprocess
-import tempfile
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
+from . import browser
 from .conftest import dvc, make_project
 
 pytestmark = pytest.mark.slow
@@ -57,14 +55,6 @@ def test_plots_page_references_no_network_url(page):
 
 
 def test_plots_page_renders_without_network(page):
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    if browser is None:
-        pytest.skip("no chromium on this machine (apt-get install chromium)")
-    with tempfile.TemporaryDirectory() as profile:
-        # A proxy that refuses every connection: any network fetch would fail.
-        out = subprocess.run(
-            [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--proxy-server=127.0.0.1:9", f"--user-data-dir={profile}", "--virtual-time-budget=20000",
-             "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    shown = browser.load(page, budget_ms=20000, offline=True)  # a proxy that refuses every connection
     # vega-embed draws each chart into a <canvas class="marks"> inside the plot's div.
-    assert out.count('class="marks"') == 2, out[-2000:]
+    assert shown.dom.count('class="marks"') == 2, shown.dom[-2000:]

@@ -23,11 +23,9 @@ STEP_COLUMNS = ["step", "loss", "grad_norm", "learning_rate", "step_time_s", "sa
 
 
 def run(cfg: Config) -> dict:
-    session.device_for(cfg)  # fp16 without CUDA, bf16 on a GPU without it: one line before any data is read
-    dsd, stats = session.load_processed()
-    plan = session.plan(cfg, stats)
+    plan = session.plan(cfg)  # device and precision checks first, then data/stats.json
     tracker = tracking.connect(cfg.tracking.experiment_name)
-    result = session.run(plan, tracker, dsd, save=_write_outputs)
+    result = session.run(plan, tracker, session.load_processed(), save=_write_outputs)
     print(session.closing_line(result))
     return result.summary
 

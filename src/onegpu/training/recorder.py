@@ -57,11 +57,6 @@ class BatchCounter:
         n = torch.stack([lengths.sum(), targets.to(lengths.device, torch.int64), (lengths * lengths).sum()])
         self._counts = n if self._counts is None else self._counts + n
 
-    def take(self) -> tuple[int, int]:
-        """(examples, non-padding tokens) since the last take (see :meth:`take_all`)."""
-        s, t, _, _ = self.take_all()
-        return s, t
-
     def take_all(self) -> tuple[int, int, int, int]:
         """(examples, non-padding tokens, loss targets, sum of squared non-padding lengths) since the
         last take; one host sync."""

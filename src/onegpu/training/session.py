@@ -71,16 +71,30 @@ class TrainResult:
     train_s: float
 
 
+def _require_prepared() -> None:
+    if not paths.PROCESSED.is_dir() or not paths.STATS.is_file():
+        raise DataError(f"{paths.PROCESSED} or {paths.STATS} is missing: run the prepare stage first (dvc repro)")
+
+
 def load_processed():
-    """``(DatasetDict, stats)`` from data/processed and data/stats.json.
+    """The prepared ``DatasetDict`` from data/processed.
 
     Raises:
         DataError: prepare has not run.
     """
     from datasets import load_from_disk
-    if not paths.PROCESSED.is_dir() or not paths.STATS.is_file():
-        raise DataError(f"{paths.PROCESSED} or {paths.STATS} is missing: run the prepare stage first (dvc repro)")
-    return load_from_disk(str(paths.PROCESSED)), paths.read_json(paths.STATS)
+    _require_prepared()
+    return load_from_disk(str(paths.PROCESSED))
+
+
+def load_stats() -> dict:
+    """data/stats.json (labels, content fingerprint, split sizes).
+
+    Raises:
+        DataError: prepare has not run.
+    """
+    _require_prepared()
+    return paths.read_json(paths.STATS)
 
 
 def device_for(cfg: Config) -> str:
@@ -134,14 +148,17 @@ def check_kernels(cfg: Config, cuda: bool) -> None:
                               "Ampere or newer GPU); set train.tf32: false")
 
 
-def plan(cfg: Config, stats: dict) -> TrainPlan:
-    """The :class:`TrainPlan` for ``cfg`` on the prepared data ``stats``; fails before any work.
+def plan(cfg: Config, stats: dict | None = None) -> TrainPlan:
+    """The :class:`TrainPlan` for ``cfg`` on the prepared data ``stats`` (None: read data/stats.json after
+    the device checks, so a bad precision flag is named before missing data); fails before any work.
 
     Raises:
         ConfigError: see :func:`device_for`; ``auto`` on a CPU without ``train.memory_budget_gib``.
+        DataError: ``stats`` is None and prepare has not run.
     """
     from onegpu.training.checkpoint import latest_checkpoint
     device = device_for(cfg)
+    stats = load_stats() if stats is None else stats
     auto = cfg.train.per_device_train_batch_size == "auto"
     budget = None
     if auto:
