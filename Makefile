@@ -31,7 +31,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 # dvc.lock" (the summary names what changed) and "dvc push" (no remote is configured).
 DVC_HINTS := ^(To track the changes with git, run:|To enable auto staging, run:|Use `dvc push` to send your updates to remote storage.)$$|^\s+(git add dvc.lock.*|dvc config core.autostage true)$$
 run: install
-	PYTHONUNBUFFERED=1 $(BIN)/dvc repro 2>&1 | { grep --line-buffered -v -E '$(DVC_HINTS)' || true; }
+	PYTHONUNBUFFERED=1 $(BIN)/dvc repro 2>&1 | { grep --line-buffered -v -E '$(DVC_HINTS)' || true; } | cat -s
 	$(BIN)/onegpu summary
 
 test: install
