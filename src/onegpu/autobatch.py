@@ -163,35 +163,67 @@ def format_probes(probes: list[Probe]) -> str:
     return "\n".join(lines)
 
 
-def activation_line(model, dataset, collator, loss_fn, device: str = "cpu") -> tuple[float, float, int]:
+def autocast(mixed_precision: str, device: str = "cpu"):
+    """The autocast context a training step runs its forward pass under, for ``train.mixed_precision``
+    (:attr:`onegpu.config.TrainConfig.mixed_precision`: ``"bf16"``, ``"fp16"`` or ``"no"``).
+
+    ``bf16`` / ``fp16``: ``torch.autocast(device type, dtype=torch.bfloat16 / torch.float16)``, as
+    Accelerate wraps the model's forward (``Accelerator(mixed_precision=...)``, also under HF Trainer):
+    matmul outputs, and so most tensors saved for backward, are 2 bytes instead of 4. ``"no"``: a context
+    that does nothing. fp16 autocast runs on CPU too (torch >= 2.3), so an estimate made on CPU sees the
+    activation dtypes a CUDA fp16 run saves.
+    Raises:
+        ValueError: another ``mixed_precision`` value.
+    """
+    import contextlib
+
+    import torch
+    if mixed_precision == "no":
+        return contextlib.nullcontext()
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    if mixed_precision not in dtypes:
+        raise ValueError(f"mixed_precision must be 'bf16', 'fp16' or 'no', got {mixed_precision!r}")
+    return torch.autocast(device_type=str(device).split(":")[0], dtype=dtypes[mixed_precision])
+
+
+def activation_line(model, dataset, collator, loss_fn, device: str = "cpu",
+                    mixed_precision: str = "no") -> tuple[float, float, int]:
     """Fit activations(m) = a + b * m from probes of 1 and 2 copies of the longest training row.
 
     Saved activations grow linearly with the rows of a micro-batch at a fixed padded length (every
-    saved tensor has the batch dimension), so two probes fix the line. Returns (a, b, padded length).
+    saved tensor has the batch dimension), so two probes fix the line. The probes run under
+    :func:`autocast` for ``mixed_precision``, as the training does. Returns (a, b, padded length).
     """
     longest = longest_rows(dataset, 1)[0]
     probe = {m: _batch(dataset, collator, [longest] * m, device) for m in (1, 2)}
-    a1 = measure.activation_bytes(model, probe[1], loss_fn)
-    a2 = measure.activation_bytes(model, probe[2], loss_fn)
+    with autocast(mixed_precision, device):
+        a1 = measure.activation_bytes(model, probe[1], loss_fn)
+        a2 = measure.activation_bytes(model, probe[2], loss_fn)
     return float(2 * a1 - a2), float(a2 - a1), int(probe[1]["input_ids"].shape[1])
 
 
 def estimate(model, dataset, collator, loss_fn, micro_batches: list[int], optim: str,
-             checkpointing: bool, enable_checkpointing, device: str = "cpu") -> dict:
+             checkpointing: bool, enable_checkpointing, device: str = "cpu", mixed_precision: str = "no") -> dict:
     """Predict the memory breakdown per micro-batch, without training.
 
     Args:
+        model: the model as it will train (its attention implementation and LoRA adapters, if any,
+            already set: eager attention saves the attention probabilities, SDPA does not).
         micro_batches: the sizes to predict for.
+        optim: ``train.optim`` (:func:`optimizer_state_bytes`).
         checkpointing: whether the configured run checkpoints (decides the ``total`` column).
         enable_checkpointing: ``model -> None`` that switches activation checkpointing on.
+        mixed_precision: ``train.mixed_precision``; the probes run under :func:`autocast` for it.
+            Params, grads and optimizer states stay fp32 under mixed precision (Accelerate and Trainer
+            autocast the forward pass; they keep fp32 master weights).
     Returns:
         ``{"states": {...bytes}, "length": padded length, "rows": [{micro_batch, activations,
         activations_checkpointed, total}]}``; every figure in bytes.
     """
     states = state_bytes_predicted(model, optim)
-    plain = activation_line(model, dataset, collator, loss_fn, device)
+    plain = activation_line(model, dataset, collator, loss_fn, device, mixed_precision)
     enable_checkpointing(model)
-    ckpt = activation_line(model, dataset, collator, loss_fn, device)
+    ckpt = activation_line(model, dataset, collator, loss_fn, device, mixed_precision)
     rows = []
     for m in micro_batches:
         a, c = plain[0] + plain[1] * m, ckpt[0] + ckpt[1] * m

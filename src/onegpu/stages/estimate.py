@@ -1,7 +1,8 @@
 """``onegpu estimate``: predicted memory per micro-batch for the current params, without training.
 
 One probe forward pass on one and two copies of the longest training row (with and without
-activation checkpointing) fixes the activation line; params, grads and optimizer states are exact
+activation checkpointing; under the bf16/fp16 autocast the training uses, with the configured attention
+kernel and LoRA adapters) fixes the activation line; params, grads and optimizer states are exact
 sums over the model (:mod:`onegpu.autobatch`). Uses data/processed when prepare has run, otherwise a
 few hundred rows read straight from the source.
 """
@@ -36,6 +37,12 @@ def _rows(cfg: Config, tokenizer_path):
     return dsd, tokenizer, f"{cfg.data.source} (first {len(ds)} rows)"
 
 
+def _attention(model) -> str:
+    """The attention kernel the built model uses (``config._attn_implementation``: ``eager``, ``sdpa``,
+    ...), which ``model.attn_implementation: null`` leaves to transformers."""
+    return str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "the model's default")
+
+
 def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float | None = None) -> dict:
     from datasets.utils.logging import disable_progress_bar
 
@@ -62,10 +69,14 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     est = autobatch.estimate(model, rows, collator_for(task, tokenizer), loss_for(task),
                              micro_batches or DEFAULT_MICRO_BATCHES, cfg.train.optim,
                              cfg.train.gradient_checkpointing,
-                             lambda m: checkpointing.enable(m, cfg.train))
+                             lambda m: checkpointing.enable(m, cfg.train),
+                             mixed_precision=cfg.train.mixed_precision)
     budget_gib = budget_gib if budget_gib is not None else cfg.train.memory_budget_gib
     budget = int(budget_gib * 2**30) if budget_gib else None
-    print(f"memory estimate for {type(model).__name__}, optimizer {cfg.train.optim}, rows from {where}:")
+    precision = "fp32" if cfg.train.mixed_precision == "no" else f"{cfg.train.mixed_precision} autocast"
+    lora_note = "" if cfg.model.lora is None else f", LoRA r={cfg.model.lora.r}"
+    print(f"memory estimate for {type(model).__name__}, precision {precision}, attention "
+          f"{_attention(model)}, optimizer {cfg.train.optim}{lora_note}, rows from {where}:")
     print(autobatch.format_estimate(est, budget, cfg.train.gradient_checkpointing))
     print(f"({time.perf_counter() - start:.1f} s; CUDA adds its context and allocator slack, the CPU process "
           "its libraries: compare with mem_activation_bytes, not peak RSS)")
