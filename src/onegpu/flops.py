@@ -24,6 +24,21 @@ For one run (:func:`train_flops`)::
 
 Checkpointing's recomputed forward is *not* counted: this is MFU, not HFU (hardware FLOPs utilisation).
 
+**Frozen weights (LoRA).** The 6 per weight and token are 2 for the forward matmul, 2 for the gradient
+with respect to its input and 2 for the gradient with respect to the weight (Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", sec. 5.1: the
+backward pass is twice the forward "since we need to calculate the gradients with respect to both input
+and weight tensors"). A frozen weight needs no weight gradient, so it costs 4 (the LoRA paper, Hu et al.
+2021, sec. 4.2, measures 25% faster training of GPT-3 than full fine-tuning "as we do not need to
+calculate the gradient for the vast majority of the parameters"), and a weight that runs before every
+trainable parameter needs no input gradient either, so it costs 2. With ``6 N`` under LoRA, MFU would
+be overstated by up to 1.5x. :func:`matmul_counts` says which weights get which part;
+:func:`train_flops` sums ``2 (N + N_input_grad + N_weight_grad)`` per token (and per sequence for the
+head), which is ``6 N`` in full fine-tuning. The attention term keeps its full backward: LoRA's target
+modules match in every layer, so the gradient flows through every layer's attention but the first's
+(when the first adapter sits after layer 0's attention, or on ``Q`` only, that layer's unneeded
+attention gradients are still counted: at most ``8 d_model t`` per token, in one layer).
+
 **Device peak**: published dense peaks from the vendors' datasheets (:data:`PEAKS`), for the dtype the
 matmuls run in. A device not in the table (a CPU, say) has no datasheet figure here, so its peak is
 *measured* (:func:`measured_peak`) in a way that other processes' load cannot lower, and cached per
@@ -93,9 +108,79 @@ def _unique_numel(params, skip: set[int] = frozenset()) -> tuple[int, set[int]]:
     return n, seen
 
 
+def _unwrap(model):
+    """``(transformers model, ids of parameters that never run)``: a ``peft.PeftModel`` gives its base
+    model (adapters injected, same parameters); a ``ModulesToSaveWrapper`` (peft's trainable copy of a
+    classification head) runs its copy, never its ``original_module``, whose parameters are left out."""
+    inner = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+    idle: set[int] = set()
+    for m in inner.modules():
+        if hasattr(m, "original_module") and hasattr(m, "modules_to_save"):
+            idle |= {id(p) for p in m.original_module.parameters()}
+    return inner, idle
+
+
 def non_embedding_parameters(model) -> int:
     """Parameters outside embedding tables (``nn.Embedding`` weights), counted once."""
     return _unique_numel(model.parameters(), _embedding_weights(model))[0]
+
+
+def _roles(model) -> list[tuple[str, int, bool, bool]]:
+    """Every matmul parameter once, in registration order: ``(role "tok" | "seq", numel, trainable,
+    needs input gradient)``. See :func:`matmul_counts` for the rules."""
+    import torch
+    inner, idle = _unwrap(model)
+    emb = _embedding_weights(inner)
+    order = [p for p in dict.fromkeys(inner.parameters()) if id(p) not in idle]
+    out = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    unembed = out.weight if out is not None and getattr(out, "weight", None) is not None else None
+    per_seq: set[int] = set()
+    if unembed is None:  # a sequence classifier: the head outside base_model and the pooler run per sequence
+        base = getattr(inner, "base_model", inner)
+        if base is not inner:
+            in_base = {id(p) for p in base.parameters()}
+            per_seq |= {id(p) for p in inner.parameters() if id(p) not in in_base}
+        pooler = getattr(base, "pooler", None)
+        if isinstance(pooler, torch.nn.Module):
+            per_seq |= {id(p) for p in pooler.parameters()}
+    # Registration order is the order transformers' models run their layers in; the unembedding runs last.
+    first = next((i for i, p in enumerate(order) if p.requires_grad), len(order) + 1)
+    rows = [("seq" if id(p) in per_seq else "tok", p.numel(), p.requires_grad, i > first)
+            for i, p in enumerate(order) if id(p) not in emb]
+    if unembed is not None and (id(unembed) in emb or all(q is not unembed for q in order)):
+        # tied to the input embedding (left out above as a lookup): the d_model x vocab matmul still runs
+        rows.append(("tok", unembed.numel(), unembed.requires_grad, len(order) > first))
+    return rows
+
+
+def matmul_counts(model) -> dict[str, int]:
+    """Parameter counts behind each part of a training step's model FLOPs (see the module docstring).
+
+    ``tok`` / ``seq``: weights applied per token / per sequence (:func:`matmul_parameters`), each
+    costing 2 FLOPs per use in the forward pass. ``tok_weight_grad`` / ``seq_weight_grad``: those that
+    train (``requires_grad``), whose weight gradient costs 2 more. ``tok_input_grad`` /
+    ``seq_input_grad``: those whose *input* gradient is needed, 2 more: every weight registered after
+    the model's first trainable parameter (embedding tables included in that search; registration
+    order is the forward order of transformers' layers), because the gradient has to flow through
+    them back to a trainable one; the weights before it, and the first trainable one itself, read
+    inputs that need no gradient. Full fine-tuning (the token embedding trains): every weight, 6 N.
+    Under LoRA with frozen base weights: a frozen weight costs 4 (forward + input gradient) and 2 before
+    the first adapter; an adapter 6 (its ``lora_A`` 4: its input is the layer's, which needs none when
+    it is the first). Weights that run beside the first adapter on the same input (with adapters on
+    BERT's ``query``: layer 0's ``key``/``value``) are counted with an input gradient they do not need:
+    at most a few d_model^2 per token, in one layer. A ``peft.PeftModel`` is counted through its base
+    model; the frozen ``original_module`` of a head that peft trains as a copy never runs and is left out.
+    Returns:
+        Parameter counts (int) under the keys ``tok``, ``tok_input_grad``, ``tok_weight_grad``, ``seq``,
+        ``seq_input_grad``, ``seq_weight_grad``.
+    """
+    counts = dict.fromkeys(("tok", "tok_input_grad", "tok_weight_grad", "seq", "seq_input_grad",
+                            "seq_weight_grad"), 0)
+    for role, n, trains, input_grad in _roles(model):
+        counts[role] += n
+        counts[f"{role}_weight_grad"] += n if trains else 0
+        counts[f"{role}_input_grad"] += n if input_grad else 0
+    return counts
 
 
 def matmul_parameters(model) -> tuple[int, int]:
@@ -107,26 +192,11 @@ def matmul_parameters(model) -> tuple[int, int]:
     * Otherwise (a sequence classifier): parameters outside ``model.base_model`` (the head) and the base
       model's ``pooler`` (if any) run once per sequence and form ``N_seq``; the rest, embedding lookups
       left out, is ``N_tok``.
-    Shared tensors count once. Returns parameter counts (int).
+    Shared tensors count once; a ``peft.PeftModel`` counts its base model with the adapters (see
+    :func:`matmul_counts`). Returns parameter counts (int).
     """
-    emb = _embedding_weights(model)
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if out is not None and getattr(out, "weight", None) is not None:
-        n_tok, seen = _unique_numel(model.parameters(), emb)
-        if id(out.weight) not in seen:  # tied to the input embedding: the unembedding matmul still runs
-            n_tok += out.weight.numel()
-        return n_tok, 0
-    base = getattr(model, "base_model", model)
-    head = []
-    if base is not model:
-        in_base = {id(p) for p in base.parameters()}
-        head = [p for p in model.parameters() if id(p) not in in_base]
-    pooler = getattr(base, "pooler", None)
-    if isinstance(pooler, __import__("torch").nn.Module):
-        head += list(pooler.parameters())
-    n_seq, seen = _unique_numel(head, emb)
-    n_tok, _ = _unique_numel(model.parameters(), emb | seen)
-    return n_tok, n_seq
+    c = matmul_counts(model)
+    return c["tok"], c["seq"]
 
 
 def _layers_width(model) -> tuple[int, int]:
@@ -139,7 +209,9 @@ def _layers_width(model) -> tuple[int, int]:
 def train_flops(model, examples: int, tokens: int, tokens_sq: int | None = None) -> float:
     """Model FLOPs to train on ``examples`` sequences of ``tokens`` non-padding tokens in all (forward +
     backward, no recomputation), see the module docstring:
-    ``6 N_tok tokens + 12 n_layer d_model sum(t_i^2) + 6 N_seq examples``.
+    ``2 (N_tok + N_tok_input_grad + N_tok_weight_grad) tokens + 12 n_layer d_model sum(t_i^2)
+    + 2 (N_seq + N_seq_input_grad + N_seq_weight_grad) examples`` (:func:`matmul_counts`), which is
+    ``6 N_tok tokens + 12 n_layer d_model sum(t_i^2) + 6 N_seq examples`` when every weight trains.
 
     Args:
         tokens_sq: ``sum(t_i^2)`` over the examples' non-padding lengths ``t_i``; None assumes equal
@@ -149,9 +221,11 @@ def train_flops(model, examples: int, tokens: int, tokens_sq: int | None = None)
     """
     if tokens_sq is None:
         tokens_sq = tokens * tokens / examples if examples else 0
-    n_tok, n_seq = matmul_parameters(model)
-    n_layer, d_model = _layers_width(model)
-    return 6.0 * n_tok * tokens + 12.0 * n_layer * d_model * tokens_sq + 6.0 * n_seq * examples
+    c = matmul_counts(model)
+    per_token = 2.0 * (c["tok"] + c["tok_input_grad"] + c["tok_weight_grad"])
+    per_sequence = 2.0 * (c["seq"] + c["seq_input_grad"] + c["seq_weight_grad"])
+    n_layer, d_model = _layers_width(_unwrap(model)[0])
+    return per_token * tokens + 12.0 * n_layer * d_model * tokens_sq + per_sequence * examples
 
 
 def flops_per_token(model, seq_len: float) -> float:

@@ -110,6 +110,43 @@ def test_attention_flops_use_each_examples_own_length():
     assert flops.train_flops(model, 2, 40, 10**2 + 30**2) == 6 * n_tok * 40 + 12 * 2 * 32 * 1000
 
 
+def test_flops_under_lora_count_frozen_weights_without_their_weight_gradient():
+    """The tiny 2-layer BERT classifier of test_backends (d=32, FFN 64, 3 labels) with LoRA r=4 on query
+    and value, hand-counted (2 FLOPs per weight and use forward, +2 input gradient, +2 weight gradient).
+
+    Per token, in registration order (embedding tables are lookups; the first trainable weight is
+    layer 0's query.lora_A):
+      before it, forward only:     embedding LayerNorm 64 + layer-0 query.base_layer 32*32+32 = 1,120
+      layer-0 query.lora_A 4*32:   forward + weight gradient (its input needs no gradient)  =   128
+      frozen after it, fwd + input grad: layer 0: key 1,056, value 1,056, attention out 1,056 + LN 64,
+          FFN 32*64+64 + 64*32+32 = 4,192, LN 64 = 7,488; layer 1: 4 x 1,056 + 64 + 4,192 + 64 = 8,544
+          -> 16,032
+      adapters after it, all three parts: q.lora_B 128, v.lora_A + v.lora_B 256, layer 1 4 x 128 = 512
+          -> 896
+      N_tok = 1,120 + 128 + 16,032 + 896 = 18,176 (17,152 without the adapters + 1,024)
+      input grad = 16,032 + 896 = 16,928; weight grad = 128 + 896 = 1,024
+    Per sequence: pooler 1,056 frozen (fwd + input grad), peft's trainable head copy 3*32+3 = 99 (all
+    three); the frozen original head never runs and is not counted: N_seq = 1,155.
+    Two examples of 10 and 30 tokens: 2 (18,176 + 16,928 + 1,024) * 40 + 12 * 2 * 32 * (10^2 + 30^2)
+    + 2 (1,155 + 1,155 + 99) * 2 = 2,890,240 + 768,000 + 9,636 = 3,667,876. The count before (6 x every
+    parameter of the PeftModel, both head copies, all per token) gave 5,431,200: MFU overstated 1.48x.
+    Without LoRA the same model is 6 N: 6 * 17,152 * 40 + 768,000 + 6 * 1,155 * 2.
+    """
+    pytest.importorskip("peft")
+    from onegpu import lora
+    from onegpu.config import LoraConfig
+    from tests.unit.test_backends import tiny_bert
+    full = tiny_bert()
+    assert flops.matmul_parameters(full) == (17_152, 1_155)
+    assert flops.train_flops(full, 2, 40, 1000) == 6 * 17_152 * 40 + 768_000 + 6 * 1_155 * 2
+    model = lora.apply(tiny_bert(), LoraConfig(r=4, alpha=8, target_modules=["query", "value"]),
+                       "sequence-classification")
+    assert flops.matmul_counts(model) == {"tok": 18_176, "tok_input_grad": 16_928, "tok_weight_grad": 1_024,
+                                          "seq": 1_155, "seq_input_grad": 1_155, "seq_weight_grad": 99}
+    assert flops.train_flops(model, 2, 40, 1000) == 3_667_876
+    assert flops.matmul_parameters(model) == (18_176, 1_155)
+
+
 @pytest.mark.parametrize("mixed, dtype", [("bf16", "bf16"), ("fp16", "fp16"), ("no", "fp32")])
 def test_matmul_dtype_of_the_mixed_precision(mixed, dtype):
     assert flops.matmul_dtype(mixed) == dtype
