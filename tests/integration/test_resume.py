@@ -19,17 +19,11 @@ def _losses(project):
         return [float(r["loss"]) for r in csv.DictReader(f)]
 
 
-def test_sigint_checkpoints_and_the_next_run_resumes_to_identical_losses_and_weights(tmp_path):
-    project = make_project(tmp_path, {"train": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
-                                                "max_steps": 10, "logging_steps": 1},
-                                      "model": {"dropout": 0.1}})  # dropout: the RNG state must resume too
-    onegpu = str(BIN / "onegpu")
-    run([onegpu, "prepare"], project)
-    run([onegpu, "train"], project)
-    reference = _losses(project), load_file(project / "models/model/model.safetensors")
-
+def _interrupt_after_the_first_step(project) -> None:
+    """``onegpu train`` with SIGINT once the first optimizer step is done: it must save a checkpoint and
+    exit 130."""
     env = {**_env(), "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen([onegpu, "train"], cwd=project, env=env, stdout=subprocess.PIPE,
+    p = subprocess.Popen([str(BIN / "onegpu"), "train"], cwd=project, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     seen = []
     for line in p.stdout:
@@ -40,6 +34,18 @@ def test_sigint_checkpoints_and_the_next_run_resumes_to_identical_losses_and_wei
     rest = p.stdout.read()
     assert p.wait(timeout=300) == 130, "".join(seen) + rest
     assert "checkpoint saved" in rest and "Traceback" not in rest, rest
+
+
+def test_sigint_checkpoints_and_the_next_run_resumes_to_identical_losses_and_weights(tmp_path):
+    project = make_project(tmp_path, {"train": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                                                "max_steps": 10, "logging_steps": 1},
+                                      "model": {"dropout": 0.1}})  # dropout: the RNG state must resume too
+    onegpu = str(BIN / "onegpu")
+    run([onegpu, "prepare"], project)
+    run([onegpu, "train"], project)
+    reference = _losses(project), load_file(project / "models/model/model.safetensors")
+
+    _interrupt_after_the_first_step(project)
     ckpts = list((project / ".onegpu" / "checkpoints").glob("*/checkpoint-*"))
     assert len(ckpts) == 1 and (ckpts[0] / "model.safetensors").is_file()
     stopped_at = int(ckpts[0].name.split("-")[1])
@@ -62,3 +68,32 @@ def test_sigint_checkpoints_and_the_next_run_resumes_to_identical_losses_and_wei
     assert len(c.get_metric_history(killed[0].info.run_id, "loss")) == stopped_at  # nothing measured lost
     steps = sorted(m.step for m in c.get_metric_history(resumed[0].info.run_id, "loss"))
     assert steps == list(range(1, 11))  # the resumed run carries the whole curve
+
+
+def test_interrupted_lora_training_resumes_to_identical_losses_and_merged_weights(tmp_path):
+    """The same with LoRA adapters (dropout in the model and in the adapters): the checkpoint holds the
+    adapters and the trained head (Trainer saves a PeftModel as ``adapter_model.safetensors``), the
+    resumed run rebuilds the model, loads them and ends with the uninterrupted run's losses, adapter and
+    merged weights."""
+    project = make_project(tmp_path, {"train": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                                                "max_steps": 6, "logging_steps": 1, "learning_rate": 1e-3},
+                                      "model": {"dropout": 0.1, "lora": {"r": 4, "alpha": 8, "dropout": 0.1}}})
+    onegpu = str(BIN / "onegpu")
+    run([onegpu, "prepare"], project)
+    run([onegpu, "train"], project)
+    merged = project / "models/model/model.safetensors"
+    adapter = project / "models/adapter/adapter_model.safetensors"
+    reference = _losses(project), load_file(merged), load_file(adapter)
+
+    _interrupt_after_the_first_step(project)
+    ckpts = list((project / ".onegpu" / "checkpoints").glob("*/checkpoint-*"))
+    assert len(ckpts) == 1 and (ckpts[0] / "adapter_model.safetensors").is_file(), list(ckpts[0].iterdir())
+    assert 1 <= int(ckpts[0].name.split("-")[1]) < 6
+
+    out = run([onegpu, "train"], project).stdout
+    assert "resuming from" in out
+    assert _losses(project) == pytest.approx(reference[0], abs=1e-6)
+    for got, want in ((load_file(merged), reference[1]), (load_file(adapter), reference[2])):
+        assert set(got) == set(want)
+        assert max(float((got[k] - want[k]).abs().max()) for k in got) <= 1e-6
+    assert not list((project / ".onegpu" / "checkpoints").glob("*/checkpoint-*"))

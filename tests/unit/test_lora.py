@@ -246,3 +246,60 @@ def test_unknown_target_module_is_one_model_error():
     cfg = _cfg(lora_cfg={"r": 2, "target_modules": ["nope"]})
     with pytest.raises(ModelError, match=r"model.lora.target_modules=\['nope'\].*query"):
         _lora_bert(cfg)
+
+
+# -- resume ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+def test_interrupted_lora_run_resumes_to_the_uninterrupted_losses_and_weights(backend, tmp_path, monkeypatch):
+    """Stop after optimizer step 2 of 5, resume from the checkpoint in a fresh model: the same per-step
+    losses and the same adapter and head weights as one uninterrupted run. Dropout on the model and in
+    the adapters, so the RNG state must resume too; the resumed model is built anew (its adapters'
+    ``A`` drawn again from a seed), so the checkpoint must restore them."""
+    from onegpu.training.backends import base
+    from onegpu.training.checkpoint import latest_checkpoint
+    from onegpu.training.interrupt import Interrupted
+    monkeypatch.chdir(tmp_path)
+    module = importlib.import_module(base.REGISTRY[backend])
+    cfg = _cfg(backend, lora_cfg={**LORA, "dropout": 0.1}, max_steps=5, lr=1e-2, dropout=0.1)
+
+    def build(seed):
+        model = tiny_bert()
+        model.config.hidden_dropout_prob = model.config.attention_probs_dropout_prob = 0.1
+        from transformers import BertForSequenceClassification
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(model.config)
+        torch.manual_seed(seed)
+        return lora.apply(model, cfg.model.lora, cfg.model.task)
+
+    def train(model, sink, **kw):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return module.train(model, tokenizer(), dataset(24), cfg, resolve(cfg), sink, **kw)
+
+    ref = []
+    ref_model, _ = train(build(1), lambda m, s: ref.append(m["loss"]))
+
+    class Stop:  # a GracefulStop whose signal "arrives" during step 2
+        requested = None
+    stop, first = Stop(), []
+
+    def sink(m, s):
+        first.append(m["loss"])
+        if s == 2:
+            stop.requested = 2
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(Interrupted):
+        train(build(1), sink, checkpoint_dir=ckpt, stop=stop, checkpoint_meta={"run_id": "r1"})
+    resume = latest_checkpoint(ckpt)
+    # Trainer hands the step's loss to the sink after its step-end callbacks: it stops one step later.
+    assert resume is not None and resume.step in (2, 3)
+    rest = []
+    model, rec = train(build(2), lambda m, s: rest.append(m["loss"]), checkpoint_dir=ckpt, resume=resume)
+    assert len(ref) == 5 and first[:resume.step] + rest == pytest.approx(ref, abs=1e-6), (first, rest, ref)
+    assert [r["step"] for r in rec.rows] == [1, 2, 3, 4, 5]
+    want = ref_model.state_dict()
+    got = model.state_dict()
+    assert set(got) == set(want)
+    assert max(float((v - want[k]).abs().max()) for k, v in got.items()) <= 1e-6
+    assert lora.is_peft(model)
