@@ -25,7 +25,7 @@ FAIL=0
 if [ "$SMOKE" = 1 ]; then
     TAG=smoke
     SWEEP=(--splits 4x1,2x2,1x4 --layers 2 --max-length 32 --rows 40 --steps 2)
-    CKPT=(--deep-layers 2 --max-length 32 --rows 40 --micro 4 --steps 2 --reps 1)
+    CKPT=(--arms none,layer --deep-layers 2 --max-length 32 --rows 40 --micro 4 --steps 2 --reps 1)
     LIMIT_TESTS=120; LIMIT_SWEEP=120; LIMIT_CKPT=120
 else
     TAG=gpu
@@ -37,7 +37,7 @@ else
     $PY -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"GPU: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}")'
     # 64 x 6 = 384 training rows; max_length 512 keeps most BBC articles near full length.
     SWEEP=(--layers 24 --hidden 1024 --max-length 512 --rows 400 --steps 6 --reps 1)
-    CKPT=(--deep-layers 24 --deep-hidden 1024 --max-length 512 --rows 400 --micro 16 --steps 6 --reps 2)
+    CKPT=(--arms none,layer --deep-layers 24 --deep-hidden 1024 --max-length 512 --rows 400 --micro 16 --steps 6 --reps 2)
     LIMIT_TESTS=120; LIMIT_SWEEP=200; LIMIT_CKPT=150
 fi
 COMMON=(--bf16 --tag "$TAG" --max-wait 0 --retries 0)
