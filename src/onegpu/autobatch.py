@@ -96,7 +96,8 @@ def _batch(dataset, collator, rows: list[int], device) -> dict:
 
 
 def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: int, budget_bytes: int,
-                     optim: str, device: str, world_size: int = 1) -> tuple[int, list[Probe]]:
+                     optim: str, device: str, world_size: int = 1,
+                     mixed_precision: str = "no") -> tuple[int, list[Probe]]:
     """The largest micro-batch dividing ``effective_batch_size / world_size`` whose step fits.
 
     Args:
@@ -104,6 +105,8 @@ def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: in
         dataset: training rows with ``input_ids`` (and ``length``); collator: the training collator.
         loss_fn: ``(outputs, labels) -> loss``.
         budget_bytes: memory the step may use; :data:`SAFETY` of it is used.
+        mixed_precision: ``train.mixed_precision``; each probe's forward pass runs under :func:`autocast`
+            for it, as the training's does (bf16/fp16 activations are half the fp32 bytes).
     Returns:
         (micro-batch, every probe tried, largest first).
     Raises:
@@ -119,7 +122,8 @@ def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: in
         batch = _batch(dataset, collator, longest_rows(dataset, m), device)
         if cuda:
             try:
-                peak = measure.cuda_step_peak(model, batch, loss_fn, device) + states["mem_optimizer_bytes"]
+                peak = measure.cuda_step_peak(model, batch, loss_fn, device,
+                                              autocast(mixed_precision, device)) + states["mem_optimizer_bytes"]
                 how = "measured (CUDA allocator)"
             except torch.OutOfMemoryError:
                 model.zero_grad(set_to_none=True)
@@ -127,7 +131,8 @@ def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: in
                 probes.append(Probe(m, -1, usable, False, "out of memory"))
                 continue
         else:
-            peak = sum(states.values()) + measure.activation_bytes(model, batch, loss_fn)
+            with autocast(mixed_precision, device):
+                peak = sum(states.values()) + measure.activation_bytes(model, batch, loss_fn)
             how = "breakdown"
         del batch
         probes.append(Probe(m, int(peak), usable, peak <= usable, how))

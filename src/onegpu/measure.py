@@ -223,9 +223,11 @@ def cuda_peaks(device) -> dict[str, int]:
             "mem_reserved_peak_bytes": int(torch.cuda.max_memory_reserved(device))}
 
 
-def cuda_step_peak(model, batch: dict, loss_fn, device) -> int:
+def cuda_step_peak(model, batch: dict, loss_fn, device, forward_context=None) -> int:
     """Allocator peak (bytes, ``torch.cuda.max_memory_allocated``) of one forward + backward of ``batch``
     on CUDA ``device``; gradients are dropped and the RNG states restored afterwards.
+    ``forward_context``: a context manager the forward pass and loss run in (the training's autocast);
+    the backward pass runs outside it, as torch's autocast recipe asks.
 
     Raises:
         torch.OutOfMemoryError: the step does not fit.
@@ -237,9 +239,12 @@ def cuda_step_peak(model, batch: dict, loss_fn, device) -> int:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     try:
-        out = model(**{k: v for k, v in batch.items() if k != "labels"})
-        loss_fn(out, batch["labels"]).backward()
-        del out
+        import contextlib
+        with forward_context or contextlib.nullcontext():
+            out = model(**{k: v for k, v in batch.items() if k != "labels"})
+            loss = loss_fn(out, batch["labels"])
+        loss.backward()
+        del out, loss
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device))
     finally:

@@ -159,3 +159,24 @@ def test_8bit_adamw_estimate_is_a_quarter_of_adamw_on_large_tensors():
     # bitsandbytes: uint8 exp_avg and exp_avg_sq + one fp32 absmax per 256 elements each; fp32 below 4096 elements
     assert autobatch.optimizer_state_bytes(model, "adamw_bnb_8bit") == 2 * (n_big + 4 * n_big // 256) + 8 * n_small
     assert autobatch.optimizer_state_bytes(model, "adamw_torch") == 8 * (n_big + n_small)
+
+
+def test_finder_probes_under_the_trainings_bf16_autocast(tokenizer, dsd):
+    """With train.bf16 the step's activations are the bf16 autocast ones (2-byte matmul outputs), as the
+    training saves them: the finder's breakdown uses those, so a budget that fits a bf16 step of 16 rows
+    but not an fp32 one picks 16 under bf16 and 8 in fp32."""
+    model = tiny_bert(tokenizer)
+    ds = batches.model_inputs(dsd)["train"].add_column("length", dsd["train"]["length"])
+    collator = batches.collator_for("sequence-classification", tokenizer)
+    states = sum(autobatch.state_bytes_predicted(model, "adamw_torch").values())
+    rows16 = collator([ds[i] for i in autobatch.longest_rows(ds, 16)])
+    fp32 = measure.activation_bytes(model, rows16, classification_loss)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = measure.activation_bytes(model, rows16, classification_loss)
+    assert bf16 < 0.8 * fp32
+    budget = int((states + (bf16 + fp32) / 2) / autobatch.SAFETY)
+    micro, probes = autobatch.find_micro_batch(model, ds, collator, classification_loss, 32, budget,
+                                               "adamw_torch", "cpu", mixed_precision="bf16")
+    assert micro == 16 and probes[-1].peak_bytes == states + bf16, probes
+    assert autobatch.find_micro_batch(model, ds, collator, classification_loss, 32, budget,
+                                      "adamw_torch", "cpu")[0] == 8
