@@ -2,7 +2,7 @@
 
 For each knob (bf16 on CPU, eager and SDPA attention, Adafactor, LoRA, activation checkpointing) the
 estimate's params, grads, optimizer states and activations of one micro-batch must be within 15% of the
-run's logged ``mem_*_bytes`` (the ``accelerate`` backend, one optimizer step). Rows all have the same
+run's logged ``mem_*_bytes`` (the ``accelerate`` backend, and bf16 also on ``trainer``; one optimizer step). Rows all have the same
 length (truncated at ``max_length``), so the estimate's longest-row probe and the run's first-rows probe
 see the same padded shape. Tiny 2-layer BERT of ``test_backends``.
 """
@@ -28,6 +28,7 @@ KEYS = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes", "mem_activ
 KNOBS = {
     "fp32": {},
     "bf16": {"train": {"bf16": True}},
+    "bf16-trainer": {"train": {"bf16": True, "backend": "trainer"}},  # Trainer's own autocast path
     "eager": {"model": {"attn_implementation": "eager"}},
     "sdpa": {"model": {"attn_implementation": "sdpa"}},
     "adafactor": {"train": {"optim": "adafactor"}},
@@ -92,7 +93,7 @@ def estimated_and_measured(knob: str) -> tuple[dict, dict]:
     from accelerate.state import AcceleratorState
     AcceleratorState._reset_state(reset_partial_state=True)
     from onegpu.training.backends import base
-    backend = importlib.import_module(base.REGISTRY["accelerate"])
+    backend = importlib.import_module(base.REGISTRY[cfg.train.backend])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _, steps = backend.train(_model(cfg), tokenizer(), dsd, cfg, resolve(cfg), sink=lambda m, s: None)
