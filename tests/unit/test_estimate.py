@@ -2,9 +2,9 @@
 
 For each knob (bf16 on CPU, eager and SDPA attention, Adafactor, LoRA, activation checkpointing) the
 estimate's params, grads, optimizer states and activations of one micro-batch must be within 15% of the
-run's logged ``mem_*_bytes`` (the ``accelerate`` backend, and bf16 also on ``trainer``; one optimizer step). Rows all have the same
-length (truncated at ``max_length``), so the estimate's longest-row probe and the run's first-rows probe
-see the same padded shape. Tiny 2-layer BERT of ``test_backends``.
+run's logged ``mem_*_bytes`` (the ``accelerate`` backend, and bf16 also on ``trainer``; one optimizer
+step). Rows all have the same length (truncated at ``max_length``), so the estimate's longest-row probe
+and the run's first-rows probe see the same padded shape. Tiny 2-layer BERT of ``test_backends``.
 """
 from __future__ import annotations
 
