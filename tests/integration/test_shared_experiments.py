@@ -95,6 +95,7 @@ def test_an_experiment_pushed_from_one_clone_reproduces_its_eval_metrics_in_anot
     assert mine.data.tags["onegpu.reproduces_run_id"] == record["run_id"]
     assert mine.data.tags["onegpu.reproduces_store"] == record["tracking_uri"]
     assert mine.data.tags["equivalence_key"] == trained.data.tags["equivalence_key"]
+    assert mine.data.tags["device"] == trained.data.tags["device"]  # one machine here
     assert mine.data.params["train.max_steps"] == trained.data.params["train.max_steps"]
     assert_same_eval(mine.data.metrics, logged)
     assert_same_eval(json.loads((b / "metrics/eval.json").read_text()), pulled_eval)
@@ -115,3 +116,15 @@ def test_an_experiment_pushed_from_one_clone_reproduces_its_eval_metrics_in_anot
     assert_same_eval(again.data.metrics, logged)
     history = client_a.get_metric_history(record["run_id"], "eval_accuracy")
     assert [m.value for m in history] == [logged["eval_accuracy"]] * 2  # A's evaluation, then B's
+
+    # Keeping the experiment: A commits it and pushes git and DVC; a fresh clone gets it with `dvc pull`.
+    run(["git", "add", "dvc.lock", "data/inputs.json", "metrics", "plots"], a)
+    run(["git", "commit", "-qm", f"keep {EXP}"], a)
+    run(["git", "push", "-q", "origin", "main"], a)
+    dvc(a, "push")
+    c = tmp_path / "c"
+    run(["git", "clone", "-q", str(origin), str(c)], tmp_path)
+    assert not (c / "models").exists()
+    dvc(c, "pull")  # from the DVC remote: C's cache was empty
+    assert json.loads((c / "models/mlflow_run.json").read_text()) == record
+    assert (c / "data/processed").is_dir() and stale_stages(c) == ""

@@ -34,6 +34,8 @@ def run(cfg: Config) -> dict:
         model, tokenizer = models.load_trained(paths.MODEL_DIR, task)
         test = load_from_disk(str(paths.PROCESSED))["test"]
         device = measure.default_device()
+        if reproduces:  # the training run's tag names the device it trained on; this one evaluated here
+            tracker.set_tags(run_id, {"device": measure.device_name(device)})
         measure.reset_peak(device)
         with tracker.system_metrics(run_id, resume=True):
             if task == "causal-lm":
