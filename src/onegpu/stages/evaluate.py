@@ -1,7 +1,9 @@
 """``onegpu evaluate``: the trained model on the test split -> metrics/eval.json, plots/predictions.csv.
 
 Re-opens the training run (id from ``models/mlflow_run.json``; train ended it), logs into it and
-ends it again (FINISHED, or FAILED/KILLED): ``eval_loss``,
+ends it again (FINISHED, or FAILED/KILLED); a model trained in another clone whose run this store does
+not have (a pulled experiment) is logged into a run linked to it instead
+(:func:`onegpu.tracking.open_evaluation_run`). It logs ``eval_loss``,
 ``eval_accuracy``, ``eval_f1_macro`` (classification) or ``eval_perplexity`` (causal LM),
 ``eval_runtime`` (s), ``eval_samples_per_second``, ``eval_mem_peak_bytes``, and for classification a
 confusion matrix image.
@@ -9,7 +11,7 @@ confusion matrix image.
 from __future__ import annotations
 
 from onegpu import evaluation, measure, models, paths, tracking
-from onegpu.config import Config
+from onegpu.config import Config, flatten
 from onegpu.errors import DataError
 
 # metrics/eval.json (`dvc exp show`, `dvc metrics diff`): the headline figures only; eval_f1_macro,
@@ -20,10 +22,10 @@ HEADLINE = ("eval_loss", "eval_accuracy", "eval_perplexity")
 def run(cfg: Config) -> dict:
     if not paths.RUN_FILE.is_file():
         raise DataError(f"{paths.RUN_FILE} is missing: run the train stage first (dvc repro)")
-    run_id = paths.read_json(paths.RUN_FILE)["run_id"]
+    record = paths.read_json(paths.RUN_FILE)
     tracker = tracking.connect(cfg.tracking.experiment_name)
     task = cfg.model.task
-    tracker.resume_run(run_id)
+    run_id, reproduces = tracking.open_evaluation_run(tracker, record, flatten(cfg.to_dict()))
     with tracker.guard(run_id, finish=True):
         from datasets import load_from_disk
         from transformers.utils import logging as hf_logging
@@ -32,6 +34,8 @@ def run(cfg: Config) -> dict:
         model, tokenizer = models.load_trained(paths.MODEL_DIR, task)
         test = load_from_disk(str(paths.PROCESSED))["test"]
         device = measure.default_device()
+        if reproduces:  # the training run's tag names the device it trained on; this one evaluated here
+            tracker.set_tags(run_id, {"device": measure.device_name(device)})
         measure.reset_peak(device)
         with tracker.system_metrics(run_id, resume=True):
             if task == "causal-lm":
@@ -46,6 +50,9 @@ def run(cfg: Config) -> dict:
             tracker.log_figure(run_id, _confusion_figure(gold, pred, names), "confusion_matrix.png")
         paths.write_json_atomic(paths.EVAL_METRICS, {k: metrics[k] for k in HEADLINE if k in metrics})
         _write_predictions(gold, pred, names)
+    if reproduces:
+        print(f"evaluate: the training run {reproduces} is not in this MLflow store (trained in another clone); "
+              f"run {run_id} here reproduces it (tag {tracking.REPRODUCES_RUN_ID})")
     if task == "causal-lm":
         print(f"evaluate: loss {metrics['eval_loss']:.4f} nats/token, perplexity {metrics['eval_perplexity']:.1f} "
               f"on {metrics['eval_tokens']} test tokens; MLflow run {run_id} finished")

@@ -49,8 +49,8 @@ def _write_outputs(result: session.TrainResult) -> None:
                            ([r.get(c, "") for c in STEP_COLUMNS] for r in result.steps.rows))
     summary = result.summary
     paths.write_json_atomic(paths.TRAIN_METRICS, {k: summary[k] for k in HEADLINE if k in summary})
-    paths.write_json_atomic(paths.RUN_FILE, {"run_id": result.run_id, "experiment_id": result.experiment_id,
-                                             "equivalence_key": result.plan.key})
+    paths.write_json_atomic(paths.RUN_FILE, tracking.run_record(result.run_id, result.experiment_id, result.plan.key,
+                                                                paths.tracking_uri(), tracking.run_name()))
 
 
 def _save_model(model, directory, config_values: dict) -> None:

@@ -9,8 +9,10 @@ Modules, in dependency order (each imports only those above it):
 - :mod:`~onegpu.tracking.runs`: :class:`RunHandle` (one run's params, tags, metrics, artifacts, status), the run
   lifecycle (writer tags, re-opening, reaping orphans) and the tags every run carries;
 - :mod:`~onegpu.tracking.store`: :func:`connect`, :func:`open_existing`, :func:`sync` and :class:`Tracker`;
+- :mod:`~onegpu.tracking.lineage`: the run evaluate logs into, also for a model trained in another clone;
 - :mod:`~onegpu.tracking.query`: compare-time queries (training runs, histories, windows) and the comparison run.
 """
+from onegpu.tracking.lineage import REPRODUCED_BY, REPRODUCES_RUN_ID, open_evaluation_run, run_record
 from onegpu.tracking.query import (STEP_SERIES, log_comparison, metric_histories, step_window,
                                    training_run_windows, training_runs)
 from onegpu.tracking.runs import (KILLED_REASON, TRUNCATED_PARAMS, WRITER_HOST, WRITER_PID, WRITER_STARTED,
@@ -20,7 +22,7 @@ from onegpu.tracking.store import Tracker, connect, deleted_experiment_message, 
 from onegpu.tracking.uri import check_reachable, redact
 from onegpu.tracking.writer import MetricBuffer
 
-__all__ = ["STEP_SERIES", "KILLED_REASON", "TRUNCATED_PARAMS", "WRITER_HOST", "WRITER_PID", "WRITER_STARTED",
+__all__ = ["REPRODUCED_BY", "REPRODUCES_RUN_ID", "open_evaluation_run", "run_record", "STEP_SERIES", "KILLED_REASON", "TRUNCATED_PARAMS", "WRITER_HOST", "WRITER_PID", "WRITER_STARTED",
            "MetricBuffer", "RunHandle", "Spool", "SpoolingWriter", "Tracker", "check_reachable", "connect",
            "deleted_experiment_message", "git_commit", "is_outage", "log_comparison", "metric_histories",
            "open_existing", "redact", "run_context_tags", "run_name", "step_window", "sync",
