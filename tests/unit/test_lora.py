@@ -246,3 +246,19 @@ def test_unknown_target_module_is_one_model_error():
     cfg = _cfg(lora_cfg={"r": 2, "target_modules": ["nope"]})
     with pytest.raises(ModelError, match=r"model.lora.target_modules=\['nope'\].*query"):
         _lora_bert(cfg)
+
+
+def test_apply_shows_the_user_no_deprecation_warning_meant_for_peft():
+    """peft 0.21 reads transformers 5's deprecated ``is_gradient_checkpointing``; its FutureWarning named
+    no setting of the user's and showed in every LoRA training's output."""
+    import warnings
+
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from onegpu import config, lora
+    model = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                     intermediate_size=64, vocab_size=100))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        wrapped = lora.apply(model, config.LoraConfig(), "sequence-classification", True)
+    assert sum(p.numel() for p in wrapped.parameters() if p.requires_grad) > 0
