@@ -7,6 +7,8 @@ import os
 import sys
 
 STAGES = ("inputs", "prepare", "train", "evaluate")
+# onegpu.tradeoffs.KNOBS, spelled out so --help needs no import (tests/unit/test_tradeoffs.py checks it)
+TRADEOFF_KNOBS = "split,checkpointing,precision,tf32,optimizer,attention,compile,lora"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,6 +59,25 @@ def _parser() -> argparse.ArgumentParser:
                      help="sizes to predict (default: 1 2 4 8 16 32 64)")
     est.add_argument("--budget-gib", type=float, metavar="GIB",
                      help="memory budget (default: train.memory_budget_gib)")
+    tr = sub.add_parser("tradeoffs", help="measure the single-GPU guide's knobs on your params: one DVC "
+                                          "experiment per knob, a table, the fastest same-training configuration",
+                        description="Queue the baseline (your params) and one DVC experiment per knob (split of "
+                                    "the effective batch, checkpointing, mixed precision, TF32, optimizer, "
+                                    "attention kernel, torch.compile, LoRA), run them one at a time, and "
+                                    "report samples/s and memory against the baseline, time to the "
+                                    "baseline's eval loss, whether each keeps the same training, and the "
+                                    "fastest configuration that does (measured as a whole): OUT/tradeoffs.md, "
+                                    "OUT/tradeoffs.png and an MLflow run (tag stage=tradeoffs).")
+    tr.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    tr.add_argument("--knobs", metavar="LIST", help=f"comma-separated subset of {TRADEOFF_KNOBS} "
+                                                    "(default: all that apply)")
+    tr.add_argument("--queue-only", action="store_true",
+                    help="queue the experiments and stop (run them with dvc queue start -j 1)")
+    tr.add_argument("--report", action="store_true", help="only report on a batch already run")
+    tr.add_argument("--batch", metavar="ID", help="with --report: the batch (default: the latest)")
+    tr.add_argument("--no-combine", action="store_true",
+                    help="do not run the combination of the faster knobs (report the parts only)")
+    tr.add_argument("--out", default="reports", metavar="DIR", help="output folder (default: reports/)")
     sm = sub.add_parser("summary", help="the last run's headline metrics and the commands to go on with",
                         description="Print the headline figures of metrics/*.json (make run calls this after "
                                     "dvc repro) and the next commands: the UI, a sweep, compare.")
@@ -91,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "summary":
             from onegpu import summary
             print(summary.text(cfg))
+        elif args.command == "tradeoffs":
+            from onegpu.stages import tradeoffs
+            tradeoffs.run(cfg, args.params, tradeoffs.parse_knobs(args.knobs), queue_only=args.queue_only, report_only=args.report,
+                          batch=args.batch, combine=not args.no_combine, out_dir=args.out)
         elif args.command == "compare":
             from onegpu.stages import compare
             compare.run(args.experiment or cfg.tracking.experiment_name, key=args.key, run_ids=args.runs,

@@ -45,6 +45,9 @@ def apply(model, lora: LoraConfig, task: str, checkpointing: bool = False):
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
+            # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` (its FutureWarning is
+            # addressed to peft, not to the user)
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             wrapped = get_peft_model(model, config)
     except ValueError as e:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _adaptable(m)})

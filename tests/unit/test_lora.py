@@ -303,3 +303,17 @@ def test_interrupted_lora_run_resumes_to_the_uninterrupted_losses_and_weights(ba
     assert set(got) == set(want)
     assert max(float((v - want[k]).abs().max()) for k, v in got.items()) <= 1e-6
     assert lora.is_peft(model)
+def test_apply_shows_the_user_no_deprecation_warning_meant_for_peft():
+    """peft 0.21 reads transformers 5's deprecated ``is_gradient_checkpointing``; its FutureWarning named
+    no setting of the user's and showed in every LoRA training's output."""
+    import warnings
+
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from onegpu import config, lora
+    model = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                     intermediate_size=64, vocab_size=100))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        wrapped = lora.apply(model, config.LoraConfig(), "sequence-classification", True)
+    assert sum(p.numel() for p in wrapped.parameters() if p.requires_grad) > 0

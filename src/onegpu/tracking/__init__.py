@@ -14,7 +14,7 @@ Modules, in dependency order (each imports only those above it):
 """
 from onegpu.tracking.lineage import REPRODUCED_BY, REPRODUCES_RUN_ID, open_evaluation_run, run_record
 from onegpu.tracking.query import (STEP_SERIES, log_comparison, metric_histories, step_window,
-                                   training_run_windows, training_runs)
+                                   training_run_windows, training_runs, training_runs_named)
 from onegpu.tracking.runs import (KILLED_REASON, TRUNCATED_PARAMS, WRITER_HOST, WRITER_PID, WRITER_STARTED,
                                   RunHandle, git_commit, run_context_tags, run_name, writer_gone, writer_tags)
 from onegpu.tracking.spool import Spool, SpoolingWriter, is_outage
@@ -26,4 +26,4 @@ __all__ = ["REPRODUCED_BY", "REPRODUCES_RUN_ID", "open_evaluation_run", "run_rec
            "MetricBuffer", "RunHandle", "Spool", "SpoolingWriter", "Tracker", "check_reachable", "connect",
            "deleted_experiment_message", "git_commit", "is_outage", "log_comparison", "metric_histories",
            "open_existing", "redact", "run_context_tags", "run_name", "step_window", "sync",
-           "training_run_windows", "training_runs", "writer_gone", "writer_tags"]
+           "training_run_windows", "training_runs", "training_runs_named", "writer_gone", "writer_tags"]

@@ -130,19 +130,36 @@ def training_runs(tracker: Tracker, key: str | None = None, run_ids: list[str] |
     return [_run_record(tracker, r) for r in runs]
 
 
+def training_runs_named(tracker: Tracker, prefix: str) -> list[dict]:
+    """The training runs whose run name (the DVC experiment name) starts with ``prefix``, with full
+    per-step histories, as :func:`training_runs` returns them (oldest first)."""
+    escaped = prefix.replace("'", "\\'")
+    runs, token = [], None
+    while True:
+        page = tracker.client.search_runs([tracker.experiment_id], max_results=1000, page_token=token,
+                                          filter_string=f"{TRAINING} AND attributes.run_name LIKE '{escaped}%'")
+        runs.extend(page)
+        token = page.token
+        if not token:
+            break
+    runs.sort(key=lambda r: (r.info.start_time or 0, r.info.run_id))
+    return [_run_record(tracker, r) for r in runs]
+
+
 def log_comparison(tracker: Tracker, files: list[str | os.PathLike], run_ids: list[str],
-                   keys: list[str], summary: dict[str, float] | None = None) -> str:
-    """Create a FINISHED comparison run (tag ``stage=compare``; ``equivalence_key`` when the comparison
-    covers one key) whose artifacts are ``files`` (the report and its plots); return its id.
+                   keys: list[str], summary: dict[str, float] | None = None, stage: str = "compare",
+                   name: str | None = None) -> str:
+    """Create a FINISHED comparison run (tag ``stage``, ``compare`` by default; ``equivalence_key`` when
+    the comparison covers one key; run name ``name``, by default ``compare[-<key>]``) whose artifacts are ``files`` (the report and its plots); return its id.
 
     Tags ``compare.run_ids`` and ``compare.keys`` name what was compared (comma-separated, truncated
     to MLflow's tag length); ``summary`` values are logged as metrics (counts of runs).
     """
-    tags = {**run_context_tags(), "stage": "compare",
+    tags = {**run_context_tags(), "stage": stage,
             "compare.run_ids": ",".join(run_ids)[:5000], "compare.keys": ",".join(keys)[:5000]}
     if len(keys) == 1:
         tags["equivalence_key"] = keys[0]
-    name = f"compare-{keys[0][:8]}" if len(keys) == 1 else "compare"
+    name = name or (f"compare-{keys[0][:8]}" if len(keys) == 1 else "compare")
     run = tracker.run(tracker.start_run(name, tags))
     with run.guard(finish=True):
         for f in files:

@@ -1,0 +1,185 @@
+"""``onegpu tradeoffs``' report: the measured table as Markdown, plain text and a PNG (rows from
+:mod:`onegpu.tradeoffs`). No MLflow or DVC here."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from onegpu.tradeoffs import DIFFERENT_TRAINING, MIN_GAIN, SAME_TRAINING, Recommendation, Row, fmt_ratio
+
+REPORT_FILE = "tradeoffs.md"
+PLOT_FILE = "tradeoffs.png"
+
+# What the Hugging Face guide's table says of each knob ("GPU" page of the transformers docs,
+# https://huggingface.co/docs/transformers/perf_train_gpu_one, and PEFT from its earlier "Methods and tools
+# for efficient training on a single GPU" table): (training speed, memory usage).
+GUIDE = {
+    "split": ("batch size: yes / yes; gradient accumulation: no / yes"),
+    "checkpointing": "no / yes",
+    "precision": "yes / depends",
+    "tf32": "yes / depends (mixed precision)",
+    "optimizer": "yes / yes",
+    "attention": "SDPA: yes / yes",
+    "compile": "yes / no",
+    "lora": "PEFT: no / yes",
+}
+
+
+def _num(x: float | None, fmt: str = ".1f") -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def _mib(b: float | None) -> str:
+    return "" if b is None else f"{b / 2**20:,.0f}"
+
+
+def _time_to_loss(r: Row) -> str:
+    if r.run is None or r.variant.knob == "baseline":
+        return _num(r.time_to_eval_loss_s)
+    if r.time_to_eval_loss_s is not None:
+        return _num(r.time_to_eval_loss_s)
+    return "not reached" if r.eval_loss is not None else "no eval loss"
+
+
+def _extra(measured: Row | None) -> list[Row]:
+    """The combined recommendation's own row, when it ran (a single knob's row is in the table already)."""
+    return [measured] if measured and measured.run and measured.variant.knob == "recommended" else []
+
+
+def _cells(r: Row) -> list[str]:
+    v = r.variant
+    if r.run is None:
+        return [v.name, v.what, GUIDE.get(v.knob, ""), "", "", "", "", "", "", "", "", "not run"]
+    return [v.name, v.what, GUIDE.get(v.knob, ""), _num(r.samples_per_second, ".2f"), fmt_ratio(r.speedup),
+            _num(r.first_step_s, ".2f"), _mib(r.memory_bytes), fmt_ratio(r.memory_ratio),
+            _num(r.train_runtime_s), _num(r.eval_loss, ".4f"), _time_to_loss(r), r.verdict]
+
+
+HEAD = ["row", "change", "the guide says (speed / memory)", "samples/s (steps 2..N)", "vs baseline",
+        "step 1 (s)", "memory (MiB)", "vs baseline", "train time (s)", "eval loss",
+        "time to baseline's eval loss (s)", "verdict"]
+
+
+def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    esc = [[c.replace("|", "\\|") for c in row] for row in [head, *rows]]
+    return ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(row) + " |" for row in esc[1:])]
+
+
+def recommendation_lines(rec: Recommendation, measured: Row | None) -> list[str]:
+    """The closing paragraph: the fastest same-training configuration that fits the budget, the ``-S``
+    arguments that apply it, and its measured speed-up and verdict (``measured``: its run against the
+    baseline, None when not run yet)."""
+    budget = ("no memory budget set (train.memory_budget_gib: null)" if rec.budget_bytes is None
+              else f"memory budget {rec.budget_bytes / 2**30:.2f} GiB")
+    out = []
+    if rec.variant is None:
+        out.append(f"**Recommendation:** keep your params. No knob that keeps the same training was at least "
+                   f"{MIN_GAIN:.0%} faster within the {budget}.")
+    else:
+        out.append(f"**Recommendation** (the fastest configuration measured that keeps the same training, "
+                   f"{budget}): `dvc exp run {rec.variant.set_text}`")
+        if measured is None or measured.run is None:
+            out.append(f"Not measured yet as a whole ({rec.variant.what}); each part alone: "
+                       + ", ".join(f"{r.variant.name} {fmt_ratio(r.speedup)}" for r in rec.parts) + ".")
+        else:
+            out.append(f"Measured: {fmt_ratio(measured.speedup)} the baseline's samples/s "
+                       f"({_num(measured.samples_per_second, '.2f')} vs "
+                       f"{_num(measured.samples_per_second / measured.speedup if measured.speedup else None, '.2f')}),"
+                       f" memory {fmt_ratio(measured.memory_ratio)}, verdict against the baseline: "
+                       f"**{measured.verdict}**.")
+    if rec.left_out:
+        out.append("Not taken: " + "; ".join(f"{name} ({why})" for name, why in rec.left_out) + ".")
+    return out
+
+
+def markdown(rows: list[Row], rec: Recommendation, measured: Row | None, title: str,
+             image: str | None = PLOT_FILE, skipped: list[str] = ()) -> str:
+    """The whole report: a header naming the device, the table, notes and the recommendation."""
+    base = next((r for r in rows if r.variant.knob == "baseline"), None)
+    device = base.run.tags.get("device", "?") if base and base.run else "?"
+    kind = next((r.memory_kind for r in rows if r.memory_kind), "")
+    lines = [f"# {title}", "",
+             f"Device: {device}. One DVC experiment per row, trained one at a time; each row changes one "
+             "knob of the baseline (your params). samples/s over optimizer steps 2..N (step 1 holds warm-up "
+             "and compilation: its time is its own column). Memory: "
+             + ("the CUDA allocator peak." if kind == "allocator peak" else
+                "params + grads + optimizer states + one micro-batch's saved activations (bytes; on CPU the "
+                "process RSS hides what checkpointing and precision save).")
+             + " Verdict: the run's per-step loss and gradient norm against the baseline's "
+             f"(`onegpu compare`'s tolerances): {SAME_TRAINING}, same within a precision's tolerance, or "
+             f"{DIFFERENT_TRAINING} (another optimizer or LoRA: another equivalence key). Eval loss is measured "
+             "once, after training: a row reaches the baseline's eval loss when its own is at least as low.",
+             ""]
+    if image:
+        lines += [f"![speed and memory per knob]({image})", ""]
+    lines += _md_table(HEAD, [_cells(r) for r in rows + _extra(measured)])
+    lines.append("")
+    notes = [f"- {r.variant.name}: {n}" for r in rows for n in r.notes]
+    if skipped:
+        notes += [f"- not measured: {s}" for s in skipped]
+    if notes:
+        lines += notes + [""]
+    lines += recommendation_lines(rec, measured)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def terminal(rows: list[Row], rec: Recommendation, measured: Row | None, width: int = 100) -> str:
+    """A compact plain-text table (row, samples/s ratio, memory ratio, train time, verdict) and the
+    recommendation, wrapped at ``width``."""
+    head = ("row", "samples/s", "vs base", "memory MiB", "vs base", "train s", "verdict")
+    body = [(r.variant.name, _num(r.samples_per_second, ".2f"), fmt_ratio(r.speedup), _mib(r.memory_bytes),
+             fmt_ratio(r.memory_ratio), _num(r.train_runtime_s), r.verdict)
+            for r in rows + _extra(measured)]
+    table = [tuple(head), *body]
+    widths = [max(len(str(row[j])) for row in table) for j in range(len(head))]
+    out = ["  " + "  ".join(str(v).rjust(w) if j in (1, 2, 3, 4, 5) else str(v).ljust(w)
+                            for j, (v, w) in enumerate(zip(row, widths))).rstrip() for row in table]
+    out.insert(1, "  " + "  ".join("-" * w for w in widths))
+    for para in recommendation_lines(rec, measured):
+        out += textwrap.wrap(para.replace("**", ""), width, initial_indent="  ", subsequent_indent="  ")
+    return "\n".join(out) + "\n"
+
+
+def figure(rows: list[Row], title: str):
+    """Two horizontal bar charts, one bar per measured row: samples/s and memory relative to the
+    baseline (1.0 = the baseline; a dashed line marks it). Bars of rows that keep the same training are
+    filled, others hatched. Returns the matplotlib Figure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    measured = [r for r in rows if r.run is not None and r.speedup is not None]
+    names = [r.variant.name for r in measured][::-1]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.8), sharey=True)
+    for ax, attr, label in ((axes[0], "speedup", "samples/s vs baseline (higher: faster)"),
+                            (axes[1], "memory_ratio", "memory vs baseline (lower: less)")):
+        vals = [getattr(r, attr) or 0.0 for r in measured][::-1]
+        same = [r.same_training for r in measured][::-1]
+        bars = ax.barh(names, vals, color=["tab:blue" if s else "tab:orange" for s in same])
+        for b, s in zip(bars, same):
+            if not s:
+                b.set_hatch("//")
+        for b, v in zip(bars, vals):
+            ax.text(b.get_width(), b.get_y() + b.get_height() / 2, f" {v:.2f}", va="center", fontsize=8)
+        ax.axvline(1.0, color="k", linestyle="--", linewidth=1)
+        ax.set_xlabel(label)
+        ax.set_xlim(0, max(vals + [1.0]) * 1.2)
+    fig.suptitle(f"{title}\nfilled: same training; hatched: within a precision's tolerance or a different "
+                 "training", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def write(rows: list[Row], rec: Recommendation, measured: Row | None, out_dir: str | Path, title: str,
+          skipped: list[str] = ()) -> list[Path]:
+    """Write ``tradeoffs.md`` and ``tradeoffs.png`` into ``out_dir`` (created if missing); return both paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig = figure(rows + _extra(measured), title)
+    png = out / PLOT_FILE
+    fig.savefig(png, dpi=110)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    md = out / REPORT_FILE
+    md.write_text(markdown(rows, rec, measured, title, PLOT_FILE, skipped), encoding="utf-8")
+    return [md, png]

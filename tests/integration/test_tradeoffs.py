@@ -1,0 +1,78 @@
+"""`onegpu tradeoffs` on a tiny project: real DVC experiments, real MLflow runs, the report."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.integration.conftest import BIN, dvc, make_project, run, runs, wait_for_queue
+
+pytestmark = pytest.mark.slow
+
+
+def _training_runs(project, prefix):
+    _, _, all_runs = runs(project)
+    return {r.info.run_name.removeprefix(prefix): r for r in all_runs
+            if r.data.tags.get("stage") == "train" and (r.info.run_name or "").startswith(prefix)}
+
+
+def test_queue_only_then_report(tmp_path):
+    project = make_project(tmp_path / "p")
+    out = run([str(BIN / "onegpu"), "tradeoffs", "--queue-only", "--knobs", "precision"], project).stdout
+    assert "queued tradeoffs-" in out and "next: dvc queue start -j 1" in out
+    batch = out.split("(batch ")[1].split(")")[0]
+    status = dvc(project, "queue", "status").stdout
+    assert f"tradeoffs-{batch}-baseline" in status and f"tradeoffs-{batch}-bf16" in status
+    dvc(project, "queue", "start", "-j", "1")
+    wait_for_queue(project)
+    out = run([str(BIN / "onegpu"), "tradeoffs", "--report"], project).stdout
+    assert "same within bf16 tolerance" in out, out
+    md = (project / "reports" / "tradeoffs.md").read_text()
+    assert f"# onegpu tradeoffs {batch}" in md and "| bf16 |" in md and "| baseline |" in md
+    trained = _training_runs(project, f"tradeoffs-{batch}-")
+    assert sorted(trained) == ["baseline", "bf16"]
+    for r in trained.values():
+        assert r.info.status == "FINISHED" and "eval_loss" in r.data.metrics
+    # Bad input: one line, exit 2, nothing queued.
+    p = run([str(BIN / "onegpu"), "tradeoffs", "--knobs", "split,turbo"], project, check=False)
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0
+    assert "unknown turbo; choose from split,checkpointing" in p.stderr
+    assert "Queued" not in dvc(project, "queue", "status").stdout
+
+
+def test_full_run_with_the_combined_recommendation(tmp_path, monkeypatch):
+    """Every same-training knob counts as faster (MIN_GAIN -1): the split and checkpointing rows are
+    combined, queued and measured as `recommended`, which must be the same training as the baseline."""
+    from onegpu import config, tradeoffs
+    from onegpu.stages import tradeoffs as stage
+    project = make_project(tmp_path / "p")
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setattr(tradeoffs, "MIN_GAIN", -1.0)
+    cfg = config.load("params.yaml")
+    rows = stage.run(cfg, "params.yaml", ("split", "checkpointing", "lora"))
+    names = [r.variant.name for r in rows]
+    assert names == ["baseline", "split-8x1", "checkpointing", "lora", "recommended"]
+    by = {r.variant.name: r for r in rows}
+    assert by["split-8x1"].verdict == tradeoffs.SAME_TRAINING
+    assert by["checkpointing"].verdict == tradeoffs.SAME_TRAINING
+    assert by["lora"].verdict == tradeoffs.DIFFERENT_TRAINING
+    rec = by["recommended"]
+    assert rec.run is not None and rec.verdict == tradeoffs.SAME_TRAINING
+    assert dict(rec.variant.overrides) == {"train.per_device_train_batch_size": "8",
+                                           "train.gradient_accumulation_steps": "1",
+                                           "train.gradient_checkpointing": "true"}
+    assert rec.run.params["train.gradient_checkpointing"] == "True"
+    assert rec.run.micro_batch == 8 and rec.run.accumulation == 1
+    # Every row's per-step loss is in MLflow for all optimizer steps; LoRA's memory breakdown is smaller.
+    for r in rows:
+        assert [s for s, _ in r.run.series["loss"]] == [1, 2, 3], r.variant.name
+    assert by["lora"].memory_ratio < 0.5
+    md = (project / "reports" / "tradeoffs.md").read_text()
+    assert "| recommended |" in md and "verdict against the baseline: **same training**" in md
+    c, exp, all_runs = runs(project)
+    report_runs = [r for r in all_runs if r.data.tags.get("stage") == "tradeoffs"]
+    assert len(report_runs) == 1
+    rr = report_runs[0]
+    assert {a.path for a in c.list_artifacts(rr.info.run_id)} == {"tradeoffs.md", "tradeoffs.png"}
+    assert rr.data.metrics["recommended_speedup"] == pytest.approx(rec.speedup)
