@@ -180,8 +180,9 @@ def parser(description: str, *, reps: int, steps: int, max_length: int = 64, row
 # -- data, config, models ---------------------------------------------------------------------------
 
 def make_cfg(args, *, micro: int, accum: int, steps: int | None = None, checkpointing: bool = False,
-             **train) -> "object":
-    """A validated Config (``config.from_container``) for the bench setup."""
+             overrides: tuple[str, ...] = (), **train) -> "object":
+    """A validated Config (``config.from_container``) for the bench setup; ``overrides`` are
+    ``section.key=value`` items applied last, as ``dvc exp run -S`` applies them."""
     from onegpu import config
     raw = {
         "data": {"max_length": args.max_length, "max_train_samples": args.rows, "max_eval_samples": 10,
@@ -193,6 +194,8 @@ def make_cfg(args, *, micro: int, accum: int, steps: int | None = None, checkpoi
     }
     # An out-of-memory error is a result here ("OOM"), not something to recover from by re-splitting.
     raw["train"].setdefault("oom_retry", False)
+    for item in overrides:
+        config.apply_override(raw, item)
     return config.from_container(raw, source="bench")
 
 
@@ -222,7 +225,7 @@ def pretrained_model(cfg, labels, path):
     from transformers import set_seed
     from onegpu import models
     set_seed(cfg.train.seed)
-    return models.build_classifier(path, labels, cfg.model.dropout)
+    return models.build_classifier(path, labels, cfg.model.dropout, cfg.model.attn_implementation)
 
 
 def bert_from_config(cfg, labels, path, layers: int, hidden: int | None = None, heads: int | None = None):
@@ -335,7 +338,7 @@ def stage_run(tracker, model, tok, dsd, cfg, verbose: bool = False) -> dict:
     res = _result(result.steps, result.train_s)
     logged = len(tracker.client.get_metric_history(result.run_id, "loss"))
     res.update(outside_loop_s=total - result.train_s, total_s=total, loss_points_in_store=logged,
-               system_metrics=True)
+               system_metrics=True, run_id=result.run_id)
     return res
 
 

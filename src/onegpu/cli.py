@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     tr.add_argument("--knobs", metavar="LIST", help=f"comma-separated subset of {TRADEOFF_KNOBS} "
                                                     "(default: all that apply)")
+    tr.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a param for every experiment, the baseline too, as `dvc exp run -S` takes it "
+                         "(repeatable), e.g. -S model.dropout=0 to see which knobs are exactly the same training")
     tr.add_argument("--queue-only", action="store_true",
                     help="queue the experiments and stop (run them with dvc queue start -j 1)")
     tr.add_argument("--report", action="store_true", help="only report on a batch already run")
@@ -115,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "tradeoffs":
             from onegpu.stages import tradeoffs
             tradeoffs.run(cfg, args.params, tradeoffs.parse_knobs(args.knobs), queue_only=args.queue_only, report_only=args.report,
-                          batch=args.batch, combine=not args.no_combine, out_dir=args.out)
+                          batch=args.batch, combine=not args.no_combine, out_dir=args.out,
+                          overrides=args.overrides)
         elif args.command == "compare":
             from onegpu.stages import compare
             compare.run(args.experiment or cfg.tracking.experiment_name, key=args.key, run_ids=args.runs,

@@ -32,6 +32,9 @@ DIFFERENT = "different"  # another training (optimizer, LoRA): another key
 # Verdicts shown in the table.
 SAME_TRAINING = "same training"
 DIFFERENT_TRAINING = "different training"
+# The same mathematics but other dropout masks (another split or kernel draws them differently): the
+# runs agree in expectation, as two dropout seeds do; exact with model.dropout: 0.
+IN_EXPECTATION = "same in expectation (other dropout masks)"
 
 # A variant counts as faster only when its steady-state samples/s beat the baseline's by this share:
 # identical runs on a small shared CPU differ by several percent (bench/README.md, "Reading these numbers").
@@ -74,6 +77,14 @@ class Variant:
 
 def _yaml(v: bool) -> str:
     return "true" if v else "false"
+
+
+def with_overrides(variants: list[Variant], common: list[tuple[str, str]]) -> list[Variant]:
+    """Every variant with ``common`` (``tradeoffs -S key=value``) before its own overrides (its own win
+    on the same key: ``dvc exp run -S`` applies them in order)."""
+    if not common:
+        return variants
+    return [Variant(v.name, v.knob, (*tuple(common), *v.overrides), v.expect, v.what) for v in variants]
 
 
 def plan(cfg: Config, cuda: bool = False, bf16_supported: bool = True, bnb_available: bool = False,
@@ -214,7 +225,8 @@ class Row:
     eval_loss: float | None = None
     time_to_eval_loss_s: float | None = None
     verdict: str = "not run"
-    same_training: bool = False  # fit for the recommendation: same key and within fp32 (or tf32) tolerance
+    # fit for the recommendation: same key and within fp32 (or tf32) tolerance, or apart only by dropout masks
+    same_training: bool = False
     comparison: RunComparison | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -224,7 +236,8 @@ def _reached(loss: float | None, target: float | None, rtol: float, atol: float)
 
 
 def _verdict(v: Variant, c: RunComparison, same_key: bool) -> tuple[str, bool]:
-    """The verdict text of a compared run and whether it keeps the same training."""
+    """The verdict text of a compared run and whether it keeps the same training (exactly, within
+    tf32's tolerance, or up to dropout masks: :data:`IN_EXPECTATION`)."""
     where = f" at step {c.first_divergent_step}" if c.first_divergent_step else ""
     if not same_key and v.expect != PRECISION:  # another optimizer, LoRA: another key
         return DIFFERENT_TRAINING, False
@@ -234,6 +247,8 @@ def _verdict(v: Variant, c: RunComparison, same_key: bool) -> tuple[str, bool]:
         return f"same within {c.precision} tolerance", False
     if not same_key:
         return f"differs beyond {c.precision} tolerance{where}", False
+    if c.status == DIVERGED and any(x.startswith("dropout") for x in c.causes):
+        return IN_EXPECTATION, True
     if c.status == DIVERGED:
         return f"diverged{where}" + (f": {c.causes[0]}" if c.causes else ""), False
     if c.status == INCOMPLETE:
@@ -299,7 +314,8 @@ class Recommendation:
 
 
 def recommend(rows: list[Row], budget_bytes: float | None, min_gain: float | None = None) -> Recommendation:
-    """Combine the knobs whose runs kept the same training (fp32 tolerance; TF32 within its own),
+    """Combine the knobs whose runs kept the same training (fp32 tolerance; TF32 within its own; other
+    dropout masks only: :data:`IN_EXPECTATION`),
     fit ``budget_bytes`` (compared with :attr:`Row.memory_bytes`; None = no budget) and were at least
     ``min_gain`` faster than the baseline in steady-state samples/s. One knob's variant stands for
     itself; several are merged into a ``recommended`` variant (their overrides together), which must be
@@ -330,7 +346,7 @@ def recommend(rows: list[Row], budget_bytes: float | None, min_gain: float | Non
         return Recommendation(None, [], left_out, budget_bytes)
     if len(parts) == 1:
         return Recommendation(parts[0].variant, parts, left_out, budget_bytes)
-    overrides = tuple(o for r in parts for o in r.variant.overrides)
+    overrides = tuple(dict.fromkeys(o for r in parts for o in r.variant.overrides))  # shared -S once
     what = " + ".join(r.variant.name for r in parts)
     return Recommendation(Variant("recommended", "recommended", overrides, SAME, what), parts, left_out,
                           budget_bytes)

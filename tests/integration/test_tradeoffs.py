@@ -18,7 +18,8 @@ def _training_runs(project, prefix):
 
 def test_queue_only_then_report(tmp_path):
     project = make_project(tmp_path / "p")
-    out = run([str(BIN / "onegpu"), "tradeoffs", "--queue-only", "--knobs", "precision"], project).stdout
+    out = run([str(BIN / "onegpu"), "tradeoffs", "--queue-only", "--knobs", "precision", "-S", "train.max_steps=2"],
+              project).stdout
     assert "queued tradeoffs-" in out and "next: dvc queue start -j 1" in out
     batch = out.split("(batch ")[1].split(")")[0]
     status = dvc(project, "queue", "status").stdout
@@ -28,11 +29,13 @@ def test_queue_only_then_report(tmp_path):
     out = run([str(BIN / "onegpu"), "tradeoffs", "--report"], project).stdout
     assert "same within bf16 tolerance" in out, out
     md = (project / "reports" / "tradeoffs.md").read_text()
-    assert f"# onegpu tradeoffs {batch}" in md and "| bf16 |" in md and "| baseline |" in md
+    assert f"# onegpu tradeoffs {batch} -S train.max_steps=2" in md and "| bf16 |" in md and "| baseline |" in md
     trained = _training_runs(project, f"tradeoffs-{batch}-")
     assert sorted(trained) == ["baseline", "bf16"]
-    for r in trained.values():
+    c, _, _ = runs(project)
+    for r in trained.values():  # -S reached every experiment, the baseline too
         assert r.info.status == "FINISHED" and "eval_loss" in r.data.metrics
+        assert [m.step for m in c.get_metric_history(r.info.run_id, "loss")] == [1, 2]
     # Bad input: one line, exit 2, nothing queued.
     p = run([str(BIN / "onegpu"), "tradeoffs", "--knobs", "split,turbo"], project, check=False)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0

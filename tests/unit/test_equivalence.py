@@ -81,6 +81,12 @@ def test_dropout_cause_only_when_the_split_differs():
     # Same micro-batch, checkpointing on: the same masks (checkpointing restores the RNG state).
     ckpt = eq.compare_run(record("ckpt", 64, 1, ckpt=True, dropout=0.1), ref)
     assert not any("dropout" in c for c in ckpt.causes)
+    # Another attention kernel or torch.compile draws other masks too (same split).
+    for knob, value in (("model.attn_implementation", "eager"), ("train.torch_compile", "True")):
+        other = record("kernel", 64, 1, dropout=0.1, loss=drifted(1))
+        other.params[knob] = value
+        c = eq.compare_run(other, ref)
+        assert any(x.startswith("dropout") and f"({knob} differs)" in x for x in c.causes), c.causes
     # No dropout at all: no dropout cause, whatever the split.
     plain = eq.compare_run(record("split0", 4, 16), record("ref0", 64, 1))
     assert not any("dropout" in c for c in plain.causes)

@@ -219,3 +219,39 @@ def test_report_markdown_terminal_and_plot(tmp_path):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     term = tradeoffs_report.terminal(rows, rec, measured)
     assert "split-16x1" in term and "1.43x" in term and "same training" in term
+
+
+def test_dropout_masks_alone_make_a_row_same_in_expectation_and_a_candidate():
+    """With dropout, another split (or attention kernel, or torch.compile) draws other masks: the losses
+    differ at step 1, yet the training is the same in distribution; such a row is labelled and may be
+    recommended. Without dropout the same difference is a divergence."""
+    drop = {"model.dropout_max": "0.1"}
+    base = _run("baseline")
+    base.tags.update(drop)
+    split = _run("split-16x1", step_time=0.5, loss_scale=1.01,
+                 params={"train.per_device_train_batch_size": "16", "train.gradient_accumulation_steps": "1"})
+    split.tags.update(drop)
+    v = _variant("split-16x1", "split", overrides=(("model.dropout", "0.1"), ("train.per_device_train_batch_size", "16")))
+    row = tradeoffs.measure_row(v, split, base)
+    assert row.verdict == tradeoffs.IN_EXPECTATION and row.same_training
+    attn = _run("attn-eager", step_time=0.8, loss_scale=1.01, params={"model.attn_implementation": "eager"})
+    attn.tags.update(drop)
+    va = _variant("attn-eager", "attention", overrides=(("model.dropout", "0.1"), ("model.attn_implementation", "eager")))
+    arow = tradeoffs.measure_row(va, attn, base)
+    assert arow.verdict == tradeoffs.IN_EXPECTATION
+    rec = tradeoffs.recommend([tradeoffs.measure_row(BASE, base, base), row, arow], None)
+    # the shared -S (model.dropout) once, then each knob's own
+    assert rec.variant.overrides == (("model.dropout", "0.1"), ("train.per_device_train_batch_size", "16"),
+                                     ("model.attn_implementation", "eager"))
+    nodrop = _run("split-16x1", step_time=0.5, loss_scale=1.01,
+                  params={"train.per_device_train_batch_size": "16", "train.gradient_accumulation_steps": "1"})
+    row = tradeoffs.measure_row(v, nodrop, _run("baseline"))
+    assert row.verdict.startswith("diverged at step 1") and not row.same_training
+
+
+def test_common_overrides_go_first_in_every_variant():
+    variants, _ = tradeoffs.plan(_cfg(), knobs=("split",))
+    out = tradeoffs.with_overrides(variants, [("model.dropout", "0")])
+    assert [v.overrides for v in out] == [
+        (("model.dropout", "0"),),
+        (("model.dropout", "0"), ("train.per_device_train_batch_size", "16"), ("train.gradient_accumulation_steps", "1"))]

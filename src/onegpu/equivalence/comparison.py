@@ -444,6 +444,10 @@ KERNEL_KNOBS = (
 )
 
 
+# Knobs whose kernels draw dropout masks differently (SDPA's fused dropout, inductor's generated RNG code).
+DROPOUT_KERNEL_KNOBS = ("model.attn_implementation", "train.torch_compile")
+
+
 def _param(r: RunRecord, key: str, default: str) -> str:
     """A logged param in lower case (``None``/``null`` as ``none``), ``default`` when the run lacks it."""
     v = str(r.params.get(key, default)).strip().lower()
@@ -453,7 +457,8 @@ def _param(r: RunRecord, key: str, default: str) -> str:
 def likely_causes(run: RunRecord, reference: RunRecord) -> list[str]:
     """Params and tags of a pair that explain why their losses can differ step by step.
 
-    Detected: dropout with a different micro-batch split (other masks); BatchNorm with a different
+    Detected: dropout with a different micro-batch split or another attention/compiled kernel (other
+    masks); BatchNorm with a different
     micro-batch (statistics per micro-batch); mixed precision; a knob of :data:`KERNEL_KNOBS` that
     differs (tf32, attention kernel, torch.compile, fused AdamW, ...); non-deterministic GPU kernels (device
     tag not ``cpu``); a different backend; a different device; a different code commit.
@@ -466,6 +471,11 @@ def likely_causes(run: RunRecord, reference: RunRecord) -> list[str]:
         causes.append(f"dropout (p up to {dropout:g}) with a different micro-batch ({ms}): each split "
                       "draws different dropout masks, so the runs agree only in expectation "
                       "(set model.dropout: 0 to compare exactly)")
+    kernels = [k for k in DROPOUT_KERNEL_KNOBS if _param(run, k, "none") != _param(reference, k, "none")]
+    if dropout > 0 and kernels:
+        causes.append(f"dropout (p up to {dropout:g}) with another kernel ({', '.join(kernels)} differs): "
+                      "it draws its dropout masks from the random generator in another way, so the runs "
+                      "agree only in expectation (set model.dropout: 0 to compare exactly)")
     bn = max(_int(run.tags.get("model.batchnorm_layers")) or 0,
              _int(reference.tags.get("model.batchnorm_layers")) or 0)
     if bn > 0 and split_differs:

@@ -139,7 +139,8 @@ def _runs(tracker, prefix: str) -> dict[str, equivalence.RunRecord]:
     return out
 
 
-def _plan(cfg: Config, params: str, knobs: tuple[str, ...]) -> tuple[list[tradeoffs.Variant], list[str]]:
+def _plan(cfg: Config, params: str, knobs: tuple[str, ...],
+          overrides: list[str]) -> tuple[list[tradeoffs.Variant], list[str]]:
     cuda = measure.cuda_available()
     bf16 = True
     if cuda:
@@ -148,14 +149,16 @@ def _plan(cfg: Config, params: str, knobs: tuple[str, ...]) -> tuple[list[tradeo
     variants, skipped = tradeoffs.plan(cfg, cuda=cuda, bf16_supported=bf16,
                                        bnb_available=importlib.util.find_spec("bitsandbytes") is not None,
                                        knobs=knobs)
+    variants = tradeoffs.with_overrides(variants, [tuple(o.split("=", 1)) for o in overrides])
     _check_variants(params, variants)
     return variants, skipped
 
 
 def run(cfg: Config, params: str = "params.yaml", knobs: tuple[str, ...] = tradeoffs.KNOBS,
         queue_only: bool = False, report_only: bool = False, batch: str | None = None,
-        combine: bool = True, out_dir: str | Path = "reports") -> list[tradeoffs.Row]:
-    """Queue, run and report (see the module docstring); ``queue_only``: queue and stop;
+        combine: bool = True, out_dir: str | Path = "reports", overrides: list[str] = ()) -> list[tradeoffs.Row]:
+    """Queue, run and report (see the module docstring); ``cfg`` is the params file with ``overrides``
+    (``-S key=value``, applied to every experiment, the baseline too) applied; ``queue_only``: queue and stop;
     ``report_only``: report on ``batch`` (default: the latest) without queueing or running anything;
     ``combine``: queue and run the combined recommendation when it needs its own run.
 
@@ -168,7 +171,8 @@ def run(cfg: Config, params: str = "params.yaml", knobs: tuple[str, ...] = trade
     if not Path("dvc.yaml").is_file():
         raise UserError("no dvc.yaml here: run onegpu tradeoffs from the project root")
     if not report_only:
-        variants, skipped = _plan(cfg, params, knobs)
+        overrides = list(overrides)
+        variants, skipped = _plan(cfg, params, knobs, overrides)
         if not queue_only:
             others = _other_queued()
             if others:
@@ -178,8 +182,9 @@ def run(cfg: Config, params: str = "params.yaml", knobs: tuple[str, ...] = trade
                                 "--queue-only")
         batch = time.strftime("%m%d-%H%M%S")
         prefix = f"{PREFIX}{batch}-"
-        _save_manifest(batch, variants, skipped, {"params": params})
-        print(f"onegpu tradeoffs: {len(variants)} experiments from {params} (batch {batch}):")
+        _save_manifest(batch, variants, skipped, {"params": params, "overrides": overrides})
+        print(f"onegpu tradeoffs: {len(variants)} experiments from {params}"
+              + "".join(f" -S {o}" for o in overrides) + f" (batch {batch}):")
         _queue(prefix, variants)
         for s in skipped:
             print(f"  not measured: {s}")
@@ -213,7 +218,7 @@ def run(cfg: Config, params: str = "params.yaml", knobs: tuple[str, ...] = trade
     if rec.variant is not None:
         measured = next((r for r in rows if r.variant.name == rec.variant.name), None) if not combined else \
             tradeoffs.measure_row(rec.variant, runs.get("recommended"), runs["baseline"])
-    title = f"onegpu tradeoffs {batch}"
+    title = f"onegpu tradeoffs {batch}" + "".join(f" -S {o}" for o in manifest.get("overrides", []))
     files = tradeoffs_report.write(rows, rec, measured, out_dir, title,
                                    manifest.get("skipped", []))
     ids = [r.run.run_id for r in rows if r.run] + ([measured.run.run_id] if combined and measured and measured.run else [])
