@@ -104,8 +104,11 @@ def _check_variants(params: str, variants: list[tradeoffs.Variant]) -> None:
 def _queue(prefix: str, variants: list[tradeoffs.Variant]) -> None:
     for v in variants:
         name = f"{prefix}{v.name}"
-        # --force: a row whose params dvc.lock already holds (the baseline) must train again, not be skipped.
-        p = _dvc_call("exp", "run", "--queue", "--force", "--name", name, *v.set_args)
+        # The baseline's params may be what dvc.lock already holds: --force makes it train again instead of
+        # finding nothing to do. Every other row changes a param of train, so train runs anyway and
+        # prepare is reused when it is up to date.
+        force = ["--force"] if v.knob == "baseline" else []
+        p = _dvc_call("exp", "run", "--queue", *force, "--name", name, *v.set_args)
         if p.returncode != 0:
             last = (p.stderr.strip() or p.stdout.strip()).splitlines()[-1:] or ["?"]
             raise UserError(f"dvc could not queue experiment {name}: {last[0]}")
