@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU check for a single-GPU machine (H200 class), under 8 minutes after installation:
-#   1. the test suite's GPU tests (`pytest -m gpu`: tests/gpu/, real allocator peaks and out-of-memory),
+#   1. the test suite's GPU tests (`pytest -m gpu`: tests/gpu/, real allocator peaks, splits and backends on
+#      CUDA kernels, and the CUDA-only knobs: bf16, fp16 with its scaler, tf32, fused AdamW, pin memory and
+#      empty-cache steps, 8-bit AdamW where bitsandbytes is installed),
 #   2. bench/split_sweep.py in bf16 on a BERT large enough to load the GPU (24 layers, hidden 1024,
 #      ~335 M parameters, random init) at max_length 512, effective batch 64 as 64x1, 16x4, 4x16, 1x64,
 #   3. bench/checkpointing.py in bf16: the default MiniLM-L6 and that BERT, micro-batch 16 x 512 tokens.
@@ -38,7 +40,7 @@ else
     # 64 x 6 = 384 training rows; max_length 512 keeps most BBC articles near full length.
     SWEEP=(--layers 24 --hidden 1024 --max-length 512 --rows 400 --steps 6 --reps 1)
     CKPT=(--arms none,layer --deep-layers 24 --deep-hidden 1024 --max-length 512 --rows 400 --micro 16 --steps 6 --reps 2)
-    LIMIT_TESTS=120; LIMIT_SWEEP=200; LIMIT_CKPT=150
+    LIMIT_TESTS=200; LIMIT_SWEEP=160; LIMIT_CKPT=120
 fi
 COMMON=(--bf16 --tag "$TAG" --max-wait 0 --retries 0)
 

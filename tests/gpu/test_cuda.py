@@ -68,3 +68,54 @@ def test_bf16_stays_within_its_precision_of_fp32(tokenizer, dsd, tmp_path, monke
     monkeypatch.chdir(tmp_path)
     fp32, bf16 = _losses(tokenizer, dsd, 4, 2), _losses(tokenizer, dsd, 4, 2, bf16=True)
     assert max(abs(x - y) / abs(y) for x, y in zip(bf16, fp32)) < 5e-2, (bf16, fp32)  # bf16 eps 7.8e-3
+
+
+# -- the guide's CUDA-only knobs (issue: every method of the single-GPU guide as a params knob) ----------
+
+def _rel(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) == 3, (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("backend", [hf_trainer, accel], ids=["trainer", "accelerate"])
+def test_fp16_with_its_gradient_scaler_stays_within_fp16_tolerance_of_fp32(tokenizer, dsd, tmp_path, monkeypatch,
+                                                                           backend):
+    monkeypatch.chdir(tmp_path)
+    fp32, fp16 = _losses(tokenizer, dsd, 4, 2, backend), _losses(tokenizer, dsd, 4, 2, backend, fp16=True)
+    assert _rel(fp16, fp32) < 5e-2, (fp16, fp32)  # fp16 eps 9.8e-4 plus loss scaling
+
+
+@pytest.mark.parametrize("backend", [hf_trainer, accel], ids=["trainer", "accelerate"])
+def test_tf32_stays_within_the_tf32_tolerance_of_fp32(tokenizer, dsd, tmp_path, monkeypatch, backend):
+    from onegpu.equivalence import TOLERANCES
+    from transformers.utils import is_torch_tf32_available
+    if not is_torch_tf32_available():
+        pytest.skip("this GPU has no TF32 (pre-Ampere)")
+    monkeypatch.chdir(tmp_path)
+    fp32, tf32 = _losses(tokenizer, dsd, 4, 2, backend), _losses(tokenizer, dsd, 4, 2, backend, tf32=True)
+    assert _rel(tf32, fp32) < 10 * TOLERANCES["tf32"].rtol, (tf32, fp32)
+
+
+@pytest.mark.parametrize("backend", [hf_trainer, accel], ids=["trainer", "accelerate"])
+def test_fused_adamw_takes_the_same_steps_as_foreach_adamw_on_cuda(tokenizer, dsd, tmp_path, monkeypatch, backend):
+    monkeypatch.chdir(tmp_path)
+    a = _losses(tokenizer, dsd, 4, 2, backend)
+    b = _losses(tokenizer, dsd, 4, 2, backend, optim="adamw_torch_fused")
+    assert _rel(b, a) < 1e-5, (b, a)
+
+
+@pytest.mark.parametrize("backend", [hf_trainer, accel], ids=["trainer", "accelerate"])
+def test_pin_memory_and_empty_cache_steps_change_no_loss(tokenizer, dsd, tmp_path, monkeypatch, backend):
+    monkeypatch.chdir(tmp_path)
+    a = _losses(tokenizer, dsd, 4, 2, backend)
+    b = _losses(tokenizer, dsd, 4, 2, backend, dataloader_pin_memory=True, torch_empty_cache_steps=1)
+    assert _rel(b, a) < 1e-6, (b, a)
+
+
+@pytest.mark.parametrize("backend", [hf_trainer, accel], ids=["trainer", "accelerate"])
+def test_8bit_adamw_trains_where_bitsandbytes_is_installed(tokenizer, dsd, tmp_path, monkeypatch, backend):
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install bitsandbytes)")
+    import math
+    monkeypatch.chdir(tmp_path)
+    losses = _losses(tokenizer, dsd, 4, 2, backend, optim="adamw_bnb_8bit")
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
