@@ -27,7 +27,7 @@ def test_summary_prints_the_headline_and_the_next_commands(tmp_path, monkeypatch
     assert out[1] == "  test:  accuracy 0.9200 | loss 0.3012"
     assert out[2] == "  train: loss 1.3812 | 17.2 samples/s | peak 1.25 GiB | 8 x 2 per optimizer step"
     text = "\n".join(out)
-    for command in ("onegpu ui", "onegpu compare", "dvc exp run --queue", "dvc queue start -j 1", "dvc exp show"):
+    for command in ("onegpu ui", "onegpu compare", "onegpu tradeoffs", "dvc exp run --queue", "dvc queue start -j 1", "dvc exp show"):
         assert command in text, command
 
 
