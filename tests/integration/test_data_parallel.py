@@ -1,0 +1,77 @@
+"""Data-parallel training on a CPU (2 gloo processes under torch.distributed.run), read back from MLflow.
+
+2 processes x 4 x 1, 1 x 8 x 1 and 1 x 4 x 2 are the same effective batch of 8: the same equivalence key
+and, per optimizer step, the same loss and grad_norm within 1e-5 relative, for both tasks (the causal LM
+pads each micro-batch to its own longest row, so the step's token count must be summed over the ranks
+before normalising) and both backends. Each training is one MLflow run, not one per rank.
+"""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from .conftest import BIN, dvc, make_project, run, runs
+
+pytestmark = pytest.mark.slow
+
+TASKS = {
+    "sequence-classification": {"data": {"max_train_samples": 32, "max_eval_samples": 16, "max_length": 32}},
+    "causal-lm": {
+        "data": {"max_train_samples": 32, "max_eval_samples": 16, "max_length": 48},
+        "model": {"task": "causal-lm", "name_or_path": None, "n_layer": 2, "n_embd": 64, "n_head": 2,
+                  "vocab_size": 512, "dropout": 0.0},
+    },
+}
+# (processes, micro-batch, accumulation): the same effective batch of 8.
+LAYOUTS = [(2, 4, 1), (1, 8, 1), (1, 4, 2)]
+STEPS = 3
+
+
+def _train(project, backend: str, layout: tuple[int, int, int]) -> None:
+    """`onegpu train` (the train stage's command) with this backend and layout in params.yaml."""
+    procs, micro, accum = layout
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"].update(backend=backend, num_processes=procs, per_device_train_batch_size=micro,
+                           gradient_accumulation_steps=accum, max_steps=STEPS, learning_rate=1e-3)
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out = run([str(BIN / "onegpu"), "train"], cwd=project)
+    if procs > 1:
+        assert f"({micro} x {accum} x {procs} processes)" in out.stdout, out.stdout
+
+
+def _series(client, run_id: str, key: str) -> list[float]:
+    return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_two_processes_equal_one_process_per_step(tmp_path, task):
+    project = make_project(tmp_path, TASKS[task])
+    dvc(project, "repro", "prepare")
+    for backend in ("trainer", "accelerate"):
+        for layout in LAYOUTS:
+            _train(project, backend, layout)
+    c, _, all_runs = runs(project)
+    train = [r for r in all_runs if r.data.tags.get("stage") == "train"]
+    assert len(train) == 6  # one run per training, not one per process
+    assert {r.info.status for r in train} == {"SCHEDULED"}
+    assert len({r.data.tags["equivalence_key"] for r in train}) == 1
+    by = {(r.data.params["train.backend"], int(r.data.params["resolved.world_size"]),
+           int(r.data.params["resolved.per_device_train_batch_size"]),
+           int(r.data.params["resolved.gradient_accumulation_steps"])): r for r in train}
+    assert set(by) == {(b, *lay) for b in ("trainer", "accelerate") for lay in LAYOUTS}
+    assert {r.data.params["resolved.effective_batch_size"] for r in train} == {"8"}
+    ref = by[("trainer", 1, 8, 1)].info.run_id
+    for key in ("loss", "grad_norm"):
+        expected = _series(c, ref, key)
+        assert len(expected) == STEPS
+        for name, r in by.items():
+            got = _series(c, r.info.run_id, key)
+            assert got == pytest.approx(expected, rel=1e-5), (key, name, got, expected)
+    for backend in ("trainer", "accelerate"):
+        two = by[(backend, 2, 4, 1)]
+        m = two.data.metrics
+        # The whole step's counts: 8 examples over both ranks; a per-rank breakdown beside them.
+        assert _series(c, two.info.run_id, "step_examples") == [8.0] * STEPS
+        assert m["mem_peak_bytes"] == max(m["mem_peak_bytes.rank0"], m["mem_peak_bytes.rank1"])
+        assert m["step_tokens"] == _series(c, ref, "step_tokens")[-1]
+        assert "samples_per_second.rank1" in m
