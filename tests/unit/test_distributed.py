@@ -1,0 +1,128 @@
+"""Data-parallel pieces on a CPU: two gloo processes (``torch.multiprocessing.spawn``) running the
+accelerate backend's forward/backward of one optimizer step, and the launch helpers' checks.
+
+Real runs through ``onegpu train`` under torch.distributed.run: tests/integration/test_data_parallel.py.
+"""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from onegpu.errors import ConfigError
+from onegpu.training import distributed
+
+torch = pytest.importorskip("torch")
+
+# Each rank's two micro-batches (features, labels); -100 = an ignored label, so the ranks hold different
+# numbers of items (5 and 3) and a per-rank mean would weight them unequally.
+DATA = {
+    0: [([[1.0, 0.0, 2.0, 1.0], [0.5, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 3.0]], [0, 2, 1]),
+        ([[2.0, 1.0, 0.0, 0.5], [1.0, 1.0, 1.0, 1.0]], [1, 0])],
+    1: [([[0.0, 2.0, 2.0, 0.0], [3.0, 0.0, 0.0, 1.0], [1.0, 0.5, 0.5, 0.0]], [2, -100, -100]),
+        ([[0.0, 0.0, 0.0, 1.0], [2.0, 2.0, 0.0, 0.0]], [0, 1])],
+}
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, input_ids):
+        return {"logits": self.lin(input_ids)}
+
+
+def _micro_batches(rank: int) -> list[dict]:
+    return [{"input_ids": torch.tensor(x), "labels": torch.tensor(y)} for x, y in DATA[rank]]
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    import os
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from accelerate import Accelerator
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from onegpu.training.backends.accelerate import _forward_backward
+    from onegpu.training.loss import classification_loss, count_items
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(_Linear())
+    calls = []
+
+    def counting_allreduce(state, bucket):  # the gradient all-reduce, counted
+        calls.append(1)
+        return allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, counting_allreduce)
+    batches = _micro_batches(rank)
+    num_items = distributed.sum_over_ranks(sum(count_items(b["labels"], "sequence-classification")
+                                               for b in batches))
+    share = _forward_backward(accelerator, model, batches, num_items, classification_loss, 1, None, 1)
+    loss = distributed.sum_over_ranks(share.detach().clone())
+    grads = [p.grad.tolist() for p in model.parameters()]
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump({"allreduce_calls": len(calls), "loss": loss.item(), "grads": grads,
+                   "num_items": int(num_items)}, f)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_ranks_all_reduce_once_per_step_and_give_the_one_process_gradient(tmp_path):
+    import torch.multiprocessing as mp
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # no_sync on the first micro-batch: one all-reduce (one bucket) for the step's two micro-batches.
+    assert [r["allreduce_calls"] for r in ranks] == [1, 1]
+    assert [r["num_items"] for r in ranks] == [8, 8]  # 5 + 3 items, summed over the ranks
+    # One process over all four micro-batches: the mean over the 8 items, and its gradient.
+    model = _Linear()
+    x = torch.cat([torch.tensor(b[0]) for r in (0, 1) for b in DATA[r]])
+    y = torch.cat([torch.tensor(b[1]) for r in (0, 1) for b in DATA[r]])
+    loss = torch.nn.functional.cross_entropy(model(x)["logits"], y, ignore_index=-100)
+    loss.backward()
+    expected = [p.grad.tolist() for p in model.parameters()]
+    for r in ranks:
+        assert r["loss"] == pytest.approx(loss.item(), rel=1e-6)
+        for got, want in zip(r["grads"], expected):
+            assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-7), (got, want)
+
+
+def test_outside_a_launch_the_helpers_are_one_process(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert (distributed.world_size(), distributed.rank(), distributed.launched(), distributed.is_main()) == \
+        (1, 0, False, True)
+    t = torch.tensor(3)
+    assert distributed.sum_over_ranks(t) is t and int(t) == 3
+    assert distributed.gather_over_ranks([1.0, 2.0], "cpu") == [[1.0, 2.0]]
+
+
+def test_more_processes_than_gpus_is_one_clear_error():
+    with pytest.raises(ConfigError, match=r"train.num_processes: 4 processes need 4 GPUs .* 2 is/are visible"):
+        distributed.check_processes(4, cuda=True, gpus=2)
+    distributed.check_processes(4, cuda=False, gpus=0)  # a CPU: gloo processes, any number
+
+
+def test_a_launch_of_another_size_than_num_processes_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="train.num_processes is 4 but this launch has 2 processes"):
+        distributed.check_world(4)
+    distributed.check_world(2)
+
+
+def test_null_tracker_writes_nothing():
+    t = distributed.NullTracker()
+    run_id = t.start_run("x", {})
+    with t.guard(run_id, finish="SCHEDULED"), t.system_metrics(run_id):
+        t.log_params(run_id, {"a": 1})
+        t.set_tags(run_id, {"b": "c"})
+        t.metric_buffer(run_id).add({"loss": 1.0}, 1)
+    with pytest.raises(AttributeError):
+        t.connect  # noqa: B018  (only the writing calls are no-ops)
