@@ -126,3 +126,57 @@ def test_null_tracker_writes_nothing():
         t.metric_buffer(run_id).add({"loss": 1.0}, 1)
     with pytest.raises(AttributeError):
         t.connect  # noqa: B018  (only the writing calls are no-ops)
+
+
+def _failing_torchrun(rank_noted: int | None, status_before: str, tracker, monkeypatch):
+    """``torch.distributed.run.run`` replaced by one whose rank 0 started ``run`` (announce_run) and whose
+    processes then failed: rank 0 by a lost peer, rank ``rank_noted`` first with its own error."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def fake_run(args):
+        import os
+        from pathlib import Path
+        os.environ["RANK"] = "0"
+        run_id = tracker.start_run("ddp", {"stage": "train"})
+        distributed.announce_run(run_id, "ddp-exp")
+        if status_before != "RUNNING":
+            tracker.end_run(run_id, status_before)
+        folder = Path(os.environ[distributed.LAUNCH_DIR_ENV])
+        if rank_noted is not None:
+            (folder / f"failed-{rank_noted}.json").write_text(json.dumps(
+                {"rank": rank_noted, "time": 1.0, "error": "RuntimeError: rank one broke"}))
+        (folder / "failed-0.json").write_text(json.dumps({"rank": 0, "time": 2.0, "error": "lost peer"}))
+        failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=1, error_file="") for r in (0, 1)}
+        raise ChildFailedError("onegpu", failures)
+
+    monkeypatch.setattr(torchrun, "run", fake_run)
+    monkeypatch.delenv("RANK", raising=False)
+
+
+@pytest.mark.parametrize("status_before", ["RUNNING", "FAILED"])
+def test_a_failed_rank_ends_the_run_failed_naming_the_rank(fresh_root, monkeypatch, status_before):
+    from onegpu import tracking
+    tracker = tracking.connect("ddp-exp")
+    _failing_torchrun(1, status_before, tracker, monkeypatch)
+    with pytest.raises(distributed.RankFailed, match=r"rank 1 of 2 failed \(RuntimeError: rank one broke\)"):
+        distributed.launch(2, ["train"])
+    from mlflow import MlflowClient
+    c = MlflowClient(tracker.uri)
+    (r,) = c.search_runs([tracker.experiment_id])
+    assert r.info.status == "FAILED"
+    assert r.data.tags["error.rank"] == "1"
+    assert "rank 1 of 2 failed (RuntimeError: rank one broke)" in r.data.tags["error.message"]
+    assert distributed.LAUNCH_DIR_ENV not in __import__("os").environ
+
+
+def test_a_stopped_run_stays_killed_when_a_rank_fails(fresh_root, monkeypatch):
+    from mlflow import MlflowClient
+
+    from onegpu import tracking
+    tracker = tracking.connect("ddp-exp")
+    _failing_torchrun(None, "KILLED", tracker, monkeypatch)
+    with pytest.raises(distributed.RankFailed, match="rank 0 of 2 failed"):
+        distributed.launch(2, ["train"])
+    (r,) = MlflowClient(tracker.uri).search_runs([tracker.experiment_id])
+    assert r.info.status == "KILLED" and r.data.tags["error.rank"] == "0"
