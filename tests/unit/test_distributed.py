@@ -180,3 +180,16 @@ def test_a_stopped_run_stays_killed_when_a_rank_fails(fresh_root, monkeypatch):
         distributed.launch(2, ["train"])
     (r,) = MlflowClient(tracker.uri).search_runs([tracker.experiment_id])
     assert r.info.status == "KILLED" and r.data.tags["error.rank"] == "0"
+
+
+def test_processes_all_stopped_by_a_signal_are_an_interrupt_not_a_failure(fresh_root, monkeypatch):
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def fake_run(args):
+        raise ChildFailedError("onegpu", {r: ProcessFailure(local_rank=r, pid=1, exitcode=code, error_file="")
+                                          for r, code in ((0, 130), (1, -15))})
+
+    monkeypatch.setattr(torchrun, "run", fake_run)
+    with pytest.raises(KeyboardInterrupt, match="every training process stopped on a signal"):
+        distributed.launch(2, ["train"])

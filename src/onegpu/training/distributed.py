@@ -31,6 +31,8 @@ from onegpu.errors import ConfigError, UserError
 # Seconds a collective (all-reduce, barrier) waits for the other ranks before it fails: the process
 # group's timeout (Accelerate's InitProcessGroupKwargs, TrainingArguments.ddp_timeout).
 TIMEOUT_S = 600
+# Exit codes of a process stopped by SIGINT/SIGTERM: the stage's 128 + signal, or killed by the signal.
+STOP_EXIT_CODES = (130, 143, -2, -15)
 # Set by :func:`launch` for its processes: a folder where rank 0 writes ``run.json`` (the MLflow run id).
 LAUNCH_DIR_ENV = "ONEGPU_LAUNCH_DIR"
 
@@ -95,7 +97,8 @@ def launch(num_processes: int, argv: list[str]) -> None:
     Raises:
         RankFailed: a process exited non-zero; the MLflow run (if rank 0 had started one) is ended
             FAILED with ``error.rank``, ``error.exitcode`` and ``error.message`` tags (KILLED stays KILLED).
-        KeyboardInterrupt: the launch was stopped by a signal (forwarded to the processes once).
+        KeyboardInterrupt: the launch was stopped by a signal (forwarded to the processes once), or every
+            process stopped on one (the run is then KILLED, by rank 0).
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -111,6 +114,9 @@ def launch(num_processes: int, argv: list[str]) -> None:
             what = (f"signal {failure.signal_name()}" if failure.exitcode < 0
                     else f"exit code {failure.exitcode}")
             noted = _first_noted_failure(Path(folder))
+            if noted is None and all(f.exitcode in STOP_EXIT_CODES for f in e.failures.values()):
+                # Every process stopped on a signal after its checkpoint (rank 0 ended the run KILLED).
+                raise KeyboardInterrupt("every training process stopped on a signal") from None
             if noted is not None:  # the rank whose own error came first (the others then lose their peers)
                 failed = noted["rank"]
                 what = noted["error"]

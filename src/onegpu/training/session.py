@@ -439,8 +439,9 @@ def _step_tags(steps, effective_batch: int) -> dict:
 
 def _speed(model, summary: dict, cfg: Config, device: str, device_name: str,
            tokens_sq: int | None = None) -> tuple[dict, dict, dict]:
-    """``train_flops_per_second`` (model FLOPs, :mod:`onegpu.flops`) and ``train_mfu`` against the
-    device's peak in the matmul dtype; ``model_flops_per_token`` and ``device_peak_flops`` with them.
+    """``train_flops_per_second`` (model FLOPs, :mod:`onegpu.flops`; all processes together) and
+    ``train_mfu`` against the device's peak in the matmul dtype (x ``train.num_processes`` devices);
+    ``model_flops_per_token`` and ``device_peak_flops`` with them.
 
     Returns ``(metrics, params, tags)``: params name the peak's source and, for a measured peak, its
     cache file; with no trustworthy peak ``train_mfu`` is left out and the tag
@@ -450,8 +451,10 @@ def _speed(model, summary: dict, cfg: Config, device: str, device_name: str,
         return {}, {}, {}
     total = flops.train_flops(model, summary["train_samples"], summary["train_tokens"],
                               tokens_sq)
-    achieved = total / summary["train_runtime"]
-    m = flops.mfu(achieved, device_name, flops.matmul_dtype(cfg.train.mixed_precision), device)
+    achieved = total / summary["train_runtime"]  # over all processes (their examples are summed)
+    # MFU per device: under train.num_processes each process has its own device of the same peak.
+    m = flops.mfu(achieved / cfg.train.num_processes, device_name, flops.matmul_dtype(cfg.train.mixed_precision),
+                  device)
     metrics = {"train_flops_per_second": achieved, "model_flops_per_token": total / summary["train_tokens"],
                "device_peak_flops": m["peak"]}
     params = {"device_peak_flops.source": m["source"]}
