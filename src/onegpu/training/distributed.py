@@ -125,8 +125,10 @@ def launch(num_processes: int, argv: list[str]) -> None:
                        "were stopped")
             _fail_run(Path(folder), failed, failure.exitcode, message)
             raise RankFailed(message) from None
-        except SignalException as e:
-            raise KeyboardInterrupt(f"the launch was stopped by {e.sigval.name}") from None
+        except SignalException as e:  # torchrun forwarded it to the processes, which checkpoint and stop
+            stopped = KeyboardInterrupt(f"the launch was stopped by {e.sigval.name}")
+            stopped.signum = int(e.sigval)  # the stage exits 128 + it (onegpu.cli)
+            raise stopped from None
         finally:
             os.environ.pop(LAUNCH_DIR_ENV, None)
 
