@@ -328,9 +328,11 @@ def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: s
     from onegpu.training import distributed
     micro = int(min(r[0] for r in distributed.gather_over_ranks([micro], device)))  # one split for all ranks
     table = autobatch.format_probes(probes)
-    print(f"auto micro-batch: {micro} x {cfg.train.effective_batch_size // (micro * world)} accumulation"
-          f"{f' x {world} processes' if world > 1 else ''} = {cfg.train.effective_batch_size} (budget {budget / 2**30:.2f} GiB, longest training rows"
-          f"{_BUDGET_CPU if not measure.is_cuda(device) else ''})\n{table}")
+    procs = f" x {world} processes" if world > 1 else ""
+    distributed.print_main(
+        f"auto micro-batch: {micro} x {cfg.train.effective_batch_size // (micro * world)} accumulation{procs} = "
+        f"{cfg.train.effective_batch_size} (budget {budget / 2**30:.2f} GiB, longest training rows"
+        f"{_BUDGET_CPU if not measure.is_cuda(device) else ''})\n{table}")
     tracker.log_dict(run_id, {"budget_bytes": budget, "probes": [p.as_row() for p in probes]},
                      "auto_micro_batch.json")
     tracker.log_text(run_id, table + "\n", "auto_micro_batch.md")
