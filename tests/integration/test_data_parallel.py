@@ -77,7 +77,8 @@ def test_two_processes_equal_one_process_per_step(tmp_path, task):
         assert "samples_per_second.rank1" in m
 
 
-def test_two_processes_stop_on_sigterm_and_resume_to_the_uninterrupted_losses(tmp_path):
+@pytest.mark.parametrize("backend", ["trainer", "accelerate"])
+def test_two_processes_stop_on_sigterm_and_resume_to_the_uninterrupted_losses(tmp_path, backend):
     """SIGTERM to `onegpu train` (as `dvc queue kill` sends it): the processes stop after the same step with
     one checkpoint, the run ends KILLED, and the next `onegpu train` resumes it on 2 processes to the
     losses of an uninterrupted run."""
@@ -90,8 +91,8 @@ def test_two_processes_stop_on_sigterm_and_resume_to_the_uninterrupted_losses(tm
     dvc(project, "repro", "prepare")
     steps = 24
     params = yaml.safe_load((project / "params.yaml").read_text())
-    params["train"].update(num_processes=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                           max_steps=steps, learning_rate=1e-3, logging_steps=1)
+    params["train"].update(backend=backend, num_processes=2, per_device_train_batch_size=4,
+                           gradient_accumulation_steps=1, max_steps=steps, learning_rate=1e-3, logging_steps=1)
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     p = subprocess.Popen([str(BIN / "onegpu"), "train"], cwd=project, env=_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
