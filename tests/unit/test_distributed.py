@@ -68,6 +68,51 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                    "num_items": int(num_items)}, f)
 
 
+def _trainer_worker(rank: int, port: int, out_dir: str, inject_rank: int) -> None:
+    """The trainer backend on rank ``rank`` of 2 (tiny BERT of test_backends, 2 steps of 4 x 2 x 2); rank
+    ``inject_rank`` runs out of memory (injected) in step 1's last micro-batch and re-splits alone."""
+    import os
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    distributed.TIMEOUT_S = 60  # a desynchronised all-reduce fails the test in a minute, not ten
+    import test_backends as tb
+
+    from onegpu.config import from_container, resolve
+    from onegpu.training.backends import hf_trainer
+    cfg = from_container({"model": {"dropout": 0.0}, "train": {
+        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 2, "num_processes": 2,
+        "learning_rate": 1e-3, "seed": 7, "logging_steps": 1}}, source="test")
+    calls = []
+
+    def injector(step: int, rows: int) -> bool:
+        calls.append((step, rows))
+        return rank == inject_rank and step == 1 and rows == 4 and len(calls) == 2
+
+    model, steps = hf_trainer.train(tb.tiny_bert(), tb.tokenizer(), tb.dataset(32), cfg, resolve(cfg),
+                                    sink=lambda m, s: None, oom_injector=injector)
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump({"loss": [r["loss"] for r in steps.rows], "grad_norm": [r["grad_norm"] for r in steps.rows],
+                   "events": steps.events}, f)
+
+
+def _spawn(worker, tmp_path, *args) -> list[dict]:
+    import torch.multiprocessing as mp
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    mp.spawn(worker, args=(_free_port(), str(tmp_path), *args), nprocs=2, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_an_out_of_memory_retry_on_one_rank_keeps_the_ranks_in_step_and_the_losses(tmp_path):
+    plain = _spawn(_trainer_worker, tmp_path / "plain", -1)
+    retried = _spawn(_trainer_worker, tmp_path / "retried", 1)
+    assert [len(r["events"]) for r in retried] == [0, 1]  # rank 1 alone re-split its micro-batches
+    for a, b in zip(plain, retried):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert plain[0]["loss"] == plain[1]["loss"]  # every rank logs the whole step's loss
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,6 +9,7 @@ print its progress lines, add onegpu's checkpoint state and honour a requested s
 """
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from typing import Callable
 
@@ -144,7 +145,8 @@ class ExactLossTrainer(Trainer):
                 try:
                     counter, self.counter = self.counter, None  # earlier pieces were counted already
                     for past in self._step_inputs[:-1]:
-                        self._pieces_step(model, past, num_items_in_batch)
+                        with self._no_sync(model):  # as when they first ran: they only accumulate
+                            self._pieces_step(model, past, num_items_in_batch)
                 finally:
                     self.counter = counter
 
@@ -152,11 +154,19 @@ class ExactLossTrainer(Trainer):
         if self.split == 1 and self.oom_injector is None:
             return super().training_step(model, inputs, num_items_in_batch)
         total = None
-        for piece in oom.pieces(inputs, self.split):
+        pieces = oom.pieces(inputs, self.split)
+        for i, piece in enumerate(pieces):
             oom.injected(self.oom_injector, self.state.global_step + 1, int(piece["input_ids"].shape[0]))
-            loss = super().training_step(model, piece, num_items_in_batch)
+            # Under several processes only the last piece may all-reduce (if Trainer syncs this
+            # micro-batch at all): every rank then syncs once, however it split its micro-batches.
+            with self._no_sync(model) if i < len(pieces) - 1 else contextlib.nullcontext():
+                loss = super().training_step(model, piece, num_items_in_batch)
             total = loss if total is None else total + loss
         return total
+
+    def _no_sync(self, model):
+        """No gradient all-reduce in the block (DDP's ``no_sync``); a no-op on one process."""
+        return self.accelerator.no_sync(model) if self.args.world_size > 1 else contextlib.nullcontext()
 
     def _recover(self, model, inputs, error) -> None:
         self.split = oom.recover(error, model, int(inputs["input_ids"].shape[0]), self.split,
