@@ -92,6 +92,7 @@ class TrainConfig:
     per_device_train_batch_size: Any = 8  # micro-batch size: an int, or "auto" (needs effective_batch_size)
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
     effective_batch_size: Optional[int] = None  # null = micro x accumulation x processes
+    num_processes: int = 1                # data-parallel processes (one per GPU; gloo on a CPU); > 1: torchrun
     memory_budget_gib: Optional[float] = None  # for "auto": null = free device memory (CUDA); required on CPU
     oom_retry: bool = True                # CUDA out-of-memory in a step: halve the micro-batch, redo the step
     gradient_checkpointing: bool = False  # activation checkpointing
@@ -335,6 +336,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                   "got {v!r}"),
     "train.backend": _one_of(BACKENDS),
     "train.gradient_accumulation_steps": _POSITIVE_INT,
+    "train.num_processes": _POSITIVE_INT,
     "train.memory_budget_gib": (lambda v: v is None or v > 0, "must be a positive number of GiB or null, got {v}"),
     "train.learning_rate": (lambda v: v > 0, "must be a positive number, got {v}"),
     "train.num_train_epochs": (lambda v: v > 0, "must be a positive number, got {v}"),
@@ -407,15 +409,18 @@ def _check_train(t: TrainConfig, source: str) -> None:
                   "(the finder keeps it fixed and chooses how to split it)")
         if t.effective_batch_size < 1:
             _fail(source, "train.effective_batch_size", f"must be a positive integer, got {t.effective_batch_size}")
+        if t.effective_batch_size % t.num_processes:
+            _fail(source, "train.effective_batch_size", f"is {t.effective_batch_size}, not divisible by "
+                  f"train.num_processes ({t.num_processes}): each process takes an equal share")
     elif isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
         _fail(source, "train.per_device_train_batch_size", f"must be a positive integer or 'auto', got {mb!r}")
     if t.effective_batch_size is not None and mb != "auto":
-        product = mb * t.gradient_accumulation_steps
+        product = mb * t.gradient_accumulation_steps * t.num_processes
         if t.effective_batch_size != product:
             _fail(source, "train.effective_batch_size",
                   f"is {t.effective_batch_size}, but per_device_train_batch_size x "
-                  f"gradient_accumulation_steps = {mb} x {t.gradient_accumulation_steps} = {product} "
-                  "(one process); make them agree or set effective_batch_size: null")
+                  f"gradient_accumulation_steps x num_processes = {mb} x {t.gradient_accumulation_steps} x "
+                  f"{t.num_processes} = {product}; make them agree or set effective_batch_size: null")
     if t.bf16 and t.fp16:
         _fail(source, "train.fp16", "train.bf16 and train.fp16 are both true; choose at most one")
     every = t.gradient_checkpointing_kwargs.every_n_layers
@@ -486,8 +491,8 @@ class Resolved:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
 
 
-def resolve(cfg: Config, world_size: int = 1, micro_batch: int | None = None) -> Resolved:
-    """The batch layout for ``cfg`` on ``world_size`` processes (one GPU: 1).
+def resolve(cfg: Config, world_size: int | None = None, micro_batch: int | None = None) -> Resolved:
+    """The batch layout for ``cfg`` on ``world_size`` processes (None: ``train.num_processes``).
 
     With ``per_device_train_batch_size: auto`` the caller passes the finder's ``micro_batch``;
     accumulation is then ``effective_batch_size / (micro_batch x world_size)``.
@@ -495,6 +500,7 @@ def resolve(cfg: Config, world_size: int = 1, micro_batch: int | None = None) ->
         ConfigError: ``auto`` without ``micro_batch``, or a micro-batch that does not divide the effective batch.
     """
     t = cfg.train
+    world_size = t.num_processes if world_size is None else world_size
     if t.per_device_train_batch_size != "auto":
         return Resolved(int(t.per_device_train_batch_size), t.gradient_accumulation_steps, world_size)
     if micro_batch is None:

@@ -119,6 +119,11 @@ BAD = [
      ["positive integer", "null"]),
     ("empty-cache-str", {"train.torch_empty_cache_steps": "often"}, "train.torch_empty_cache_steps",
      ["integer or null"]),
+    ("processes-zero", {"train.num_processes": 0}, "train.num_processes", ["positive integer"]),
+    ("processes-float", {"train.num_processes": 1.5}, "train.num_processes", []),
+    ("auto-not-divisible-by-processes", {"train.per_device_train_batch_size": "auto",
+                                         "train.effective_batch_size": 9, "train.num_processes": 2},
+     "train.effective_batch_size", ["not divisible by train.num_processes (2)"]),
 ]
 
 
@@ -142,8 +147,16 @@ def test_effective_batch_size_disagreeing_names_the_product(raw):
         config.from_container(raw)
     msg = str(ei.value)
     assert "train.effective_batch_size" in msg
-    assert "8 x 2 = 16" in msg
+    assert "8 x 2 x 1 = 16" in msg
     assert "32" in msg
+
+
+def test_effective_batch_size_counts_the_processes(raw):
+    raw["train"].update(per_device_train_batch_size=8, gradient_accumulation_steps=2, effective_batch_size=32,
+                        num_processes=2)
+    cfg = config.from_container(raw)
+    assert config.resolve(cfg) == config.Resolved(8, 2, 2)
+    assert config.resolve(cfg).effective_batch_size == 32
 
 
 def test_effective_batch_size_equal_to_product_is_accepted(raw):

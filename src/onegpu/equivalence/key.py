@@ -38,6 +38,7 @@ NOT_IN_EQUIVALENCE_KEY = {
     "train.per_device_train_batch_size": "how the effective batch is split (the effective batch is in)",
     "train.gradient_accumulation_steps": "how the effective batch is split (the effective batch is in)",
     "train.effective_batch_size": "replaced by the resolved effective batch size",
+    "train.num_processes": "how the effective batch is split over processes (the effective batch is in)",
     "train.memory_budget_gib": "only steers the micro-batch finder",
     "train.gradient_checkpointing": "recomputes activations; the same mathematics",
     "train.gradient_checkpointing_kwargs.use_reentrant": "how torch recomputes the checkpointed activations "

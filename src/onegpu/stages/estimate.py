@@ -80,4 +80,7 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     print(autobatch.format_estimate(est, budget, cfg.train.gradient_checkpointing))
     print(f"({time.perf_counter() - start:.1f} s; CUDA adds its context and allocator slack, the CPU process "
           "its libraries: compare with mem_activation_bytes, not peak RSS)")
+    if cfg.train.num_processes > 1:
+        print(f"(per process: each of the {cfg.train.num_processes} processes of train.num_processes needs this on "
+              f"its own device; effective batch = micro-batch x accumulation x {cfg.train.num_processes})")
     return est

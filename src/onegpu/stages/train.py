@@ -8,10 +8,11 @@ No run is RUNNING unless a process writes to it. The run itself: :mod:`onegpu.tr
 from __future__ import annotations
 
 import shutil
+import sys
 
 from onegpu import paths, tracking
 from onegpu.config import Config
-from onegpu.training import session
+from onegpu.training import distributed, session
 
 # metrics/train.json (`dvc exp show`, `dvc metrics diff`): these headline figures only, so a sweep's
 # table fits a terminal next to the params that vary. Everything else (runtime, memory breakdown, FLOP/s,
@@ -23,10 +24,17 @@ STEP_COLUMNS = ["step", "loss", "grad_norm", "learning_rate", "step_time_s", "sa
 
 
 def run(cfg: Config) -> dict:
+    if cfg.train.num_processes > 1 and not distributed.launched():  # launch N processes of this stage
+        session.plan(cfg)  # the device, precision and data checks once, before any process starts
+        distributed.launch(cfg.train.num_processes, sys.argv[1:])
+        return {}
+    distributed.check_world(cfg.train.num_processes)
     plan = session.plan(cfg)  # device and precision checks first, then data/stats.json
-    tracker = tracking.connect(cfg.tracking.experiment_name)
-    result = session.run(plan, tracker, session.load_processed(), save=_write_outputs)
-    print(session.closing_line(result))
+    main = distributed.is_main()  # rank 0 alone writes MLflow and the outputs
+    tracker = tracking.connect(cfg.tracking.experiment_name) if main else distributed.NullTracker()
+    with distributed.failure_note():
+        result = session.run(plan, tracker, session.load_processed(), save=_write_outputs if main else None)
+    distributed.print_main(session.closing_line(result))
     return result.summary
 
 

@@ -140,13 +140,8 @@ class StepRecorder:
         if self.window_start is None:
             self.window_start = self._wall_start
         self.window_end = time.time()
-        self._pending[step] = {
-            "step_time_s": dt,
-            "samples_per_second": samples / dt if dt > 0 else 0.0,
-            "tokens_per_second": tokens / dt if dt > 0 else 0.0,
-            "mem_peak_bytes": measure.peak_bytes(self.device),
-            "samples": samples, "tokens": tokens, "targets": targets, "tokens_sq": tokens_sq,
-        }
+        peak = measure.peak_bytes(self.device)
+        self._pending[step] = _whole_step(dt, samples, tokens, targets, tokens_sq, peak, self.device)
         for k, v in measure.cuda_peaks(self.device).items():
             self._cuda_peaks[k] = max(v, self._cuda_peaks.get(k, 0))
         measure.reset_peak(self.device)
@@ -200,6 +195,35 @@ class StepRecorder:
             "train_mem_peak_bytes": max(r["mem_peak_bytes"] for r in self.rows),
             "train_steps": len(self.rows), "train_samples": samples, "train_tokens": tokens,
         }
+
+
+def _whole_step(dt: float, samples: int, tokens: int, targets: int, tokens_sq: int, peak: int, device) -> dict:
+    """The step's row over all processes (one all-gather under several; this process's values alone).
+
+    Counts are summed over ranks; ``step_time_s`` is the slowest rank's (they wait for each other at the
+    gradient all-reduce); ``samples_per_second``/``tokens_per_second`` = the step's examples/tokens over
+    all ranks divided by it; ``mem_peak_bytes`` = the largest rank's. Under several processes each rank's
+    own ``step_time_s``, ``samples_per_second``, ``tokens_per_second`` and ``mem_peak_bytes`` are added
+    as ``<name>.rank<r>``.
+    """
+    from onegpu.training import distributed
+    ranks = distributed.gather_over_ranks([dt, samples, tokens, targets, tokens_sq, peak], device)
+    step_time = max(r[0] for r in ranks)
+    total = [int(sum(r[i] for r in ranks)) for i in range(1, 5)]
+    row = {
+        "step_time_s": step_time,
+        "samples_per_second": total[0] / step_time if step_time > 0 else 0.0,
+        "tokens_per_second": total[1] / step_time if step_time > 0 else 0.0,
+        "mem_peak_bytes": int(max(r[5] for r in ranks)),
+        "samples": total[0], "tokens": total[1], "targets": total[2], "tokens_sq": total[3],
+    }
+    if len(ranks) > 1:
+        for i, (r_dt, r_samples, r_tokens, _, _, r_peak) in enumerate(ranks):
+            row[f"step_time_s.rank{i}"] = r_dt
+            row[f"samples_per_second.rank{i}"] = r_samples / r_dt if r_dt > 0 else 0.0
+            row[f"tokens_per_second.rank{i}"] = r_tokens / r_dt if r_dt > 0 else 0.0
+            row[f"mem_peak_bytes.rank{i}"] = int(r_peak)
+    return row
 
 
 def progress_line(step: int, total: int, rows: list[dict], device) -> str:

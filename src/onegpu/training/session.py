@@ -100,11 +100,14 @@ def load_stats() -> dict:
 def device_for(cfg: Config) -> str:
     """The device to train on, after checking the precision flags against it.
 
+    Under a multi-process launch each process trains on its own GPU, ``cuda:LOCAL_RANK``.
     Raises:
-        ConfigError: fp16 without CUDA, or bf16 on a GPU without bf16 support; see :func:`check_kernels`.
+        ConfigError: more ``train.num_processes`` than GPUs; fp16 without CUDA, or bf16 on a GPU without bf16 support; see :func:`check_kernels`.
     """
     import torch
+    from onegpu.training import distributed
     cuda = measure.cuda_available()
+    distributed.check_processes(cfg.train.num_processes, cuda, torch.cuda.device_count() if cuda else 0)
     if cfg.train.fp16 and not cuda:
         raise ConfigError("params.yaml: train.fp16: fp16 mixed precision needs a CUDA GPU and none is "
                           "visible; use bf16 (CPU autocast) or neither")
@@ -112,7 +115,7 @@ def device_for(cfg: Config) -> str:
         raise ConfigError(f"params.yaml: train.bf16: {torch.cuda.get_device_name(0)} has no bf16 support; "
                           "use fp16 or neither")
     check_kernels(cfg, cuda)
-    return measure.default_device()
+    return f"cuda:{distributed.local_rank()}" if cuda else measure.default_device()
 
 
 def check_kernels(cfg: Config, cuda: bool) -> None:
@@ -264,14 +267,19 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
                              saved_config, train_s)
         if save is not None:
             save(result)
-    shutil.rmtree(plan.checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
-    _other_checkpoints(tracker, plan.checkpoint_dir, plan.key, plan.cfg, plan.fingerprint, finished=True)
+    from onegpu.training import distributed
+    if distributed.is_main():  # one process tidies the checkpoints (the others write no MLflow either)
+        shutil.rmtree(plan.checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
+        _other_checkpoints(tracker, plan.checkpoint_dir, plan.key, plan.cfg, plan.fingerprint, finished=True)
     return result
 
 
 def _start_run(plan: TrainPlan, tracker) -> str:
     """Say which other checkpoints this run does not use, start the MLflow run with the stage's tags and
     link it to the run it resumes. Returns the run id."""
+    from onegpu.training import distributed
+    if not distributed.is_main():  # only rank 0 of a multi-process launch writes to MLflow
+        return tracker.start_run(None, {})
     from onegpu import tracking
     tags = {**tracking.run_context_tags(), "stage": "train", "equivalence_key": plan.key,
             "device": measure.device_name(plan.device), "data.fingerprint": plan.fingerprint}
@@ -281,6 +289,7 @@ def _start_run(plan: TrainPlan, tracker) -> str:
         tags["onegpu.resumed_from"] = resume.run_id or ""
         tags["onegpu.resumed_at_step"] = str(resume.step)
     run_id = tracker.start_run(tracking.run_name(), tags)
+    distributed.announce_run(run_id, plan.cfg.tracking.experiment_name)
     if resume:
         print(f"train: resuming from {resume.path} (optimizer step {resume.step} of MLflow run "
               f"{resume.run_id}, which was stopped); this run is {run_id}")
@@ -312,13 +321,18 @@ def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: s
     if cfg.train.gradient_checkpointing:
         from onegpu.training import checkpointing
         checkpointing.enable(model, cfg.train)
+    world = cfg.train.num_processes
     micro, probes = autobatch.find_micro_batch(
         model, training_rows(dsd, task), collator_for(task, tokenizer), loss_for(task),
-        cfg.train.effective_batch_size, budget, cfg.train.optim, device)
+        cfg.train.effective_batch_size, budget, cfg.train.optim, device, world_size=world)
+    from onegpu.training import distributed
+    micro = int(min(r[0] for r in distributed.gather_over_ranks([micro], device)))  # one split for all ranks
     table = autobatch.format_probes(probes)
-    print(f"auto micro-batch: {micro} x {cfg.train.effective_batch_size // micro} accumulation = "
-          f"{cfg.train.effective_batch_size} (budget {budget / 2**30:.2f} GiB, longest training rows"
-          f"{_BUDGET_CPU if not measure.is_cuda(device) else ''})\n{table}")
+    procs = f" x {world} processes" if world > 1 else ""
+    distributed.print_main(
+        f"auto micro-batch: {micro} x {cfg.train.effective_batch_size // (micro * world)} accumulation{procs} = "
+        f"{cfg.train.effective_batch_size} (budget {budget / 2**30:.2f} GiB, longest training rows"
+        f"{_BUDGET_CPU if not measure.is_cuda(device) else ''})\n{table}")
     tracker.log_dict(run_id, {"budget_bytes": budget, "probes": [p.as_row() for p in probes]},
                      "auto_micro_batch.json")
     tracker.log_text(run_id, table + "\n", "auto_micro_batch.md")
@@ -352,7 +366,8 @@ def closing_line(result: TrainResult) -> str:
     """The stage's last line: steps, layout, loss, time, peak memory (:func:`_peak_text`), device, run."""
     s, r, p = result.summary, result.plan.resolved, result.plan
     return (f"train: {s.get('train_steps', 0)} optimizer steps of {r.effective_batch_size} examples "
-            f"({r.per_device_train_batch_size} x {r.gradient_accumulation_steps}), "
+            f"({r.per_device_train_batch_size} x {r.gradient_accumulation_steps}"
+            f"{f' x {r.world_size} processes' if r.world_size > 1 else ''}), "
             f"train_loss {s.get('train_loss', float('nan')):.4f}, {s.get('train_runtime', 0):.1f} s, "
             f"{_peak_text(s.get('train_mem_peak_bytes', 0), p.device, p.budget)} "
             f"on {measure.device_name(p.device)}; MLflow run {result.run_id}")
@@ -426,8 +441,9 @@ def _step_tags(steps, effective_batch: int) -> dict:
 
 def _speed(model, summary: dict, cfg: Config, device: str, device_name: str,
            tokens_sq: int | None = None) -> tuple[dict, dict, dict]:
-    """``train_flops_per_second`` (model FLOPs, :mod:`onegpu.flops`) and ``train_mfu`` against the
-    device's peak in the matmul dtype; ``model_flops_per_token`` and ``device_peak_flops`` with them.
+    """``train_flops_per_second`` (model FLOPs, :mod:`onegpu.flops`; all processes together) and
+    ``train_mfu`` against the device's peak in the matmul dtype (x ``train.num_processes`` devices);
+    ``model_flops_per_token`` and ``device_peak_flops`` with them.
 
     Returns ``(metrics, params, tags)``: params name the peak's source and, for a measured peak, its
     cache file; with no trustworthy peak ``train_mfu`` is left out and the tag
@@ -437,8 +453,10 @@ def _speed(model, summary: dict, cfg: Config, device: str, device_name: str,
         return {}, {}, {}
     total = flops.train_flops(model, summary["train_samples"], summary["train_tokens"],
                               tokens_sq)
-    achieved = total / summary["train_runtime"]
-    m = flops.mfu(achieved, device_name, flops.matmul_dtype(cfg.train.mixed_precision), device)
+    achieved = total / summary["train_runtime"]  # over all processes (their examples are summed)
+    # MFU per device: under train.num_processes each process has its own device of the same peak.
+    m = flops.mfu(achieved / cfg.train.num_processes, device_name, flops.matmul_dtype(cfg.train.mixed_precision),
+                  device)
     metrics = {"train_flops_per_second": achieved, "model_flops_per_token": total / summary["train_tokens"],
                "device_peak_flops": m["peak"]}
     params = {"device_peak_flops.source": m["source"]}

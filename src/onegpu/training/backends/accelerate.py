@@ -29,7 +29,7 @@ from typing import Callable
 
 from onegpu import measure
 from onegpu.config import Config, Resolved
-from onegpu.training import checkpointing, oom
+from onegpu.training import checkpointing, distributed, oom
 from onegpu.training.batches import collator_for, model_inputs, probe_batch
 from onegpu.training.checkpoint import ResumePoint, load_loop_state, load_rng, save_loop_state
 from onegpu.training.interrupt import Interrupted
@@ -103,15 +103,18 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
                       oom_injector, step: int):
     """Forward and backward over one optimizer step's micro-batches, each cut into ``split`` pieces.
 
-    Returns the step's loss (a 0-d tensor on the device, not synced): the sum of the pieces' losses,
-    each already divided by the step's item count ``num_items``. Gradients are all-reduced (under DDP)
-    only after the last piece (``accelerator.no_sync`` before). ``labels`` stay in the inputs.
+    Returns this rank's share of the step's loss (a 0-d tensor on the device, not synced): the sum of
+    the pieces' losses, each already divided by the step's item count over all ranks ``num_items``.
+    Gradients are all-reduced (under DDP) only after the last piece (``accelerator.no_sync`` before);
+    each piece's backward is scaled by the number of processes, since DDP averages the ranks' gradients
+    where the step's loss sums them. ``labels`` stay in the inputs.
     Raises:
         torch.OutOfMemoryError: a piece did not fit (or ``oom_injector`` said so).
     """
     import torch
     pieces = [p for inputs in micro_batches for p in oom.pieces(inputs, split)]
     step_loss = torch.zeros((), device=accelerator.device)
+    scale = accelerator.num_processes
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
         accelerator.sync_gradients = last  # as Trainer sets it; the optimizer steps only when True
@@ -119,7 +122,7 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
         features = {k: v for k, v in piece.items() if k != "labels"}
         with contextlib.nullcontext() if last else accelerator.no_sync(model):
             loss = loss_fn(model(**features), piece["labels"], num_items)  # this piece's share of the mean
-            accelerator.backward(loss)  # no division: Accelerate's accumulation count is 1
+            accelerator.backward(loss * scale if scale > 1 else loss)  # Accelerate's accumulation count is 1
         step_loss += loss.detach()
     return step_loss
 
@@ -142,8 +145,11 @@ class _Loop:
 
 def _build(model, tokenizer, dsd, cfg: Config, resolved: Resolved) -> _Loop:
     """Accelerator, data loader, model set-up, optimizer and scheduler, as Trainer builds them."""
+    from datetime import timedelta
+
     import torch
     from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import InitProcessGroupKwargs
     from torch.utils.data import DataLoader, RandomSampler
     from transformers import get_scheduler
     from transformers.trainer_utils import align_special_tokens, seed_worker
@@ -162,8 +168,10 @@ def _build(model, tokenizer, dsd, cfg: Config, resolved: Resolved) -> _Loop:
     if t.torch_compile:
         from accelerate.utils import TorchDynamoPlugin
         dynamo = TorchDynamoPlugin(backend="inductor", mode=t.torch_compile_mode)
+    # Several processes (distributed.py): NCCL on GPUs, gloo on a CPU (cpu=True); collectives time out.
     accelerator = Accelerator(
-        mixed_precision=t.mixed_precision, dynamo_plugin=dynamo,
+        cpu=not cuda, mixed_precision=t.mixed_precision, dynamo_plugin=dynamo,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=distributed.TIMEOUT_S))],
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=t.seed))
     train_set = model_inputs(dsd, cfg.model.task)["train"]
     collator = collator_for(cfg.model.task, tokenizer)
@@ -242,15 +250,17 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
     lp = _build(model, tokenizer, dsd, cfg, resolved)
     recorder = StepRecorder(sink, lp.accelerator.device, BatchCounter())
     micro, accum = resolved.per_device_train_batch_size, resolved.gradient_accumulation_steps
-    print(f"accelerate: {lp.total_steps} optimizer steps of {resolved.effective_batch_size} examples "
-          f"({micro} x {accum}), {len(lp.train_set)} examples, {lp.epochs} epoch(s), {lp.accelerator.device}, "
-          f"mixed precision {lp.accelerator.mixed_precision}", flush=True)
+    procs = f" x {resolved.world_size} processes" if resolved.world_size > 1 else ""
+    distributed.print_main(
+          f"accelerate: {lp.total_steps} optimizer steps of {resolved.effective_batch_size} examples "
+          f"({micro} x {accum}{procs}), {len(lp.train_set)} examples, {lp.epochs} epoch(s), {lp.accelerator.device}, "
+          f"mixed precision {lp.accelerator.mixed_precision}")
     start = 0
     if resume is not None:  # weights, optimizer, scheduler; the data position and RNG in _run
         load_loop_state(resume.path, _plain(lp), lp.optimizer, lp.scheduler)
         start = resume.step
         recorder.restore(resume)
-        print(f"accelerate: resuming after optimizer step {start}", flush=True)
+        distributed.print_main(f"accelerate: resuming after optimizer step {start}")
     lp.model.train()
     lp.optimizer.zero_grad(set_to_none=True)
     probe = probe_batch(lp.train_set, lp.collator, micro)
@@ -274,7 +284,9 @@ def _run(lp: _Loop, cfg: Config, accum: int, recorder: StepRecorder, start: int,
                 # Only now: a fresh DataLoader iterator draws its base seed from the global RNG at its
                 # first batch, which the uninterrupted run did before step 1. Dropout then matches.
                 load_rng(resume.path)
-            num_items = sum(count_items(b["labels"], cfg.model.task) for b in micro_batches)
+            # The step's items over all ranks: each rank's loss is its share of the whole step's mean.
+            num_items = distributed.sum_over_ranks(sum(count_items(b["labels"], cfg.model.task)
+                                                       for b in micro_batches))
             while True:  # more than once only after an out-of-memory error (train.oom_retry)
                 try:
                     step_loss = _forward_backward(lp.accelerator, lp.model, micro_batches, num_items, loss_fn,
@@ -288,7 +300,9 @@ def _run(lp: _Loop, cfg: Config, accum: int, recorder: StepRecorder, start: int,
             grad_norm, lr = _optimizer_step(lp, cfg, recorder)
             step += 1
             recorder.end_step(step)
-            values = torch.stack([step_loss.float(), torch.as_tensor(grad_norm, device=device).float()])
+            # The step's loss: the ranks' shares summed (gradients, hence grad_norm, are already whole).
+            step_loss = distributed.sum_over_ranks(step_loss.float())
+            values = torch.stack([step_loss, torch.as_tensor(grad_norm, device=device).float()])
             loss_value, norm_value = values.tolist()  # the step's one host sync
             recorder.log(step, loss_value, norm_value, float(lr))
             if t.torch_empty_cache_steps and step % t.torch_empty_cache_steps == 0:
@@ -307,10 +321,15 @@ def _after_step(lp: _Loop, cfg: Config, recorder: StepRecorder, step: int, check
     """
     t = cfg.train
     if step % t.logging_steps == 0 or step == lp.total_steps:
-        print(progress_line(step, lp.total_steps, recorder.rows, lp.accelerator.device), flush=True)
-    stopping = stop is not None and stop.requested is not None and step < lp.total_steps
+        distributed.print_main(progress_line(step, lp.total_steps, recorder.rows, lp.accelerator.device))
+    requested = stop is not None and stop.requested is not None
+    if lp.accelerator.num_processes > 1:  # a stop on one rank stops all after the same step
+        requested = distributed.any_rank(requested, lp.accelerator.device)
+    stopping = requested and step < lp.total_steps
     if checkpoint_dir and (stopping or (t.save_steps and step % t.save_steps == 0 and step < lp.total_steps)):
-        save_loop_state(checkpoint_dir, step, _plain(lp), lp.optimizer, lp.scheduler,
-                        recorder, checkpoint_meta or {})
+        if lp.accelerator.is_main_process:  # one writer; the ranks' weights and optimizer states are equal
+            save_loop_state(checkpoint_dir, step, _plain(lp), lp.optimizer, lp.scheduler,
+                            recorder, checkpoint_meta or {})
+        lp.accelerator.wait_for_everyone()
     if stopping:
-        raise Interrupted(stop.requested, step)
+        raise Interrupted(stop.requested or 15, step)  # 15: SIGTERM, another rank's stop

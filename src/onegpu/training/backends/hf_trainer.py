@@ -9,6 +9,7 @@ print its progress lines, add onegpu's checkpoint state and honour a requested s
 """
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from typing import Callable
 
@@ -17,7 +18,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from onegpu import measure
 from onegpu.config import Config, Resolved
-from onegpu.training import checkpointing, oom
+from onegpu.training import checkpointing, distributed, oom
 from onegpu.training.batches import collator_for, model_inputs, probe_batch
 from onegpu.training.checkpoint import ResumePoint, write_state
 from onegpu.training.loss import count_items, loss_for
@@ -65,6 +66,11 @@ def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> Trai
         torch_compile=t.torch_compile,
         torch_compile_mode=t.torch_compile_mode,
         use_cpu=not cuda,  # lets bf16 autocast run on a CPU (TrainingArguments refuses it otherwise)
+        # Several processes (distributed.py): the step's item count summed over ranks and the loss scaled
+        # by the number of processes (Trainer.compute_loss); NCCL/gloo collectives time out.
+        average_tokens_across_devices=True,
+        ddp_timeout=distributed.TIMEOUT_S,
+        ddp_find_unused_parameters=False,  # every trainable parameter gets a gradient (no extra graph walk)
         logging_strategy="steps",
         logging_steps=1,
         logging_nan_inf_filter=False,
@@ -111,12 +117,14 @@ class ExactLossTrainer(Trainer):
         Trainer decides whether to count causal-LM labels shifted from ``model.loss_type``; a GPT-2 in
         transformers 5.24 has ``loss_type`` None, so Trainer counts every label and each row's first
         token too: the step loss came out (targets / (targets + rows)) too small (1.6% at 64 tokens).
+        Under several processes the count is summed over all ranks (as Trainer does with
+        ``average_tokens_across_devices``, which then scales each rank's loss by the number of processes).
         """
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         if not batch_samples or "labels" not in batch_samples[0]:
             return batch_samples, None
         num_items = sum(count_items(b["labels"], self.task) for b in batch_samples)
-        return batch_samples, num_items.to(device)
+        return batch_samples, distributed.sum_over_ranks(num_items.to(device))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.counter is not None and model.training:
@@ -137,7 +145,8 @@ class ExactLossTrainer(Trainer):
                 try:
                     counter, self.counter = self.counter, None  # earlier pieces were counted already
                     for past in self._step_inputs[:-1]:
-                        self._pieces_step(model, past, num_items_in_batch)
+                        with self._no_sync(model):  # as when they first ran: they only accumulate
+                            self._pieces_step(model, past, num_items_in_batch)
                 finally:
                     self.counter = counter
 
@@ -145,11 +154,19 @@ class ExactLossTrainer(Trainer):
         if self.split == 1 and self.oom_injector is None:
             return super().training_step(model, inputs, num_items_in_batch)
         total = None
-        for piece in oom.pieces(inputs, self.split):
+        pieces = oom.pieces(inputs, self.split)
+        for i, piece in enumerate(pieces):
             oom.injected(self.oom_injector, self.state.global_step + 1, int(piece["input_ids"].shape[0]))
-            loss = super().training_step(model, piece, num_items_in_batch)
+            # Under several processes only the last piece may all-reduce (if Trainer syncs this
+            # micro-batch at all): every rank then syncs once, however it split its micro-batches.
+            with self._no_sync(model) if i < len(pieces) - 1 else contextlib.nullcontext():
+                loss = super().training_step(model, piece, num_items_in_batch)
             total = loss if total is None else total + loss
         return total
+
+    def _no_sync(self, model):
+        """No gradient all-reduce in the block (DDP's ``no_sync``); a no-op on one process."""
+        return self.accelerator.no_sync(model) if self.args.world_size > 1 else contextlib.nullcontext()
 
     def _recover(self, model, inputs, error) -> None:
         self.split = oom.recover(error, model, int(inputs["input_ids"].shape[0]), self.split,
@@ -165,6 +182,8 @@ class CheckpointState(TrainerCallback):
 
     def on_save(self, args, state, control, **kw):
         import os
+        if not state.is_world_process_zero:  # Trainer saved the checkpoint from rank 0
+            return
         write_state(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), state.global_step,
                     self.recorder, self.meta)
 
@@ -207,16 +226,19 @@ class Progress(TrainerCallback):
         self.recorder, self.every = recorder, every
 
     def on_train_begin(self, args, state, control, **kw):
-        print(f"train: {state.max_steps} optimizer steps of {args.train_batch_size * args.gradient_accumulation_steps}"
-              f" examples ({args.train_batch_size} x {args.gradient_accumulation_steps}) on {args.device}; "
-              f"progress every {self.every} steps, every step goes to MLflow", flush=True)
+        world = args.world_size
+        distributed.print_main(
+              f"train: {state.max_steps} optimizer steps of {args.train_batch_size * args.gradient_accumulation_steps * world}"
+              f" examples ({args.train_batch_size} x {args.gradient_accumulation_steps}"
+              f"{f' x {world} processes' if world > 1 else ''}) on {args.device}; "
+              f"progress every {self.every} steps, every step goes to MLflow")
 
     def on_log(self, args, state, control, logs=None, **kw):
         step = state.global_step
         if not (logs and "loss" in logs) or not self.recorder.rows or self.recorder.rows[-1]["step"] != step:
             return
         if step % self.every == 0 or step == state.max_steps:
-            print(progress_line(step, state.max_steps, self.recorder.rows, self.recorder.device), flush=True)
+            distributed.print_main(progress_line(step, state.max_steps, self.recorder.rows, self.recorder.device))
 
 
 class EmptyCache(TrainerCallback):
@@ -238,7 +260,10 @@ class StopCallback(TrainerCallback):
         self.stop = stop
 
     def on_step_end(self, args, state, control, **kw):
-        if self.stop.requested is not None:
+        requested = self.stop.requested is not None
+        if args.world_size > 1:  # a stop on one rank stops all after the same step
+            requested = distributed.any_rank(requested, args.device)
+        if requested:
             control.should_save = True
             control.should_training_stop = True
 
@@ -285,6 +310,7 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
     finally:
         if scratch is not None:
             scratch.cleanup()
-    if stop is not None and stop.requested is not None:
-        raise Interrupted(stop.requested, trainer.state.global_step)
+    stopped_by_other_rank = args.world_size > 1 and trainer.state.global_step < trainer.state.max_steps
+    if stop is not None and (stop.requested is not None or stopped_by_other_rank):
+        raise Interrupted(stop.requested or 15, trainer.state.global_step)  # 15: SIGTERM, another rank's stop
     return trainer.model, steps
