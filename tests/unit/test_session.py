@@ -76,3 +76,27 @@ def test_flash_attention_without_flash_attn_or_cuda_is_one_clear_line(monkeypatc
 def test_tf32_passes_the_session_check_on_cpu(monkeypatch):
     monkeypatch.setattr(session.measure, "cuda_available", lambda: False)
     assert session.device_for(_cfg(tf32=True)) == "cpu"
+
+
+def test_the_auto_finder_probes_under_the_trainings_precision(tmp_path, monkeypatch, tokenizer, dsd):
+    """With bf16 the finder must probe under autocast (bf16 activations are smaller, so a larger
+    micro-batch fits); the session used to call it without the precision."""
+    from onegpu import autobatch
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    seen = {}
+
+    def finder(*args, **kw):
+        seen.update(kw)
+        return 4, []
+    monkeypatch.setattr(autobatch, "find_micro_batch", finder)
+
+    class Tracker:
+        def log_dict(self, *a):
+            pass
+
+        def log_text(self, *a):
+            pass
+    import torch
+    plan = session.plan(_cfg(**AUTO, bf16=True), STATS)
+    micro = session._find_micro_batch(torch.nn.Linear(2, 2), tokenizer, dsd, plan, Tracker(), "run")
+    assert micro == 4 and seen["mixed_precision"] == "bf16"

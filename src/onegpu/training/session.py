@@ -324,7 +324,8 @@ def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: s
     world = cfg.train.num_processes
     micro, probes = autobatch.find_micro_batch(
         model, training_rows(dsd, task), collator_for(task, tokenizer), loss_for(task),
-        cfg.train.effective_batch_size, budget, cfg.train.optim, device, world_size=world)
+        cfg.train.effective_batch_size, budget, cfg.train.optim, device, world_size=world,
+        mixed_precision=cfg.train.mixed_precision)  # probe under the training's autocast
     from onegpu.training import distributed
     micro = int(min(r[0] for r in distributed.gather_over_ranks([micro], device)))  # one split for all ranks
     table = autobatch.format_probes(probes)
