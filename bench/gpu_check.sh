@@ -6,6 +6,8 @@
 #   2. bench/split_sweep.py in bf16 on a BERT large enough to load the GPU (24 layers, hidden 1024,
 #      ~335 M parameters, random init) at max_length 512, effective batch 64 as 64x1, 16x4, 4x16, 1x64,
 #   3. bench/checkpointing.py in bf16: the default MiniLM-L6 and that BERT, micro-batch 16 x 512 tokens.
+#   4. where there are 2 or more GPUs, the data-parallel test (2 NCCL processes against 1, per step);
+#      with one GPU it says so and skips.
 # The benchmarks print their Markdown tables and write bench/results/<name>-gpu.{json,md}.
 # Nothing is written outside the repository except a temporary directory the scripts delete at exit;
 # `make install` creates .venv/ first if it is missing (its time is not part of the 8 minutes).
@@ -45,7 +47,7 @@ fi
 COMMON=(--bf16 --tag "$TAG" --max-wait 0 --retries 0)
 
 echo
-echo "== 1/3 pytest -m gpu"
+echo "== 1/4 pytest -m gpu"
 timeout "$LIMIT_TESTS" $PY -m pytest -m gpu -q -p no:cacheprovider
 rc=$?
 if [ $rc -eq 5 ]; then
@@ -55,12 +57,25 @@ elif [ $rc -ne 0 ]; then
 fi
 
 echo
-echo "== 2/3 split sweep (bf16)"
+echo "== 2/4 split sweep (bf16)"
 timeout "$LIMIT_SWEEP" $PY bench/split_sweep.py "${SWEEP[@]}" "${COMMON[@]}" || { echo "gpu_check: split_sweep.py failed (exit $?)"; FAIL=1; }
 
 echo
-echo "== 3/3 checkpointing (bf16)"
+echo "== 3/4 checkpointing (bf16)"
 timeout "$LIMIT_CKPT" $PY bench/checkpointing.py "${CKPT[@]}" "${COMMON[@]}" || { echo "gpu_check: checkpointing.py failed (exit $?)"; FAIL=1; }
+
+echo
+# 4. Data-parallel training (train.num_processes): where the machine has 2 or more GPUs, the CPU gloo test
+#    of 2 x 4 x 1 = 1 x 8 x 1 = 1 x 4 x 2 per step runs on the GPUs (NCCL, one process per GPU).
+NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "$SMOKE" != 1 ] && [ "${NGPU:-0}" -gt 1 ]; then
+    echo "== 4/4 data-parallel on 2 of $NGPU GPUs (NCCL)"
+    timeout 300 $PY -m pytest -q -p no:cacheprovider -k "two_processes_equal_one_process_per_step" \
+        tests/integration/test_data_parallel.py || { echo "gpu_check: data-parallel test failed (exit $?)"; FAIL=1; }
+else
+    echo "== 4/4 data-parallel: skipped, this machine has ${NGPU:-0} GPU(s); it needs 2 or more (the suite's CPU"\
+         "test, 2 gloo processes, covers the logic)"
+fi
 
 echo
 echo "gpu_check: $([ $FAIL = 0 ] && echo passed || echo FAILED) in $(( $(date +%s) - T0 )) s; tables in bench/results/*-$TAG.md"

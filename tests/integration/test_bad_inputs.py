@@ -203,7 +203,7 @@ CASES = [
     Case("choice-optimizer", "train", ("train.optim", "adamw_torch", "'adamw_8bit'"),
          _set(**{"train.optim": "adamw_8bit"})),
     Case("accumulation-does-not-give-effective-batch", "train",
-         ("train.effective_batch_size", "is 20", "8 x 3 = 24"),
+         ("train.effective_batch_size", "is 20", "8 x 3 x 1 = 24"),
          _set(**{"train.per_device_train_batch_size": 8, "train.gradient_accumulation_steps": 3,
                  "train.effective_batch_size": 20})),
     Case("auto-micro-batch-without-effective-batch", "train", ("train.effective_batch_size", "auto"),
