@@ -68,6 +68,24 @@ def test_concurrent_connects_to_fresh_store_agree(fresh_root):
     assert names.count("race") == 1
 
 
+def test_connect_adopts_an_experiment_another_clone_created_meanwhile(fresh_root, monkeypatch):
+    """Two clones of a project share one tracking server but not a file lock: the other clone can create
+    the experiment between this process's look-up and its create. The create's "already exists" error
+    then means: use that experiment (as the first look-up would have)."""
+    from mlflow import MlflowClient
+    theirs = MlflowClient(tracking_uri=f"sqlite:///{fresh_root}/mlflow.db").create_experiment("shared-exp")
+    real = MlflowClient.get_experiment_by_name
+    calls = []
+
+    def not_yet(self, name):  # the first look-up runs before the other clone's create
+        calls.append(name)
+        return None if len(calls) == 1 else real(self, name)
+    monkeypatch.setattr(MlflowClient, "get_experiment_by_name", not_yet)
+    tr = tracking.connect("shared-exp")
+    assert tr.experiment_id == theirs
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("uri", ["foo://bar", "sqlite://relative.db"])
 def test_malformed_uri_raises_user_error(fresh_root, monkeypatch, uri):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
