@@ -136,7 +136,8 @@ def _opening(uri: str):
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"cannot open the MLflow store {redact(uri)}: {type(e).__name__}: {e}") from None
+        raise UserError(f"cannot open the MLflow store {redact(uri)}: "
+                        + redact(f"{type(e).__name__}: {e}", uri)) from None
     finally:
         db_log.setLevel(old_level)
 
