@@ -119,12 +119,23 @@ def server(postgres, tmp_path):
 
 def test_two_clones_with_two_queue_workers_each_log_complete_runs_into_one_server(server, tmp_path):
     url, served = server
+    t0 = time.monotonic()
     uri = url.replace("http://", f"http://alice:{SECRET}@")  # credentials in the URI: never logged
     env = {**_env(), "MLFLOW_TRACKING_URI": uri, "PYTHONUNBUFFERED": "1"}
+    # One member prepares the data once; the clones share that DVC cache (as a team shares a DVC
+    # remote), so their experiments train and evaluate without preparing again.
     base = make_project(tmp_path / "base")
+    p = subprocess.run([str(BIN / "dvc"), "repro", "prepare"], cwd=base, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    logs = [p.stdout + p.stderr]
+    run(["git", "add", "dvc.lock", "data"], base)
+    run(["git", "commit", "-qm", "prepared"], base)
     clones = {c: tmp_path / c for c in ("a", "b")}
     for c, path in clones.items():
         run(["git", "clone", "-q", str(base), str(path)], tmp_path)
+        dvc(path, "cache", "dir", "--local", str(base / ".dvc" / "cache"))
+        dvc(path, "checkout", "prepare")
         for name, (micro, accum) in SPLITS.items():
             dvc(path, "exp", "run", "--queue", "-n", f"{c}-{name}", "-S", f"train.per_device_train_batch_size={micro}",
                 "-S", f"train.gradient_accumulation_steps={accum}")
@@ -137,12 +148,13 @@ def test_two_clones_with_two_queue_workers_each_log_complete_runs_into_one_serve
                                            stdout=out, stderr=subprocess.STDOUT))
     for p, path in zip(starts, clones.values()):
         assert p.wait(timeout=120) == 0, (path.parent / f"queue-start-{path.name}.log").read_text()
-    logs = []
     for c, path in clones.items():
         status = wait_for_queue(path)
         assert status.count("Success") == 2, status
         for name in SPLITS:
             logs.append(dvc(path, "queue", "logs", f"{c}-{name}").stdout)
+    print(f"queued experiments done after {time.monotonic() - t0:.0f} s")
+    assert all("Running stage 'prepare'" not in log for log in logs[1:]), logs  # the shared cache had it
     names = sorted(f"{c}-{n}" for c in clones for n in SPLITS)
     assert all("Traceback" not in log for log in logs), logs
 
