@@ -2,15 +2,17 @@
 behind `mlflow server` with MLflow's basic authentication and served artifacts, on 127.0.0.1. Two clones
 of one project each queue two experiments and run them with two workers, all four at once, into that
 server: every run arrives complete and named after its experiment, artifacts go through the server,
-`onegpu compare` groups the runs of both clones, and the password (in MLFLOW_TRACKING_URI for one
-clone, in MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD for the other) shows up nowhere.
+`onegpu compare` groups the runs of both clones, and the passwords (alice's in MLFLOW_TRACKING_URI for
+one clone, bob's in MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD for the other) show up nowhere.
 
 Skipped where PostgreSQL's server binaries are missing (``apt-get install postgresql``; `.ci/run` does
 that, and sets ONEGPU_REQUIRE_POSTGRES=1 so that CI fails instead of skipping).
 """
 from __future__ import annotations
 
+import base64
 import glob
+import json
 import os
 import pwd
 import shutil
@@ -30,7 +32,9 @@ from .conftest import BIN, _env, dvc, make_project, run, wait_for_queue
 pytestmark = pytest.mark.slow
 
 MAX_STEPS = 3  # TINY
-USER, SECRET = "alice", "s3cret-Pa55-team"  # MLflow wants admin passwords of 12 characters or more
+# The server's admin, and a member the admin adds (MLflow wants passwords of 12 characters or more).
+USER, SECRET = "alice", "s3cret-Pa55-team"
+MEMBER, MEMBER_SECRET = "bob", "b0b-s3cret-Pa55"
 # Both splits of effective batch 8 (TINY's dropout is 0): one equivalence key for all four runs.
 SPLITS = {"8x1": ("8", "1"), "2x4": ("2", "4")}
 
@@ -99,7 +103,8 @@ def server(postgres, tmp_path):
     artifacts from its own folder; yields (URL, that folder)."""
     port, artifacts = _free_port(), tmp_path / "server-artifacts"
     auth = tmp_path / "basic_auth.ini"
-    auth.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = {postgres}mlflow_auth\n"
+    # EDIT: every member logs into the experiment the first one created (READ would refuse bob's runs).
+    auth.write_text(f"[mlflow]\ndefault_permission = EDIT\ndatabase_uri = {postgres}mlflow_auth\n"
                     f"admin_username = {USER}\nadmin_password = {SECRET}\n"
                     "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
                     # Measured: without the cache (a PBKDF2 password check per request) this test took
@@ -136,10 +141,17 @@ def test_two_clones_with_two_queue_workers_each_log_complete_runs_into_one_serve
     with pytest.raises(urllib.error.HTTPError, match="401"):  # the server wants credentials
         urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/search?max_results=1", timeout=10)
     uri = url.replace("http://", f"http://{USER}:{SECRET}@")
-    # Clone a: the credentials in the URI; clone b: in MLflow's variables. Neither is ever shown.
+    # The admin adds a member (MLflow's REST API; mlflow.server.auth.client.AuthServiceClient does the same).
+    token = base64.b64encode(f"{USER}:{SECRET}".encode()).decode()
+    request = urllib.request.Request(f"{url}/api/2.0/mlflow/users/create", method="POST",
+                                     data=json.dumps({"username": MEMBER, "password": MEMBER_SECRET}).encode(),
+                                     headers={"Authorization": f"Basic {token}",
+                                              "Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=30)
+    # Clone a: alice, credentials in the URI; clone b: bob, in MLflow's variables. Neither is ever shown.
     envs = {"a": {**_env(), "MLFLOW_TRACKING_URI": uri, "PYTHONUNBUFFERED": "1"},
-            "b": {**_env(), "MLFLOW_TRACKING_URI": url, "MLFLOW_TRACKING_USERNAME": USER,
-                  "MLFLOW_TRACKING_PASSWORD": SECRET, "PYTHONUNBUFFERED": "1"}}
+            "b": {**_env(), "MLFLOW_TRACKING_URI": url, "MLFLOW_TRACKING_USERNAME": MEMBER,
+                  "MLFLOW_TRACKING_PASSWORD": MEMBER_SECRET, "PYTHONUNBUFFERED": "1"}}
     # One member prepares the data once; the clones share that DVC cache (as a team shares a DVC
     # remote), so their experiments train and evaluate without preparing again.
     base = make_project(tmp_path / "base")
@@ -221,11 +233,11 @@ def test_two_clones_with_two_queue_workers_each_log_complete_runs_into_one_serve
     assert f"(store `http://{USER}:***@127.0.0.1:" in outputs[2]
     assert f"(store `{url}`)" in outputs[5]
 
-    # The password is nowhere: not in any run's params or tags, the terminal output or the report.
+    # The passwords are nowhere: not in any run's params or tags, the terminal output or the report.
     everything = client.search_runs([exp.experiment_id], max_results=1000)
     assert {r.data.tags.get("stage") for r in everything} >= {"prepare", "train", "compare"}
     logged = [v for r in everything for v in (*r.data.params.values(), *r.data.tags.values())]
-    leaks = [v for v in logged if SECRET in v]
+    leaks = [v for v in logged if SECRET in v or MEMBER_SECRET in v]
     assert leaks == []
     for text in (*logs, *outputs):
-        assert SECRET not in text
+        assert SECRET not in text and MEMBER_SECRET not in text
