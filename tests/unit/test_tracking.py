@@ -68,6 +68,24 @@ def test_concurrent_connects_to_fresh_store_agree(fresh_root):
     assert names.count("race") == 1
 
 
+def test_connect_adopts_an_experiment_another_clone_created_meanwhile(fresh_root, monkeypatch):
+    """Two clones of a project share one tracking server but not a file lock: the other clone can create
+    the experiment between this process's look-up and its create. The create's "already exists" error
+    then means: use that experiment (as the first look-up would have)."""
+    from mlflow import MlflowClient
+    theirs = MlflowClient(tracking_uri=f"sqlite:///{fresh_root}/mlflow.db").create_experiment("shared-exp")
+    real = MlflowClient.get_experiment_by_name
+    calls = []
+
+    def not_yet(self, name):  # the first look-up runs before the other clone's create
+        calls.append(name)
+        return None if len(calls) == 1 else real(self, name)
+    monkeypatch.setattr(MlflowClient, "get_experiment_by_name", not_yet)
+    tr = tracking.connect("shared-exp")
+    assert tr.experiment_id == theirs
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("uri", ["foo://bar", "sqlite://relative.db"])
 def test_malformed_uri_raises_user_error(fresh_root, monkeypatch, uri):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -89,6 +107,55 @@ def test_redact_hides_password():
     assert red == "http://user:***@host:5000"
     assert tracking.redact("http://host:5000") == "http://host:5000"
     assert tracking.redact("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"
+    # In any text quoting the URI (MLflow's errors name the request URL), percent-encoded or not.
+    uri = "http://alice:p%40ss@host:5000"
+    msg = "API request to http://alice:p%40ss@host:5000/api/2.0/x failed (http://alice:p@ss@host:5000)"
+    assert tracking.redact(msg, uri) == ("API request to http://alice:***@host:5000/api/2.0/x failed "
+                                         "(http://alice:***@host:5000)")
+    assert tracking.redact("no credentials here", "http://host:5000") == "no credentials here"
+
+
+@pytest.fixture
+def failing_server(monkeypatch):
+    """A tracking "server" on 127.0.0.1 that answers every request with HTTP 500; MLflow does not retry."""
+    import http.server
+    import threading
+
+    class Fail(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(500)
+            self.end_headers()
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Fail)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    yield srv.server_address[1]
+    srv.shutdown()
+
+
+def test_server_error_message_hides_the_password_of_the_uri(fresh_root, monkeypatch, failing_server):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://alice:hunter2@127.0.0.1:{failing_server}")
+    with pytest.raises(UserError) as ei:
+        tracking.connect("exp1")
+    message = str(ei.value)
+    assert "cannot open the MLflow store http://alice:***@127.0.0.1" in message
+    assert "API request to http://alice:***@127.0.0.1" in message  # MLflow's own text, redacted
+    assert "hunter2" not in message
+
+
+def test_password_in_the_uri_turns_off_mlflows_run_links(fresh_root, monkeypatch, failing_server):
+    """MLflow prints "View run NAME at: <tracking URI>/#/..." when a run ends on a server."""
+    from mlflow.environment_variables import MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT
+    monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{failing_server}")
+    tracking.uri.store_uri(fresh_root)
+    assert MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT.get() is False  # no password: MLflow's links stay
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://alice:hunter2@127.0.0.1:{failing_server}")
+    tracking.uri.store_uri(fresh_root)
+    assert MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT.get() is True
 
 
 # -- runs, metrics -------------------------------------------------------------------------------
@@ -161,6 +228,16 @@ def test_guard_failed_on_error(store):
     assert run.info.status == "FAILED"
     assert run.data.tags["error.type"] == "ValueError"
     assert run.data.tags["error.message"] == "boom"
+
+
+def test_guard_error_message_tag_hides_the_password_of_the_uri(store, monkeypatch):
+    monkeypatch.setattr(store.writer, "uri", "http://alice:hunter2@host:5000")
+    run_id = store.start_run("fails-on-server", tags={})
+    with pytest.raises(ValueError):
+        with store.guard(run_id):
+            raise ValueError("API request to http://alice:hunter2@host:5000/api/2.0/mlflow/runs/get failed")
+    tags = store.client.get_run(run_id).data.tags
+    assert tags["error.message"] == "API request to http://alice:***@host:5000/api/2.0/mlflow/runs/get failed"
 
 
 def test_guard_killed_on_keyboard_interrupt(store):

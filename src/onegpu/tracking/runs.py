@@ -149,7 +149,8 @@ class RunHandle:
                 extra = context() if context else {}
                 if getattr(e, "step", None) is not None:  # the error knows its optimizer step
                     extra["error.step"] = str(e.step)
-                self.set_tags({"error.type": type(e).__name__, "error.message": str(e)[:5000], **extra})
+                message = redact(str(e), self.writer.uri)[:5000]  # MLflow's errors quote the store URL
+                self.set_tags({"error.type": type(e).__name__, "error.message": message, **extra})
                 self.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             except Exception:
                 pass  # the store itself failed: the original error is what the user needs

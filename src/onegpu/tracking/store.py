@@ -136,7 +136,8 @@ def _opening(uri: str):
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"cannot open the MLflow store {redact(uri)}: {type(e).__name__}: {e}") from None
+        raise UserError(f"cannot open the MLflow store {redact(uri)}: "
+                        + redact(f"{type(e).__name__}: {e}", uri)) from None
     finally:
         db_log.setLevel(old_level)
 
@@ -151,6 +152,26 @@ def _experiment_id(client, uri: str, name: str, alternative: str) -> str | None:
     if exp is not None and exp.lifecycle_stage == "deleted":
         raise UserError(deleted_experiment_message(exp, uri, alternative))
     return None if exp is None else exp.experiment_id
+
+
+def _create_experiment(client, uri: str, name: str, location: str | None) -> str:
+    """Create experiment ``name`` and return its id; when another process created it since the look-up
+    (the file lock covers one project root only: clones sharing a tracking server race here), its id.
+
+    Raises:
+        MlflowException: the create failed for another reason.
+        UserError: the experiment the other process created is deleted already.
+    """
+    from mlflow.exceptions import MlflowException
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        exp_id = _experiment_id(client, uri, name, "choose another tracking.experiment_name")
+        if exp_id is None:
+            raise
+        return exp_id
 
 
 def connect(experiment_name: str, root: Path | None = None) -> Tracker:
@@ -179,7 +200,7 @@ def connect(experiment_name: str, root: Path | None = None) -> Tracker:
         client = MlflowClient(tracking_uri=uri)
         exp_id = _experiment_id(client, uri, experiment_name, "choose another tracking.experiment_name")
         if exp_id is None:
-            exp_id = client.create_experiment(experiment_name, artifact_location=location)
+            exp_id = _create_experiment(client, uri, experiment_name, location)
     return Tracker(client=client, experiment_id=exp_id, uri=uri, spool_dir=paths.spool_dir(root))
 
 

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import urlparse
+import os
+from urllib.parse import unquote, urlparse
 
 from onegpu import paths
 from onegpu.errors import UserError
@@ -11,12 +12,18 @@ from onegpu.net import unreachable
 SCHEMES = ("sqlite", "http", "https", "file", "postgresql", "mysql", "databricks", "")
 
 
-def redact(uri: str) -> str:
-    """``uri`` with any password replaced by ``***`` (never log credentials)."""
-    p = urlparse(uri)
-    if p.password:
-        return uri.replace(f":{p.password}@", ":***@")
-    return uri
+def redact(text: str, uri: str | None = None) -> str:
+    """``text`` with the password of ``uri`` replaced by ``***`` wherever ``uri``'s credentials appear in
+    it (``user:PASSWORD@``); without ``uri``, ``text`` is the URI itself. For messages that quote a
+    library's error (MLflow's name the request URL, credentials included): never show credentials."""
+    try:
+        password = urlparse(text if uri is None else uri).password
+    except ValueError:
+        return text
+    if password:
+        for form in {password, unquote(password)}:
+            text = text.replace(f":{form}@", ":***@")
+    return text
 
 
 def check_uri(uri: str) -> None:
@@ -66,7 +73,8 @@ def check_reachable(uri: str, timeout_s: float = 5.0, note: str = "") -> None:
 def store_uri(root: Path, note: str = "") -> str:
     """The preamble of every command that opens the store: the project's tracking URI
     (:func:`onegpu.paths.tracking_uri`), checked (:func:`check_uri`) and, for a server, reachable
-    (:func:`check_reachable`; ``note`` is added to its message).
+    (:func:`check_reachable`; ``note`` is added to its message). With a password in the URI, MLflow's
+    run links are turned off (``MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT``): they would show it.
 
     Raises:
         UserError: see :func:`check_uri` and :func:`check_reachable`.
@@ -74,4 +82,8 @@ def store_uri(root: Path, note: str = "") -> str:
     uri = paths.tracking_uri(root)
     check_uri(uri)
     check_reachable(uri, note=note)
+    if urlparse(uri).password:
+        # MLflow prints "View run ... at: <tracking URI>/#/..." when a run ends on a server: with the
+        # password in the URI (user:password@host) that would put it on the terminal and in DVC's logs.
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     return uri
