@@ -115,7 +115,10 @@ def markdown(rows: list[Row], rec: Recommendation, measured: Row | None, title: 
         lines += [f"![speed and memory per knob]({image})", ""]
     lines += _md_table(HEAD, [_cells(r) for r in rows + _extra(measured)])
     lines.append("")
-    notes = [f"- {r.variant.name}: {n}" for r in rows for n in r.notes]
+    measured_rows = [r for r in rows if r.run is not None and r.variant.knob != "baseline"]
+    shared = set.intersection(*(set(r.notes) for r in measured_rows)) if measured_rows else set()
+    notes = [f"- every row: {n}" for n in sorted(shared)] if len(measured_rows) > 1 else []
+    notes += [f"- {r.variant.name}: {n}" for r in rows for n in r.notes if n not in shared or len(measured_rows) < 2]
     if skipped:
         notes += [f"- not measured: {s}" for s in skipped]
     if notes:

@@ -209,8 +209,14 @@ def test_report_markdown_terminal_and_plot(tmp_path):
     rows = tradeoffs.measure_rows(variants, runs)
     rec = tradeoffs.recommend(rows, None)
     measured = tradeoffs.measure_row(rec.variant, _run("recommended", step_time=0.6), base)
+    for r in rows[1:]:
+        r.notes.append("optimizer step 6 saw 4 of 16 examples")
+    rows[1].notes.append("run status KILLED")
     md, png = tradeoffs_report.write(rows, rec, measured, tmp_path, "t", skipped=["tf32: a no-op on CPU"])
     text = md.read_text()
+    # a note every row shares is said once; a row's own note stays with its row
+    assert text.count("saw 4 of 16") == 1 and "- every row: optimizer step 6 saw 4 of 16 examples" in text
+    assert "- split-16x1: run status KILLED" in text
     assert "| split-16x1 |" in text and "| recommended |" in text
     assert ("`dvc exp run -S 'train.per_device_train_batch_size=16' -S 'model.attn_implementation=eager'`"
             in text)
