@@ -40,6 +40,9 @@ IN_EXPECTATION = "same in expectation (other dropout masks)"
 # identical runs on a small shared CPU differ by several percent (bench/README.md, "Reading these numbers").
 MIN_GAIN = 0.05
 
+# A step after the first slower than this many times the median step is named in the report's notes.
+SLOW_STEP = 5.0
+
 # LoRA settings of the LoRA row when the user's params train the whole model (peft's usual starting point).
 LORA_ROW = "{r: 8, alpha: 16, dropout: 0.0, target_modules: null}"
 
@@ -265,6 +268,14 @@ def measure_row(v: Variant, run: RunRecord | None, baseline: RunRecord | None) -
     row.memory_bytes, row.memory_kind = memory_bytes(run)
     times = dict(run.series.get("step_time_s", []))
     row.first_step_s = times.get(1)
+    later = sorted(v for s, v in times.items() if s >= 2)
+    if later:
+        typical = later[len(later) // 2]
+        slow = [(s, v) for s, v in sorted(times.items()) if s >= 2 and v > SLOW_STEP * typical]
+        if slow:  # torch.compile recompiling for a new shape (an epoch's short last step), a stall
+            row.notes.append("optimizer step " + ", ".join(f"{s} took {v:.1f} s" for s, v in slow)
+                             + f" against a median {typical:.2f} s (torch.compile recompiles for each new batch "
+                               "shape; otherwise a one-off stall); its samples/s count them")
     row.train_runtime_s = run.metrics.get("train_runtime")
     row.eval_loss = run.metrics.get("eval_loss")
     if baseline is None:

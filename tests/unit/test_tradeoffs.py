@@ -134,6 +134,12 @@ def test_speed_excludes_step_one_and_memory_is_the_breakdown_on_cpu():
     assert row.memory_ratio == pytest.approx(500 / 450)
     assert row.verdict == tradeoffs.SAME_TRAINING and row.same_training
     assert row.time_to_eval_loss_s == row.train_runtime_s  # same eval loss: reached
+    assert row.notes == []
+    recompiled = _run("compile", step_time=0.5, first=30.0)
+    recompiled.series["step_time_s"][-1] = (STEPS, 20.0)  # the last step recompiles for its new shape
+    row = tradeoffs.measure_row(_variant("compile", "compile"), recompiled, base)
+    assert row.notes == [f"optimizer step {STEPS} took 20.0 s against a median 0.50 s (torch.compile recompiles "
+                         "for each new batch shape; otherwise a one-off stall); its samples/s count them"]
 
 
 def test_memory_on_gpu_is_the_allocator_peak():
