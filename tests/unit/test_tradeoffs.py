@@ -267,3 +267,16 @@ def test_common_overrides_go_first_in_every_variant():
     assert [v.overrides for v in out] == [
         (("model.dropout", "0"),),
         (("model.dropout", "0"), ("train.per_device_train_batch_size", "16"), ("train.gradient_accumulation_steps", "1"))]
+
+
+def test_run_queue_waits_for_its_experiments_to_leave_the_queue(monkeypatch, capsys):
+    """`dvc exp run --run-all` can return at once while a worker left from an earlier call runs the task
+    just queued: the report then found no run for it (seen: the combined recommendation 'not run')."""
+    from onegpu.stages import tradeoffs as stage
+    states = [["tradeoffs-1-recommended", "other"], ["tradeoffs-1-recommended"], []]
+    monkeypatch.setattr(stage, "_other_queued", lambda: states.pop(0))
+    monkeypatch.setattr(stage.subprocess, "run", lambda *a, **k: None)  # run-all returns at once
+    monkeypatch.setattr(stage.time, "sleep", lambda s: None)
+    stage._run_queue({"tradeoffs-1-recommended"})
+    assert states == []  # polled until its experiment left the queue
+    assert "waiting for tradeoffs-1-recommended (still in the DVC queue)" in capsys.readouterr().out

@@ -86,10 +86,21 @@ def _variants(manifest: dict) -> list[tradeoffs.Variant]:
 
 
 def _other_queued() -> list[str]:
-    """Experiments already queued or running in this project's DVC queue (``dvc queue status`` rows)."""
+    """Experiments queued or running in this project's DVC queue (``dvc queue status`` rows)."""
     p = _dvc_call("queue", "status")
     rows = [line.split() for line in p.stdout.splitlines()]
     return [r[1] if len(r) > 1 else r[0] for r in rows if any(w in ("Queued", "Running") for w in r)]
+
+
+def _wait_for(names: set[str], poll_s: float = 3.0) -> None:
+    """Until none of ``names`` is queued or running. ``dvc exp run --run-all`` can return at once while a
+    queue worker of an earlier call, still alive, runs a task just queued (it found nothing queued)."""
+    said = False
+    while busy := [n for n in _other_queued() if n in names]:
+        if not said:
+            print(f"waiting for {', '.join(busy)} (still in the DVC queue)", flush=True)
+            said = True
+        time.sleep(poll_s)
 
 
 def _check_variants(params: str, variants: list[tradeoffs.Variant]) -> None:
@@ -115,11 +126,13 @@ def _queue(prefix: str, variants: list[tradeoffs.Variant]) -> None:
         print(f"  queued {name}  {v.set_text or '(your params)'}")
 
 
-def _run_queue() -> None:
-    """Run every queued experiment, one at a time, following their logs (``dvc exp run --run-all -j 1``)."""
+def _run_queue(names: set[str]) -> None:
+    """Run every queued experiment, one at a time, following their logs (``dvc exp run --run-all -j 1``),
+    and wait until ``names`` (the experiments this command queued) have left the queue."""
     print("running the queue one experiment at a time (dvc exp run --run-all -j 1); Ctrl+C stops following "
           "the logs, the experiments go on (then `onegpu tradeoffs --report`)", flush=True)
     subprocess.run([_dvc(), "exp", "run", "--run-all", "-j", "1"])
+    _wait_for(names)
 
 
 def _budget_bytes(cfg: Config) -> float | None:
@@ -195,7 +208,7 @@ def run(cfg: Config, params: str = "params.yaml", knobs: tuple[str, ...] = trade
             print(f"\nnext: dvc queue start -j 1   (one at a time: timings need the machine alone)\n"
                   f"then, when `dvc queue status` shows them done: onegpu tradeoffs --report --batch {batch}")
             return []
-        _run_queue()
+        _run_queue({f"{prefix}{v.name}" for v in variants})
     manifest = _load_manifest(batch)
     batch = manifest["batch"]
     prefix = f"{PREFIX}{batch}-"
@@ -215,7 +228,7 @@ def run(cfg: Config, params: str = "params.yaml", knobs: tuple[str, ...] = trade
               f"({rec.variant.what})")
         _save_manifest(batch, variants, manifest.get("skipped", []), {**manifest, "recommended": True})
         _queue(prefix, [rec.variant])
-        _run_queue()
+        _run_queue({f"{prefix}{rec.variant.name}"})
         runs = _runs(tracker, prefix)
     measured = None
     if rec.variant is not None:
