@@ -79,15 +79,20 @@ def _signed(x: float | None) -> str:
     return "-" if x is None else f"{x:+.4f}"
 
 
-def _mib(b: float | None) -> str:
+# Table cells shared by the compare and tradeoffs reports: "-" where there is no value.
+
+def mib(b: float | None) -> str:
+    """Bytes as whole MiB with thousands separators."""
     return "-" if b is None else f"{b / 2**20:,.0f}"
 
 
-def _num(x: float | None, fmt: str = ".1f") -> str:
+def num(x: float | None, fmt: str = ".1f") -> str:
+    """A number in ``fmt``."""
     return "-" if x is None else format(x, fmt)
 
 
-def _ratio(x: float | None) -> str:
+def ratio(x: float | None) -> str:
+    """A ratio as ``1.23x``."""
     return "-" if x is None else f"{x:.2f}x"
 
 
@@ -118,9 +123,9 @@ def _group_table(g: GroupComparison) -> list[str]:
             cells += [_sci(c.loss.max_abs), _sci(c.loss.max_rel), _sci(c.grad_norm.max_abs),
                       _sci(c.grad_norm.max_rel), *[_signed(c.eval_deltas.get(m)) for m in evals]]
         ok = c.cost_comparable and g.rows[0].cost_comparable  # a ratio needs both runs alone
-        cells += [_cost(_mib(r.peak_memory_bytes), c.cost_comparable), _cost(_ratio(c.memory_ratio), ok),
-                  _cost(_num(r.samples_per_second), c.cost_comparable), _cost(_ratio(c.throughput_ratio), ok),
-                  _cost(_num(r.mean_step_time_s, ".3f"), c.cost_comparable)]
+        cells += [_cost(mib(r.peak_memory_bytes), c.cost_comparable), _cost(ratio(c.memory_ratio), ok),
+                  _cost(num(r.samples_per_second), c.cost_comparable), _cost(ratio(c.throughput_ratio), ok),
+                  _cost(num(r.mean_step_time_s, ".3f"), c.cost_comparable)]
         rows.append(cells)
     lines = md_table(head, rows)
     flagged = [c for c in g.rows if not c.cost_comparable]
@@ -187,7 +192,8 @@ def markdown(comparison: Comparison, experiment: str = "", store: str = "",
 
 # -- plots -----------------------------------------------------------------------------------------
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -217,7 +223,7 @@ def _splits(g: GroupComparison) -> str:
 
 def loss_figure(comparison: Comparison):
     """The figure of :func:`plot_loss_curves` (a matplotlib ``Figure``; the caller closes it)."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
     groups = comparison.groups[:MAX_PLOTTED_GROUPS]
     fig = plt.figure(figsize=(12, 3.8 * max(len(groups), 1)))
@@ -283,13 +289,13 @@ def plot_loss_curves(comparison: Comparison, path: str | Path) -> Path:
     fig = loss_figure(comparison)
     path = Path(path)
     fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
 def memory_figure(comparison: Comparison):
     """The figure of :func:`plot_memory_vs_throughput` (a matplotlib ``Figure``; the caller closes it)."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
     fig, ax = plt.subplots(figsize=(8, 5.5))
@@ -344,13 +350,13 @@ def plot_memory_vs_throughput(comparison: Comparison, path: str | Path) -> Path:
     fig = memory_figure(comparison)
     path = Path(path)
     fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
 # -- terminal --------------------------------------------------------------------------------------
 
-def _text_table(head: tuple[str, ...], rows: list[tuple], right: tuple[int, ...] = ()) -> list[str]:
+def text_table(head: tuple[str, ...], rows: list[tuple], right: tuple[int, ...] = ()) -> list[str]:
     """Plain-text columns, two spaces apart and indented by two: the header, a dash rule per column, the
     rows (columns in ``right`` right-aligned). tabulate's ``simple`` format pads each header by two more."""
     rows = [tuple(map(str, head)), *(tuple(map(str, r)) for r in rows)]
@@ -373,11 +379,11 @@ def terminal_table(comparison: Comparison, summaries: bool = True, width: int = 
             r = c.run
             rows.append((r.label, f"{r.micro_batch} x {r.accumulation}", "yes" if r.checkpointing else "no",
                          c.verdict, "-" if c.is_reference else _sci(c.loss.max_abs),
-                         _cost(_mib(r.peak_memory_bytes), c.cost_comparable),
-                         _cost(_num(r.samples_per_second), c.cost_comparable)))
+                         _cost(mib(r.peak_memory_bytes), c.cost_comparable),
+                         _cost(num(r.samples_per_second), c.cost_comparable)))
         out.append(f"group {i} key {g.key} ({len(g.rows)} run{'s' if len(g.rows) != 1 else ''}, "
                    f"{g.count(EQUIVALENT)} equivalent, {g.count(DIVERGED)} diverged)")
-        out += _text_table(head, rows, right=(4, 5, 6))
+        out += text_table(head, rows, right=(4, 5, 6))
         flagged = [c for c in g.rows if not c.cost_comparable]
         if flagged:
             out += textwrap.wrap(f"{OVERLAP_MARK} not comparable (trained at the same time as other runs): "

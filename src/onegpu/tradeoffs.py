@@ -18,7 +18,6 @@ The guide: "Methods and tools for efficient training on a single GPU", Hugging F
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from onegpu.config import Config
@@ -361,7 +360,3 @@ def recommend(rows: list[Row], budget_bytes: float | None, min_gain: float | Non
     what = " + ".join(r.variant.name for r in parts)
     return Recommendation(Variant("recommended", "recommended", overrides, SAME, what), parts, left_out,
                           budget_bytes)
-
-
-def fmt_ratio(x: float | None) -> str:
-    return "" if x is None or not math.isfinite(x) else f"{x:.2f}x"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from onegpu.tradeoffs import DIFFERENT_TRAINING, MIN_GAIN, SAME_TRAINING, Recommendation, Row, fmt_ratio
+from onegpu.report import md_table, mib, num, pyplot, ratio, text_table
+from onegpu.tradeoffs import DIFFERENT_TRAINING, MIN_GAIN, SAME_TRAINING, Recommendation, Row
 
 REPORT_FILE = "tradeoffs.md"
 PLOT_FILE = "tradeoffs.png"
@@ -25,19 +26,11 @@ GUIDE = {
 }
 
 
-def _num(x: float | None, fmt: str = ".1f") -> str:
-    return "" if x is None else format(x, fmt)
-
-
-def _mib(b: float | None) -> str:
-    return "" if b is None else f"{b / 2**20:,.0f}"
-
-
 def _time_to_loss(r: Row) -> str:
     if r.run is None or r.variant.knob == "baseline":
-        return _num(r.time_to_eval_loss_s)
+        return num(r.time_to_eval_loss_s)
     if r.time_to_eval_loss_s is not None:
-        return _num(r.time_to_eval_loss_s)
+        return num(r.time_to_eval_loss_s)
     return "not reached" if r.eval_loss is not None else "no eval loss"
 
 
@@ -50,20 +43,14 @@ def _cells(r: Row) -> list[str]:
     v = r.variant
     if r.run is None:
         return [v.name, v.what, GUIDE.get(v.knob, ""), "", "", "", "", "", "", "", "", "not run"]
-    return [v.name, v.what, GUIDE.get(v.knob, ""), _num(r.samples_per_second, ".2f"), fmt_ratio(r.speedup),
-            _num(r.first_step_s, ".2f"), _mib(r.memory_bytes), fmt_ratio(r.memory_ratio),
-            _num(r.train_runtime_s), _num(r.eval_loss, ".4f"), _time_to_loss(r), r.verdict]
+    return [v.name, v.what, GUIDE.get(v.knob, ""), num(r.samples_per_second, ".2f"), ratio(r.speedup),
+            num(r.first_step_s, ".2f"), mib(r.memory_bytes), ratio(r.memory_ratio),
+            num(r.train_runtime_s), num(r.eval_loss, ".4f"), _time_to_loss(r), r.verdict]
 
 
 HEAD = ["row", "change", "the guide says (speed / memory)", "samples/s (steps 2..N)", "vs baseline",
         "step 1 (s)", "memory (MiB)", "vs baseline", "train time (s)", "eval loss",
         "time to baseline's eval loss (s)", "verdict"]
-
-
-def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
-    esc = [[c.replace("|", "\\|") for c in row] for row in [head, *rows]]
-    return ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(head),
-            *("| " + " | ".join(row) + " |" for row in esc[1:])]
 
 
 def recommendation_lines(rec: Recommendation, measured: Row | None) -> list[str]:
@@ -81,12 +68,12 @@ def recommendation_lines(rec: Recommendation, measured: Row | None) -> list[str]
                    f"{budget}): `dvc exp run {rec.variant.set_text}`")
         if measured is None or measured.run is None:
             out.append(f"Not measured yet as a whole ({rec.variant.what}); each part alone: "
-                       + ", ".join(f"{r.variant.name} {fmt_ratio(r.speedup)}" for r in rec.parts) + ".")
+                       + ", ".join(f"{r.variant.name} {ratio(r.speedup)}" for r in rec.parts) + ".")
         else:
-            out.append(f"Measured: {fmt_ratio(measured.speedup)} the baseline's samples/s "
-                       f"({_num(measured.samples_per_second, '.2f')} vs "
-                       f"{_num(measured.samples_per_second / measured.speedup if measured.speedup else None, '.2f')}),"
-                       f" memory {fmt_ratio(measured.memory_ratio)}, verdict against the baseline: "
+            out.append(f"Measured: {ratio(measured.speedup)} the baseline's samples/s "
+                       f"({num(measured.samples_per_second, '.2f')} vs "
+                       f"{num(measured.samples_per_second / measured.speedup if measured.speedup else None, '.2f')}),"
+                       f" memory {ratio(measured.memory_ratio)}, verdict against the baseline: "
                        f"**{measured.verdict}**.")
     if rec.left_out:
         out.append("Not taken: " + "; ".join(f"{name} ({why})" for name, why in rec.left_out) + ".")
@@ -113,7 +100,7 @@ def markdown(rows: list[Row], rec: Recommendation, measured: Row | None, title: 
              ""]
     if image:
         lines += [f"![speed and memory per knob]({image})", ""]
-    lines += _md_table(HEAD, [_cells(r) for r in rows + _extra(measured)])
+    lines += md_table(HEAD, [_cells(r) for r in rows + _extra(measured)])
     lines.append("")
     measured_rows = [r for r in rows if r.run is not None and r.variant.knob != "baseline"]
     shared = set.intersection(*(set(r.notes) for r in measured_rows)) if measured_rows else set()
@@ -131,14 +118,10 @@ def terminal(rows: list[Row], rec: Recommendation, measured: Row | None, width: 
     """A compact plain-text table (row, samples/s ratio, memory ratio, train time, verdict) and the
     recommendation, wrapped at ``width``."""
     head = ("row", "samples/s", "vs base", "memory MiB", "vs base", "train s", "verdict")
-    body = [(r.variant.name, _num(r.samples_per_second, ".2f"), fmt_ratio(r.speedup), _mib(r.memory_bytes),
-             fmt_ratio(r.memory_ratio), _num(r.train_runtime_s), r.verdict)
+    body = [(r.variant.name, num(r.samples_per_second, ".2f"), ratio(r.speedup), mib(r.memory_bytes),
+             ratio(r.memory_ratio), num(r.train_runtime_s), r.verdict)
             for r in rows + _extra(measured)]
-    table = [tuple(head), *body]
-    widths = [max(len(str(row[j])) for row in table) for j in range(len(head))]
-    out = ["  " + "  ".join(str(v).rjust(w) if j in (1, 2, 3, 4, 5) else str(v).ljust(w)
-                            for j, (v, w) in enumerate(zip(row, widths))).rstrip() for row in table]
-    out.insert(1, "  " + "  ".join("-" * w for w in widths))
+    out = text_table(head, body, right=(1, 2, 3, 4, 5))
     for para in recommendation_lines(rec, measured):
         out += textwrap.wrap(para.replace("**", ""), width, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(out) + "\n"
@@ -148,9 +131,7 @@ def figure(rows: list[Row], title: str):
     """Two horizontal bar charts, one bar per measured row: samples/s and memory relative to the
     baseline (1.0 = the baseline; a dashed line marks it). Bars of rows that keep the same training are
     filled, others hatched. Returns the matplotlib Figure."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     measured = [r for r in rows if r.run is not None and r.speedup is not None]
     names = [r.variant.name for r in measured][::-1]
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.8), sharey=True)
@@ -181,8 +162,7 @@ def write(rows: list[Row], rec: Recommendation, measured: Row | None, out_dir: s
     fig = figure(rows + _extra(measured), title)
     png = out / PLOT_FILE
     fig.savefig(png, dpi=110)
-    import matplotlib.pyplot as plt
-    plt.close(fig)
+    pyplot().close(fig)
     md = out / REPORT_FILE
     md.write_text(markdown(rows, rec, measured, title, PLOT_FILE, skipped), encoding="utf-8")
     return [md, png]
