@@ -34,7 +34,7 @@ def _time_to_loss(r: Row) -> str:
     return "not reached" if r.eval_loss is not None else "no eval loss"
 
 
-def _extra(measured: Row | None) -> list[Row]:
+def combined_row(measured: Row | None) -> list[Row]:
     """The combined recommendation's own row, when it ran (a single knob's row is in the table already)."""
     return [measured] if measured and measured.run and measured.variant.knob == "recommended" else []
 
@@ -100,7 +100,7 @@ def markdown(rows: list[Row], rec: Recommendation, measured: Row | None, title: 
              ""]
     if image:
         lines += [f"![speed and memory per knob]({image})", ""]
-    lines += md_table(HEAD, [_cells(r) for r in rows + _extra(measured)])
+    lines += md_table(HEAD, [_cells(r) for r in rows + combined_row(measured)])
     lines.append("")
     measured_rows = [r for r in rows if r.run is not None and r.variant.knob != "baseline"]
     shared = set.intersection(*(set(r.notes) for r in measured_rows)) if measured_rows else set()
@@ -120,7 +120,7 @@ def terminal(rows: list[Row], rec: Recommendation, measured: Row | None, width: 
     head = ("row", "samples/s", "vs base", "memory MiB", "vs base", "train s", "verdict")
     body = [(r.variant.name, num(r.samples_per_second, ".2f"), ratio(r.speedup), mib(r.memory_bytes),
              ratio(r.memory_ratio), num(r.train_runtime_s), r.verdict)
-            for r in rows + _extra(measured)]
+            for r in rows + combined_row(measured)]
     out = text_table(head, body, right=(1, 2, 3, 4, 5))
     for para in recommendation_lines(rec, measured):
         out += textwrap.wrap(para.replace("**", ""), width, initial_indent="  ", subsequent_indent="  ")
@@ -159,7 +159,7 @@ def write(rows: list[Row], rec: Recommendation, measured: Row | None, out_dir: s
     """Write ``tradeoffs.md`` and ``tradeoffs.png`` into ``out_dir`` (created if missing); return both paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    fig = figure(rows + _extra(measured), title)
+    fig = figure(rows + combined_row(measured), title)
     png = out / PLOT_FILE
     fig.savefig(png, dpi=110)
     pyplot().close(fig)

@@ -187,32 +187,12 @@ def run(cfg: Config, params: str = "params.yaml", knobs: tuple[str, ...] = trade
     if not Path("dvc.yaml").is_file():
         raise UserError("no dvc.yaml here: run onegpu tradeoffs from the project root")
     if not report_only:
-        overrides = list(overrides)
-        variants, skipped = _plan(cfg, params, knobs, overrides)
-        if not queue_only:
-            others = _other_queued()
-            if others:
-                raise UserError(f"{len(others)} experiment(s) already in the DVC queue ({', '.join(others[:5])}): "
-                                "they would run with these and skew the timings; run them first "
-                                "(dvc queue start) or remove them (dvc queue remove --queued), or use "
-                                "--queue-only")
-        batch = time.strftime("%m%d-%H%M%S")
-        prefix = f"{PREFIX}{batch}-"
-        _save_manifest(batch, variants, skipped, {"params": params, "overrides": overrides})
-        print(f"onegpu tradeoffs: {len(variants)} experiments from {params}"
-              + "".join(f" -S {o}" for o in overrides) + f" (batch {batch}):")
-        _queue(prefix, variants)
-        for s in skipped:
-            print(f"  not measured: {s}")
+        batch = _start(cfg, params, knobs, list(overrides), queue_only)
         if queue_only:
-            print(f"\nnext: dvc queue start -j 1   (one at a time: timings need the machine alone)\n"
-                  f"then, when `dvc queue status` shows them done: onegpu tradeoffs --report --batch {batch}")
             return []
-        _run_queue({f"{prefix}{v.name}" for v in variants})
     manifest = _load_manifest(batch)
     batch = manifest["batch"]
     prefix = f"{PREFIX}{batch}-"
-    variants = _variants(manifest)
     tracker = tracking.open_existing(cfg.tracking.experiment_name)
     tracker.reap_orphans()
     runs = _runs(tracker, prefix)
@@ -220,31 +200,63 @@ def run(cfg: Config, params: str = "params.yaml", knobs: tuple[str, ...] = trade
         raise UserError(f"no finished training run named {prefix}baseline in MLflow experiment "
                         f"{cfg.tracking.experiment_name!r}: see `dvc queue logs {prefix}baseline`"
                         + (" (or wait for the queue: dvc queue status)" if report_only else ""))
-    rows = tradeoffs.measure_rows(variants, runs)
+    rows = tradeoffs.measure_rows(_variants(manifest), runs)
     rec = tradeoffs.recommend(rows, _budget_bytes(cfg))
     combined = rec.variant is not None and rec.variant.knob == "recommended"
     if combined and "recommended" not in runs and combine and not report_only:
         print(f"\n{len(rec.parts)} knobs were faster with the same training: measuring them together "
               f"({rec.variant.what})")
-        _save_manifest(batch, variants, manifest.get("skipped", []), {**manifest, "recommended": True})
         _queue(prefix, [rec.variant])
         _run_queue({f"{prefix}{rec.variant.name}"})
         runs = _runs(tracker, prefix)
-    measured = None
-    if rec.variant is not None:
-        measured = next((r for r in rows if r.variant.name == rec.variant.name), None) if not combined else \
-            tradeoffs.measure_row(rec.variant, runs.get("recommended"), runs["baseline"])
+    # The recommendation's measured row: a single knob's own row, or the combination's run (None: not run).
+    measured = None if rec.variant is None else (
+        tradeoffs.measure_row(rec.variant, runs.get("recommended"), runs["baseline"]) if combined
+        else next(r for r in rows if r.variant.name == rec.variant.name))
+    _report(tracker, batch, manifest, rows, rec, measured, out_dir)
+    return rows + ([measured] if combined else [])
+
+
+def _start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str], queue_only: bool) -> str:
+    """Plan, check the queue, save the batch's plan, queue its experiments and (unless ``queue_only``)
+    run them; return the batch id."""
+    variants, skipped = _plan(cfg, params, knobs, overrides)
+    if not queue_only:
+        others = _other_queued()
+        if others:
+            raise UserError(f"{len(others)} experiment(s) already in the DVC queue ({', '.join(others[:5])}): "
+                            "they would run with these and skew the timings; run them first "
+                            "(dvc queue start) or remove them (dvc queue remove --queued), or use "
+                            "--queue-only")
+    batch = time.strftime("%m%d-%H%M%S")
+    prefix = f"{PREFIX}{batch}-"
+    _save_manifest(batch, variants, skipped, {"params": params, "overrides": overrides})
+    print(f"onegpu tradeoffs: {len(variants)} experiments from {params}"
+          + "".join(f" -S {o}" for o in overrides) + f" (batch {batch}):")
+    _queue(prefix, variants)
+    for s in skipped:
+        print(f"  not measured: {s}")
+    if queue_only:
+        print(f"\nnext: dvc queue start -j 1   (one at a time: timings need the machine alone)\n"
+              f"then, when `dvc queue status` shows them done: onegpu tradeoffs --report --batch {batch}")
+    else:
+        _run_queue({f"{prefix}{v.name}" for v in variants})
+    return batch
+
+
+def _report(tracker, batch: str, manifest: dict, rows: list[tradeoffs.Row], rec: tradeoffs.Recommendation,
+            measured: tradeoffs.Row | None, out_dir: str | Path) -> None:
+    """Write the report files, log them and the ratios to an MLflow run, print the table."""
     title = f"onegpu tradeoffs {batch}" + "".join(f" -S {o}" for o in manifest.get("overrides", []))
-    files = tradeoffs_report.write(rows, rec, measured, out_dir, title,
-                                   manifest.get("skipped", []))
-    ids = [r.run.run_id for r in rows if r.run] + ([measured.run.run_id] if combined and measured and measured.run else [])
+    files = tradeoffs_report.write(rows, rec, measured, out_dir, title, manifest.get("skipped", []))
+    shown = rows + tradeoffs_report.combined_row(measured)
     metrics = {f"speedup/{r.variant.name}": r.speedup for r in rows if r.speedup is not None}
     metrics.update({f"memory_ratio/{r.variant.name}": r.memory_ratio for r in rows if r.memory_ratio is not None})
     if measured is not None and measured.speedup is not None:
         metrics["recommended_speedup"] = measured.speedup
-    run_id = tracking.log_comparison(tracker, files, ids, sorted({r.run.key for r in rows if r.run and r.run.key}),
+    run_id = tracking.log_comparison(tracker, files, [r.run.run_id for r in shown if r.run],
+                                     sorted({r.run.key for r in shown if r.run and r.run.key}),
                                      metrics, stage="tradeoffs", name=f"{PREFIX}{batch}")
     print()
     print(tradeoffs_report.terminal(rows, rec, measured), end="")
     print(f"\nreport: {files[0]} (plot {files[1].name}); MLflow run {run_id} ({PREFIX}{batch})")
-    return rows + ([measured] if combined and measured else [])
