@@ -41,6 +41,26 @@ def dataset(n: int):
     return tokenize(DatasetDict(train=ds), tokenizer(), max_length=32)
 
 
+def interrupt_at_step_2(train, ckpt):
+    """``train(sink, checkpoint_dir=, stop=, checkpoint_meta=)`` stopped by a signal that "arrives"
+    during optimizer step 2 (a GracefulStop stand-in); it must raise Interrupted. Returns the losses the
+    sink saw and the checkpoint left in ``ckpt`` (None if none)."""
+    from onegpu.training.checkpoint import latest_checkpoint
+    from onegpu.training.interrupt import Interrupted
+
+    class Stop:
+        requested = None
+    stop, first = Stop(), []
+
+    def sink(m, s):
+        first.append(m["loss"])
+        if s == 2:
+            stop.requested = 2
+    with pytest.raises(Interrupted):
+        train(sink, checkpoint_dir=ckpt, stop=stop, checkpoint_meta={"run_id": "r1"})
+    return first, latest_checkpoint(ckpt)
+
+
 def tiny_bert(attn: str | None = None):
     from transformers import BertConfig, BertForSequenceClassification
     torch.manual_seed(0)
@@ -172,8 +192,6 @@ def test_accelerate_stop_and_resume_gives_the_uninterrupted_losses_and_weights(t
     from transformers import BertForSequenceClassification
 
     from onegpu.training.backends import accelerate as accel
-    from onegpu.training.checkpoint import latest_checkpoint
-    from onegpu.training.interrupt import Interrupted
     monkeypatch.chdir(tmp_path)
     cfg = from_container({"model": {"dropout": 0.1},
                           "train": {"backend": "accelerate", "per_device_train_batch_size": 4,
@@ -188,20 +206,9 @@ def test_accelerate_stop_and_resume_gives_the_uninterrupted_losses_and_weights(t
 
     ref = []
     ref_model, _ = accel.train(build(), tokenizer(), dataset(24), cfg, resolve(cfg), lambda m, s: ref.append(m["loss"]))
-
-    class Stop:  # a GracefulStop whose signal "arrives" during step 2
-        requested = None
-    stop, first = Stop(), []
-
-    def sink(m, s):
-        first.append(m["loss"])
-        if s == 2:
-            stop.requested = 2
     ckpt = tmp_path / "ckpt"
-    with pytest.raises(Interrupted):
-        accel.train(build(), tokenizer(), dataset(24), cfg, resolve(cfg), sink, checkpoint_dir=ckpt, stop=stop,
-                    checkpoint_meta={"run_id": "r1"})
-    resume = latest_checkpoint(ckpt)
+    first, resume = interrupt_at_step_2(
+        lambda sink, **kw: accel.train(build(), tokenizer(), dataset(24), cfg, resolve(cfg), sink, **kw), ckpt)
     assert resume is not None and resume.step == 2 and resume.run_id == "r1"
     rest = []
     model, rec = accel.train(build(), tokenizer(), dataset(24), cfg, resolve(cfg), lambda m, s: rest.append(m["loss"]),

@@ -17,7 +17,7 @@ from onegpu import autobatch, lora, measure, models  # noqa: E402
 from onegpu.config import Resolved, from_container, resolve  # noqa: E402
 from onegpu.equivalence import equivalence_key  # noqa: E402
 from onegpu.errors import ConfigError  # noqa: E402
-from tests.unit.test_backends import LOSS_TOL, NORM_TOL, dataset, tiny_bert, tokenizer  # noqa: E402
+from tests.unit.test_backends import LOSS_TOL, NORM_TOL, dataset, interrupt_at_step_2, tiny_bert, tokenizer  # noqa: E402
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["query", "value"]}
 
@@ -257,8 +257,6 @@ def test_interrupted_lora_run_resumes_to_the_uninterrupted_losses_and_weights(ba
     the adapters, so the RNG state must resume too; the resumed model is built anew (its adapters'
     ``A`` drawn again from a seed), so the checkpoint must restore them."""
     from onegpu.training.backends import base
-    from onegpu.training.checkpoint import latest_checkpoint
-    from onegpu.training.interrupt import Interrupted
     monkeypatch.chdir(tmp_path)
     module = importlib.import_module(base.REGISTRY[backend])
     cfg = _cfg(backend, lora_cfg={**LORA, "dropout": 0.1}, max_steps=5, lr=1e-2, dropout=0.1)
@@ -279,19 +277,8 @@ def test_interrupted_lora_run_resumes_to_the_uninterrupted_losses_and_weights(ba
 
     ref = []
     ref_model, _ = train(build(1), lambda m, s: ref.append(m["loss"]))
-
-    class Stop:  # a GracefulStop whose signal "arrives" during step 2
-        requested = None
-    stop, first = Stop(), []
-
-    def sink(m, s):
-        first.append(m["loss"])
-        if s == 2:
-            stop.requested = 2
     ckpt = tmp_path / "ckpt"
-    with pytest.raises(Interrupted):
-        train(build(1), sink, checkpoint_dir=ckpt, stop=stop, checkpoint_meta={"run_id": "r1"})
-    resume = latest_checkpoint(ckpt)
+    first, resume = interrupt_at_step_2(lambda sink, **kw: train(build(1), sink, **kw), ckpt)
     # Trainer hands the step's loss to the sink after its step-end callbacks: it stops one step later.
     assert resume is not None and resume.step in (2, 3)
     rest = []
