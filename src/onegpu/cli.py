@@ -8,7 +8,7 @@ import sys
 
 STAGES = ("inputs", "prepare", "train", "evaluate")
 # onegpu.tradeoffs.KNOBS, spelled out so --help needs no import (tests/unit/test_tradeoffs.py checks it)
-TRADEOFF_KNOBS = "split,checkpointing,precision,tf32,optimizer,attention,compile,lora"
+TRADEOFF_KNOBS = "split,checkpointing,precision,tf32,optimizer,attention,compile,allocator,lora"
 
 
 def _parser() -> argparse.ArgumentParser:

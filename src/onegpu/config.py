@@ -38,6 +38,8 @@ OPTIMIZERS_EXTRA = ("adamw_bnb_8bit",)  # bitsandbytes' 8-bit AdamW (needs bitsa
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 # torch.compile modes (TrainingArguments.torch_compile_mode).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+# train.cpu_allocator (onegpu.training.host_allocator): keep freed host memory for the next step, or glibc's defaults.
+CPU_ALLOCATORS = ("caching", "system")
 
 
 @dataclass
@@ -119,6 +121,7 @@ class TrainConfig:
     tf32: bool = False                    # TF32 matmuls/convolutions on Ampere+ GPUs; a no-op on CPU
     torch_compile: bool = False           # torch.compile the model (inductor)
     torch_compile_mode: Optional[str] = None  # default | reduce-overhead | max-autotune; null = torch's default
+    cpu_allocator: str = "caching"        # CPU training: keep freed memory for the next step | system (glibc's)
 
     @property
     def mixed_precision(self) -> str:
@@ -354,6 +357,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.torch_empty_cache_steps": (_positive_or_null,
                                       "must be a positive integer (optimizer steps) or null (= never), got {v}"),
     "train.gradient_checkpointing_blocks": _one_of(CHECKPOINTING_BLOCKS),
+    "train.cpu_allocator": _one_of(CPU_ALLOCATORS),
     "train.torch_compile_mode": (lambda v: v is None or v in COMPILE_MODES,
                                  f"must be null or one of {', '.join(COMPILE_MODES)}, got {{v!r}}"),
     "evaluate.per_device_eval_batch_size": _POSITIVE_INT,

@@ -4,7 +4,8 @@ Pure logic, no DVC or MLflow here (``onegpu.stages.tradeoffs`` queues the experi
 
 * :func:`plan`: from the user's params, the baseline plus one variant per knob that applies (a split of
   the same effective batch, activation checkpointing, mixed precision, TF32, an optimizer swap, the
-  attention kernel, ``torch.compile``, LoRA), each as the ``-S`` overrides of a ``dvc exp run``;
+  attention kernel, ``torch.compile``, the CPU host allocator, LoRA), each as the ``-S`` overrides of
+  a ``dvc exp run``;
 * :func:`measure_rows`: each variant's run against the baseline's: steady-state samples per second
   (optimizer steps 2..N), peak memory (the CUDA allocator peak on a GPU; on CPU the breakdown params +
   grads + optimizer states + one micro-batch's activations, since the process RSS hides activation
@@ -46,7 +47,8 @@ SLOW_STEP = 5.0
 LORA_ROW = "{r: 8, alpha: 16, dropout: 0.0, target_modules: null}"
 
 # The knob names, in the guide's order; `--knobs` takes these.
-KNOBS = ("split", "checkpointing", "precision", "tf32", "optimizer", "attention", "compile", "lora")
+KNOBS = ("split", "checkpointing", "precision", "tf32", "optimizer", "attention", "compile", "allocator",
+         "lora")
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,14 @@ def plan(cfg: Config, cuda: bool = False, bf16_supported: bool = True, bnb_avail
         on = not t.torch_compile
         out.append(Variant("compile" if on else "no-compile", "compile", (("train.torch_compile", _yaml(on)),),
                            SAME, "torch.compile (inductor) " + ("on" if on else "off")))
+    if "allocator" in knobs:
+        if cuda:
+            skipped.append("allocator: train.cpu_allocator only matters when training on a CPU")
+        else:
+            other = "system" if t.cpu_allocator == "caching" else "caching"
+            out.append(Variant(f"cpu-allocator-{other}", "allocator", (("train.cpu_allocator", other),), SAME,
+                               "glibc's own malloc settings (freed memory goes back to the kernel)"
+                               if other == "system" else "the caching host allocator (freed memory is reused)"))
     if "lora" in knobs:
         if m.lora is None:
             out.append(Variant("lora", "lora", (("model.lora", LORA_ROW),), DIFFERENT,

@@ -22,6 +22,7 @@ GUIDE = {
     "optimizer": "yes / yes",
     "attention": "SDPA: yes / yes",
     "compile": "yes / no",
+    "allocator": "not in the guide (PyTorch's CPU tuning guide: an allocator that reuses memory)",
     "lora": "PEFT: no / yes",
 }
 

@@ -68,6 +68,7 @@ def test_repro_logs_prepare_and_one_complete_training_run(project):
             p["resolved.effective_batch_size"], p["resolved.world_size"]) == ("4", "2", "8", "1")
     t = run.data.tags
     assert len(t["equivalence_key"]) == 16 and t["device"] == "cpu"
+    assert t["cpu_allocator"].startswith("caching (glibc mallopt")  # train.cpu_allocator's default, applied
     assert len(t["mlflow.source.git.commit"]) == 40
     arts = {a.path for a in c.list_artifacts(run.info.run_id)}
     assert "confusion_matrix.png" in arts

@@ -119,6 +119,8 @@ BAD = [
      ["positive integer", "null"]),
     ("empty-cache-str", {"train.torch_empty_cache_steps": "often"}, "train.torch_empty_cache_steps",
      ["integer or null"]),
+    ("cpu-allocator-nope", {"train.cpu_allocator": "jemalloc"}, "train.cpu_allocator",
+     ["'jemalloc'", "caching", "system"]),
     ("processes-zero", {"train.num_processes": 0}, "train.num_processes", ["positive integer"]),
     ("processes-float", {"train.num_processes": 1.5}, "train.num_processes", []),
     ("auto-not-divisible-by-processes", {"train.per_device_train_batch_size": "auto",

@@ -72,7 +72,7 @@ def test_equivalence_key_ignores_observation_only_params(raw):
 @pytest.mark.parametrize("change", [
     {"tf32": True}, {"torch_compile": True}, {"torch_compile": True, "torch_compile_mode": "max-autotune"},
     {"dataloader_pin_memory": True}, {"dataloader_pin_memory": False}, {"torch_empty_cache_steps": 2},
-    {"optim": "adamw_torch_fused"},
+    {"optim": "adamw_torch_fused"}, {"cpu_allocator": "system"},
 ])
 def test_equivalence_key_ignores_precision_and_kernel_knobs(raw, change):
     # the same mathematics in another precision or kernel: one key, compared within that precision

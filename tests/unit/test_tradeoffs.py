@@ -25,7 +25,7 @@ def _names(variants):
 def test_plan_on_cpu_for_the_defaults():
     variants, skipped = tradeoffs.plan(_cfg())
     assert _names(variants) == ["baseline", "split-16x1", "checkpointing", "bf16", "adamw_torch_fused", "adafactor",
-                                "attn-eager", "compile", "lora"]
+                                "attn-eager", "compile", "cpu-allocator-system", "lora"]
     by = {v.name: v for v in variants}
     assert by["split-16x1"].set_args == ["-S", "train.per_device_train_batch_size=16",
                                          "-S", "train.gradient_accumulation_steps=1"]
@@ -38,7 +38,8 @@ def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
     variants, skipped = tradeoffs.plan(_cfg(), cuda=True, bf16_supported=False, bnb_available=True)
     names = _names(variants)
     assert "fp16" in names and "bf16" not in names  # a GPU without bf16
-    assert "tf32" in names and "adamw_bnb_8bit" in names and skipped == []
+    assert "tf32" in names and "adamw_bnb_8bit" in names and "cpu-allocator-system" not in names
+    assert [s.split(":")[0] for s in skipped] == ["allocator"]  # host memory is not the tensors' on a GPU
 
 
 def test_plan_turns_off_what_is_on_and_splits_the_other_way():
@@ -46,6 +47,8 @@ def test_plan_turns_off_what_is_on_and_splits_the_other_way():
                                             per_device_train_batch_size=8, gradient_accumulation_steps=1))
     names = _names(variants)
     assert {"no-checkpointing", "fp32", "no-compile", "split-4x2"} <= set(names)
+    variants, _ = tradeoffs.plan(_cfg(cpu_allocator="system"), knobs=("allocator",))
+    assert [v.overrides for v in variants] == [(), (("train.cpu_allocator", "caching"),)]
     variants, skipped = tradeoffs.plan(_cfg(per_device_train_batch_size=3, gradient_accumulation_steps=3),
                                        knobs=("split",))
     assert _names(variants) == ["baseline"] and "no other split" in skipped[0]

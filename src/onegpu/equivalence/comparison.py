@@ -441,6 +441,7 @@ KERNEL_KNOBS = (
     ("train.optim", "adamw_torch", "the fused AdamW kernel rounds the same update differently"),
     ("train.dataloader_pin_memory", "none", "page-locked host memory; no arithmetic changes, unlikely alone"),
     ("train.torch_empty_cache_steps", "none", "allocator cache only; no arithmetic changes, unlikely alone"),
+    ("train.cpu_allocator", "system", "host allocator only; no arithmetic changes, unlikely alone"),
 )
 
 

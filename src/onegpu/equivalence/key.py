@@ -65,6 +65,8 @@ NOT_IN_EQUIVALENCE_KEY = {
     "train.torch_compile_mode": "how torch.compile tunes its kernels, not what they compute",
     "train.dataloader_pin_memory": "where host batches live before the copy to the device, not their values",
     "train.torch_empty_cache_steps": "returns cached allocator blocks to the device; no arithmetic changes",
+    "train.cpu_allocator": "whether freed host memory stays in the process or goes back to the kernel; "
+                           "no arithmetic changes",
 }
 
 # Values of a param in the key that compute the same training as another value: (param, value) -> the

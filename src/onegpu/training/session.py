@@ -215,11 +215,14 @@ def fit(plan: TrainPlan, model, tokenizer, dsd, sink: Callable[[dict, int], None
     ``checkpoints``: as the stage does it, resumable (checkpoints every ``train.save_steps`` and on
     Ctrl-C/SIGTERM, a clean stop, into ``plan.checkpoint_dir``; ``plan.resume`` continued); False trains
     without either (benchmarks).
+    The host allocator is set first (``train.cpu_allocator``, :mod:`onegpu.training.host_allocator`).
     Raises:
         onegpu.training.interrupt.Interrupted: a stop was requested (after the checkpoint is saved).
     """
+    from onegpu.training import host_allocator
     from onegpu.training.backends import base
     from onegpu.training.interrupt import GracefulStop
+    host_allocator.apply(plan.cfg.train.cpu_allocator, plan.device)  # before the first step allocates
     backend = base.get(plan.cfg.train.backend)
     if not checkpoints:
         return backend.train(model, tokenizer, dsd, plan.cfg, plan.resolved, sink=sink)
@@ -258,6 +261,8 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
         from onegpu.training.recorder import step_metrics
         for row in (plan.resume.rows if plan.resume else []):  # the stopped run's steps, so this one is whole
             sink(step_metrics(row), row["step"])
+        from onegpu.training import host_allocator
+        tracker.set_tags(run_id, {"cpu_allocator": host_allocator.apply(plan.cfg.train.cpu_allocator, plan.device)})
         with tracker.system_metrics(run_id):
             t0 = time.perf_counter()
             model, steps = fit(plan, model, tokenizer, dsd, sink, run_id)
