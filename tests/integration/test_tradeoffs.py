@@ -18,8 +18,8 @@ def _training_runs(project, prefix):
 
 def test_queue_only_then_report(tmp_path):
     project = make_project(tmp_path / "p")
-    out = run([str(BIN / "onegpu"), "tradeoffs", "--queue-only", "--knobs", "precision", "-S", "train.max_steps=2"],
-              project).stdout
+    out = run([str(BIN / "onegpu"), "tradeoffs", "--queue-only", "--knobs", "precision,allocator",
+               "-S", "train.max_steps=2"], project).stdout
     assert "queued tradeoffs-" in out and "next: dvc queue start -j 1" in out
     batch = out.split("(batch ")[1].split(")")[0]
     status = dvc(project, "queue", "status").stdout
@@ -31,11 +31,20 @@ def test_queue_only_then_report(tmp_path):
     md = (project / "reports" / "tradeoffs.md").read_text()
     assert f"# onegpu tradeoffs {batch} -S train.max_steps=2" in md and "| bf16 |" in md and "| baseline |" in md
     trained = _training_runs(project, f"tradeoffs-{batch}-")
-    assert sorted(trained) == ["baseline", "bf16"]
+    assert sorted(trained) == ["baseline", "bf16", "cpu-allocator-system"]
     c, _, _ = runs(project)
     for r in trained.values():  # -S reached every experiment, the baseline too
         assert r.info.status == "FINISHED" and "eval_loss" in r.data.metrics
         assert [m.step for m in c.get_metric_history(r.info.run_id, "loss")] == [1, 2]
+    # The host allocator changes where memory comes from, not one bit of the training.
+    base, system = trained["baseline"], trained["cpu-allocator-system"]
+    assert base.data.tags["cpu_allocator"].startswith("caching (glibc mallopt")
+    assert system.data.tags["cpu_allocator"] == "system"
+    for key in ("loss", "grad_norm"):
+        assert ([m.value for m in c.get_metric_history(base.info.run_id, key)]
+                == [m.value for m in c.get_metric_history(system.info.run_id, key)]), key
+    assert base.data.metrics["eval_loss"] == system.data.metrics["eval_loss"]
+    assert "| cpu-allocator-system |" in md
     # Bad input: one line, exit 2, nothing queued.
     p = run([str(BIN / "onegpu"), "tradeoffs", "--knobs", "split,turbo"], project, check=False)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0

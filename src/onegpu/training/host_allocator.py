@@ -5,15 +5,16 @@ that allocate little: a block above the mmap threshold (dynamic, at most 32 MiB)
 returned with ``munmap`` when the tensor is freed, and free memory at the top of the heap above the trim
 threshold goes back to the kernel. A training step frees and allocates the same activations and
 gradients every step, so the kernel maps and zero-fills the same pages again and again: on the default
-job (MiniLM-L6, 8 x 2, 32 optimizer steps) 2.2 million minor page faults and 5 s of system time in a
-30 s process.
+job (MiniLM-L6, 8 x 2, 32 optimizer steps) 2.0 million minor page faults and 4 s of system CPU time
+in 20 s of training.
 
 ``caching`` (the default) keeps freed memory in the process for the next step, as PyTorch's CUDA
 caching allocator keeps device memory on a GPU: ``mallopt(M_MMAP_THRESHOLD, 1 GiB)`` (blocks below
 1 GiB come from the heap and are reused) and ``mallopt(M_TRIM_THRESHOLD, 2 GiB - 1)`` (free heap stays
-mapped). Measured on the default job on a 2-core CPU: 0.29 million page faults, about 1.2x the samples/s
-(README, "The guide's knobs, measured"). ``system`` leaves glibc's defaults. Neither changes a computed
-value, only where its memory comes from, so the knob is outside the equivalence key.
+mapped). Measured on the default job on a 2-core CPU (``bench/cpu_allocator.py``): 12x fewer page
+faults, 1.06x the samples/s, and 187 MiB more peak RSS (freed memory stays in the process).
+``system`` leaves glibc's defaults. Neither changes a computed value, only where its memory comes
+from, so the knob is outside the equivalence key.
 
 Sources: glibc mallopt(3) (``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``, and that setting either turns
 off the dynamic threshold); PyTorch's Performance Tuning Guide, "Switch Memory allocator" (for CPU
