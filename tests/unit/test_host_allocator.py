@@ -3,6 +3,7 @@ memory again for every tensor a training step frees and allocates (counted as mi
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -10,18 +11,21 @@ import pytest
 
 from onegpu.training import host_allocator
 
-# One "step" frees and allocates a 64 MiB tensor, as a step does with the embedding gradient.
+# One "step" frees and allocates a 64 MiB tensor, as a step does with the embedding gradient; the
+# minor page faults of each step are counted.
 _STEPS = """
 import json, resource, sys, torch
 from onegpu.training import host_allocator
 said = host_allocator.apply(sys.argv[1], "cpu")
 torch.empty(1 << 24).fill_(1.0)  # a first allocation, outside the count
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+faults = []
 for _ in range(20):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t = torch.empty(1 << 24)  # 64 MiB of float32
     t.fill_(1.0)
     del t
-print(json.dumps({"said": said, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"said": said, "faults": faults}))
 """
 
 PAGES_PER_STEP = (64 << 20) // 4096  # 16,384 pages of 4 KiB in a 64 MiB tensor
@@ -38,10 +42,10 @@ def test_caching_reuses_freed_memory_where_glibc_maps_it_afresh_every_step():
     assert system["said"] == "system"
     assert caching["said"].startswith("caching (glibc mallopt: M_MMAP_THRESHOLD 1024 MiB")
     # glibc's defaults: every 64 MiB tensor is a new mmap, all of its pages faulted in again.
-    assert system["faults"] >= 20 * PAGES_PER_STEP * 0.9
-    # caching: the freed block is reused. Seen here: one or two tensors' pages faulted in (the heap
-    # growing once; the kernel may reclaim idle free pages); allowed: four, a fifth of glibc's count.
-    assert caching["faults"] <= 4 * PAGES_PER_STEP
+    assert statistics.median(system["faults"]) >= PAGES_PER_STEP * 0.9, system["faults"]
+    # caching: the freed block is reused, a typical step faults in (almost) nothing. The median, since
+    # the kernel may reclaim idle free pages now and then (seen under load: a few steps refault).
+    assert statistics.median(caching["faults"]) <= PAGES_PER_STEP * 0.1, caching["faults"]
 
 
 def test_nothing_changes_for_a_gpu_training_or_when_system_is_asked(monkeypatch):
