@@ -382,11 +382,19 @@ def _machine_busy_s() -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def _own_cpu_s() -> float:
+    """CPU time of this process and of its children that were waited for (a run in a subprocess)."""
+    import resource
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + c.ru_utime + c.ru_stime
+
+
 class OtherLoad:
-    """``with OtherLoad() as load: ...`` then ``load.cores``: other processes' CPU use during the block."""
+    """``with OtherLoad() as load: ...`` then ``load.cores``: other processes' CPU use during the block
+    (this process and the children it waited for are not "other")."""
 
     def __enter__(self):
-        self.t0, self.b0, self.p0 = time.perf_counter(), _machine_busy_s(), time.process_time()
+        self.t0, self.b0, self.p0 = time.perf_counter(), _machine_busy_s(), _own_cpu_s()
         return self
 
     def __exit__(self, *exc):
@@ -395,7 +403,7 @@ class OtherLoad:
         if self.b0 is None or b1 is None or wall <= 0:
             self.cores = 0.0
         else:
-            self.cores = max(0.0, ((b1 - self.b0) - (time.process_time() - self.p0)) / wall)
+            self.cores = max(0.0, ((b1 - self.b0) - (_own_cpu_s() - self.p0)) / wall)
         return False
 
 

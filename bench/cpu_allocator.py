@@ -16,7 +16,6 @@ import json
 import resource
 import subprocess
 import sys
-import time
 
 import common
 
@@ -41,29 +40,16 @@ def child(args) -> None:
 
 
 def one(args, arm: str, overrides: tuple[str, ...]) -> dict:
-    """Run the child for ``arm`` on a quiet machine; rerun when other processes used the CPU meanwhile."""
+    """One run of ``arm`` in its own process, on a quiet machine (``common.clean_run``)."""
     cmd = [sys.executable, __file__, "--child", "system" if arm == "system" else "caching",
            "--micro", str(args.micro), "--accum", str(args.accum), "--steps", str(args.steps),
            "--rows", str(args.rows), "--max-length", str(args.max_length), "--seed", str(args.seed),
            *[a for o in overrides for a in ("--set", o)]]
-    waited, best = 0.0, None
-    for attempt in range(1 + max(0, args.retries)):
-        waited += common.wait_quiet(args.max_wait)
-        t0, b0 = time.perf_counter(), common._machine_busy_s()
-        c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+
+    def run() -> dict:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        wall, b1 = time.perf_counter() - t0, common._machine_busy_s()
-        own = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)
-        res = json.loads(out.stdout.strip().splitlines()[-1])
-        res["other_load_cores"] = round(max(0.0, ((b1 - b0) - own) / wall), 3) if b0 is not None else 0.0
-        if best is None or res["other_load_cores"] < best["other_load_cores"]:
-            best = res
-        if res["other_load_cores"] <= common.CONTENTION_LIMIT:
-            break
-        print(f"  {arm}: other processes used {res['other_load_cores']:.2f} cores; measuring again", flush=True)
-    best.update(attempts=attempt + 1, waited_s=round(waited, 1))
-    return best
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    return common.clean_run(run, args, arm)
 
 
 def main() -> None:
