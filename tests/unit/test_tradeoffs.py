@@ -30,7 +30,7 @@ def test_plan_on_cpu_for_the_defaults():
     assert by["split-16x1"].set_args == ["-S", "train.per_device_train_batch_size=16",
                                          "-S", "train.gradient_accumulation_steps=1"]
     assert by["baseline"].set_args == []
-    assert by["lora"].overrides == (("model.lora", tradeoffs.LORA_ROW),)
+    assert by["lora"].set_args == ["-S", "model.lora.r=8"]  # the dotted form a user types
     assert [s.split(":")[0] for s in skipped] == ["tf32"]  # a no-op on CPU
 
 
@@ -79,8 +79,16 @@ def test_every_variant_validates_and_its_key_matches_what_it_expects():
     lora = config.from_container({**defaults.params(), "model": {**defaults.params()["model"],
                                                                   "lora": {"r": 8, "alpha": 16}}})
     r = defaults.params()
-    config.apply_override(r, f"model.lora={tradeoffs.LORA_ROW}")
-    assert config.from_container(r).model.lora == lora.model.lora
+    for k, val in tradeoffs.LORA_ROW:
+        config.apply_override(r, f"{k}={val}")
+    assert config.from_container(r).model.lora_adapters == lora.model.lora
+    # params whose model.lora is null (DVC cannot set model.lora.r there): the row gives the whole mapping
+    r = defaults.params()
+    r["model"]["lora"] = None
+    (row,) = [v for v in tradeoffs.plan(config.from_container(r))[0] if v.knob == "lora"]
+    assert row.overrides == (("model.lora", tradeoffs.LORA_MAPPING),)
+    config.apply_override(r, f"model.lora={tradeoffs.LORA_MAPPING}")
+    assert config.from_container(r).model.lora_adapters == lora.model.lora
 
 
 def test_parse_knobs():
