@@ -56,6 +56,25 @@ def _outside_exp_tmp(p: Path) -> Path:
     return p
 
 
+def params_differ_from_head(params: str | os.PathLike = PARAMS) -> bool:
+    """Whether ``params`` (in the current directory) differs from its copy at git's ``HEAD``: what a
+    ``dvc exp run -S`` in the workspace leaves there (DVC writes the values, and rewrites nulls as empty
+    values, before any stage runs, and keeps them when a stage fails). One ``git diff --quiet`` (a few ms).
+
+    False in DVC's temp clone of a queued or ``--temp`` experiment (the user's file is untouched there),
+    outside git, or when git cannot answer within 5 s.
+    """
+    import subprocess
+    here = Path.cwd().resolve()
+    if _outside_exp_tmp(here) != here:
+        return False
+    try:
+        return subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(params)], capture_output=True,
+                              timeout=5).returncode == 1
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def tracking_uri(root: Path | None = None) -> str:
     """``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<root>/mlflow.db`` (absolute)."""
     if not uses_default_store():

@@ -502,14 +502,17 @@ def test_dvc_exp_run_unparsable_sweep_value_is_refused_by_dvc(outcomes, tmp_path
 
 
 def test_dvc_exp_run_sweep_value_of_wrong_type_fails_the_experiment(outcomes, tmp_path, empty_store):
-    """`-S train.learning_rate=fast`: DVC writes the string, prepare refuses it naming the key; no
-    experiment is saved, nothing is cached. (DVC leaves the -S value in the workspace's params.yaml.)"""
+    """`-S train.learning_rate=fast`: DVC writes the string, the first stage refuses it naming the key and
+    the changed params.yaml (DVC leaves the -S value there); no experiment is saved, nothing is cached."""
     p = make_project(tmp_path)
     shutil.copy(empty_store, p / "mlflow.db")
     proc = dvc(p, "exp", "run", "-S", "train.learning_rate=fast", check=False)
     assert proc.returncode != 0
     [line] = _dvc_error_lines(proc, "inputs")  # the first stage validates every param
-    assert line == "onegpu inputs: error: params.yaml: train.learning_rate: expected a number, got 'fast'"
+    assert line == ("onegpu inputs: error: params.yaml: train.learning_rate: expected a number, got 'fast'; "
+                    "params.yaml differs from git's HEAD (`dvc exp run -S` writes its values there first and "
+                    "keeps them when a stage fails): `git diff params.yaml` shows what, `git checkout "
+                    "params.yaml` restores the committed one")
     refs = subprocess.run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=p,
                           capture_output=True, text=True).stdout.split()
     assert [r for r in refs if not r.startswith("refs/exps/exec/")] == [], refs  # no experiment saved
