@@ -1,6 +1,8 @@
 """onegpu tradeoffs: the plan of experiments, the rows measured from runs, the recommendation, the report."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from onegpu import cli, config, tradeoffs, tradeoffs_report
@@ -291,3 +293,18 @@ def test_run_queue_waits_for_its_experiments_to_leave_the_queue(monkeypatch, cap
     stage._run_queue({"tradeoffs-1-recommended"})
     assert states == []  # polled until its experiment left the queue
     assert "waiting for tradeoffs-1-recommended (still in the DVC queue)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("differs", [True, False])
+def test_start_says_when_the_baseline_params_differ_from_git(monkeypatch, capsys, fresh_root, differs):
+    """A workspace `dvc exp run -S` (the README's `auto` example) leaves its values in params.yaml; the
+    baseline is then that file, and the command says so."""
+    from onegpu import paths
+    from onegpu.stages import tradeoffs as stage
+    monkeypatch.setattr(stage, "_queue", lambda prefix, variants: None)
+    monkeypatch.setattr(paths, "params_differ_from_head", lambda params: differs)
+    defaults.write_params(Path.cwd())
+    stage._start(_cfg(), "params.yaml", ("split",), [], queue_only=True)
+    out = capsys.readouterr().out
+    assert ("note: params.yaml differs from git's HEAD (`git diff params.yaml`): the baseline is the file "
+            "as it is" in out) == differs, out
