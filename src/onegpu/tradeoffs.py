@@ -216,14 +216,15 @@ BREAKDOWN = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes", "mem_
 
 def memory_bytes(r: RunRecord) -> tuple[float | None, str]:
     """``(bytes, what)``: on a GPU the CUDA allocator peak (``train_mem_peak_bytes``); on CPU the sum of
-    the breakdown params + grads + optimizer states + one micro-batch's saved activations (bytes; the
-    process RSS peak hides what checkpointing and precision save)."""
+    the breakdown params + grads + optimizer states + one micro-batch's saved activations + autocast's
+    weight copies (bytes; the process RSS peak hides what checkpointing and precision save)."""
     if r.tags.get("device", "cpu").lower() != "cpu":
         return r.peak_memory_bytes, "allocator peak"
     parts = [r.metrics.get(k) for k in BREAKDOWN]
     if any(p is None for p in parts):
         return None, "breakdown"
-    return float(sum(parts)), "breakdown"
+    # + bf16/fp16 autocast's weight copies (real memory; runs logged before the split counted them as activations)
+    return float(sum(parts) + r.metrics.get("mem_autocast_weights_bytes", 0.0)), "breakdown"
 
 
 @dataclass
