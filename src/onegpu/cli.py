@@ -17,8 +17,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Fine-tune Hugging Face models on one GPU through DVC, with every run's memory, "
                     "speed and loss in MLflow.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, text in (("inputs", "fingerprint the data source and the model that params.yaml names, so DVC "
-                                  "re-runs prepare and train when they change (DVC stage)"),
+    for name, text in (("inputs", "link the data source and the model that params.yaml names as "
+                                  "data/inputs/*, the paths DVC hashes for prepare and train (DVC stage)"),
                        ("prepare", "read, de-duplicate, split and tokenize the data (DVC stage)"),
                        ("train", "fine-tune the model with the params' micro-batch, accumulation and "
                                  "checkpointing (DVC stage)"),

@@ -18,7 +18,6 @@ from typing import Iterator, TextIO
 
 # Stage outputs, relative to the stage's working directory (the repo or DVC's temp clone).
 PARAMS = Path("params.yaml")
-INPUTS = Path("data/inputs.json")  # fingerprints of data.source and model.name_or_path (onegpu inputs)
 PROCESSED = Path("data/processed")
 STATS = Path("data/stats.json")
 TOKENIZER = PROCESSED / "tokenizer"  # causal-lm from config: the BPE tokenizer prepare trained

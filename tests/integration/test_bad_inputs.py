@@ -44,7 +44,7 @@ from tests import defaults
 from .conftest import dvc, make_project
 
 REPO = Path(__file__).resolve().parents[2]
-STAGE_OUTPUTS = ("data/inputs.json", "data/processed", "data/stats.json", "models", "metrics", "plots")
+STAGE_OUTPUTS = ("data/inputs", "data/processed", "data/stats.json", "models", "metrics", "plots")
 # What a failed stage may leave in the project: the MLflow store (with the run it marked FAILED) and
 # tracking's lock file.
 MAY_APPEAR = {"mlflow.db", "mlflow.db-journal", "mlartifacts", ".onegpu"}
@@ -445,7 +445,7 @@ def test_dvc_repro_bad_data_caches_and_locks_nothing(outcomes, tmp_path, empty_s
     shutil.copy(empty_store, p / "mlflow.db")
     proc = dvc(p, "repro", check=False)
     assert proc.returncode != 0
-    # The first stage, inputs (fingerprints data.source), stops on it.
+    # The first stage, inputs (links what data.source names), stops on it.
     errors = _dvc_error_lines(proc, "inputs")
     assert errors == ["onegpu inputs: error: data.source='missing.csv': no such file (looked for "
                       f"{(p / 'missing.csv').resolve()})"], proc.stderr
@@ -471,7 +471,7 @@ def test_dvc_repro_train_refused_after_prepare_locks_only_prepare(outcomes, tmp_
     assert "train.fp16" in line and "needs a CUDA GPU" in line
     assert [line for line in proc.stderr.splitlines() if line.strip()][-2:] == [
         line, "ERROR: failed to reproduce 'train': failed to run: onegpu train, exited with 2"]
-    assert _lock_stages(p) == {"inputs", "prepare"}  # inputs: always run, never cached
+    assert _lock_stages(p) == {"inputs", "prepare"}  # inputs: its links are never cached
     # Every cached object is one of prepare's outputs; the run-cache holds prepare's run only.
     lock = yaml.safe_load((p / "dvc.lock").read_text())["stages"]["prepare"]
     outs = {o["path"]: o["md5"] for o in lock["outs"]}
