@@ -28,10 +28,19 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd)
 RH=$REPO/.gpu-rehearsal
 T0=$(date +%s)
-PY311=${REHEARSAL_PYTHON311:-$(command -v python3.11 || true)}
-PY312=${REHEARSAL_PYTHON312:-$(command -v python3.12 || ls /root/.pyenv/versions/3.12.*/bin/python3.12 2>/dev/null | tail -n 1 || true)}
-[ -x "$PY311" ] || { echo "gpu_rehearsal: no python3.11 (the CPU torch 2.13.0 file is for 3.11): set REHEARSAL_PYTHON311"; exit 2; }
-[ -x "$PY312" ] || { echo "gpu_rehearsal: no python3.12 (the lent machine's Python): set REHEARSAL_PYTHON312"; exit 2; }
+find_python() {  # VERSION: the first interpreter of that version that runs (a pyenv shim may not)
+    local c
+    for c in "python$1" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$1".*/bin/"python$1" /usr/bin/"python$1"; do
+        if "$c" -c 'import sys, venv; sys.exit(sys.version_info[:2] != tuple(map(int, sys.argv[1].split("."))))' \
+            "$1" >/dev/null 2>&1; then command -v "$c"; return 0; fi
+    done
+    return 1
+}
+PY311=${REHEARSAL_PYTHON311:-$(find_python 3.11 || true)}
+PY312=${REHEARSAL_PYTHON312:-$(find_python 3.12 || true)}
+[ -n "$PY311" ] || { echo "gpu_rehearsal: no Python 3.11 (the CPU torch 2.13.0 file is for 3.11): set REHEARSAL_PYTHON311"; exit 2; }
+[ -n "$PY312" ] || { echo "gpu_rehearsal: no Python 3.12 (the lent machine's Python): set REHEARSAL_PYTHON312"; exit 2; }
+echo "gpu_rehearsal: Python 3.12 $PY312, Python 3.11 $PY311"
 mkdir -p "$RH"
 quiet_pip() { grep -v -e '^WARNING: Location' -e '^\[notice\]' || true; }
 

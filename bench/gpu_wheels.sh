@@ -12,7 +12,7 @@
 #   GPU_WHEELS=DIR GPU_PYTHON_VERSION=3.11 bash bench/gpu_wheels.sh   # the same pins for another Python
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-$(command -v python3.11 || command -v python3)}  # any Python with pip: it downloads for another
+PY=${PYTHON:-python3}  # any Python with pip: it downloads wheels for the Python named below
 DEST=${GPU_WHEELS:-.gpu-wheels}
 PYVER=${GPU_PYTHON_VERSION:-3.12}
 MAX_MIB=${GPU_WHEELS_MAX_MIB:-40}
