@@ -59,13 +59,10 @@ machine_venv() {  # VENV PYTHON PYVER REQS_FILTER...: a venv of the machine's pa
     [ -f "$venv/.stamp" ] && [ "$(cat "$venv/.stamp")" = "$stamp" ] && return 0
     rm -rf "$venv"
     "$py" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --progress-bar off --upgrade pip 2>&1 | quiet_pip
-    if [ "$pyver" = 3.11 ]; then
-        "$venv/bin/python" -m pip install -q --progress-bar off -c "$venv.reqs" torch==2.13.0 2>&1 | quiet_pip
-        "$venv/bin/python" -m pip install -q --progress-bar off -c "$venv.reqs" -r "$venv.reqs" 2>&1 | quiet_pip
-    else  # no torch here: pinned, no dependency resolution (a dependency on torch would pull a CUDA build)
-        "$venv/bin/python" -m pip install -q --progress-bar off --no-deps -r "$venv.reqs" 2>&1 | quiet_pip
-    fi
+    # 3.11: the CPU torch first (from this machine's disk), so nothing pulls a CUDA build; 3.12 takes
+    # no package that needs torch (the filter), so none is pulled.
+    [ "$pyver" = 3.11 ] && "$venv/bin/python" -m pip install -q --progress-bar off -c "$venv.reqs" torch==2.13.0 2>&1 | quiet_pip
+    "$venv/bin/python" -m pip install -q --progress-bar off -c "$venv.reqs" -r "$venv.reqs" 2>&1 | quiet_pip
     # Only what the machine has: drop what pip added beyond its list (the carried wheels bring their own).
     local extra
     extra=$("$venv/bin/python" - "$REPO" <<'EOF'
