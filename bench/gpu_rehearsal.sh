@@ -55,7 +55,7 @@ machine_venv() {  # VENV PYTHON PYVER REQS_FILTER...: a venv of the machine's pa
     local venv=$1 py=$2 pyver=$3 stamp
     shift 3
     python3 -m bench.gpu_env machine-reqs --python-version "$pyver" | grep -v -x -E "${1:-^$}" >"$venv.reqs"
-    stamp=$({ cat "$venv.reqs"; echo "$py torch==2.13.0"; } | sha256sum | cut -c1-16)
+    stamp=$({ cat "$venv.reqs"; echo "$py torch==2.13.0 recipe 2"; } | sha256sum | cut -c1-16)  # recipe: bump on change
     [ -f "$venv/.stamp" ] && [ "$(cat "$venv/.stamp")" = "$stamp" ] && return 0
     rm -rf "$venv"
     "$py" -m venv "$venv"
