@@ -17,7 +17,7 @@
 # too) and the next one starts. Results go to ONE folder: the first argument, else $OUT, else
 # .gpu-check/<tag>/ (ignored by git): gpu_check.md (every section's tables under a line naming the
 # GPU, torch, CUDA and whether the MiniLM weights are random init), gpu_check.log (all output) and
-# gpu_results.tar.gz (each section's files: <section>/<name>-gpu.{md,json}, ...). Three files, so they
+# gpu_results.tar.gz (each section's files: <section>/<name>-gpu.{md,json}, ...; machine/: pip freeze, nvidia-smi). Three files, so they
 # come back from a machine that returns at most 8.
 #
 # Python: $GPU_PYTHON if set, else .venv/bin/python where there is a .venv, else python3 with the wheels
@@ -37,6 +37,9 @@ export SMOKE=${SMOKE:-0}
 export TAG=$([ "$SMOKE" = 1 ] && echo smoke || echo gpu)
 ALL_SECTIONS="tests,pipeline,mfu,sweep,checkpointing,tradeoffs,dataparallel"
 SECTIONS=${SECTIONS:-$ALL_SECTIONS}
+for s in ${SECTIONS//,/ }; do
+    case ",$ALL_SECTIONS," in *",$s,"*) ;; *) echo "gpu_check: SECTIONS: unknown section '$s'; choose from $ALL_SECTIONS"; exit 2 ;; esac
+done
 RESULTS=${1:-${OUT:-$REPO/.gpu-check/$TAG}}
 mkdir -p "$RESULTS" && RESULTS=$(cd "$RESULTS" && pwd)
 export RESULTS REPO
@@ -379,6 +382,10 @@ else
     L_TESTS=60; L_PIPELINE=75; L_MFU=90; L_SWEEP=60; L_CKPT=50; L_TRADEOFFS=170
 fi
 DEADLINE=$((T0 + BUDGET))
+# What the machine has, for bench/gpu_machine.txt: its own packages (without the carried ones) and the GPU.
+mkdir -p "$WORK/res/machine"
+env -u PYTHONPATH "$PY" -m pip list --format=freeze >"$WORK/res/machine/pip-freeze.txt" 2>&1
+{ nvidia-smi 2>&1 || echo "(no nvidia-smi)"; } >"$WORK/res/machine/nvidia-smi.txt"
 bundle
 run_section tests "$L_TESTS"
 run_section pipeline "$L_PIPELINE"
