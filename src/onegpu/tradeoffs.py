@@ -10,7 +10,7 @@ Pure logic, no DVC or MLflow here (``onegpu.stages.tradeoffs`` queues the experi
   (optimizer steps 2..N), peak memory (the CUDA allocator peak on a GPU; on CPU the breakdown params +
   grads + optimizer states + one micro-batch's activations, since the process RSS hides activation
   savings), time to the baseline's eval loss, and the verdict: same training, same within a precision's
-  tolerance, or a different training (:mod:`onegpu.equivalence` decides);
+  tolerance, or a different training (:mod:`onegpu.compare` decides);
 * :func:`recommend`: the fastest configuration that keeps the same training and fits the memory budget,
   combined from the knobs that were measurably faster on their own.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from onegpu.config import Config
-from onegpu.equivalence import DIVERGED, EQUIVALENT, INCOMPLETE, REFERENCE, RunComparison, RunRecord, compare_run
+from onegpu.compare import DIVERGED, EQUIVALENT, INCOMPLETE, REFERENCE, RunComparison, RunRecord, compare_run
 
 # What the equivalence key says of a variant before it runs.
 SAME = "same"            # same key: the same mathematics (split, recompute, kernel)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from onegpu.report import md_table, mib, num, pyplot, ratio, text_table
+from onegpu.compare.plots import pyplot
+from onegpu.compare.report import md_table, mib, num, ratio, text_table
 from onegpu.tradeoffs import DIFFERENT_TRAINING, MIN_GAIN, SAME_TRAINING, Recommendation, Row
 
 REPORT_FILE = "tradeoffs.md"

@@ -87,7 +87,7 @@ def test_fp16_with_its_gradient_scaler_stays_within_fp16_tolerance_of_fp32(token
 
 @pytest.mark.parametrize("backend", [hf_trainer, accel], ids=["trainer", "accelerate"])
 def test_tf32_stays_within_the_tf32_tolerance_of_fp32(tokenizer, dsd, tmp_path, monkeypatch, backend):
-    from onegpu.equivalence import TOLERANCES
+    from onegpu.compare import TOLERANCES
     from transformers.utils import is_torch_tf32_available
     if not is_torch_tf32_available():
         pytest.skip("this GPU has no TF32 (pre-Ampere)")

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from onegpu import equivalence as eq
-from onegpu.equivalence import RunRecord
+from onegpu import compare as eq
+from onegpu.compare import RunRecord
 
 KEY = "0123456789abcdef"
 STEPS = 8
@@ -196,7 +196,7 @@ def test_tolerances_are_stated_with_eps_and_basis():
     assert eq.EPS["fp32"] == pytest.approx(1.19e-7, rel=1e-2) and eq.EPS["bf16"] == pytest.approx(7.8e-3, rel=1e-2)
     assert eq.GRAD_NORM_TOLERANCES["fp32"].rtol == pytest.approx(1e-3)
     assert set(eq.TOLERANCE_BASIS) == set(eq.TOLERANCES) == set(eq.GRAD_NORM_TOLERANCES)
-    from onegpu import report
+    from onegpu.compare import report
     md = report.markdown(eq.compare([record("ref", 64, 1), record("split", 4, 16, start=1)]), images=())
     assert "| fp32 | 1.19e-07 | 0.0001 / 1e-06 | 0.001 / 1e-06 |" in md
     assert "measured here" in md and "grad_norm" in md
@@ -226,7 +226,7 @@ def test_runs_that_trained_at_the_same_time_have_no_comparable_speed():
     assert "Speed and memory not comparable for b, a-ckpt" in summary
     assert "the fastest: 8x2" in summary  # 120 samples/s
     assert "4x4" not in summary.split("Among")[1]  # a-ckpt's 477 MiB is not ranked "least memory"
-    from onegpu import report
+    from onegpu.compare import report
     md = report.markdown(cmp, images=())
     line = next(x for x in md.splitlines() if x.startswith("| a-ckpt"))
     assert "| 42.0* |" in line and "| 0.42x* |" in line and "| 477* |" in line

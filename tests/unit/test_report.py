@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from onegpu import equivalence as eq
-from onegpu import report
+from onegpu import compare as eq
+from onegpu.compare import report
 
 KEY, SOLO = "abcdef0123456789", "ffff000011112222"
 

@@ -7,8 +7,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from onegpu import report  # noqa: E402
-from onegpu.equivalence import INCOMPLETE, RunRecord, compare  # noqa: E402
+from onegpu.compare import plots  # noqa: E402
+from onegpu.compare import INCOMPLETE, RunRecord, compare  # noqa: E402
 
 KEY_A, KEY_B = "a1b2c3d4e5f60718a1b2c3d4", "b0b0b0b0b0b0b0b0b0b0b0b0"
 LOSS = [(1, 1.6), (2, 1.4), (3, 1.1), (4, 0.9)]
@@ -35,7 +35,7 @@ def _comparison():
 
 def test_loss_figure_keeps_equal_curves_visible_and_has_no_empty_panel():
     comparison = _comparison()
-    fig = report.loss_figure(comparison)
+    fig = plots.loss_figure(comparison)
     try:
         axes = fig.axes
         # group A: loss + relative difference; group B (one run): one wide loss panel, no empty one
@@ -64,7 +64,7 @@ def test_memory_figure_has_a_legend_entry_for_every_marker_and_labels_equal_poin
     comparison = _comparison()
     statuses = {c.status for g in comparison.groups for c in g.rows}
     assert INCOMPLETE in statuses  # a status whose marker had no legend entry before
-    fig = report.memory_figure(comparison)
+    fig = plots.memory_figure(comparison)
     try:
         ax = fig.axes[0]
         legend = [t.get_text() for t in ax.get_legend().get_texts()]

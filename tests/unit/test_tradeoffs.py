@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from onegpu import cli, config, tradeoffs, tradeoffs_report
-from onegpu.equivalence import RunRecord, equivalence_key
+from onegpu.compare import RunRecord
+from onegpu.equivalence import equivalence_key
 from onegpu.stages.tradeoffs import parse_knobs
 from onegpu.errors import UserError
 from tests import defaults

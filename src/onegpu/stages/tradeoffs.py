@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from onegpu import equivalence, measure, paths, tracking, tradeoffs, tradeoffs_report
+from onegpu import compare, measure, paths, tracking, tradeoffs, tradeoffs_report
 from onegpu.config import Config, load
 from onegpu.errors import ConfigError, UserError
 
@@ -144,11 +144,11 @@ def _budget_bytes(cfg: Config) -> float | None:
     return None
 
 
-def _runs(tracker, prefix: str) -> dict[str, equivalence.RunRecord]:
+def _runs(tracker, prefix: str) -> dict[str, compare.RunRecord]:
     """Each row's training run by row name; of several runs with one name (a re-run), the latest."""
     out = {}
     for d in tracking.training_runs_named(tracker, prefix):
-        r = equivalence.RunRecord(**d)
+        r = compare.RunRecord(**d)
         if r.status in ("FAILED", "KILLED") or "train_runtime" not in r.metrics:
             continue
         out[r.name.removeprefix(prefix)] = r  # oldest first: the latest wins
