@@ -46,6 +46,22 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def device_facts():
+    """What this machine offers for the config's device checks (:class:`onegpu.config.DeviceFacts`):
+    CUDA and its GPUs (count, first one's name, bf16 and TF32 support) and the optional packages of
+    :data:`onegpu.config.OPTIONAL_PACKAGES` that are installed."""
+    import importlib.util
+
+    from onegpu.config import OPTIONAL_PACKAGES, DeviceFacts
+    packages = frozenset(p for p in OPTIONAL_PACKAGES if importlib.util.find_spec(p) is not None)
+    if not cuda_available():
+        return DeviceFacts(packages=packages)
+    import torch
+    from transformers.utils import is_torch_tf32_available
+    return DeviceFacts(cuda=True, gpus=torch.cuda.device_count(), name=torch.cuda.get_device_name(0),
+                       bf16=torch.cuda.is_bf16_supported(), tf32=is_torch_tf32_available(), packages=packages)
+
+
 def default_device() -> str:
     """``"cuda:0"`` when a CUDA GPU is visible, else ``"cpu"``: the device every stage runs on."""
     return "cuda:0" if cuda_available() else "cpu"

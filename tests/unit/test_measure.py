@@ -259,3 +259,14 @@ def test_state_bytes_read_adafactors_factored_moments(minilm):
     predicted = autobatch.optimizer_state_bytes(model, "adafactor")
     assert abs(predicted - b["mem_optimizer_bytes"]) <= 0.15 * b["mem_optimizer_bytes"]
     assert predicted == b["mem_optimizer_bytes"]  # exact, in fact: the same shapes
+
+
+def test_device_facts_name_the_optional_packages_installed(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "flash_attn" else None if name == "bitsandbytes"
+                        else real(name, *a))
+    monkeypatch.setattr(measure, "cuda_available", lambda: False)
+    facts = measure.device_facts()
+    assert facts.packages == frozenset({"flash_attn"}) and not facts.cuda and facts.gpus == 0

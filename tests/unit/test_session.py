@@ -42,40 +42,15 @@ def test_auto_resumes_with_the_split_its_checkpoint_was_written_with(tmp_path, m
     assert again.resolved == Resolved(2, 4, 1)
 
 
-def test_8bit_adamw_without_bitsandbytes_or_cuda_is_one_clear_line_before_training(monkeypatch):
-    import importlib.util
-
+def test_a_combination_the_machine_cannot_run_stops_the_plan_before_the_data_is_read(tmp_path, monkeypatch):
+    from onegpu.config import DeviceFacts
     from onegpu.errors import ConfigError
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
-    with pytest.raises(ConfigError) as e:
-        session.plan(_cfg(optim="adamw_bnb_8bit"), STATS)
-    msg = str(e.value)
-    assert "train.optim" in msg and "bitsandbytes" in msg and "adamw_torch" in msg and "\n" not in msg
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "bitsandbytes" else real(name, *a))
-    monkeypatch.setattr(session.measure, "cuda_available", lambda: False)
-    with pytest.raises(ConfigError, match="train.optim: adamw_bnb_8bit .*needs a CUDA GPU"):
-        session.plan(_cfg(optim="adamw_bnb_8bit"), STATS)
-
-
-def test_flash_attention_without_flash_attn_or_cuda_is_one_clear_line(monkeypatch):
-    import importlib.util
-
-    from onegpu.errors import ConfigError
-    real = importlib.util.find_spec
-    cfg = from_container({"model": {"attn_implementation": "flash_attention_2"}}, source="test")
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
-    with pytest.raises(ConfigError, match="model.attn_implementation: flash_attention_2 needs the flash_attn package"):
-        session.device_for(cfg)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
-    monkeypatch.setattr(session.measure, "cuda_available", lambda: False)
-    with pytest.raises(ConfigError, match="model.attn_implementation: flash_attention_2 needs a CUDA GPU"):
-        session.device_for(cfg)
-
-
-def test_tf32_passes_the_session_check_on_cpu(monkeypatch):
-    monkeypatch.setattr(session.measure, "cuda_available", lambda: False)
-    assert session.device_for(_cfg(tf32=True)) == "cpu"
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))  # no data/stats.json here: a DataError if it got that far
+    with pytest.raises(ConfigError, match="train.fp16: fp16 mixed precision needs a CUDA GPU"):
+        session.plan(_cfg(fp16=True), facts=DeviceFacts())
+    assert session.plan(_cfg(tf32=True), STATS, facts=DeviceFacts()).device == "cpu"  # TF32: a no-op on CPU
+    gpu = DeviceFacts(cuda=True, gpus=1, name="NVIDIA H200", bf16=True, tf32=True)
+    assert session.plan(_cfg(), STATS, facts=gpu).device == "cuda:0"
 
 
 def test_the_auto_finder_probes_under_the_trainings_precision(tmp_path, monkeypatch, tokenizer, dsd):

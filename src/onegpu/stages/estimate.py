@@ -54,9 +54,8 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     path = models.resolve_model_path(cfg.model.name_or_path)
     dsd, tokenizer, where = _rows(cfg, path)
     labels = dsd["train"].features["label"].names
-    from onegpu import measure
-    from onegpu.training.session import check_kernels
-    check_kernels(cfg, measure.cuda_available())  # flash_attention_2 / adamw_bnb_8bit: one line, not a traceback
+    from onegpu import config, measure
+    config.check_device(cfg, measure.device_facts())  # e.g. flash_attention_2 on a CPU: one line, not a traceback
     attn = cfg.model.attn_implementation  # eager saves the attention probabilities; SDPA does not
     if task == "causal-lm":
         model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout, attn)

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Callable
 
 from onegpu import measure, models, paths
-from onegpu.config import Config, Resolved, flatten, resolve
+from onegpu.config import Config, DeviceFacts, Resolved, check_device, flatten, resolve
 from onegpu.equivalence import equivalence_key, resolved_params, run_config_hash
-from onegpu.errors import ConfigError, DataError, ModelError
+from onegpu.errors import DataError, ModelError
 from onegpu.training.checkpoint import ResumePoint
 
 _BUDGET_CPU = ("; on a CPU the budget covers the training state: params, grads, optimizer states and "
@@ -97,70 +97,22 @@ def load_stats() -> dict:
     return paths.read_json(paths.STATS)
 
 
-def device_for(cfg: Config) -> str:
-    """The device to train on, after checking the precision flags against it.
-
-    Under a multi-process launch each process trains on its own GPU, ``cuda:LOCAL_RANK``.
-    Raises:
-        ConfigError: more ``train.num_processes`` than GPUs; fp16 without CUDA, or bf16 on a GPU without bf16 support; see :func:`check_kernels`.
-    """
-    import torch
-    from onegpu.training import distributed
-    cuda = measure.cuda_available()
-    distributed.check_processes(cfg.train.num_processes, cuda, torch.cuda.device_count() if cuda else 0)
-    if cfg.train.fp16 and not cuda:
-        raise ConfigError("params.yaml: train.fp16: fp16 mixed precision needs a CUDA GPU and none is "
-                          "visible; use bf16 (CPU autocast) or neither")
-    if cfg.train.bf16 and cuda and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"params.yaml: train.bf16: {torch.cuda.get_device_name(0)} has no bf16 support; "
-                          "use fp16 or neither")
-    check_kernels(cfg, cuda)
-    return f"cuda:{distributed.local_rank()}" if cuda else measure.default_device()
-
-
-def check_kernels(cfg: Config, cuda: bool) -> None:
-    """Optional packages and hardware of ``train.optim``, ``model.attn_implementation`` and ``train.tf32``.
-
-    ``tf32`` is a no-op without CUDA (CPU matmuls stay fp32), so it passes there.
-    Raises:
-        ConfigError: ``adamw_bnb_8bit`` without bitsandbytes or CUDA; ``flash_attention_2`` without the
-            ``flash_attn`` package or CUDA; ``tf32`` on a CUDA GPU older than Ampere.
-    """
-    import importlib.util
-    t = cfg.train
-    if t.optim == "adamw_bnb_8bit":
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise ConfigError("params.yaml: train.optim: adamw_bnb_8bit needs the bitsandbytes package, which is "
-                              "not installed (pip install bitsandbytes); or use adamw_torch, adamw_torch_fused "
-                              "or adafactor")
-        if not cuda:
-            raise ConfigError("params.yaml: train.optim: adamw_bnb_8bit (bitsandbytes) needs a CUDA GPU and none is "
-                              "visible; use adamw_torch, adamw_torch_fused or adafactor")
-    if cfg.model.attn_implementation == "flash_attention_2":
-        if importlib.util.find_spec("flash_attn") is None:
-            raise ConfigError("params.yaml: model.attn_implementation: flash_attention_2 needs the flash_attn "
-                              "package, which is not installed; use sdpa, eager or null")
-        if not cuda:
-            raise ConfigError("params.yaml: model.attn_implementation: flash_attention_2 needs a CUDA GPU and none "
-                              "is visible; use sdpa, eager or null")
-    if t.tf32 and cuda:
-        from transformers.utils import is_torch_tf32_available
-        if not is_torch_tf32_available():
-            import torch
-            raise ConfigError(f"params.yaml: train.tf32: {torch.cuda.get_device_name(0)} has no TF32 (needs an "
-                              "Ampere or newer GPU); set train.tf32: false")
-
-
-def plan(cfg: Config, stats: dict | None = None) -> TrainPlan:
+def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = None) -> TrainPlan:
     """The :class:`TrainPlan` for ``cfg`` on the prepared data ``stats`` (None: read data/stats.json after
     the device checks, so a bad precision flag is named before missing data); fails before any work.
 
+    ``facts``: the machine (None: :func:`onegpu.measure.device_facts`). The device is ``cuda:LOCAL_RANK``
+    with CUDA (each process of a multi-process launch on its own GPU), else ``cpu``.
     Raises:
-        ConfigError: see :func:`device_for`; ``auto`` on a CPU without ``train.memory_budget_gib``.
+        ConfigError: a combination this machine cannot run (:func:`onegpu.config.check_device`); ``auto``
+            on a CPU without ``train.memory_budget_gib``.
         DataError: ``stats`` is None and prepare has not run.
     """
+    from onegpu.training import distributed
     from onegpu.training.checkpoint import latest_checkpoint
-    device = device_for(cfg)
+    facts = measure.device_facts() if facts is None else facts
+    check_device(cfg, facts)
+    device = f"cuda:{distributed.local_rank()}" if facts.cuda else "cpu"
     stats = load_stats() if stats is None else stats
     auto = cfg.train.per_device_train_batch_size == "auto"
     budget = None
