@@ -7,8 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from onegpu import config
-from onegpu.training import session
-from onegpu.training.checkpoint import STATE_FILE, review_other_checkpoints
+from onegpu.training.checkpoint import STATE_FILE, review_other_checkpoints, tidy_other_checkpoints
 
 REPO_PARAMS = Path(__file__).parents[2] / "params.yaml"
 KEY = "k" * 16
@@ -78,9 +77,9 @@ def test_train_stage_says_what_it_does_not_use_and_prunes_what_nothing_can_resum
     cfg = config.load(REPO_PARAMS)
     runs["split"].data.params = {k: str(v) for k, v in config.flatten(cfg.to_dict()).items()}
     runs["split"].data.params["train.per_device_train_batch_size"] = "2"
-    tracker = SimpleNamespace(find_run=runs.get)
+    tracker = SimpleNamespace(find_run=runs.get)  # the train stage passes its tracker's find_run
 
-    session._other_checkpoints(tracker, own, KEY, cfg, DATA, announce=True)
+    tidy_other_checkpoints(own, KEY, config.flatten(cfg.to_dict()), DATA, tracker.find_run, announce=True)
     out = capsys.readouterr().out
     left = {p.name for p in root.iterdir()}
     assert left == {"own", "cfg-running", "cfg-resumed", "cfg-split", "cfg-other-key", "cfg-not-in-store",
@@ -92,7 +91,7 @@ def test_train_stage_says_what_it_does_not_use_and_prunes_what_nothing_can_resum
     assert f"train: removed the checkpoint of MLflow run deleted at optimizer step 4 ({root / 'cfg-deleted'})" in out
     assert len(out.strip().splitlines()) == 5  # deleted, finished, split, other-key, not-in-store
 
-    session._other_checkpoints(tracker, own, KEY, cfg, DATA, finished=True)
+    tidy_other_checkpoints(own, KEY, config.flatten(cfg.to_dict()), DATA, tracker.find_run, finished=True)
     out = capsys.readouterr().out
     assert "cfg-split" not in {p.name for p in root.iterdir()}
     assert out.strip() == (f"train: removed the checkpoint of stopped MLflow run split at optimizer step 7 "

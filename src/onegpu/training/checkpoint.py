@@ -160,6 +160,28 @@ def review_other_checkpoints(own_dir, key: str, params: dict, fingerprint: str, 
     return out
 
 
+def tidy_other_checkpoints(own_dir, key: str, params: dict, fingerprint: str, get_run, announce: bool = False,
+                           finished: bool = False) -> None:
+    """Say which checkpoints of other configurations this run does not use (``announce``, one printed
+    line each) and remove those nothing can resume: at the start the ones whose run is deleted or
+    finished, after a finished training (``finished``) also the stopped runs of the same equivalence key.
+    The rule and the arguments: :func:`review_other_checkpoints`. Never stops training: a store or disk
+    error skips it."""
+    try:
+        items = review_other_checkpoints(own_dir, key, params, fingerprint, get_run)
+    except Exception:
+        return
+    for item in items:
+        if item["action"] == "prune" or (finished and item["action"] == "superseded"):
+            shutil.rmtree(item["folder"], ignore_errors=True)
+            msg = item["message"] if item["action"] == "prune" else (
+                f"removed the checkpoint of stopped MLflow run {item['run_id']} at optimizer step {item['step']} "
+                f"({item['folder']}): this run finished the same training (equivalence key {key})")
+            print(f"train: {msg}", flush=True)
+        elif announce and item["message"]:
+            print(f"train: {item['message']}", flush=True)
+
+
 def _judge(folder, found: ResumePoint, key: str, params: dict, fingerprint: str, get_run) -> dict:
     """One item of :func:`review_other_checkpoints` for ``folder`` and its newest complete checkpoint."""
     step, run_id = found.step, found.run_id or ""

@@ -1,4 +1,5 @@
-"""Per-optimizer-step measurement, backend-neutral: time, memory, samples and tokens, plus the backend's loss.
+"""Per-optimizer-step measurement, backend-neutral: time, memory, samples and tokens, plus the backend's loss;
+the terminal's progress line per step and closing line per run.
 
 Host-device syncs: one per optimizer step (to time the step and read its token count), none per
 micro-batch. Metrics go to a ``sink(metrics: dict, step: int)`` (the stage passes a batched MLflow
@@ -242,3 +243,29 @@ def progress_line(step: int, total: int, rows: list[dict], device) -> str:
     left_text = f"{left / 60:.1f} min left" if left >= 120 else f"{left:.0f} s left"
     return (f"step {step}/{total} | loss {row['loss']:.4f} | {row.get('samples_per_second', 0):.1f} samples/s | "
             f"{row['step_time_s']:.2f} s/step | peak {mem:.2f} GiB {where} | {left_text}")
+
+
+def closing_line(summary: dict, layout, device: str, budget: int | None, run_id: str) -> str:
+    """The train stage's last line: optimizer steps, the batch layout (a :class:`onegpu.config.Resolved`),
+    ``train_loss``, time, peak memory (:func:`peak_text`), device and MLflow run, from the recorder's
+    ``summary`` (:meth:`StepRecorder.summary`); ``budget``: the ``auto`` budget in bytes, or None."""
+    r = layout
+    return (f"train: {summary.get('train_steps', 0)} optimizer steps of {r.effective_batch_size} examples "
+            f"({r.per_device_train_batch_size} x {r.gradient_accumulation_steps}"
+            f"{f' x {r.world_size} processes' if r.world_size > 1 else ''}), "
+            f"train_loss {summary.get('train_loss', float('nan')):.4f}, {summary.get('train_runtime', 0):.1f} s, "
+            f"{peak_text(summary.get('train_mem_peak_bytes', 0), device, budget)} "
+            f"on {measure.device_name(device)}; MLflow run {run_id}")
+
+
+def peak_text(peak: int, device: str, budget: int | None) -> str:
+    """The peak memory for the closing line, saying what it measures. On a CPU it is the process RSS,
+    which holds the Python runtime, the libraries and the data besides the training state, so it
+    exceeds an ``auto`` budget (which covers the probed training state only)."""
+    if measure.is_cuda(device):
+        return f"peak {peak / 2**20:.0f} MiB allocated"
+    text = f"peak {peak / 2**20:.0f} MiB process RSS"
+    if budget is not None:
+        text += (f" (the auto budget, {budget / 2**30:.2f} GiB, covers the probed training state only; RSS "
+                 "also holds the Python runtime, libraries and data)")
+    return text
