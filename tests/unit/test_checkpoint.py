@@ -1,5 +1,5 @@
 """Checkpoints of other training configurations: said, kept or pruned by one rule
-(onegpu.training.checkpoint.review_other_checkpoints) and the train stage's use of it."""
+(onegpu.training.resume.review_other_checkpoints) and the train stage's use of it."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from onegpu import config
-from onegpu.training.checkpoint import STATE_FILE, review_other_checkpoints, tidy_other_checkpoints
+from onegpu.training.resume import STATE_FILE, review_other_checkpoints, tidy_other_checkpoints
 
 REPO_PARAMS = Path(__file__).parents[2] / "params.yaml"
 KEY = "k" * 16
@@ -99,7 +99,7 @@ def test_train_stage_says_what_it_does_not_use_and_prunes_what_nothing_can_resum
 
 
 def test_latest_checkpoint_is_a_resume_point_with_the_state_it_was_written_with(tmp_path):
-    from onegpu.training.checkpoint import ResumePoint, latest_checkpoint
+    from onegpu.training.resume import ResumePoint, latest_checkpoint
     _checkpoint(tmp_path, "cfg", 3, "r1")
     _checkpoint(tmp_path, "cfg", 5, "r1", complete=False)  # cut off: never resumed
     point = latest_checkpoint(tmp_path / "cfg")

@@ -10,7 +10,7 @@ pytest.importorskip("torch")
 from onegpu.config import Resolved, from_container  # noqa: E402
 from onegpu.equivalence import equivalence_key  # noqa: E402
 from onegpu.training import session  # noqa: E402
-from onegpu.training.checkpoint import STATE_FILE  # noqa: E402
+from onegpu.training.resume import STATE_FILE  # noqa: E402
 
 STATS = {"fingerprint": "f" * 16, "labels": ["a", "b"]}
 AUTO = {"per_device_train_batch_size": "auto", "effective_batch_size": 8, "memory_budget_gib": 1}

@@ -113,7 +113,7 @@ class StepRecorder:
 
     def restore(self, point) -> None:
         """Continue from a checkpoint: its step rows, memory breakdown and out-of-memory events
-        (``point``: a :class:`onegpu.training.checkpoint.ResumePoint`)."""
+        (``point``: a :class:`onegpu.training.resume.ResumePoint`)."""
         self.rows = list(point.rows)
         self.breakdown.update(point.breakdown)
         self.events.extend(point.events)

@@ -25,7 +25,7 @@ from onegpu import measure, models, paths
 from onegpu.config import Config, DeviceFacts, Resolved, check_device, flatten, resolve
 from onegpu.equivalence import equivalence_key, resolved_params, run_config_hash
 from onegpu.errors import DataError, ModelError
-from onegpu.training.checkpoint import ResumePoint, tidy_other_checkpoints
+from onegpu.training.resume import ResumePoint, tidy_other_checkpoints
 
 _BUDGET_CPU = ("; on a CPU the budget covers the training state: params, grads, optimizer states and "
                "activations, not the whole process")
@@ -110,7 +110,7 @@ def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = Non
         DataError: ``stats`` is None and prepare has not run.
     """
     from onegpu.training import distributed
-    from onegpu.training.checkpoint import latest_checkpoint
+    from onegpu.training.resume import latest_checkpoint
     facts = measure.device_facts() if facts is None else facts
     check_device(cfg, facts)
     device = f"cuda:{distributed.local_rank()}" if facts.cuda else "cpu"

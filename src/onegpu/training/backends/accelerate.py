@@ -31,7 +31,7 @@ from onegpu import measure
 from onegpu.config import Config, Resolved
 from onegpu.training import checkpointing, distributed, oom
 from onegpu.training.batches import collator_for, model_inputs, probe_batch
-from onegpu.training.checkpoint import ResumePoint, load_loop_state, load_rng, save_loop_state
+from onegpu.training.resume import ResumePoint, load_loop_state, load_rng, save_loop_state
 from onegpu.training.interrupt import Interrupted
 from onegpu.training.loss import count_items, loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
@@ -99,9 +99,9 @@ def schedule(len_dataloader: int, cfg: Config, resolved: Resolved) -> tuple[int,
     return math.ceil(t.num_train_epochs * per_epoch), per_epoch, math.ceil(t.num_train_epochs)
 
 
-def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, loss_fn, split: int,
+def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, loss_fn, pieces: int,
                       oom_injector, step: int):
-    """Forward and backward over one optimizer step's micro-batches, each cut into ``split`` pieces.
+    """Forward and backward over one optimizer step's micro-batches, each cut into ``pieces`` pieces.
 
     Returns this rank's share of the step's loss (a 0-d tensor on the device, not synced): the sum of
     the pieces' losses, each already divided by the step's item count over all ranks ``num_items``.
@@ -112,11 +112,11 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
         torch.OutOfMemoryError: a piece did not fit (or ``oom_injector`` said so).
     """
     import torch
-    pieces = [p for inputs in micro_batches for p in oom.pieces(inputs, split)]
+    parts = [p for inputs in micro_batches for p in oom.cut(inputs, pieces)]
     step_loss = torch.zeros((), device=accelerator.device)
     scale = accelerator.num_processes
-    for i, piece in enumerate(pieces):
-        last = i == len(pieces) - 1
+    for i, piece in enumerate(parts):
+        last = i == len(parts) - 1
         accelerator.sync_gradients = last  # as Trainer sets it; the optimizer steps only when True
         oom.injected(oom_injector, step, int(piece["input_ids"].shape[0]))
         features = {k: v for k, v in piece.items() if k != "labels"}
@@ -240,7 +240,7 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
     """Fine-tune ``model`` on ``dsd['train']`` in a plain Accelerate loop; the contract is
     :class:`onegpu.training.backends.base.Backend`.
 
-    Checkpoints are :func:`onegpu.training.checkpoint.save_loop_state`'s. Out-of-memory recovery
+    Checkpoints are :func:`onegpu.training.resume.save_loop_state`'s. Out-of-memory recovery
     (``train.oom_retry``): :mod:`onegpu.training.oom`, as the ``trainer`` backend. The returned model is
     unwrapped from Accelerate; the recorder's rows are one per optimizer step (loss = the step's exact
     mean loss, grad_norm = total L2 norm before clipping, learning_rate = the rate that step used).
@@ -276,7 +276,7 @@ def _run(lp: _Loop, cfg: Config, accum: int, recorder: StepRecorder, start: int,
     """The optimizer steps from ``start`` to the end: one host sync per step (loss, grad norm, counts)."""
     import torch
     t, device, loss_fn = cfg.train, lp.accelerator.device, loss_for(cfg.model.task)
-    step, split = start, 1  # split: pieces per micro-batch after out-of-memory recoveries
+    step, pieces = start, 1  # pieces per micro-batch (more after out-of-memory recoveries)
     first_epoch, first_update = divmod(start, lp.steps_per_epoch)
     for epoch in range(first_epoch, lp.epochs):
         for micro_batches in _epoch_steps(lp, epoch, first_update if epoch == first_epoch else 0, accum):
@@ -290,12 +290,12 @@ def _run(lp: _Loop, cfg: Config, accum: int, recorder: StepRecorder, start: int,
             while True:  # more than once only after an out-of-memory error (train.oom_retry)
                 try:
                     step_loss = _forward_backward(lp.accelerator, lp.model, micro_batches, num_items, loss_fn,
-                                                  split, oom_injector, step + 1)
+                                                  pieces, oom_injector, step + 1)
                     break
                 except torch.OutOfMemoryError as e:
                     rows = max(int(b["input_ids"].shape[0]) for b in micro_batches)
-                    split = oom.recover(e, lp.model, rows, split, accum, step + 1, t.oom_retry, recorder.events)
-            for inputs in micro_batches:  # counted once, whatever the split
+                    pieces = oom.recover(e, lp.model, rows, pieces, accum, step + 1, t.oom_retry, recorder.events)
+            for inputs in micro_batches:  # counted once, however many pieces
                 recorder.counter.add(inputs)
             grad_norm, lr = _optimizer_step(lp, cfg, recorder)
             step += 1

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
     from onegpu.config import Config, Resolved
-    from onegpu.training.checkpoint import ResumePoint
+    from onegpu.training.resume import ResumePoint
     from onegpu.training.interrupt import GracefulStop
     from onegpu.training.recorder import StepRecorder
 

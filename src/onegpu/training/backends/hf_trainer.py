@@ -20,7 +20,7 @@ from onegpu import measure
 from onegpu.config import Config, Resolved
 from onegpu.training import checkpointing, distributed, oom
 from onegpu.training.batches import collator_for, model_inputs, probe_batch
-from onegpu.training.checkpoint import ResumePoint, write_state
+from onegpu.training.resume import ResumePoint, write_state
 from onegpu.training.loss import count_items, loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
 
@@ -106,7 +106,7 @@ class ExactLossTrainer(Trainer):
         self.oom_retry = oom_retry
         self.oom_injector = oom_injector  # tests: (step, rows) -> True raises an injected OOM
         self.oom_events: list[dict] = []
-        self.split = 1
+        self.pieces = 1  # pieces per micro-batch (more after out-of-memory recoveries)
         self._step_inputs: list = []
         self._inputs_step = -1
 
@@ -151,15 +151,15 @@ class ExactLossTrainer(Trainer):
                     self.counter = counter
 
     def _pieces_step(self, model, inputs, num_items_in_batch):
-        if self.split == 1 and self.oom_injector is None:
+        if self.pieces == 1 and self.oom_injector is None:
             return super().training_step(model, inputs, num_items_in_batch)
         total = None
-        pieces = oom.pieces(inputs, self.split)
-        for i, piece in enumerate(pieces):
+        parts = oom.cut(inputs, self.pieces)
+        for i, piece in enumerate(parts):
             oom.injected(self.oom_injector, self.state.global_step + 1, int(piece["input_ids"].shape[0]))
             # Under several processes only the last piece may all-reduce (if Trainer syncs this
             # micro-batch at all): every rank then syncs once, however it split its micro-batches.
-            with self._no_sync(model) if i < len(pieces) - 1 else contextlib.nullcontext():
+            with self._no_sync(model) if i < len(parts) - 1 else contextlib.nullcontext():
                 loss = super().training_step(model, piece, num_items_in_batch)
             total = loss if total is None else total + loss
         return total
@@ -169,7 +169,7 @@ class ExactLossTrainer(Trainer):
         return self.accelerator.no_sync(model) if self.args.world_size > 1 else contextlib.nullcontext()
 
     def _recover(self, model, inputs, error) -> None:
-        self.split = oom.recover(error, model, int(inputs["input_ids"].shape[0]), self.split,
+        self.pieces = oom.recover(error, model, int(inputs["input_ids"].shape[0]), self.pieces,
                                  self.args.gradient_accumulation_steps, self.state.global_step + 1,
                                  self.oom_retry, self.oom_events)
 

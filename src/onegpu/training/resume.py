@@ -1,4 +1,4 @@
-"""Resumable checkpoints: finding the newest one and onegpu's state file inside it.
+"""Resuming a stopped training: finding the newest resumable checkpoint and onegpu's state file inside it.
 
 Each backend writes ``<checkpoint_dir>/checkpoint-N/`` in its own format (HF Trainer's, or the
 Accelerate loop's: :func:`save_loop_state` / :func:`load_loop_state`); both add ``onegpu_state.json``
