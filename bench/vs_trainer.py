@@ -50,7 +50,7 @@ def plain_run(model, tok, dsd, cfg, verbose: bool) -> dict:
     out = tempfile.mkdtemp(prefix="plain-trainer-")
     common.release_memory()
     t0 = time.perf_counter()
-    args = hf_trainer.training_arguments(cfg, resolved, out)
+    args = hf_trainer.training_arguments(cfg, out)
     args.report_to = ["mlflow"]
     train_ds = model_inputs(dsd, cfg.model.task)["train"]
     trainer = Trainer(model=model, args=args, train_dataset=train_ds,

@@ -12,7 +12,7 @@ import difflib
 import math
 import os
 from pathlib import Path
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
@@ -578,3 +578,17 @@ def resolve(cfg: Config, world_size: int | None = None, micro_batch: int | None 
                           f"micro-batch {micro_batch} x {world_size} process(es)")
     return Resolved(micro_batch, t.effective_batch_size // per_step, world_size)
 
+
+
+def with_layout(cfg: Config, layout: Resolved) -> Config:
+    """``cfg`` with ``layout`` written into ``train`` (``per_device_train_batch_size``, an int, and
+    ``gradient_accumulation_steps``): what a backend reads (an ``auto`` micro-batch replaced by the
+    finder's). The params logged to MLflow stay ``cfg``'s.
+
+    Raises:
+        ValueError: ``layout`` is for another number of processes than ``train.num_processes``.
+    """
+    if layout.world_size != cfg.train.num_processes:
+        raise ValueError(f"a layout for {layout.world_size} processes, train.num_processes is {cfg.train.num_processes}")
+    return replace(cfg, train=replace(cfg.train, per_device_train_batch_size=layout.per_device_train_batch_size,
+                                      gradient_accumulation_steps=layout.gradient_accumulation_steps))

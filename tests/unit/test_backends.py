@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 from onegpu import models  # noqa: E402
 from onegpu.config import PACKAGED_MODEL, from_container, resolve  # noqa: E402
+from onegpu.training.backends.base import TrainRequest  # noqa: E402
 
 LOSS_TOL, NORM_TOL = 1e-5, 1e-4
 WORDS = ("market shares rose after the bank cut rates while the minister spoke about growth and the team "
@@ -95,8 +96,8 @@ def run(backend: str, micro: int, accum: int, n: int = 24, max_steps: int = 3, e
     sunk = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, steps = module.train(tiny_bert(attn), tokenizer(), dataset(n), cfg, resolve(cfg),
-                                    sink=lambda m, s: sunk.append((s, m)))
+        model, steps = module.train(base.TrainRequest(tiny_bert(attn), tokenizer(), dataset(n), cfg,
+                                                      sink=lambda m, s: sunk.append((s, m))))
     assert [s for s, _ in sunk] == [r["step"] for r in steps.rows]
     assert not hasattr(model, "module"), "the returned model must be unwrapped"
     return steps.rows, [str(w.message) for w in caught], model.is_activation_checkpointing, dict(steps.breakdown)
@@ -205,14 +206,14 @@ def test_accelerate_stop_and_resume_gives_the_uninterrupted_losses_and_weights(t
         return BertForSequenceClassification(config)
 
     ref = []
-    ref_model, _ = accel.train(build(), tokenizer(), dataset(24), cfg, resolve(cfg), lambda m, s: ref.append(m["loss"]))
+    ref_model, _ = accel.train(TrainRequest(build(), tokenizer(), dataset(24), cfg, lambda m, s: ref.append(m["loss"])))
     ckpt = tmp_path / "ckpt"
     first, resume = interrupt_at_step_2(
-        lambda sink, **kw: accel.train(build(), tokenizer(), dataset(24), cfg, resolve(cfg), sink, **kw), ckpt)
+        lambda sink, **kw: accel.train(TrainRequest(build(), tokenizer(), dataset(24), cfg, sink, **kw)), ckpt)
     assert resume is not None and resume.step == 2 and resume.run_id == "r1"
     rest = []
-    model, rec = accel.train(build(), tokenizer(), dataset(24), cfg, resolve(cfg), lambda m, s: rest.append(m["loss"]),
-                             checkpoint_dir=ckpt, resume=resume)
+    model, rec = accel.train(TrainRequest(build(), tokenizer(), dataset(24), cfg, lambda m, s: rest.append(m["loss"]),
+                                          checkpoint_dir=ckpt, resume=resume))
     assert first + rest == pytest.approx(ref, abs=1e-6)
     assert [r["step"] for r in rec.rows] == [1, 2, 3, 4, 5]
     want = ref_model.state_dict()
@@ -229,7 +230,7 @@ def test_trainer_backend_leaves_no_scratch_folders(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     cfg = from_container({"model": {"dropout": 0.0}, "train": {"per_device_train_batch_size": 4, "max_steps": 1,
                                                               "logging_steps": 100}})
-    model, _ = hf_trainer.train(tiny_bert(), tokenizer(), dataset(8), cfg, resolve(cfg), sink=lambda m, s: None)
+    model, _ = hf_trainer.train(TrainRequest(tiny_bert(), tokenizer(), dataset(8), cfg, sink=lambda m, s: None))
     out = predict(model, tokenizer(), dataset(8)["train"], cfg)
     assert out.predictions.shape == (8, 3)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
@@ -319,7 +320,7 @@ def test_trainer_arguments_carry_the_knobs_under_hf_names():
     from onegpu.training.backends.hf_trainer import training_arguments
     cfg = from_container({"train": {"tf32": True, "torch_compile": True, "torch_compile_mode": "max-autotune",
                                     "dataloader_pin_memory": False, "optim": "adafactor"}}, source="test")
-    args = training_arguments(cfg, resolve(cfg), "unused")
+    args = training_arguments(cfg, "unused")
     assert args.torch_compile and args.torch_compile_mode == "max-autotune" and args.optim == "adafactor"
     assert args.dataloader_pin_memory is False
     assert args.torch_empty_cache_steps is None  # EmptyCache does it once per optimizer step instead

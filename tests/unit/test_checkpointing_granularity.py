@@ -47,7 +47,7 @@ def losses(backend: str, setting) -> tuple[list[float], int]:
     module = importlib.import_module(base.REGISTRY[backend])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, steps = module.train(tiny_bert(), tokenizer(), dataset(24), cfg, resolve(cfg), sink=lambda m, s: None)
+        _, steps = module.train(base.TrainRequest(tiny_bert(), tokenizer(), dataset(24), cfg, sink=lambda m, s: None))
     return [r["loss"] for r in steps.rows], steps.breakdown["mem_activation_bytes"]
 
 
@@ -179,12 +179,11 @@ def test_defaults_are_todays_checkpointing():
     assert checkpointing.hf_kwargs(t) == {"use_reentrant": False}
     from onegpu.training.backends.hf_trainer import training_arguments
     on = from_container({"train": {"gradient_checkpointing": True}}).train
-    args = training_arguments(from_container({"train": {"gradient_checkpointing": True}}),
-                              resolve(from_container({"train": {"gradient_checkpointing": True}})), "/tmp/x")
+    args = training_arguments(from_container({"train": {"gradient_checkpointing": True}}), "/tmp/x")
     assert (args.activation_checkpointing, args.activation_checkpointing_kwargs) == (True, {"use_reentrant": False})
     assert on.gradient_checkpointing_blocks == "layer"
     sub = from_container({"train": {"gradient_checkpointing": True, "gradient_checkpointing_blocks": "mlp"}})
-    args = training_arguments(sub, resolve(sub), "/tmp/x")
+    args = training_arguments(sub, "/tmp/x")
     assert args.activation_checkpointing is False  # onegpu wraps the sub-blocks itself
 
 

@@ -401,3 +401,14 @@ def test_a_combination_the_device_cannot_run_is_one_line_naming_the_key(train, m
 ])
 def test_combinations_the_device_runs_pass(train, model, facts):
     config.check_device(config.from_container({"train": train, "model": model}, source="test"), facts)
+
+
+def test_with_layout_writes_the_micro_batch_in_use_where_a_backend_reads_it():
+    cfg = config.from_container({"train": {"per_device_train_batch_size": "auto", "effective_batch_size": 16,
+                                           "memory_budget_gib": 1}}, source="test")
+    used = config.with_layout(cfg, config.resolve(cfg, micro_batch=4))
+    assert (used.train.per_device_train_batch_size, used.train.gradient_accumulation_steps) == (4, 4)
+    assert config.resolve(used) == config.Resolved(4, 4, 1) and used.train.effective_batch_size == 16
+    assert cfg.train.per_device_train_batch_size == "auto"  # the params as given (logged) stay as they were
+    with pytest.raises(ValueError, match="2 processes"):
+        config.with_layout(cfg, config.Resolved(4, 2, 2))

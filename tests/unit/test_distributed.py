@@ -77,8 +77,9 @@ def _trainer_worker(rank: int, port: int, out_dir: str, inject_rank: int) -> Non
     distributed.TIMEOUT_S = 60  # a desynchronised all-reduce fails the test in a minute, not ten
     import test_backends as tb
 
-    from onegpu.config import from_container, resolve
+    from onegpu.config import from_container
     from onegpu.training.backends import hf_trainer
+    from onegpu.training.backends.base import TrainRequest
     cfg = from_container({"model": {"dropout": 0.0}, "train": {
         "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 2, "num_processes": 2,
         "learning_rate": 1e-3, "seed": 7, "logging_steps": 1}}, source="test")
@@ -88,8 +89,8 @@ def _trainer_worker(rank: int, port: int, out_dir: str, inject_rank: int) -> Non
         calls.append((step, rows))
         return rank == inject_rank and step == 1 and rows == 4 and len(calls) == 2
 
-    model, steps = hf_trainer.train(tb.tiny_bert(), tb.tokenizer(), tb.dataset(32), cfg, resolve(cfg),
-                                    sink=lambda m, s: None, oom_injector=injector)
+    model, steps = hf_trainer.train(TrainRequest(tb.tiny_bert(), tb.tokenizer(), tb.dataset(32), cfg,
+                                                 sink=lambda m, s: None, oom_injector=injector))
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump({"loss": [r["loss"] for r in steps.rows], "grad_norm": [r["grad_norm"] for r in steps.rows],
                    "events": steps.events}, f)

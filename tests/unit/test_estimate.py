@@ -96,7 +96,7 @@ def estimated_and_measured(knob: str) -> tuple[dict, dict]:
     backend = importlib.import_module(base.REGISTRY[cfg.train.backend])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, steps = backend.train(_model(cfg), tokenizer(), dsd, cfg, resolve(cfg), sink=lambda m, s: None)
+        _, steps = backend.train(base.TrainRequest(_model(cfg), tokenizer(), dsd, cfg, sink=lambda m, s: None))
     return predicted, {k: steps.breakdown[k] for k in KEYS}
 
 

@@ -31,7 +31,7 @@ def test_training_prints_onegpu_progress_not_hf_log_dicts(backend, capsys):
                          source="test")
     from onegpu.training.backends import base
     module = importlib.import_module(base.REGISTRY[backend])
-    module.train(tiny_bert(), tokenizer(), dataset(24), cfg, resolve(cfg), sink=lambda m, s: None)
+    module.train(base.TrainRequest(tiny_bert(), tokenizer(), dataset(24), cfg, sink=lambda m, s: None))
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
     # every logging_steps (2) optimizer steps and at the last (3)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from onegpu import measure, models, paths
-from onegpu.config import Config, DeviceFacts, Resolved, check_device, flatten, resolve
+from onegpu.config import Config, DeviceFacts, Resolved, check_device, flatten, resolve, with_layout
 from onegpu.equivalence import equivalence_key, resolved_params, run_config_hash
 from onegpu.errors import DataError, ModelError
 from onegpu.training.resume import ResumePoint, tidy_other_checkpoints
@@ -183,13 +183,14 @@ def train(plan: TrainPlan, model, tokenizer, dsd, sink: Callable[[dict, int], No
     from onegpu.training.backends import base
     from onegpu.training.interrupt import GracefulStop
     backend = base.get(plan.cfg.train.backend)
+    cfg = with_layout(plan.cfg, plan.resolved)
     if not checkpoints:
-        return backend.train(model, tokenizer, dsd, plan.cfg, plan.resolved, sink=sink)
+        return backend.train(base.TrainRequest(model, tokenizer, dsd, cfg, sink))
     stop = GracefulStop()
     meta = {"run_id": run_id, "micro_batch": plan.resolved.per_device_train_batch_size}
     with stop:
-        return backend.train(model, tokenizer, dsd, plan.cfg, plan.resolved, sink=sink,
-                             checkpoint_dir=plan.checkpoint_dir, stop=stop, resume=plan.resume, checkpoint_meta=meta)
+        return backend.train(base.TrainRequest(model, tokenizer, dsd, cfg, sink, checkpoint_dir=plan.checkpoint_dir,
+                                               stop=stop, resume=plan.resume, checkpoint_meta=meta))
 
 
 def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | None = None,

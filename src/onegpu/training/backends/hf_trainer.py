@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from typing import Callable
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 
 from onegpu import measure
-from onegpu.config import Config, Resolved
+from onegpu.config import Config
 from onegpu.training import checkpointing, distributed, oom
 from onegpu.training.batches import collator_for, model_inputs, probe_batch
-from onegpu.training.resume import ResumePoint, write_state
+from onegpu.training.backends.base import TrainRequest
+from onegpu.training.resume import write_state
 from onegpu.training.loss import count_items, loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
 
@@ -30,8 +30,9 @@ SAME_NAME = ("learning_rate", "num_train_epochs", "max_steps", "lr_scheduler_typ
              "max_grad_norm", "seed", "bf16", "fp16", "dataloader_num_workers")
 
 
-def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> TrainingArguments:
-    """``TrainingArguments`` from ``cfg.train`` under HF's own names.
+def training_arguments(cfg: Config, output_dir: str) -> TrainingArguments:
+    """``TrainingArguments`` from ``cfg.train`` (its batch layout in use, :class:`~onegpu.training.backends.
+    base.TrainRequest`) under HF's own names.
 
     Fixed by onegpu: ``logging_steps=1`` (every optimizer step is logged to MLflow; ``train.logging_steps``
     only paces the terminal), ``report_to="none"`` (onegpu logs to MLflow itself), checkpoints only
@@ -52,8 +53,8 @@ def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> Trai
     cuda = measure.cuda_available()
     return TrainingArguments(
         output_dir=output_dir,
-        per_device_train_batch_size=resolved.per_device_train_batch_size,
-        gradient_accumulation_steps=resolved.gradient_accumulation_steps,
+        per_device_train_batch_size=t.per_device_train_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
         # blocks attention/mlp: onegpu wraps the sub-blocks itself (train()), Trainer checkpoints nothing
         activation_checkpointing=t.gradient_checkpointing and checkpointing.is_default(t),
         activation_checkpointing_kwargs=(checkpointing.hf_kwargs(t) if t.gradient_checkpointing
@@ -268,43 +269,41 @@ class StopCallback(TrainerCallback):
             control.should_training_stop = True
 
 
-def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
-          sink: Callable[[dict, int], None], checkpoint_dir=None, stop=None,
-          resume: ResumePoint | None = None, checkpoint_meta: dict | None = None,
-          oom_injector=None) -> tuple[object, StepRecorder]:
-    """Fine-tune ``model`` on ``dsd['train']`` with HF ``Trainer``; the contract is
+def train(req: TrainRequest) -> tuple[object, StepRecorder]:
+    """Fine-tune ``req.model`` on ``req.dsd['train']`` with HF ``Trainer``; the contract is
     :class:`onegpu.training.backends.base.Backend`.
 
     Checkpoints are Trainer's format (safetensors weights; optimizer, scheduler and RNG states loaded with
     ``weights_only=True``) plus onegpu's state file, written every ``train.save_steps`` steps and when
-    ``stop`` is requested.
+    ``req.stop`` is requested.
     """
     from onegpu.training.interrupt import Interrupted
+    cfg, t, task, stop, resume = req.cfg, req.cfg.train, req.cfg.model.task, req.stop, req.resume
     counter = BatchCounter()
-    scratch = None if checkpoint_dir else tempfile.TemporaryDirectory(prefix="onegpu-trainer-")
-    out = str(checkpoint_dir) if checkpoint_dir else scratch.name  # scratch: removed when training ends
-    args = training_arguments(cfg, resolved, out)
-    if cfg.train.gradient_checkpointing and not checkpointing.is_default(cfg.train):
-        checkpointing.enable(model, cfg.train)  # sub-blocks: Trainer's own checkpointing is off (args)
-    train_ds = model_inputs(dsd, cfg.model.task)["train"]
-    collator = collator_for(cfg.model.task, tokenizer)
+    scratch = None if req.checkpoint_dir else tempfile.TemporaryDirectory(prefix="onegpu-trainer-")
+    out = str(req.checkpoint_dir) if req.checkpoint_dir else scratch.name  # scratch: removed when training ends
+    args = training_arguments(cfg, out)
+    if t.gradient_checkpointing and not checkpointing.is_default(t):
+        checkpointing.enable(req.model, t)  # sub-blocks: Trainer's own checkpointing is off (args)
+    train_ds = model_inputs(req.dsd, task)["train"]
+    collator = collator_for(task, req.tokenizer)
     trainer = ExactLossTrainer(
-        model=model, args=args, train_dataset=train_ds, data_collator=collator, processing_class=tokenizer,
-        counter=counter, task=cfg.model.task, oom_retry=cfg.train.oom_retry, oom_injector=oom_injector)
-    steps = StepRecorder(sink, args.device, counter)
+        model=req.model, args=args, train_dataset=train_ds, data_collator=collator, processing_class=req.tokenizer,
+        counter=counter, task=task, oom_retry=t.oom_retry, oom_injector=req.oom_injector)
+    steps = StepRecorder(req.sink, args.device, counter)
     steps.events = trainer.oom_events
     if resume is not None:
         steps.restore(resume)
-    if checkpoint_dir:
-        trainer.add_callback(CheckpointState(steps, checkpoint_meta or {}))
+    if req.checkpoint_dir:
+        trainer.add_callback(CheckpointState(steps, req.checkpoint_meta or {}))
     if stop is not None:
         trainer.add_callback(StopCallback(stop))
-    if cfg.train.torch_empty_cache_steps:
-        trainer.add_callback(EmptyCache(cfg.train.torch_empty_cache_steps))
-    trainer.add_callback(StepMetrics(steps, probe=(probe_batch(train_ds, collator, resolved.per_device_train_batch_size),
-                                                   loss_for(cfg.model.task))))
+    if t.torch_empty_cache_steps:
+        trainer.add_callback(EmptyCache(t.torch_empty_cache_steps))
+    trainer.add_callback(StepMetrics(steps, probe=(probe_batch(train_ds, collator, t.per_device_train_batch_size),
+                                                   loss_for(task))))
     trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(Progress(steps, cfg.train.logging_steps))
+    trainer.add_callback(Progress(steps, t.logging_steps))
     try:
         trainer.train(resume_from_checkpoint=resume.path if resume else None)
     finally:
