@@ -6,9 +6,9 @@ import argparse
 import os
 import sys
 
+from onegpu.tradeoffs.knobs import KNOBS, parse_knobs  # the standard library only: --help stays instant
+
 STAGES = ("inputs", "prepare", "train", "evaluate")
-# onegpu.tradeoffs.KNOBS, spelled out so --help needs no import (tests/unit/test_tradeoffs.py checks it)
-TRADEOFF_KNOBS = "split,checkpointing,precision,tf32,optimizer,attention,compile,allocator,lora"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
                                     "fastest configuration that does (measured as a whole): OUT/tradeoffs.md, "
                                     "OUT/tradeoffs.png and an MLflow run (tag stage=tradeoffs).")
     tr.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    tr.add_argument("--knobs", metavar="LIST", help=f"comma-separated subset of {TRADEOFF_KNOBS} "
+    tr.add_argument("--knobs", metavar="LIST", help=f"comma-separated subset of {','.join(KNOBS)} "
                                                     "(default: all that apply)")
     tr.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a param for every experiment, the baseline too, as `dvc exp run -S` takes it "
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             print(summary.text(cfg))
         elif args.command == "tradeoffs":
             from onegpu.stages import tradeoffs
-            tradeoffs.run(cfg, args.params, tradeoffs.parse_knobs(args.knobs), queue_only=args.queue_only, report_only=args.report,
+            tradeoffs.run(cfg, args.params, parse_knobs(args.knobs), queue_only=args.queue_only, report_only=args.report,
                           batch=args.batch, combine=not args.no_combine, out_dir=args.out,
                           overrides=args.overrides)
         elif args.command == "compare":

@@ -55,12 +55,13 @@ def test_queue_only_then_report(tmp_path):
 def test_full_run_with_the_combined_recommendation(tmp_path, monkeypatch):
     """Every same-training knob counts as faster (MIN_GAIN -1): the split and checkpointing rows are
     combined, queued and measured as `recommended`, which must be the same training as the baseline."""
-    from onegpu import config, tradeoffs
+    from onegpu import config
     from onegpu.stages import tradeoffs as stage
+    from onegpu.tradeoffs import measurement as tradeoffs, recommend
     project = make_project(tmp_path / "p")
     monkeypatch.chdir(project)
     monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    monkeypatch.setattr(tradeoffs, "MIN_GAIN", -1.0)
+    monkeypatch.setattr(recommend, "MIN_GAIN", -1.0)
     cfg = config.load("params.yaml")
     rows = stage.run(cfg, "params.yaml", ("split", "checkpointing", "lora"))
     names = [r.variant.name for r in rows]

@@ -76,3 +76,11 @@ def test_classification_targets_are_examples():
     rec.end_step(1)
     rec.log(1, 1.0, 1.0, 1e-3)
     assert (sunk[0][1]["step_examples"], sunk[0][1]["step_tokens"], sunk[0][1]["step_targets"]) == (3, 12, 3)
+
+
+def test_steady_throughput_leaves_out_step_one():
+    from onegpu.training.recorder import steady_samples_per_second
+    rows = [{"step": 1, "samples": 16, "step_time_s": 9.0}, {"step": 2, "samples": 16, "step_time_s": 1.0},
+            {"step": 3, "samples": 8, "step_time_s": 0.5}]
+    assert steady_samples_per_second(rows) == 24 / 1.5
+    assert steady_samples_per_second(rows[:1]) is None and steady_samples_per_second([]) is None

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import pytest
 
-from onegpu import cli, config, tradeoffs, tradeoffs_report
+from onegpu import config
 from onegpu.compare import RunRecord
 from onegpu.equivalence import equivalence_key
-from onegpu.stages.tradeoffs import parse_knobs
 from onegpu.errors import UserError
+from onegpu.tradeoffs import knobs, measurement, recommend, report as tradeoffs_report
+from onegpu.tradeoffs.knobs import parse_knobs
 from tests import defaults
+
+CPU = config.DeviceFacts()
 
 
 def _cfg(**train) -> config.Config:
@@ -24,19 +27,19 @@ def _names(variants):
 # -- plan ------------------------------------------------------------------------------------------
 
 def test_plan_on_cpu_for_the_defaults():
-    variants, skipped = tradeoffs.plan(_cfg())
+    variants, skipped = knobs.plan(_cfg(), CPU)
     assert _names(variants) == ["baseline", "split-16x1", "checkpointing", "bf16", "adamw_torch_fused", "adafactor",
                                 "attn-eager", "compile", "cpu-allocator-system", "lora"]
     by = {v.name: v for v in variants}
     assert by["split-16x1"].set_args == ["-S", "train.per_device_train_batch_size=16",
                                          "-S", "train.gradient_accumulation_steps=1"]
     assert by["baseline"].set_args == []
-    assert by["lora"].overrides == (("model.lora", tradeoffs.LORA_ROW),)
+    assert by["lora"].overrides == (("model.lora", knobs.LORA_ROW),)
     assert [s.split(":")[0] for s in skipped] == ["tf32"]  # a no-op on CPU
 
 
 def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
-    variants, skipped = tradeoffs.plan(_cfg(), cuda=True, bf16_supported=False, bnb_available=True)
+    variants, skipped = knobs.plan(_cfg(), config.DeviceFacts(cuda=True, gpus=1, bf16=False, packages=frozenset({"bitsandbytes"})))
     names = _names(variants)
     assert "fp16" in names and "bf16" not in names  # a GPU without bf16
     assert "tf32" in names and "adamw_bnb_8bit" in names and "cpu-allocator-system" not in names
@@ -44,19 +47,19 @@ def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
 
 
 def test_plan_turns_off_what_is_on_and_splits_the_other_way():
-    variants, skipped = tradeoffs.plan(_cfg(gradient_checkpointing=True, bf16=True, torch_compile=True,
-                                            per_device_train_batch_size=8, gradient_accumulation_steps=1))
+    variants, skipped = knobs.plan(_cfg(gradient_checkpointing=True, bf16=True, torch_compile=True,
+                                            per_device_train_batch_size=8, gradient_accumulation_steps=1), CPU)
     names = _names(variants)
     assert {"no-checkpointing", "fp32", "no-compile", "split-4x2"} <= set(names)
-    variants, _ = tradeoffs.plan(_cfg(cpu_allocator="system"), knobs=("allocator",))
+    variants, _ = knobs.plan(_cfg(cpu_allocator="system"), CPU, knobs=("allocator",))
     assert [v.overrides for v in variants] == [(), (("train.cpu_allocator", "caching"),)]
-    variants, skipped = tradeoffs.plan(_cfg(per_device_train_batch_size=3, gradient_accumulation_steps=3),
+    variants, skipped = knobs.plan(_cfg(per_device_train_batch_size=3, gradient_accumulation_steps=3), CPU,
                                        knobs=("split",))
     assert _names(variants) == ["baseline"] and "no other split" in skipped[0]
 
 
 def test_plan_knobs_subset():
-    variants, _ = tradeoffs.plan(_cfg(), knobs=("precision", "lora"))
+    variants, _ = knobs.plan(_cfg(), CPU, knobs=("precision", "lora"))
     assert _names(variants) == ["baseline", "bf16", "lora"]
 
 
@@ -66,26 +69,26 @@ def test_every_variant_validates_and_its_key_matches_what_it_expects():
     raw = defaults.params()
     base = config.from_container(raw)
     base_key = equivalence_key(base, config.resolve(base), "fp")
-    variants, _ = tradeoffs.plan(base, cuda=True, bnb_available=True)
+    variants, _ = knobs.plan(base, config.DeviceFacts(cuda=True, gpus=1, bf16=True, packages=frozenset({"bitsandbytes"})))
     for v in variants:
         r = defaults.params()
         for k, val in v.overrides:
             config.apply_override(r, f"{k}={val}")
         cfg = config.from_container(r)
         key = equivalence_key(cfg, config.resolve(cfg), "fp")
-        if v.expect == tradeoffs.SAME:
+        if v.expect == knobs.SAME:
             assert key == base_key, v.name
         else:
             assert key != base_key or v.knob == "tf32", v.name  # tf32: same key, looser tolerance
     lora = config.from_container({**defaults.params(), "model": {**defaults.params()["model"],
                                                                   "lora": {"r": 8, "alpha": 16}}})
     r = defaults.params()
-    config.apply_override(r, f"model.lora={tradeoffs.LORA_ROW}")
+    config.apply_override(r, f"model.lora={knobs.LORA_ROW}")
     assert config.from_container(r).model.lora == lora.model.lora
 
 
 def test_parse_knobs():
-    assert parse_knobs(None) == tradeoffs.KNOBS
+    assert parse_knobs(None) == tuple(knobs.KNOBS)
     assert parse_knobs("split, lora") == ("split", "lora")
     with pytest.raises(UserError, match="unknown foo; choose from split,checkpointing"):
         parse_knobs("split,foo")
@@ -93,8 +96,18 @@ def test_parse_knobs():
         parse_knobs(",")
 
 
-def test_cli_help_lists_the_knobs():
-    assert cli.TRADEOFF_KNOBS == ",".join(tradeoffs.KNOBS)
+def test_cli_help_lists_the_knobs_without_importing_a_heavy_library():
+    import subprocess
+    import sys
+    code = ("import sys, contextlib, io; from onegpu import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    try: cli.main(['tradeoffs', '--help'])\n"
+            "    except SystemExit: pass\n"
+            "print(out.getvalue()); print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'torch', 'transformers', 'mlflow', 'numpy', 'omegaconf', 'dvc'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert ",".join(knobs.KNOBS) in "".join(out.split())  # argparse wraps (and cuts) the help text
+    assert out.strip().endswith("[]")  # nothing heavy imported to print --help
 
 
 # -- rows from runs ------------------------------------------------------------------------------
@@ -110,7 +123,7 @@ def _run(name, key="k1", step_time=1.0, first=5.0, loss_scale=1.0, examples=16, 
               "step_examples": [(s, float(examples)) for s in range(1, STEPS + 1)]}
     metrics = {"train_runtime": first + step_time * (STEPS - 1), "eval_loss": eval_loss,
                "train_samples_per_second": examples * STEPS / (first + step_time * (STEPS - 1))}
-    metrics.update(dict(zip(tradeoffs.BREAKDOWN, [m * 2**20 for m in mem])))
+    metrics.update(dict(zip(measurement.BREAKDOWN, [m * 2**20 for m in mem])))
     if peak is not None:
         metrics["train_mem_peak_bytes"] = peak
     return RunRecord(run_id=name, name=name, params={"train.per_device_train_batch_size": "8",
@@ -120,55 +133,55 @@ def _run(name, key="k1", step_time=1.0, first=5.0, loss_scale=1.0, examples=16, 
                      status="FINISHED")
 
 
-def _variant(name, knob, expect=tradeoffs.SAME, overrides=(("train.x", "1"),)):
-    return tradeoffs.Variant(name, knob, overrides, expect, name)
+def _variant(name, knob, expect=knobs.SAME, overrides=(("train.x", "1"),)):
+    return knobs.Variant(name, knob, overrides, expect, name)
 
 
-BASE = tradeoffs.Variant("baseline", "baseline", (), tradeoffs.SAME, "your params")
+BASE = knobs.Variant("baseline", "baseline", (), knobs.SAME, "your params")
 
 
 def test_speed_excludes_step_one_and_memory_is_the_breakdown_on_cpu():
     base = _run("baseline")
     fast = _run("split", step_time=0.5, first=30.0, mem=(100, 100, 200, 100))  # slow first step (compile)
-    row = tradeoffs.measure_row(_variant("split", "split"), fast, base)
+    row = measurement.measure_row(_variant("split", "split"), fast, base)
     assert row.samples_per_second == pytest.approx(32.0)  # 16 examples / 0.5 s, steps 2..6
     assert row.speedup == pytest.approx(2.0)
     assert row.first_step_s == 30.0
     assert row.memory_bytes == 500 * 2**20 and row.memory_kind == "breakdown"
     assert row.memory_ratio == pytest.approx(500 / 450)
-    assert row.verdict == tradeoffs.SAME_TRAINING and row.same_training
+    assert row.verdict == measurement.SAME_TRAINING and row.same_training
     assert row.time_to_eval_loss_s == row.train_runtime_s  # same eval loss: reached
     assert row.notes == []
     recompiled = _run("compile", step_time=0.5, first=30.0)
     recompiled.series["step_time_s"][-1] = (STEPS, 20.0)  # the last step recompiles for its new shape
-    row = tradeoffs.measure_row(_variant("compile", "compile"), recompiled, base)
+    row = measurement.measure_row(_variant("compile", "compile"), recompiled, base)
     assert row.notes == [f"optimizer step {STEPS} took 20.0 s against a median 0.50 s (torch.compile recompiles "
                          "for each new batch shape; otherwise a one-off stall); its samples/s count them"]
 
 
 def test_memory_on_gpu_is_the_allocator_peak():
     run = _run("b", device="NVIDIA H200", peak=3e9)
-    assert tradeoffs.memory_bytes(run) == (3e9, "allocator peak")
+    assert measurement.memory_bytes(run) == (3e9, "allocator peak")
 
 
 def test_verdicts_precision_different_and_diverged():
     base = _run("baseline")
     bf16 = _run("bf16", key="k2", loss_scale=1.004, params={"train.bf16": "true"})
-    row = tradeoffs.measure_row(_variant("bf16", "precision", tradeoffs.PRECISION), bf16, base)
+    row = measurement.measure_row(_variant("bf16", "precision", knobs.PRECISION), bf16, base)
     assert row.verdict == "same within bf16 tolerance" and not row.same_training
     far = _run("bf16", key="k2", loss_scale=1.5, params={"train.bf16": "true"})
-    row = tradeoffs.measure_row(_variant("bf16", "precision", tradeoffs.PRECISION), far, base)
+    row = measurement.measure_row(_variant("bf16", "precision", knobs.PRECISION), far, base)
     assert row.verdict == "differs beyond bf16 tolerance at step 1"
     ada = _run("adafactor", key="k3", loss_scale=1.0, eval_loss=1.2)
-    row = tradeoffs.measure_row(_variant("adafactor", "optimizer", tradeoffs.DIFFERENT), ada, base)
-    assert row.verdict == tradeoffs.DIFFERENT_TRAINING  # another key, even with equal losses
+    row = measurement.measure_row(_variant("adafactor", "optimizer", knobs.DIFFERENT), ada, base)
+    assert row.verdict == measurement.DIFFERENT_TRAINING  # another key, even with equal losses
     assert row.time_to_eval_loss_s is None  # 1.2 > 1.0: not reached
     assert tradeoffs_report._time_to_loss(row) == "not reached"
     better = _run("lora", key="k4", eval_loss=0.9)
-    assert tradeoffs.measure_row(_variant("lora", "lora", tradeoffs.DIFFERENT), better, base).time_to_eval_loss_s \
+    assert measurement.measure_row(_variant("lora", "lora", knobs.DIFFERENT), better, base).time_to_eval_loss_s \
         == better.metrics["train_runtime"]
     eager = _run("attn-eager", loss_scale=1.01, params={"model.attn_implementation": "eager"})
-    row = tradeoffs.measure_row(_variant("attn-eager", "attention"), eager, base)
+    row = measurement.measure_row(_variant("attn-eager", "attention"), eager, base)
     assert row.verdict.startswith("diverged at step 1: model.attn_implementation differs")
     assert not row.same_training
 
@@ -186,13 +199,13 @@ def test_recommend_combines_the_faster_same_training_knobs():
                 _variant("split-16x1", "split", overrides=(("train.per_device_train_batch_size", "16"),
                                                            ("train.gradient_accumulation_steps", "1"))),
                 _variant("checkpointing", "checkpointing", overrides=(("train.gradient_checkpointing", "true"),)),
-                _variant("bf16", "precision", tradeoffs.PRECISION, (("train.bf16", "true"),)),
-                _variant("adafactor", "optimizer", tradeoffs.DIFFERENT, (("train.optim", "adafactor"),)),
+                _variant("bf16", "precision", knobs.PRECISION, (("train.bf16", "true"),)),
+                _variant("adafactor", "optimizer", knobs.DIFFERENT, (("train.optim", "adafactor"),)),
                 _variant("attn-eager", "attention", overrides=(("model.attn_implementation", "eager"),)),
                 _variant("compile", "compile", overrides=(("train.torch_compile", "true"),)),
-                _variant("lora", "lora", tradeoffs.DIFFERENT)]  # not run
-    rows = tradeoffs.measure_rows(variants, runs)
-    rec = tradeoffs.recommend(rows, budget_bytes=None)
+                _variant("lora", "lora", knobs.DIFFERENT)]  # not run
+    rows = measurement.measure_rows(variants, runs)
+    rec = recommend.recommend(rows, budget_bytes=None)
     assert rec.variant.name == "recommended"
     assert rec.variant.overrides == (("train.per_device_train_batch_size", "16"),
                                      ("train.gradient_accumulation_steps", "1"),
@@ -204,9 +217,9 @@ def test_recommend_combines_the_faster_same_training_knobs():
     assert left["bf16"] == "same within bf16 tolerance"
     assert "adafactor" not in left and "lora" not in left  # different trainings are not candidates
     # A budget below the split's memory (500 MiB) leaves the split out: one knob stands for itself.
-    rec = tradeoffs.recommend(rows, budget_bytes=480 * 2**20)
+    rec = recommend.recommend(rows, budget_bytes=480 * 2**20)
     assert rec.variant.name == "attn-eager" and dict(rec.left_out)["split-16x1"] == "over the memory budget"
-    rec = tradeoffs.recommend(rows[:1] + rows[2:3], budget_bytes=None)  # baseline + checkpointing only
+    rec = recommend.recommend(rows[:1] + rows[2:3], budget_bytes=None)  # baseline + checkpointing only
     assert rec.variant is None
 
 
@@ -216,9 +229,9 @@ def test_report_markdown_terminal_and_plot(tmp_path):
             "attn-eager": _run("attn-eager", step_time=0.8)}
     variants = [BASE, _variant("split-16x1", "split", overrides=(("train.per_device_train_batch_size", "16"),)),
                 _variant("attn-eager", "attention", overrides=(("model.attn_implementation", "eager"),))]
-    rows = tradeoffs.measure_rows(variants, runs)
-    rec = tradeoffs.recommend(rows, None)
-    measured = tradeoffs.measure_row(rec.variant, _run("recommended", step_time=0.6), base)
+    rows = measurement.measure_rows(variants, runs)
+    rec = recommend.recommend(rows, None)
+    measured = measurement.measure_row(rec.variant, _run("recommended", step_time=0.6), base)
     for r in rows[1:]:
         r.notes.append("optimizer step 6 saw 4 of 16 examples")
     rows[1].notes.append("run status KILLED")
@@ -248,26 +261,26 @@ def test_dropout_masks_alone_make_a_row_same_in_expectation_and_a_candidate():
                  params={"train.per_device_train_batch_size": "16", "train.gradient_accumulation_steps": "1"})
     split.tags.update(drop)
     v = _variant("split-16x1", "split", overrides=(("model.dropout", "0.1"), ("train.per_device_train_batch_size", "16")))
-    row = tradeoffs.measure_row(v, split, base)
-    assert row.verdict == tradeoffs.IN_EXPECTATION and row.same_training
+    row = measurement.measure_row(v, split, base)
+    assert row.verdict == measurement.IN_EXPECTATION and row.same_training
     attn = _run("attn-eager", step_time=0.8, loss_scale=1.01, params={"model.attn_implementation": "eager"})
     attn.tags.update(drop)
     va = _variant("attn-eager", "attention", overrides=(("model.dropout", "0.1"), ("model.attn_implementation", "eager")))
-    arow = tradeoffs.measure_row(va, attn, base)
-    assert arow.verdict == tradeoffs.IN_EXPECTATION
-    rec = tradeoffs.recommend([tradeoffs.measure_row(BASE, base, base), row, arow], None)
+    arow = measurement.measure_row(va, attn, base)
+    assert arow.verdict == measurement.IN_EXPECTATION
+    rec = recommend.recommend([measurement.measure_row(BASE, base, base), row, arow], None)
     # the shared -S (model.dropout) once, then each knob's own
     assert rec.variant.overrides == (("model.dropout", "0.1"), ("train.per_device_train_batch_size", "16"),
                                      ("model.attn_implementation", "eager"))
     nodrop = _run("split-16x1", step_time=0.5, loss_scale=1.01,
                   params={"train.per_device_train_batch_size": "16", "train.gradient_accumulation_steps": "1"})
-    row = tradeoffs.measure_row(v, nodrop, _run("baseline"))
+    row = measurement.measure_row(v, nodrop, _run("baseline"))
     assert row.verdict.startswith("diverged at step 1") and not row.same_training
 
 
 def test_common_overrides_go_first_in_every_variant():
-    variants, _ = tradeoffs.plan(_cfg(), knobs=("split",))
-    out = tradeoffs.with_overrides(variants, [("model.dropout", "0")])
+    variants, _ = knobs.plan(_cfg(), CPU, knobs=("split",))
+    out = knobs.with_overrides(variants, [("model.dropout", "0")])
     assert [v.overrides for v in out] == [
         (("model.dropout", "0"),),
         (("model.dropout", "0"), ("train.per_device_train_batch_size", "16"), ("train.gradient_accumulation_steps", "1"))]
@@ -276,11 +289,11 @@ def test_common_overrides_go_first_in_every_variant():
 def test_run_queue_waits_for_its_experiments_to_leave_the_queue(monkeypatch, capsys):
     """`dvc exp run --run-all` can return at once while a worker left from an earlier call runs the task
     just queued: the report then found no run for it (seen: the combined recommendation 'not run')."""
-    from onegpu.stages import tradeoffs as stage
+    from onegpu.tradeoffs import queue
     states = [["tradeoffs-1-recommended", "other"], ["tradeoffs-1-recommended"], []]
-    monkeypatch.setattr(stage, "_other_queued", lambda: states.pop(0))
-    monkeypatch.setattr(stage.subprocess, "run", lambda *a, **k: None)  # run-all returns at once
-    monkeypatch.setattr(stage.time, "sleep", lambda s: None)
-    stage._run_queue({"tradeoffs-1-recommended"})
+    monkeypatch.setattr(queue, "in_queue", lambda: states.pop(0))
+    monkeypatch.setattr(queue.subprocess, "run", lambda *a, **k: None)  # run-all returns at once
+    monkeypatch.setattr(queue.time, "sleep", lambda s: None)
+    queue.run_all({"tradeoffs-1-recommended"})
     assert states == []  # polled until its experiment left the queue
     assert "waiting for tradeoffs-1-recommended (still in the DVC queue)" in capsys.readouterr().out

@@ -198,6 +198,18 @@ class StepRecorder:
         }
 
 
+def steady_samples_per_second(rows) -> float | None:
+    """Steady-state throughput, examples per second: over optimizer steps 2..N (step 1 holds warm-up:
+    compilation, allocator growth, the activation probe), the steps' examples over their wall time.
+
+    ``rows``: the recorder's rows (``step``, ``samples``, ``step_time_s``), or rows of the same keys
+    rebuilt from the logged ``step_examples`` and ``step_time_s`` series. None when no step after the
+    first has a time."""
+    keep = [r for r in rows if r["step"] >= 2]
+    total = sum(r["step_time_s"] for r in keep)
+    return sum(r["samples"] for r in keep) / total if total > 0 else None
+
+
 def _whole_step(dt: float, samples: int, tokens: int, targets: int, tokens_sq: int, peak: int, device) -> dict:
     """The step's row over all processes (one all-gather under several; this process's values alone).
 

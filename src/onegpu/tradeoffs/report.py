@@ -1,5 +1,5 @@
 """``onegpu tradeoffs``' report: the measured table as Markdown, plain text and a PNG (rows from
-:mod:`onegpu.tradeoffs`). No MLflow or DVC here."""
+:mod:`onegpu.tradeoffs.measurement`). No MLflow or DVC here."""
 from __future__ import annotations
 
 import textwrap
@@ -7,7 +7,8 @@ from pathlib import Path
 
 from onegpu.compare.plots import pyplot
 from onegpu.compare.report import md_table, mib, num, ratio, text_table
-from onegpu.tradeoffs import DIFFERENT_TRAINING, MIN_GAIN, SAME_TRAINING, Recommendation, Row
+from onegpu.tradeoffs.measurement import DIFFERENT_TRAINING, SAME_TRAINING, Row
+from onegpu.tradeoffs.recommend import MIN_GAIN, Recommendation
 
 REPORT_FILE = "tradeoffs.md"
 PLOT_FILE = "tradeoffs.png"
@@ -39,6 +40,16 @@ def _time_to_loss(r: Row) -> str:
 def combined_row(measured: Row | None) -> list[Row]:
     """The combined recommendation's own row, when it ran (a single knob's row is in the table already)."""
     return [measured] if measured and measured.run and measured.variant.knob == "recommended" else []
+
+
+def ratios(rows: list[Row], measured: Row | None) -> dict[str, float]:
+    """The MLflow metrics of the tradeoffs run: ``speedup/<row>``, ``memory_ratio/<row>`` and
+    ``recommended_speedup`` (the recommendation's measured speed-up)."""
+    out = {f"speedup/{r.variant.name}": r.speedup for r in rows if r.speedup is not None}
+    out.update({f"memory_ratio/{r.variant.name}": r.memory_ratio for r in rows if r.memory_ratio is not None})
+    if measured is not None and measured.speedup is not None:
+        out["recommended_speedup"] = measured.speedup
+    return out
 
 
 def _cells(r: Row) -> list[str]:
