@@ -43,7 +43,7 @@ def test_training_prints_onegpu_progress_not_hf_log_dicts(backend, capsys):
 def test_cpu_peak_says_it_is_process_rss_and_why_it_exceeds_the_auto_budget():
     from onegpu.training.recorder import peak_text
     text = peak_text(1727 * 2**20, "cpu", int(0.8 * 2**30))
-    assert text.startswith("peak 1727 MiB process RSS (the auto budget, 0.80 GiB, covers the probed training "
+    assert text.startswith("peak 1,727 MiB process RSS (the auto budget, 0.80 GiB, covers the probed training "
                            "state only; RSS also holds the Python runtime, libraries and data)")
-    assert peak_text(1727 * 2**20, "cpu", None) == "peak 1727 MiB process RSS"
-    assert peak_text(1727 * 2**20, "cuda:0", 2**30) == "peak 1727 MiB allocated"
+    assert peak_text(1727 * 2**20, "cpu", None) == "peak 1,727 MiB process RSS"
+    assert peak_text(1727 * 2**20, "cuda:0", 2**30) == "peak 1,727 MiB allocated"

@@ -44,8 +44,7 @@ def comparison() -> eq.Comparison:
     return eq.compare(runs)
 
 
-def _row(md: str, start: str) -> str:
-    return next(line for line in md.splitlines() if line.startswith(start))
+from tests.tables import cells, row as _row  # noqa: E402
 
 
 def test_markdown_sections_in_order(comparison):
@@ -56,8 +55,10 @@ def test_markdown_sections_in_order(comparison):
     assert "1 run(s) without an `equivalence_key` tag were left out: nokey." in md
     heads = [line for line in md.splitlines() if line.startswith("## ")]
     assert heads == ['## What "equivalent" means here', f"## Group 1: `{KEY}`", f"## Group 2: `{SOLO}`", "## Plots"]
-    assert _row(md, "| 1 |").startswith(f"| 1 | `{KEY}` | 4 | 2 | 1 | 4 runs; reference ref (8x1, fp32).")
-    assert _row(md, "| 2 |").startswith(f"| 2 | `{SOLO}` | 1 | 0 | 0 | 1 run; reference solo (8x2, fp32).")
+    assert _row(md, "1")[:5] == ["1", f"`{KEY}`", "4", "2", "1"]
+    assert _row(md, "1")[5].startswith("4 runs; reference ref (8x1, fp32).")
+    assert _row(md, "2")[:5] == ["2", f"`{SOLO}`", "1", "0", "0"]
+    assert _row(md, "2")[5].startswith("1 run; reference solo (8x2, fp32).")
     assert "Effective batch 8 examples per optimizer step, fp32, device cpu." in md
     assert md.rstrip().endswith("![loss curves](loss_curves.png)\n![memory vs throughput](memory_vs_throughput.png)")
     assert "## Plots" not in report.markdown(comparison, images=())
@@ -65,10 +66,10 @@ def test_markdown_sections_in_order(comparison):
 
 def test_markdown_group_rows_hold_the_differences_and_costs(comparison):
     md = report.markdown(comparison, images=())
-    assert _row(md, "| ckpt (") == ("| ckpt (`ckpt0000`) | 8 x 1 | yes | fp32 | 3 | equivalent | 0 | 0 | 0 | 0 | "
-                                     "+0.0200 | 954 | 1.00x* | 100.0 | 1.00x* | 0.600 |")
-    assert _row(md, "| bad (").startswith("| bad (`bad00000`) | 2 x 4 | no | fp32 | 3 | **diverged at step 2** | "
-                                          "1.00e-01 | 8.33e-02 | 0 | 0 | +0.0300 |")
+    assert _row(md, "ckpt (") == ["ckpt (`ckpt0000`)", "8 x 1", "yes", "fp32", "3", "equivalent", "0", "0", "0",
+                                  "0", "+0.0200", "954", "1.00x*", "100.0", "1.00x*", "0.600"]
+    assert _row(md, "bad (")[:11] == ["bad (`bad00000`)", "2 x 4", "no", "fp32", "3", "**diverged at step 2**",
+                                      "1.00e-01", "8.33e-02", "0", "0", "+0.0300"]
     assert ("- **bad** (2x4) diverged at step 2: loss differs by 1.00e-01 at most (step 2), grad_norm by 0 "
             "relative at most; tolerances 0.0001 (loss) and 0.001 (grad_norm) relative (fp32).") in md
     assert "  - likely cause: dropout (p up to 0.1) with a different micro-batch (2 vs 8)" in md
@@ -76,21 +77,21 @@ def test_markdown_group_rows_hold_the_differences_and_costs(comparison):
 
 def test_tolerance_table_lists_every_precision():
     lines = report.tolerance_table().splitlines()
-    assert lines[:2] == ["| precision | eps | loss rtol / atol | grad_norm rtol / atol | basis |",
-                         "|---|---|---|---|---|"]
-    assert [line.split(" | ")[:4] for line in lines[2:]] == [
-        ["| fp32", "1.19e-07", "0.0001 / 1e-06", "0.001 / 1e-06"],
-        ["| tf32", "0.000977", "0.002 / 1e-05", "0.01 / 1e-05"],
-        ["| bf16", "0.00781", "0.01 / 0.0001", "0.05 / 0.0001"],
-        ["| fp16", "0.000977", "0.01 / 0.0001", "0.05 / 0.0001"]]
+    assert cells(lines[0]) == ["precision", "eps", "loss rtol / atol", "grad_norm rtol / atol", "basis"]
+    assert set(lines[1]) == {"|", "-"}  # the rule under the header
+    assert [cells(line)[:4] for line in lines[2:]] == [
+        ["fp32", "1.19e-07", "0.0001 / 1e-06", "0.001 / 1e-06"],
+        ["tf32", "0.000977", "0.002 / 1e-05", "0.01 / 1e-05"],
+        ["bf16", "0.00781", "0.01 / 0.0001", "0.05 / 0.0001"],
+        ["fp16", "0.000977", "0.01 / 0.0001", "0.05 / 0.0001"]]
 
 
 def test_overlapped_runs_are_marked_in_markdown(comparison):
     md = report.markdown(comparison, images=())
-    assert _row(md, "| ref (").endswith("| 954* | 1.00x* | 100.0* | 1.00x* | 0.600* |")
-    assert _row(md, "| split (").endswith("| 477* | 0.50x* | 80.0* | 0.80x* | 0.600* |")
+    assert _row(md, "ref (")[-5:] == ["954*", "1.00x*", "100.0*", "1.00x*", "0.600*"]
+    assert _row(md, "split (")[-5:] == ["477*", "0.50x*", "80.0*", "0.80x*", "0.600*"]
     # ckpt trained alone: its own values unmarked, its ratios marked (the reference overlapped)
-    assert _row(md, "| ckpt (").endswith("| 954 | 1.00x* | 100.0 | 1.00x* | 0.600 |")
+    assert _row(md, "ckpt (")[-5:] == ["954", "1.00x*", "100.0", "1.00x*", "0.600"]
     assert ("* not comparable: ref trained at the same time as split; split trained at the same time as ref. "
             "Time splits one run at a time (`dvc queue start -j 1`).") in md
 
@@ -99,19 +100,24 @@ def test_partial_step_is_noted(comparison):
     md = report.markdown(comparison, images=())
     assert ("- solo: optimizer step 1 saw 10 of 16 examples (an epoch's short last step): its loss and "
             "gradient are over those only") in md
-    assert "Step 1 saw fewer examples than the effective batch" in _row(md, "| 2 |")
+    assert "Step 1 saw fewer examples than the effective batch" in _row(md, "2")[5]
 
 
 def test_terminal_table(comparison):
     text = report.terminal_table(comparison, summaries=False)
     lines = text.splitlines()
-    assert lines[:4] == [
-        f"group 1 key {KEY} (4 runs, 2 equivalent, 1 diverged)",
-        "  run    micro x accum  ckpt  verdict             max |d loss|  peak MiB  samples/s",
-        "  -----  -------------  ----  ------------------  ------------  --------  ---------",
-        "  ref    8 x 1          no    reference                      -      954*     100.0*"]
-    assert "  split  4 x 2          no    equivalent              1.00e-07      477*      80.0*" in lines
-    assert "  bad    2 x 4          no    diverged at step 2      1.00e-01       954      100.0" in lines
+    assert lines[0] == f"group 1 key {KEY} (4 runs, 2 equivalent, 1 diverged)"
+    assert lines[1].split() == ["run", "micro", "x", "accum", "ckpt", "verdict", "max", "|d", "loss|", "peak", "MiB",
+                                "samples/s"]
+    assert set(lines[2]) == {" ", "-"} and lines[2].startswith("  -")  # a dash rule per column, indented
+    assert lines[3].split() == ["ref", "8", "x", "1", "no", "reference", "-", "954*", "100.0*"]
+    # the numbers are right-aligned: each ends where its column's header ends
+    for name in ("max |d loss|", "peak MiB", "samples/s"):
+        end = lines[1].index(name) + len(name)
+        assert all(line[end - 1] != " " for line in lines[3:6]), name
+    assert ["split", "4", "x", "2", "no", "equivalent", "1.00e-07", "477*", "80.0*"] in [ln.split() for ln in lines]
+    assert ["bad", "2", "x", "4", "no", "diverged", "at", "step", "2", "1.00e-01", "954", "100.0"] in [
+        ln.split() for ln in lines]
     assert "  * not comparable (trained at the same time as other runs): ref, split; time one run at a time (dvc" \
         in lines
     assert f"group 2 key {SOLO} (1 run, 0 equivalent, 0 diverged)" in lines

@@ -10,6 +10,7 @@ from onegpu.errors import UserError
 from onegpu.tradeoffs import knobs, measurement, recommend, report as tradeoffs_report
 from onegpu.tradeoffs.knobs import parse_knobs
 from tests import defaults
+from tests.tables import row
 
 CPU = config.DeviceFacts()
 
@@ -240,7 +241,7 @@ def test_report_markdown_terminal_and_plot(tmp_path):
     # a note every row shares is said once; a row's own note stays with its row
     assert text.count("saw 4 of 16") == 1 and "- every row: optimizer step 6 saw 4 of 16 examples" in text
     assert "- split-16x1: run status KILLED" in text
-    assert "| split-16x1 |" in text and "| recommended |" in text
+    assert row(text, "split-16x1")[0] == "split-16x1" and row(text, "recommended")[0] == "recommended"
     assert ("`dvc exp run -S 'train.per_device_train_batch_size=16' -S 'model.attn_implementation=eager'`"
             in text)
     assert "Measured: 1.67x the baseline's samples/s (26.67 vs 16.00)" in text

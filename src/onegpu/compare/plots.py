@@ -8,6 +8,7 @@ from pathlib import Path
 
 from onegpu.compare.groups import Comparison, GroupComparison
 from onegpu.compare.verdict import DIVERGED, EQUIVALENT, INCOMPLETE, NO_DATA, REFERENCE
+from onegpu.formatting import MiB
 
 LOSS_PLOT = "loss_curves.png"
 MEMORY_PLOT = "memory_vs_throughput.png"
@@ -143,11 +144,11 @@ def memory_figure(comparison: Comparison):
                 continue
             alone = c.cost_comparable  # overlapped runs: hollow marker, "(overlapped)" in the label
             overlapped = overlapped or not alone
-            ax.scatter([x], [y / 2**20], color=color if alone else "none", marker=STATUS_MARKERS.get(c.status, "d"),
+            ax.scatter([x], [y / MiB], color=color if alone else "none", marker=STATUS_MARKERS.get(c.status, "d"),
                        s=180 if c.is_reference else 70, edgecolors="black" if alone else color,
                        linewidths=0.5 if alone else 1.5, zorder=3, alpha=0.85)
             # Runs at the same point share one label instead of printing over each other.
-            labels_at.setdefault((round(x, 3), round(y / 2**20, 1)), []).append(
+            labels_at.setdefault((round(x, 3), round(y / MiB, 1)), []).append(
                 c.run.split + ("" if alone else " (overlapped: not comparable)"))
             if c.status not in statuses:
                 statuses.append(c.status)

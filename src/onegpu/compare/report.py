@@ -5,13 +5,13 @@ Input is an :class:`onegpu.compare.groups.Comparison`; nothing here touches MLfl
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from onegpu.compare.groups import Comparison, GroupComparison
 from onegpu.compare.plots import LOSS_PLOT, MAX_PLOTTED_GROUPS, MEMORY_PLOT, plot_loss_curves, plot_memory_vs_throughput
 from onegpu.compare.tolerances import EPS, GRAD_NORM_TOLERANCES, TOLERANCE_BASIS, TOLERANCES
 from onegpu.compare.verdict import DIVERGED, EQUIVALENT, EVAL_METRICS
+from onegpu.formatting import markdown_table, mib, num, ratio, sci, signed, text_table
 
 REPORT_FILE = "compare.md"
 
@@ -49,51 +49,15 @@ both relative to the reference. They compare only runs that trained alone: a val
 OVERLAP_MARK = "*"
 
 
-def md_table(head: list[str], rows: list[list[str]]) -> list[str]:
-    """A Markdown (GitHub pipe) table as lines: the header, the ``---`` rule, one line per row; cells
-    are written as given, one space inside each ``|`` (no column padding, so a row reads ``| a | b |``)."""
-    return ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|",
-            *("| " + " | ".join(r) + " |" for r in rows)]
-
-
 def tolerance_table() -> str:
     """Markdown table of the per-precision tolerances (loss, grad_norm), machine epsilon and basis."""
     rows = [[p, f"{EPS[p]:.3g}", f"{t.rtol:g} / {t.atol:g}",
              f"{GRAD_NORM_TOLERANCES[p].rtol:g} / {GRAD_NORM_TOLERANCES[p].atol:g}", TOLERANCE_BASIS[p]]
             for p, t in TOLERANCES.items()]
-    return "\n".join(md_table(["precision", "eps", "loss rtol / atol", "grad_norm rtol / atol", "basis"], rows))
+    return markdown_table(["precision", "eps", "loss rtol / atol", "grad_norm rtol / atol", "basis"], rows)
 
 
 # -- formatting ------------------------------------------------------------------------------------
-
-def _sci(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if math.isinf(x):
-        return "inf"
-    return "0" if x == 0 else f"{x:.2e}"
-
-
-def _signed(x: float | None) -> str:
-    return "-" if x is None else f"{x:+.4f}"
-
-
-# Table cells shared by the compare and tradeoffs reports: "-" where there is no value.
-
-def mib(b: float | None) -> str:
-    """Bytes as whole MiB with thousands separators."""
-    return "-" if b is None else f"{b / 2**20:,.0f}"
-
-
-def num(x: float | None, fmt: str = ".1f") -> str:
-    """A number in ``fmt``."""
-    return "-" if x is None else format(x, fmt)
-
-
-def ratio(x: float | None) -> str:
-    """A ratio as ``1.23x``."""
-    return "-" if x is None else f"{x:.2f}x"
-
 
 def _cost(text: str, comparable: bool) -> str:
     return text if comparable or text == "-" else text + OVERLAP_MARK
@@ -119,14 +83,14 @@ def _group_table(g: GroupComparison) -> list[str]:
         if c.is_reference:
             cells += ["-", "-", "-", "-", *["-" for _ in evals]]
         else:
-            cells += [_sci(c.loss.max_abs), _sci(c.loss.max_rel), _sci(c.grad_norm.max_abs),
-                      _sci(c.grad_norm.max_rel), *[_signed(c.eval_deltas.get(m)) for m in evals]]
+            cells += [sci(c.loss.max_abs), sci(c.loss.max_rel), sci(c.grad_norm.max_abs),
+                      sci(c.grad_norm.max_rel), *[signed(c.eval_deltas.get(m)) for m in evals]]
         ok = c.cost_comparable and g.rows[0].cost_comparable  # a ratio needs both runs alone
-        cells += [_cost(mib(r.peak_memory_bytes), c.cost_comparable), _cost(ratio(c.memory_ratio), ok),
+        cells += [_cost(mib(r.peak_memory_bytes, unit=False), c.cost_comparable), _cost(ratio(c.memory_ratio), ok),
                   _cost(num(r.samples_per_second), c.cost_comparable), _cost(ratio(c.throughput_ratio), ok),
                   _cost(num(r.mean_step_time_s, ".3f"), c.cost_comparable)]
         rows.append(cells)
-    lines = md_table(head, rows)
+    lines = markdown_table(head, rows).splitlines()
     flagged = [c for c in g.rows if not c.cost_comparable]
     if flagged:
         lines += ["", f"{OVERLAP_MARK} not comparable: "
@@ -146,8 +110,8 @@ def _group_section(g: GroupComparison, index: int) -> list[str]:
     for c in g.rows:
         if c.status == DIVERGED:
             out.append(f"- **{c.run.label}** ({c.run.split}) {c.verdict}: loss differs by "
-                       f"{_sci(c.loss.max_abs)} at most (step {c.loss.max_abs_step}), grad_norm by "
-                       f"{_sci(c.grad_norm.max_rel)} relative at most; tolerances {c.tolerance.rtol:g} (loss) "
+                       f"{sci(c.loss.max_abs)} at most (step {c.loss.max_abs_step}), grad_norm by "
+                       f"{sci(c.grad_norm.max_rel)} relative at most; tolerances {c.tolerance.rtol:g} (loss) "
                        f"and {c.grad_norm_tolerance.rtol:g} (grad_norm) relative ({c.precision}).")
             if c.causes:
                 out += [f"  - likely cause: {cause}" for cause in c.causes]
@@ -174,9 +138,10 @@ def markdown(comparison: Comparison, experiment: str = "", store: str = "",
     if comparison.skipped:
         lines.append(f"{len(comparison.skipped)} run(s) without an `equivalence_key` tag were left out: "
                      + ", ".join(r.label for r in comparison.skipped) + ".")
-    lines += ["", *md_table(["group", "key", "runs", "equivalent", "diverged", "summary"],
-                            [[str(i), f"`{g.key}`", str(len(g.rows)), str(g.count(EQUIVALENT)),
-                              str(g.count(DIVERGED)), g.summary] for i, g in enumerate(comparison.groups, 1)])]
+    lines += ["", *markdown_table(["group", "key", "runs", "equivalent", "diverged", "summary"],
+                                  [[str(i), f"`{g.key}`", str(len(g.rows)), str(g.count(EQUIVALENT)),
+                                    str(g.count(DIVERGED)), g.summary]
+                                   for i, g in enumerate(comparison.groups, 1)]).splitlines()]
     lines += ["", EXPLANATION.format(tolerances=tol, mark=f"`{OVERLAP_MARK}`")]
     for i, g in enumerate(comparison.groups, 1):
         lines += _group_section(g, i)
@@ -191,16 +156,6 @@ def markdown(comparison: Comparison, experiment: str = "", store: str = "",
 
 # -- terminal --------------------------------------------------------------------------------------
 
-def text_table(head: tuple[str, ...], rows: list[tuple], right: tuple[int, ...] = ()) -> list[str]:
-    """Plain-text columns, two spaces apart and indented by two: the header, a dash rule per column, the
-    rows (columns in ``right`` right-aligned). tabulate's ``simple`` format pads each header by two more."""
-    rows = [tuple(map(str, head)), *(tuple(map(str, r)) for r in rows)]
-    widths = [max(len(row[j]) for row in rows) for j in range(len(head))]
-    lines = ["  " + "  ".join(v.rjust(w) if j in right else v.ljust(w)
-                              for j, (v, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
-    return [lines[0], "  " + "  ".join("-" * w for w in widths), *lines[1:]]
-
-
 def terminal_table(comparison: Comparison, summaries: bool = True, width: int = 100) -> str:
     """A compact plain-text table, one row per run: name, micro x accumulation, checkpointing, verdict,
     max |Δ loss| against the reference, peak memory (MiB) and training samples per second; with
@@ -213,8 +168,8 @@ def terminal_table(comparison: Comparison, summaries: bool = True, width: int = 
         for c in g.rows:
             r = c.run
             rows.append((r.label, f"{r.micro_batch} x {r.accumulation}", "yes" if r.checkpointing else "no",
-                         c.verdict, "-" if c.is_reference else _sci(c.loss.max_abs),
-                         _cost(mib(r.peak_memory_bytes), c.cost_comparable),
+                         c.verdict, "-" if c.is_reference else sci(c.loss.max_abs),
+                         _cost(mib(r.peak_memory_bytes, unit=False), c.cost_comparable),
                          _cost(num(r.samples_per_second), c.cost_comparable)))
         out.append(f"group {i} key {g.key} ({len(g.rows)} run{'s' if len(g.rows) != 1 else ''}, "
                    f"{g.count(EQUIVALENT)} equivalent, {g.count(DIVERGED)} diverged)")

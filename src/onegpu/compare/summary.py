@@ -5,13 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from onegpu.compare.verdict import DIVERGED, EQUIVALENT, INCOMPLETE, NO_DATA
+from onegpu.formatting import mib
 
 if TYPE_CHECKING:
     from onegpu.compare.groups import GroupComparison
-
-
-def _mib(b: float | None) -> str:
-    return "?" if b is None else f"{b / 2**20:,.0f} MiB"
 
 
 def summarize(g: "GroupComparison") -> str:
@@ -59,8 +56,8 @@ def summarize(g: "GroupComparison") -> str:
         lo = min(mem, key=lambda c: c.run.peak_memory_bytes)
         hi = max(fast, key=lambda c: c.run.samples_per_second)
         parts.append(f"Among the equivalent runs, the least memory: {lo.run.split} "
-                     f"({_mib(lo.run.peak_memory_bytes)}, {lo.run.samples_per_second:.1f} samples/s); "
+                     f"({mib(lo.run.peak_memory_bytes, missing='?')}, {lo.run.samples_per_second:.1f} samples/s); "
                      f"the fastest: {hi.run.split} ({hi.run.samples_per_second:.1f} samples/s, "
-                     f"{_mib(hi.run.peak_memory_bytes)}).")
+                     f"{mib(hi.run.peak_memory_bytes, missing='?')}).")
     return " ".join(parts)
 

@@ -13,6 +13,7 @@ import time
 from onegpu import autobatch, data, models, paths
 from onegpu.training import checkpointing
 from onegpu.config import Config
+from onegpu.formatting import GiB
 
 DEFAULT_MICRO_BATCHES = [1, 2, 4, 8, 16, 32, 64]
 
@@ -71,7 +72,7 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
                              lambda m: checkpointing.enable(m, cfg.train),
                              mixed_precision=cfg.train.mixed_precision)
     budget_gib = budget_gib if budget_gib is not None else cfg.train.memory_budget_gib
-    budget = int(budget_gib * 2**30) if budget_gib else None
+    budget = int(budget_gib * GiB) if budget_gib else None
     precision = "fp32" if cfg.train.mixed_precision == "no" else f"{cfg.train.mixed_precision} autocast"
     lora_note = "" if cfg.model.lora is None else f", LoRA r={cfg.model.lora.r}"
     print(f"memory estimate for {type(model).__name__}, precision {precision}, attention "

@@ -16,6 +16,7 @@ from onegpu import paths
 from onegpu.compare import RunRecord
 from onegpu.config import Config, DeviceFacts, load
 from onegpu.errors import ConfigError, UserError
+from onegpu.formatting import GiB
 from onegpu.tradeoffs import queue
 from onegpu.tradeoffs.knobs import Variant, plan as plan_knobs, with_overrides
 from onegpu.tradeoffs.measurement import Row, measure_row, measure_rows
@@ -140,7 +141,7 @@ class Measured:
 def budget_bytes(cfg: Config, facts: DeviceFacts) -> float | None:
     """``train.memory_budget_gib`` in bytes; else the free CUDA memory; on CPU without a budget, None."""
     if cfg.train.memory_budget_gib:
-        return cfg.train.memory_budget_gib * 2**30
+        return cfg.train.memory_budget_gib * GiB
     if facts.cuda:  # as the `auto` micro-batch finder: the device's free memory
         from onegpu import measure as device
         return float(device.free_bytes("cuda"))

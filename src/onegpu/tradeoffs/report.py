@@ -6,7 +6,7 @@ import textwrap
 from pathlib import Path
 
 from onegpu.compare.plots import pyplot
-from onegpu.compare.report import md_table, mib, num, ratio, text_table
+from onegpu.formatting import gib, markdown_table, mib, num, ratio, text_table
 from onegpu.tradeoffs.measurement import DIFFERENT_TRAINING, SAME_TRAINING, Row
 from onegpu.tradeoffs.recommend import MIN_GAIN, Recommendation
 
@@ -57,7 +57,7 @@ def _cells(r: Row) -> list[str]:
     if r.run is None:
         return [v.name, v.what, GUIDE.get(v.knob, ""), "", "", "", "", "", "", "", "", "not run"]
     return [v.name, v.what, GUIDE.get(v.knob, ""), num(r.samples_per_second, ".2f"), ratio(r.speedup),
-            num(r.first_step_s, ".2f"), mib(r.memory_bytes), ratio(r.memory_ratio),
+            num(r.first_step_s, ".2f"), mib(r.memory_bytes, unit=False), ratio(r.memory_ratio),
             num(r.train_runtime_s), num(r.eval_loss, ".4f"), _time_to_loss(r), r.verdict]
 
 
@@ -71,7 +71,7 @@ def recommendation_lines(rec: Recommendation, measured: Row | None) -> list[str]
     arguments that apply it, and its measured speed-up and verdict (``measured``: its run against the
     baseline, None when not run yet)."""
     budget = ("no memory budget set (train.memory_budget_gib: null)" if rec.budget_bytes is None
-              else f"memory budget {rec.budget_bytes / 2**30:.2f} GiB")
+              else f"memory budget {gib(rec.budget_bytes)}")
     out = []
     if rec.variant is None:
         out.append(f"**Recommendation:** keep your params. No knob that keeps the same training was at least "
@@ -113,7 +113,7 @@ def markdown(rows: list[Row], rec: Recommendation, measured: Row | None, title: 
              ""]
     if image:
         lines += [f"![speed and memory per knob]({image})", ""]
-    lines += md_table(HEAD, [_cells(r) for r in rows + combined_row(measured)])
+    lines += markdown_table(HEAD, [_cells(r) for r in rows + combined_row(measured)]).splitlines()
     lines.append("")
     measured_rows = [r for r in rows if r.run is not None and r.variant.knob != "baseline"]
     shared = set.intersection(*(set(r.notes) for r in measured_rows)) if measured_rows else set()
@@ -131,7 +131,7 @@ def terminal(rows: list[Row], rec: Recommendation, measured: Row | None, width: 
     """A compact plain-text table (row, samples/s ratio, memory ratio, train time, verdict) and the
     recommendation, wrapped at ``width``."""
     head = ("row", "samples/s", "vs base", "memory MiB", "vs base", "train s", "verdict")
-    body = [(r.variant.name, num(r.samples_per_second, ".2f"), ratio(r.speedup), mib(r.memory_bytes),
+    body = [(r.variant.name, num(r.samples_per_second, ".2f"), ratio(r.speedup), mib(r.memory_bytes, unit=False),
              ratio(r.memory_ratio), num(r.train_runtime_s), r.verdict)
             for r in rows + combined_row(measured)]
     out = text_table(head, body, right=(1, 2, 3, 4, 5))

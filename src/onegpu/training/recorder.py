@@ -14,6 +14,7 @@ from typing import Callable
 
 from onegpu import measure
 from onegpu.errors import UserError
+from onegpu.formatting import duration, gib, mib
 
 
 class TrainingDiverged(UserError):
@@ -248,13 +249,12 @@ def progress_line(step: int, total: int, rows: list[dict], device) -> str:
     Time left: mean step time of the rows so far x steps to go.
     """
     row = rows[-1]
-    mem = row.get("mem_peak_bytes", 0) / 2**30
     where = "allocated" if measure.is_cuda(device) else "RSS"
     mean = sum(r["step_time_s"] for r in rows) / len(rows)
     left = max(total - step, 0) * mean
-    left_text = f"{left / 60:.1f} min left" if left >= 120 else f"{left:.0f} s left"
     return (f"step {step}/{total} | loss {row['loss']:.4f} | {row.get('samples_per_second', 0):.1f} samples/s | "
-            f"{row['step_time_s']:.2f} s/step | peak {mem:.2f} GiB {where} | {left_text}")
+            f"{row['step_time_s']:.2f} s/step | peak {gib(row.get('mem_peak_bytes', 0))} {where} | "
+            f"{duration(left)} left")
 
 
 def closing_line(summary: dict, layout, device: str, budget: int | None, run_id: str) -> str:
@@ -275,9 +275,9 @@ def peak_text(peak: int, device: str, budget: int | None) -> str:
     which holds the Python runtime, the libraries and the data besides the training state, so it
     exceeds an ``auto`` budget (which covers the probed training state only)."""
     if measure.is_cuda(device):
-        return f"peak {peak / 2**20:.0f} MiB allocated"
-    text = f"peak {peak / 2**20:.0f} MiB process RSS"
+        return f"peak {mib(peak)} allocated"
+    text = f"peak {mib(peak)} process RSS"
     if budget is not None:
-        text += (f" (the auto budget, {budget / 2**30:.2f} GiB, covers the probed training state only; RSS "
+        text += (f" (the auto budget, {gib(budget)}, covers the probed training state only; RSS "
                  "also holds the Python runtime, libraries and data)")
     return text

@@ -25,6 +25,7 @@ from onegpu import measure, models, paths
 from onegpu.config import Config, DeviceFacts, Resolved, check_device, flatten, resolve, with_layout
 from onegpu.equivalence import equivalence_key, resolved_params, run_config_hash
 from onegpu.errors import DataError, ModelError
+from onegpu.formatting import gib
 from onegpu.training.resume import ResumePoint, tidy_other_checkpoints
 
 _BUDGET_CPU = ("; on a CPU the budget covers the training state: params, grads, optimizer states and "
@@ -299,7 +300,7 @@ def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: s
     procs = f" x {world} processes" if world > 1 else ""
     distributed.print_main(
         f"auto micro-batch: {micro} x {cfg.train.effective_batch_size // (micro * world)} accumulation{procs} = "
-        f"{cfg.train.effective_batch_size} (budget {budget / 2**30:.2f} GiB, longest training rows"
+        f"{cfg.train.effective_batch_size} (budget {gib(budget)}, longest training rows"
         f"{_BUDGET_CPU if not measure.is_cuda(device) else ''})\n{table}")
     tracker.log_dict(run_id, {"budget_bytes": budget, "probes": [p.as_row() for p in probes]},
                      "auto_micro_batch.json")
