@@ -19,6 +19,7 @@ def rss_peak_bytes() -> int:
     """Peak resident set size of this process since the last reset, in bytes (``VmHWM``).
 
     Falls back to ``getrusage(RUSAGE_SELF).ru_maxrss`` (KiB on Linux, never reset) where /proc is absent.
+    (Read here, not through psutil: its ``memory_info`` has the current RSS only, not this resettable peak.)
     """
     try:
         with open("/proc/self/status") as f:
