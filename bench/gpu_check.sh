@@ -58,11 +58,11 @@ fi
 
 echo
 echo "== 2/4 split sweep (bf16)"
-timeout "$LIMIT_SWEEP" $PY bench/split_sweep.py "${SWEEP[@]}" "${COMMON[@]}" || { echo "gpu_check: split_sweep.py failed (exit $?)"; FAIL=1; }
+timeout "$LIMIT_SWEEP" $PY -m bench.split_sweep "${SWEEP[@]}" "${COMMON[@]}" || { echo "gpu_check: split_sweep.py failed (exit $?)"; FAIL=1; }
 
 echo
 echo "== 3/4 checkpointing (bf16)"
-timeout "$LIMIT_CKPT" $PY bench/checkpointing.py "${CKPT[@]}" "${COMMON[@]}" || { echo "gpu_check: checkpointing.py failed (exit $?)"; FAIL=1; }
+timeout "$LIMIT_CKPT" $PY -m bench.checkpointing "${CKPT[@]}" "${COMMON[@]}" || { echo "gpu_check: checkpointing.py failed (exit $?)"; FAIL=1; }
 
 echo
 # 4. Data-parallel training (train.num_processes): where the machine has 2 or more GPUs, the CPU gloo test
