@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from onegpu import models  # noqa: E402
-from onegpu.config import PACKAGED_MODEL, from_container, resolve  # noqa: E402
+from onegpu.config import PACKAGED_MODEL, from_container  # noqa: E402
 from onegpu.training.backends.base import TrainRequest  # noqa: E402
 
 LOSS_TOL, NORM_TOL = 1e-5, 1e-4

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from onegpu import autobatch, lora  # noqa: E402
-from onegpu.config import from_container, resolve  # noqa: E402
+from onegpu.config import from_container  # noqa: E402
 from onegpu.training import checkpointing  # noqa: E402
 from onegpu.training.batches import collator_for, model_inputs  # noqa: E402
 from onegpu.training.loss import classification_loss  # noqa: E402

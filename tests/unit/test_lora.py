@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from onegpu import autobatch, lora, measure, models  # noqa: E402
-from onegpu.config import Resolved, from_container, resolve  # noqa: E402
+from onegpu.config import Resolved, from_container  # noqa: E402
 from onegpu.equivalence import equivalence_key  # noqa: E402
 from onegpu.errors import ConfigError  # noqa: E402
 from onegpu.training.backends.base import TrainRequest  # noqa: E402

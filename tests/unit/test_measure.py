@@ -1,7 +1,6 @@
 """The memory breakdown (onegpu.measure) on the packaged default model."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from onegpu import measure

@@ -24,7 +24,7 @@ def test_training_prints_onegpu_progress_not_hf_log_dicts(backend, capsys):
 
     import importlib
 
-    from onegpu.config import from_container, resolve
+    from onegpu.config import from_container
     cfg = from_container({"model": {"dropout": 0.0},
                           "train": {"backend": backend, "per_device_train_batch_size": 4,
                                     "gradient_accumulation_steps": 2, "max_steps": 3, "logging_steps": 2}},
