@@ -17,6 +17,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Fine-tune Hugging Face models on one GPU through DVC, with every run's memory, "
                     "speed and loss in MLflow.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_stage_commands, _compare_and_ui, _estimate_and_sync, _tradeoffs, _summary):
+        add(sub)
+    return p
+
+
+def _stage_commands(sub) -> None:
+    """The DVC stages' commands."""
     for name, text in (("inputs", "fingerprint the data source and the model that params.yaml names, so DVC "
                                   "re-runs prepare and train when they change (DVC stage)"),
                        ("prepare", "read, de-duplicate, split and tokenize the data (DVC stage)"),
@@ -25,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
                        ("evaluate", "evaluate the trained model on the test split (DVC stage)")):
         s = sub.add_parser(name, help=text, description=text)
         s.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+
+
+def _compare_and_ui(sub) -> None:
     ui = sub.add_parser("ui", help="serve the MLflow UI on the project's store (127.0.0.1)",
                         description="Serve the MLflow UI on the project's store and print the address "
                                     "of the experiment's runs table.")
@@ -43,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--experiment", metavar="NAME",
                      help="MLflow experiment (default: tracking.experiment_name from the params file)")
     cmp.add_argument("--out", default="reports", metavar="DIR", help="output folder (default: reports/)")
+
+
+def _estimate_and_sync(sub) -> None:
     syn = sub.add_parser("sync", help="write MLflow records spooled while the tracking store was unreachable",
                          description="Replay <project root>/.onegpu/spool/*.jsonl (per-step metrics, params, "
                                      "tags, run status that training wrote while the store was down) into "
@@ -59,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="sizes to predict (default: 1 2 4 8 16 32 64)")
     est.add_argument("--budget-gib", type=float, metavar="GIB",
                      help="memory budget (default: train.memory_budget_gib)")
+
+
+def _tradeoffs(sub) -> None:
     tr = sub.add_parser("tradeoffs", help="measure the single-GPU guide's knobs on your params: one DVC "
                                           "experiment per knob, a table, the fastest same-training configuration",
                         description="Queue the baseline (your params) and one DVC experiment per knob (split of "
@@ -81,11 +97,13 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--no-combine", action="store_true",
                     help="do not run the combination of the faster knobs (report the parts only)")
     tr.add_argument("--out", default="reports", metavar="DIR", help="output folder (default: reports/)")
+
+
+def _summary(sub) -> None:
     sm = sub.add_parser("summary", help="the last run's headline metrics and the commands to go on with",
                         description="Print the headline figures of metrics/*.json (make run calls this after "
                                     "dvc repro) and the next commands: the UI, a sweep, compare.")
     sm.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
