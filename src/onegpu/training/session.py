@@ -131,8 +131,11 @@ def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = Non
                      equivalence_key(cfg, layout, stats["fingerprint"]))
 
 
-def build_model(cfg: Config, stats: dict):
+def build_model(cfg: Config, stats: dict, tokenizer=None):
     """``(model, tokenizer)`` as configured, seeded with ``train.seed`` (the new head's init draws from it).
+
+    ``stats``: needs ``labels`` (a classifier's classes); ``tokenizer``: None loads the model's (or
+    prepare's, for a model built from config).
 
     With ``model.lora`` the model is a ``peft.PeftModel`` (:func:`onegpu.lora.apply`).
     Raises:
@@ -143,7 +146,8 @@ def build_model(cfg: Config, stats: dict):
     from transformers import set_seed
     path = models.resolve_model_path(cfg.model.name_or_path)
     task = cfg.model.task
-    tokenizer = models.load_tokenizer(str(paths.TOKENIZER) if path is None else path, task)
+    if tokenizer is None:
+        tokenizer = models.load_tokenizer(str(paths.TOKENIZER) if path is None else path, task)
     set_seed(cfg.train.seed)
     if task == "causal-lm":
         model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout,
