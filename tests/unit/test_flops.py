@@ -55,7 +55,7 @@ def test_attention_flops_use_each_examples_own_length():
 
 
 def test_flops_under_lora_count_frozen_weights_without_their_weight_gradient():
-    """The tiny 2-layer BERT classifier of test_backends (d=32, FFN 64, 3 labels) with LoRA r=4 on query
+    """The tiny 2-layer BERT classifier of tests/unit/tiny.py (d=32, FFN 64, 3 labels) with LoRA r=4 on query
     and value, hand-counted (2 FLOPs per weight and use forward, +2 input gradient, +2 weight gradient).
 
     Per token, in registration order (embedding tables are lookups; the first trainable weight is
@@ -79,7 +79,7 @@ def test_flops_under_lora_count_frozen_weights_without_their_weight_gradient():
     pytest.importorskip("peft")
     from onegpu import lora
     from onegpu.config import LoraConfig
-    from tests.unit.test_backends import tiny_bert
+    from tests.unit.tiny import tiny_bert
     full = tiny_bert()
     assert flops.matmul_parameters(full) == (17_152, 1_155)
     assert flops.train_flops(full, 2, 40, 1000) == 6 * 17_152 * 40 + 768_000 + 6 * 1_155 * 2

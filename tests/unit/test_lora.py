@@ -1,6 +1,6 @@
 """PEFT LoRA (``model.lora``): config, both backends, checkpointing, what trains, saving, key, estimate.
 
-Tiny models on CPU: the 2-layer BERT classifier of ``test_backends`` and a 1-layer GPT-2 built from params.
+Tiny models on CPU: the 2-layer BERT classifier of ``tests/unit/tiny.py`` and a 1-layer GPT-2 built from params.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from onegpu.config import Resolved, from_container  # noqa: E402
 from onegpu.equivalence import equivalence_key  # noqa: E402
 from onegpu.errors import ConfigError  # noqa: E402
 from onegpu.training.backends.base import TrainRequest  # noqa: E402
-from tests.unit.test_backends import LOSS_TOL, NORM_TOL, dataset, interrupt_at_step_2, tiny_bert, tokenizer  # noqa: E402
+from tests.unit.tiny import LOSS_TOL, NORM_TOL, dataset, interrupt_at_step_2, tiny_bert, tokenizer  # noqa: E402
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["query", "value"]}
 

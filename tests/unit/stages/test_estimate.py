@@ -4,7 +4,7 @@ For each knob (bf16 on CPU, eager and SDPA attention, Adafactor, LoRA, activatio
 estimate's params, grads, optimizer states and activations of one micro-batch must be within 15% of the
 run's logged ``mem_*_bytes`` (the ``accelerate`` backend, and bf16 also on ``trainer``; one optimizer
 step). Rows all have the same length (truncated at ``max_length``), so the estimate's longest-row probe
-and the run's first-rows probe see the same padded shape. Tiny 2-layer BERT of ``test_backends``.
+and the run's first-rows probe see the same padded shape. Tiny 2-layer BERT of ``tests/unit/tiny.py``.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from onegpu.config import from_container  # noqa: E402
 from onegpu.training import checkpointing  # noqa: E402
 from onegpu.training.batches import collator_for, model_inputs  # noqa: E402
 from onegpu.training.loss import classification_loss  # noqa: E402
-from tests.unit.test_backends import WORDS, tiny_bert, tokenizer  # noqa: E402
+from tests.unit.tiny import WORDS, tiny_bert, tokenizer  # noqa: E402
 
 MICRO = 4
 KEYS = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes", "mem_activation_bytes")

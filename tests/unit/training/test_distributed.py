@@ -69,13 +69,13 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def _trainer_worker(rank: int, port: int, out_dir: str, inject_rank: int) -> None:
-    """The trainer backend on rank ``rank`` of 2 (tiny BERT of test_backends, 2 steps of 4 x 2 x 2); rank
+    """The trainer backend on rank ``rank`` of 2 (tiny BERT of tests/unit/tiny.py, 2 steps of 4 x 2 x 2); rank
     ``inject_rank`` runs out of memory (injected) in step 1's last micro-batch and re-splits alone."""
     import os
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     distributed.TIMEOUT_S = 60  # a desynchronised all-reduce fails the test in a minute, not ten
-    import test_backends as tb
+    from tests.unit import tiny as tb
 
     from onegpu.config import from_container
     from onegpu.training.backends import hf_trainer

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from onegpu import config
 from onegpu.training.resume import STATE_FILE, review_other_checkpoints, tidy_other_checkpoints
 
-REPO_PARAMS = Path(__file__).parents[2] / "params.yaml"
+REPO_PARAMS = Path(__file__).resolve().parents[3] / "params.yaml"
 KEY = "k" * 16
 DATA = "f" * 16
 

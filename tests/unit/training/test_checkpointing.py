@@ -4,16 +4,13 @@ than none, is validated with one line per key, and leaves the equivalence key al
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 import warnings
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_backends import dataset, tiny_bert, tokenizer  # noqa: E402
+from tests.unit.tiny import dataset, tiny_bert, tokenizer  # noqa: E402
 
 from onegpu import measure  # noqa: E402
 from onegpu.config import TrainConfig, from_container, resolve  # noqa: E402
