@@ -3,7 +3,7 @@
 A backend is a module with a ``train(request: TrainRequest)`` function of the :class:`Backend` shape. To
 add one: write ``onegpu/training/backends/<name>.py`` with that function, add ``"<name>": "<module>"`` to
 :data:`REGISTRY`, and add the name to ``train.backend``'s allowed values in ``onegpu.config``
-(``tests/unit/test_backends.py`` checks that both lists agree). Every ``train.*`` key the config accepts
+(``tests/unit/training/backends/test_base.py`` checks that both lists agree). Every ``train.*`` key the config accepts
 must be honoured, or the config must refuse the combination with one line.
 """
 from __future__ import annotations
