@@ -3,7 +3,6 @@ and validation errors come back at once."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from onegpu.tradeoffs.knobs import KNOBS, parse_knobs  # the standard library only: --help stays instant
@@ -22,6 +21,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+PARAMS_HELP = "params file (default: params.yaml)"
+
+
+def _params(p, help: str = PARAMS_HELP) -> None:
+    p.add_argument("--params", default="params.yaml", help=help)
+
+
+def _out(p) -> None:
+    p.add_argument("--out", default="reports", metavar="DIR", help="output folder (default: reports/)")
+
+
 def _stage_commands(sub) -> None:
     """The DVC stages' commands."""
     for name, text in (("inputs", "fingerprint the data source and the model that params.yaml names, so DVC "
@@ -31,14 +41,14 @@ def _stage_commands(sub) -> None:
                                  "checkpointing (DVC stage)"),
                        ("evaluate", "evaluate the trained model on the test split (DVC stage)")):
         s = sub.add_parser(name, help=text, description=text)
-        s.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+        _params(s)
 
 
 def _compare_and_ui(sub) -> None:
     ui = sub.add_parser("ui", help="serve the MLflow UI on the project's store (127.0.0.1)",
                         description="Serve the MLflow UI on the project's store and print the address "
                                     "of the experiment's runs table.")
-    ui.add_argument("--params", default="params.yaml", help="params file, for tracking.experiment_name")
+    _params(ui, "params file, for tracking.experiment_name")
     ui.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1, this machine only)")
     ui.add_argument("--port", type=int, default=5000, help="port (default: 5000)")
     cmp = sub.add_parser("compare", help="equivalence and trade-off report over the training runs in MLflow",
@@ -46,13 +56,13 @@ def _compare_and_ui(sub) -> None:
                                      "group's reference per optimizer step (loss, grad_norm, eval metrics) "
                                      "and on cost (peak memory, throughput); write OUT/compare.md and two "
                                      "PNG plots, and log them to an MLflow comparison run.")
-    cmp.add_argument("--params", default="params.yaml", help="params file, for tracking.experiment_name")
+    _params(cmp, "params file, for tracking.experiment_name")
     cmp.add_argument("--key", metavar="KEY", help="only this equivalence_key (or a unique prefix of it)")
     cmp.add_argument("--runs", nargs="+", metavar="ID", help="only these MLflow run ids")
     cmp.add_argument("--exp", nargs="+", metavar="NAME", help="only these DVC experiment names")
+    _out(cmp)
     cmp.add_argument("--experiment", metavar="NAME",
                      help="MLflow experiment (default: tracking.experiment_name from the params file)")
-    cmp.add_argument("--out", default="reports", metavar="DIR", help="output folder (default: reports/)")
 
 
 def _estimate_and_sync(sub) -> None:
@@ -60,12 +70,12 @@ def _estimate_and_sync(sub) -> None:
                          description="Replay <project root>/.onegpu/spool/*.jsonl (per-step metrics, params, "
                                      "tags, run status that training wrote while the store was down) into "
                                      "the store, in order.")
-    syn.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    _params(syn)
     est = sub.add_parser("estimate", help="predict memory per micro-batch for the current params, without training",
                          description="Predict params, grads, optimizer states and activations (with and "
                                      "without checkpointing) for a list of micro-batch sizes from one probe "
                                      "forward pass, and the largest micro-batch that fits a budget.")
-    est.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    _params(est)
     est.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a param as `dvc exp run -S` does, e.g. -S data.max_length=128 (repeatable)")
     est.add_argument("--micro-batches", type=int, nargs="+", metavar="N",
@@ -84,7 +94,7 @@ def _tradeoffs(sub) -> None:
                                     "baseline's eval loss, whether each keeps the same training, and the "
                                     "fastest configuration that does (measured as a whole): OUT/tradeoffs.md, "
                                     "OUT/tradeoffs.png and an MLflow run (tag stage=tradeoffs).")
-    tr.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    _params(tr)
     tr.add_argument("--knobs", metavar="LIST", help=f"comma-separated subset of {','.join(KNOBS)} "
                                                     "(default: all that apply)")
     tr.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -96,14 +106,14 @@ def _tradeoffs(sub) -> None:
     tr.add_argument("--batch", metavar="ID", help="with --report: the batch (default: the latest)")
     tr.add_argument("--no-combine", action="store_true",
                     help="do not run the combination of the faster knobs (report the parts only)")
-    tr.add_argument("--out", default="reports", metavar="DIR", help="output folder (default: reports/)")
+    _out(tr)
 
 
 def _summary(sub) -> None:
     sm = sub.add_parser("summary", help="the last run's headline metrics and the commands to go on with",
                         description="Print the headline figures of metrics/*.json (make run calls this after "
                                     "dvc repro) and the next commands: the UI, a sweep, compare.")
-    sm.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    _params(sm)
 
 
 def main(argv: list[str] | None = None) -> int:
