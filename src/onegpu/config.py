@@ -12,7 +12,7 @@ import difflib
 import math
 import os
 from pathlib import Path
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
@@ -32,7 +32,7 @@ LR_SCHEDULERS = (
 )  # cosine_with_min_lr and warmup_stable_decay need extra kwargs that params.yaml does not carry
 # The subset of transformers.training_args.OptimizerNames that needs no extra package.
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
-# OptimizerNames that need an optional package (checked before training: training/session.device_for).
+# OptimizerNames that need an optional package (checked before training: check_device).
 OPTIMIZERS_EXTRA = ("adamw_bnb_8bit",)  # bitsandbytes' 8-bit AdamW (needs bitsandbytes and CUDA)
 # transformers' attn_implementation values onegpu accepts (null = the model's default).
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
@@ -478,6 +478,69 @@ def validate(cfg: Config, source: str = "params") -> None:
             COMBINATIONS[section](values, source)
 
 
+# -- the machine: combinations this device cannot run ------------------------------------------------
+
+# Optional packages that a params value needs (DeviceFacts.packages says which are installed).
+OPTIONAL_PACKAGES = ("bitsandbytes", "flash_attn")
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the machine offers, as :func:`check_device` needs it; probed by the caller
+    (:func:`onegpu.measure.device_facts`), so this module imports no torch.
+
+    ``cuda``: a CUDA GPU is visible; ``gpus``: how many; ``name``: the first GPU's name ("" without one);
+    ``bf16`` / ``tf32``: that GPU runs bf16 / TF32 matmuls; ``packages``: the installed packages of
+    :data:`OPTIONAL_PACKAGES`.
+    """
+    cuda: bool = False
+    gpus: int = 0
+    name: str = ""
+    bf16: bool = False
+    tf32: bool = False
+    packages: frozenset = frozenset()
+
+
+_NO_GPU = "needs a CUDA GPU and none is visible"
+_OTHER_OPTIMIZERS = "use adamw_torch, adamw_torch_fused or adafactor"
+
+# (key, the combination is bad on this machine, the problem): one line each, checked in this order.
+# The problem is formatted with t = cfg.train, m = cfg.model, f = the DeviceFacts.
+DEVICE_CHECKS: tuple[tuple[str, Callable[[Config, DeviceFacts], bool], str], ...] = (
+    ("train.num_processes", lambda c, f: f.cuda and c.train.num_processes > f.gpus,
+     "{t.num_processes} processes need {t.num_processes} GPUs (one each) and {f.gpus} is/are visible; set "
+     "train.num_processes to at most {f.gpus}"),
+    ("train.fp16", lambda c, f: c.train.fp16 and not f.cuda,
+     f"fp16 mixed precision {_NO_GPU}; use bf16 (CPU autocast) or neither"),
+    ("train.bf16", lambda c, f: c.train.bf16 and f.cuda and not f.bf16, "{f.name} has no bf16 support; use fp16 or neither"),
+    ("train.optim", lambda c, f: c.train.optim == "adamw_bnb_8bit" and "bitsandbytes" not in f.packages,
+     "adamw_bnb_8bit needs the bitsandbytes package, which is not installed (pip install bitsandbytes); or "
+     + _OTHER_OPTIMIZERS),
+    ("train.optim", lambda c, f: c.train.optim == "adamw_bnb_8bit" and not f.cuda,
+     f"adamw_bnb_8bit (bitsandbytes) {_NO_GPU}; {_OTHER_OPTIMIZERS}"),
+    ("model.attn_implementation",
+     lambda c, f: c.model.attn_implementation == "flash_attention_2" and "flash_attn" not in f.packages,
+     "flash_attention_2 needs the flash_attn package, which is not installed; use sdpa, eager or null"),
+    ("model.attn_implementation", lambda c, f: c.model.attn_implementation == "flash_attention_2" and not f.cuda,
+     f"flash_attention_2 {_NO_GPU}; use sdpa, eager or null"),
+    # TF32 is a CUDA matmul mode: a no-op on a CPU (fp32 there), so it passes without CUDA.
+    ("train.tf32", lambda c, f: c.train.tf32 and f.cuda and not f.tf32,
+     "{f.name} has no TF32 (needs an Ampere or newer GPU); set train.tf32: false"),
+)
+
+
+def check_device(cfg: Config, facts: DeviceFacts, source: str = "params.yaml") -> None:
+    """The combinations of ``cfg`` that this machine (``facts``) cannot run: each entry of
+    :data:`DEVICE_CHECKS`, in order, before any work.
+
+    Raises:
+        ConfigError: the first bad combination, in one line naming the key and what to do instead.
+    """
+    for key, bad, problem in DEVICE_CHECKS:
+        if bad(cfg, facts):
+            _fail(source, key, problem.format(t=cfg.train, m=cfg.model, f=facts))
+
+
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     """Flatten nested dicts with dots: ``{"train": {"seed": 1}}`` -> ``{"train.seed": 1}``."""
     out: dict[str, Any] = {}
@@ -523,3 +586,17 @@ def resolve(cfg: Config, world_size: int | None = None, micro_batch: int | None 
                           f"micro-batch {micro_batch} x {world_size} process(es)")
     return Resolved(micro_batch, t.effective_batch_size // per_step, world_size)
 
+
+
+def with_layout(cfg: Config, layout: Resolved) -> Config:
+    """``cfg`` with ``layout`` written into ``train`` (``per_device_train_batch_size``, an int, and
+    ``gradient_accumulation_steps``): what a backend reads (an ``auto`` micro-batch replaced by the
+    finder's). The params logged to MLflow stay ``cfg``'s.
+
+    Raises:
+        ValueError: ``layout`` is for another number of processes than ``train.num_processes``.
+    """
+    if layout.world_size != cfg.train.num_processes:
+        raise ValueError(f"a layout for {layout.world_size} processes, train.num_processes is {cfg.train.num_processes}")
+    return replace(cfg, train=replace(cfg.train, per_device_train_batch_size=layout.per_device_train_batch_size,
+                                      gradient_accumulation_steps=layout.gradient_accumulation_steps))

@@ -1,4 +1,4 @@
-"""Model FLOPs and MFU (model FLOPs utilisation).
+"""Model FLOPs and MFU (model FLOPs utilisation), and a finished training's speed in both (:func:`speed_metrics`).
 
 **Model FLOPs** of training count every matrix multiply of the forward pass twice (a multiply and an
 add per weight and token), and the backward pass as twice the forward (gradients with respect to the
@@ -378,6 +378,37 @@ def mfu(achieved: float, device_name: str, dtype: str, device: str = "cpu") -> d
               f"({device_name}, {dtype}" + (", measured twice" if remeasured else "") + "): the peak is "
               "unknown, so no MFU is given")
     return {"mfu": None, "peak": peak, "source": source, "remeasured": remeasured, "unknown_reason": reason}
+
+
+def speed_metrics(model, summary: dict, num_processes: int, mixed_precision: str, device: str,
+                  device_name: str, tokens_sq: int | None = None) -> tuple[dict, dict, dict]:
+    """A finished training's ``train_flops_per_second`` (model FLOPs, :func:`train_flops`; all processes
+    together) and ``train_mfu`` against the device's peak in the matmul dtype of ``mixed_precision``
+    (``train.mixed_precision``; each of ``num_processes`` processes on its own device of the same peak);
+    ``model_flops_per_token`` and ``device_peak_flops`` with them.
+
+    ``summary``: the recorder's totals (``train_samples``, ``train_tokens``, ``train_runtime`` in s);
+    ``tokens_sq``: see :func:`train_flops`.
+    Returns ``(metrics, params, tags)``: params name the peak's source and, for a measured peak, its
+    cache file; with no trustworthy peak ``train_mfu`` is left out and the tag
+    ``train_mfu.unknown_reason`` says why. Empty dicts when nothing was trained.
+    """
+    if not summary.get("train_samples") or not summary.get("train_runtime"):
+        return {}, {}, {}
+    total = train_flops(model, summary["train_samples"], summary["train_tokens"], tokens_sq)
+    achieved = total / summary["train_runtime"]  # over all processes (their examples are summed)
+    m = mfu(achieved / num_processes, device_name, matmul_dtype(mixed_precision), device)
+    metrics = {"train_flops_per_second": achieved, "model_flops_per_token": total / summary["train_tokens"],
+               "device_peak_flops": m["peak"]}
+    params = {"device_peak_flops.source": m["source"]}
+    if m["source"] == "measured":
+        params["device_peak_flops.cache"] = display_path(cache_file())
+    tags = {}
+    if m["mfu"] is None:
+        tags["train_mfu.unknown_reason"] = m["unknown_reason"]
+    else:
+        metrics["train_mfu"] = m["mfu"]
+    return metrics, params, tags
 
 
 def cpu_model() -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from onegpu import paths
 from onegpu.errors import DataError
+from onegpu.formatting import gib
 
 NEXT = """Next:
   onegpu ui          the MLflow UI: every run's per-step loss, memory and speed (link printed)
@@ -38,7 +39,7 @@ def text(cfg=None) -> str:
                       for k in ("eval_accuracy", "eval_perplexity", "eval_loss") if k in ev)
     train = [f"loss {tr['train_loss']:.4f}" if "train_loss" in tr else None,
              f"{tr['train_samples_per_second']:.1f} samples/s" if "train_samples_per_second" in tr else None,
-             f"peak {tr['train_mem_peak_bytes'] / 2**30:.2f} GiB" if "train_mem_peak_bytes" in tr else None]
+             f"peak {gib(tr['train_mem_peak_bytes'])}" if "train_mem_peak_bytes" in tr else None]
     if cfg is not None:
         t = cfg.train
         train.append("micro-batch auto (the split chosen: MLflow params resolved.*)"

@@ -3,7 +3,7 @@
 Two runs with the same key compute the same optimizer steps (up to floating-point summation order):
 only the split of the effective batch, checkpointing, the backend and what is observed may differ.
 The train stage writes the key as the run's ``equivalence_key`` tag and the resolved batch layout as the
-``resolved.*`` params named here; :mod:`onegpu.equivalence.comparison` reads both back.
+``resolved.*`` params named here; :mod:`onegpu.compare` reads both back.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Per-optimizer-step measurement, backend-neutral: time, memory, samples and tokens, plus the backend's loss.
+"""Per-optimizer-step measurement, backend-neutral: time, memory, samples and tokens, plus the backend's loss;
+the terminal's progress line per step and closing line per run.
 
 Host-device syncs: one per optimizer step (to time the step and read its token count), none per
 micro-batch. Metrics go to a ``sink(metrics: dict, step: int)`` (the stage passes a batched MLflow
@@ -13,6 +14,7 @@ from typing import Callable
 
 from onegpu import measure
 from onegpu.errors import UserError
+from onegpu.formatting import duration, gib, mib
 
 
 class TrainingDiverged(UserError):
@@ -112,7 +114,7 @@ class StepRecorder:
 
     def restore(self, point) -> None:
         """Continue from a checkpoint: its step rows, memory breakdown and out-of-memory events
-        (``point``: a :class:`onegpu.training.checkpoint.ResumePoint`)."""
+        (``point``: a :class:`onegpu.training.resume.ResumePoint`)."""
         self.rows = list(point.rows)
         self.breakdown.update(point.breakdown)
         self.events.extend(point.events)
@@ -200,6 +202,18 @@ class StepRecorder:
         }
 
 
+def steady_samples_per_second(rows) -> float | None:
+    """Steady-state throughput, examples per second: over optimizer steps 2..N (step 1 holds warm-up:
+    compilation, allocator growth, the activation probe), the steps' examples over their wall time.
+
+    ``rows``: the recorder's rows (``step``, ``samples``, ``step_time_s``), or rows of the same keys
+    rebuilt from the logged ``step_examples`` and ``step_time_s`` series. None when no step after the
+    first has a time."""
+    keep = [r for r in rows if r["step"] >= 2]
+    total = sum(r["step_time_s"] for r in keep)
+    return sum(r["samples"] for r in keep) / total if total > 0 else None
+
+
 def _whole_step(dt: float, samples: int, tokens: int, targets: int, tokens_sq: int, peak: int, device) -> dict:
     """The step's row over all processes (one all-gather under several; this process's values alone).
 
@@ -238,10 +252,35 @@ def progress_line(step: int, total: int, rows: list[dict], device) -> str:
     Time left: mean step time of the rows so far x steps to go.
     """
     row = rows[-1]
-    mem = row.get("mem_peak_bytes", 0) / 2**30
     where = "allocated" if measure.is_cuda(device) else "RSS"
     mean = sum(r["step_time_s"] for r in rows) / len(rows)
     left = max(total - step, 0) * mean
-    left_text = f"{left / 60:.1f} min left" if left >= 120 else f"{left:.0f} s left"
     return (f"step {step}/{total} | loss {row['loss']:.4f} | {row.get('samples_per_second', 0):.1f} samples/s | "
-            f"{row['step_time_s']:.2f} s/step | peak {mem:.2f} GiB {where} | {left_text}")
+            f"{row['step_time_s']:.2f} s/step | peak {gib(row.get('mem_peak_bytes', 0))} {where} | "
+            f"{duration(left)} left")
+
+
+def closing_line(summary: dict, layout, device: str, budget: int | None, run_id: str) -> str:
+    """The train stage's last line: optimizer steps, the batch layout (a :class:`onegpu.config.Resolved`),
+    ``train_loss``, time, peak memory (:func:`peak_text`), device and MLflow run, from the recorder's
+    ``summary`` (:meth:`StepRecorder.summary`); ``budget``: the ``auto`` budget in bytes, or None."""
+    r = layout
+    return (f"train: {summary.get('train_steps', 0)} optimizer steps of {r.effective_batch_size} examples "
+            f"({r.per_device_train_batch_size} x {r.gradient_accumulation_steps}"
+            f"{f' x {r.world_size} processes' if r.world_size > 1 else ''}), "
+            f"train_loss {summary.get('train_loss', float('nan')):.4f}, {summary.get('train_runtime', 0):.1f} s, "
+            f"{peak_text(summary.get('train_mem_peak_bytes', 0), device, budget)} "
+            f"on {measure.device_name(device)}; MLflow run {run_id}")
+
+
+def peak_text(peak: int, device: str, budget: int | None) -> str:
+    """The peak memory for the closing line, saying what it measures. On a CPU it is the process RSS,
+    which holds the Python runtime, the libraries and the data besides the training state, so it
+    exceeds an ``auto`` budget (which covers the probed training state only)."""
+    if measure.is_cuda(device):
+        return f"peak {mib(peak)} allocated"
+    text = f"peak {mib(peak)} process RSS"
+    if budget is not None:
+        text += (f" (the auto budget, {gib(budget)}, covers the probed training state only; RSS "
+                 "also holds the Python runtime, libraries and data)")
+    return text
