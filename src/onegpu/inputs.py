@@ -95,6 +95,10 @@ def model_input(name_or_path: str | None) -> dict:
     """
     if name_or_path is None:
         return {"name_or_path": None, "kind": "from-config"}
+    from onegpu import packaged
+    if name_or_path in packaged.GGUF:  # the package's GGUF, not its cached conversion (no conversion here)
+        return {"name_or_path": name_or_path, "kind": "package", **_distribution(packaged.GGUF[name_or_path][0]),
+                **hash_tree(packaged.package_dir(name_or_path), "*.gguf")}
     untracked = data.untracked_in_clone("model.name_or_path", name_or_path, f"`dvc add {name_or_path}`")
     if untracked:
         raise ModelError(untracked)
