@@ -293,6 +293,35 @@ def enable_checkpointing(model, kwargs: dict | None = None) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **extra)
 
 
+def packed_sequences_problem(path: str | None, attn_implementation: str | None) -> str | None:
+    """Why the causal LM at ``path`` (None: the GPT-2 built from config) cannot keep the sequences of a
+    padding-free or packed row apart, or None when it can.
+
+    transformers keeps them apart where the model builds its attention mask with ``masking_utils.
+    create_causal_mask``, which turns position ids that restart (with no attention mask and no KV cache:
+    training) into a block-diagonal mask for SDPA and eager attention; flash_attention_2 reads the same
+    position ids as variable-length sequences. A model whose code builds its own mask would let the
+    sequences of one row attend to each other (trl#3695: packing without sequence boundaries). The test
+    reads the model class's source: it imports the modeling module, not the weights.
+    """
+    import inspect
+    import sys
+
+    from transformers import AutoConfig, GPT2Config
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    config = GPT2Config() if path is None else AutoConfig.from_pretrained(path)
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return f"{type(config).__name__} is not a causal LM transformers knows"
+    if attn_implementation == "flash_attention_2":
+        return None
+    if "create_causal_mask" not in inspect.getsource(sys.modules[cls.__module__]):
+        return (f"{cls.__name__} builds its attention mask itself, not from restarting position ids, so the "
+                "sequences of one row would attend to each other")
+    return None
+
+
 def supports_checkpointing(model) -> bool:
     return bool(getattr(model, "supports_gradient_checkpointing", False))
 

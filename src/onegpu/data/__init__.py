@@ -15,12 +15,13 @@ an empty text (blank or whitespace only), an empty label, or an exact repeat of 
 """
 from __future__ import annotations
 
+from onegpu.data.check import check_input
 from onegpu.data.describe import fingerprint, stats
 from onegpu.data.sources import (RawData, bbcnews_dir, check_source, read, read_table, read_text_tree, source_kind,
                                  untracked_in_clone)
 from onegpu.data.splits import DROP_REASONS, SPLITS, deduplicate, split
-from onegpu.data.tokens import NO_LIMIT, tokenize
+from onegpu.data.tokens import NO_LIMIT, tokenize, tokenize_instructions
 
-__all__ = ["DROP_REASONS", "NO_LIMIT", "SPLITS", "RawData", "bbcnews_dir", "check_source", "deduplicate",
-           "fingerprint", "read", "read_table", "read_text_tree", "source_kind", "split", "stats", "tokenize",
-           "untracked_in_clone"]
+__all__ = ["DROP_REASONS", "NO_LIMIT", "SPLITS", "RawData", "bbcnews_dir", "check_input", "check_source",
+           "deduplicate", "fingerprint", "read", "read_table", "read_text_tree", "source_kind", "split", "stats",
+           "tokenize", "tokenize_instructions", "untracked_in_clone"]

@@ -43,3 +43,18 @@ def stats(dsd, *, rows_read: int, dropped: dict[str, int], undecodable: int, max
             "truncated_share": float((lengths >= max_length).mean()),
         }
     return out
+
+
+def metrics(stats: dict, undecodable: int) -> dict:
+    """prepare's MLflow metrics from :func:`stats`: row counts, drops by reason, prompts truncated, and per
+    split the rows, tokens, length percentiles and truncated share."""
+    dropped = stats["rows_dropped"]
+    metrics = {"rows_read": stats["rows_read"], "rows_kept": stats["rows_kept"],
+               **{f"rows_dropped_{r}": n for r, n in dropped.items()},
+               "duplicates_removed": dropped["duplicate"], "undecodable_files": undecodable,
+               "prompts_truncated": stats.get("prompts_truncated", 0)}
+    for s, st in stats["splits"].items():
+        metrics.update({f"rows_{s}": st["rows"], f"tokens_{s}": st["tokens"],
+                        f"length_p50_{s}": st["length_p50"], f"length_p90_{s}": st["length_p90"],
+                        f"truncated_share_{s}": st["truncated_share"]})
+    return metrics

@@ -6,7 +6,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from onegpu.config import PACKAGED_DATA, DataConfig
+from onegpu.config import PACKAGED_DATA, PACKAGED_SOURCES, TABLE_SUFFIXES, DataConfig
 from onegpu.errors import DataError
 
 
@@ -96,7 +96,7 @@ def _not_in_clone(path: str) -> None:
 def _check_file(path: str) -> None:
     p = Path(path).expanduser()
     if p.is_dir():
-        raise DataError(f"data.source={path!r} is a directory; give a .csv or .jsonl file")
+        raise DataError(f"data.source={path!r} is a directory; give a .csv, .jsonl or .parquet file")
     if not p.is_file():
         _not_in_clone(path)
         raise DataError(f"data.source={path!r}: no such file (looked for {p.resolve()})")
@@ -106,9 +106,9 @@ def source_kind(source: str) -> str:
     """``"package"`` for the packaged corpus, ``"table"`` for a path ending in ``.csv``/``.jsonl`` (a
     directory of that name is refused later), ``"directory"`` for another directory (a ``<label>/*.txt``
     tree), else ``"table"``. Touches the file system only to tell a directory from a file."""
-    if source == PACKAGED_DATA:
+    if source in PACKAGED_SOURCES:
         return "package"
-    if source.lower().endswith((".csv", ".jsonl")):
+    if source.lower().endswith(TABLE_SUFFIXES):
         return "table"
     if Path(source).expanduser().is_dir():
         return "directory"
@@ -127,11 +127,11 @@ def check_source(cfg: DataConfig) -> None:
     if kind == "package":
         bbcnews_dir()
     elif kind == "table":
-        if not cfg.source.lower().endswith((".csv", ".jsonl")):
+        if not cfg.source.lower().endswith(TABLE_SUFFIXES):
             if not Path(cfg.source).expanduser().exists():
                 _not_in_clone(cfg.source)
-            raise DataError(f"data.source={cfg.source!r}: must be '{PACKAGED_DATA}', a .csv or .jsonl file, "
-                            "or a directory of <label>/*.txt files")
+            raise DataError(f"data.source={cfg.source!r}: must be '{PACKAGED_DATA}', 'bbcnews-headlines', a .csv, "
+                            ".jsonl or .parquet file, or a directory of <label>/*.txt files")
         _check_file(cfg.source)
 
 
@@ -149,10 +149,11 @@ def _cell(value, key: str, column: str, where: str) -> str:
                     "a string, a number, a boolean or null")
 
 
-def _read_jsonl(text: str, path: str, text_column: str, label_column: str,
-                label_required: bool) -> tuple[list[str], list[str]]:
-    """Texts and labels of a JSON Lines file (blank lines skipped), read with the ``json`` module so
-    that values keep their spelling (pandas would turn ``[1, 7, null]`` into floats)."""
+def _jsonl_records(text: str, path: str, text_column: str = "text",
+                   label_column: str = "label") -> tuple[list[tuple[int, dict]], dict]:
+    """``(line number, object)`` per non-blank line of a JSON Lines file and the fields seen (in order),
+    read with the ``json`` module so that values keep their spelling (pandas would turn ``[1, 7, null]``
+    into floats)."""
     import json
     records, columns = [], {}
     for n, line in enumerate(text.splitlines(), 1):
@@ -171,14 +172,32 @@ def _read_jsonl(text: str, path: str, text_column: str, label_column: str,
         columns.update(dict.fromkeys(rec))
     if not records:
         raise DataError(f"data.source={path!r}: the file holds no JSON line")
+    return records, columns
+
+
+def _parquet_records(path: str) -> tuple[list[tuple[int, dict]], dict]:
+    """``(row number from 1, row)`` of a Parquet file as Python values (pyarrow's ``to_pylist``: lists of
+    messages stay lists of dicts) and its columns."""
+    import pyarrow.parquet as pq
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow's ArrowInvalid and friends
+        raise DataError(f"data.source={path!r}: cannot read it as Parquet: "
+                        f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
+    return list(enumerate(table.to_pylist(), 1)), dict.fromkeys(table.column_names)
+
+
+def _texts_labels(records: list[tuple[int, dict]], columns: dict, path: str, text_column: str, label_column: str,
+                  label_required: bool, unit: str = "line") -> tuple[list[str], list[str]]:
+    """Texts and labels of JSON or Parquet records (see :func:`_cell`)."""
     if not label_required and label_column not in columns:
         records = [(n, {**r, label_column: "text"}) for n, r in records]
         columns[label_column] = None
     for key, col in (("data.text_column", text_column), ("data.label_column", label_column)):
         if col not in columns:
             raise DataError(f"{key}={col!r} is not a field of any line of {path} (fields: {', '.join(columns)})")
-    texts = [_cell(r.get(text_column), "data.text_column", text_column, f"line {n}") for n, r in records]
-    labels = [_cell(r.get(label_column), "data.label_column", label_column, f"line {n}") for n, r in records]
+    texts = [_cell(r.get(text_column), "data.text_column", text_column, f"{unit} {n}") for n, r in records]
+    labels = [_cell(r.get(label_column), "data.label_column", label_column, f"{unit} {n}") for n, r in records]
     return texts, labels
 
 
@@ -204,9 +223,14 @@ def read_table(path: str, text_column: str, label_column: str, label_required: b
     _check_file(path)
     if p.stat().st_size == 0:
         raise DataError(f"data.source={path!r}: the file is empty")
+    if p.suffix.lower() == ".parquet":
+        records, columns = _parquet_records(path)
+        texts, labels = _texts_labels(records, columns, path, text_column, label_column, label_required, "row")
+        return RawData([t.strip() for t in texts], [lab.strip() for lab in labels], source=p.resolve().as_uri())
     text = _decode_utf8(p.read_bytes(), path)
     if p.suffix.lower() == ".jsonl":
-        texts, labels = _read_jsonl(text, path, text_column, label_column, label_required)
+        records, columns = _jsonl_records(text, path, text_column, label_column)
+        texts, labels = _texts_labels(records, columns, path, text_column, label_column, label_required)
     else:
         try:
             df = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False)

@@ -6,12 +6,13 @@ The file is written only when its content changes, and atomically.
 """
 from __future__ import annotations
 
-from onegpu import inputs, measure, paths
+from onegpu import data, inputs, measure, paths
 from onegpu.config import Config
 
 
 def run(cfg: Config) -> dict:
     watch = measure.Stopwatch()
+    data.check_input(cfg)  # the data's columns and form, before anything is hashed or written
     found = inputs.describe(cfg)
     old = paths.read_json(paths.INPUTS) if paths.INPUTS.is_file() else None
     if found != old:

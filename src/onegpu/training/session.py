@@ -115,7 +115,21 @@ def device_for(cfg: Config) -> str:
         raise ConfigError(f"params.yaml: train.bf16: {torch.cuda.get_device_name(0)} has no bf16 support; "
                           "use fp16 or neither")
     check_kernels(cfg, cuda)
+    check_flattened(cfg)
     return f"cuda:{distributed.local_rank()}" if cuda else measure.default_device()
+
+
+def check_flattened(cfg: Config) -> None:
+    """Raises ConfigError, before any work, when ``data.padding_free`` or ``data.packing`` asks for rows
+    of several sequences and the model cannot keep them apart (:func:`onegpu.models.packed_sequences_problem`)."""
+    from onegpu.training.batches import flattened
+    if not flattened(cfg):
+        return
+    key = "data.packing" if cfg.data.packing else "data.padding_free"
+    problem = models.packed_sequences_problem(models.resolve_model_path(cfg.model.name_or_path),
+                                              cfg.model.attn_implementation)
+    if problem:
+        raise ConfigError(f"params.yaml: {key}: {problem}; set {key}: false")
 
 
 def check_kernels(cfg: Config, cuda: bool) -> None:
@@ -318,17 +332,19 @@ def _with_layout(plan: TrainPlan, model, tokenizer, dsd, tracker, run_id: str) -
 def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: str) -> int:
     """Run the ``auto`` finder (:mod:`onegpu.autobatch`); print and log its probes."""
     from onegpu import autobatch
-    from onegpu.training.batches import collator_for, training_rows
+    from onegpu.training.batches import train_collator, training_rows
     from onegpu.training.loss import loss_for
     cfg, device, budget = plan.cfg, plan.device, plan.budget
     task = cfg.model.task
     model.to(device)
+    if getattr(model.config, "use_cache", None):  # as training runs it (a KV cache hides packed sequences)
+        model.config.use_cache = False
     if cfg.train.gradient_checkpointing:
         from onegpu.training import checkpointing
         checkpointing.enable(model, cfg.train)
     world = cfg.train.num_processes
     micro, probes = autobatch.find_micro_batch(
-        model, training_rows(dsd, task), collator_for(task, tokenizer), loss_for(task),
+        model, training_rows(dsd, task, cfg), train_collator(cfg, tokenizer), loss_for(task),
         cfg.train.effective_batch_size, budget, cfg.train.optim, device, world_size=world,
         mixed_precision=cfg.train.mixed_precision)  # probe under the training's autocast
     from onegpu.training import distributed

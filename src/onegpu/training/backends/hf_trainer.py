@@ -19,7 +19,7 @@ from transformers.trainer_callback import ProgressCallback
 from onegpu import measure
 from onegpu.config import Config, Resolved
 from onegpu.training import checkpointing, distributed, oom
-from onegpu.training.batches import collator_for, model_inputs, probe_batch
+from onegpu.training.batches import probe_batch, train_collator, train_set
 from onegpu.training.checkpoint import ResumePoint, write_state
 from onegpu.training.loss import count_items, loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
@@ -156,7 +156,7 @@ class ExactLossTrainer(Trainer):
         total = None
         pieces = oom.pieces(inputs, self.split)
         for i, piece in enumerate(pieces):
-            oom.injected(self.oom_injector, self.state.global_step + 1, int(piece["input_ids"].shape[0]))
+            oom.injected(self.oom_injector, self.state.global_step + 1, piece)
             # Under several processes only the last piece may all-reduce (if Trainer syncs this
             # micro-batch at all): every rank then syncs once, however it split its micro-batches.
             with self._no_sync(model) if i < len(pieces) - 1 else contextlib.nullcontext():
@@ -169,7 +169,7 @@ class ExactLossTrainer(Trainer):
         return self.accelerator.no_sync(model) if self.args.world_size > 1 else contextlib.nullcontext()
 
     def _recover(self, model, inputs, error) -> None:
-        self.split = oom.recover(error, model, int(inputs["input_ids"].shape[0]), self.split,
+        self.split = oom.recover(error, model, oom.rows(inputs), self.split,
                                  self.args.gradient_accumulation_steps, self.state.global_step + 1,
                                  self.oom_retry, self.oom_events)
 
@@ -286,8 +286,8 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
     args = training_arguments(cfg, resolved, out)
     if cfg.train.gradient_checkpointing and not checkpointing.is_default(cfg.train):
         checkpointing.enable(model, cfg.train)  # sub-blocks: Trainer's own checkpointing is off (args)
-    train_ds = model_inputs(dsd, cfg.model.task)["train"]
-    collator = collator_for(cfg.model.task, tokenizer)
+    train_ds = train_set(dsd, cfg)
+    collator = train_collator(cfg, tokenizer)
     trainer = ExactLossTrainer(
         model=model, args=args, train_dataset=train_ds, data_collator=collator, processing_class=tokenizer,
         counter=counter, task=cfg.model.task, oom_retry=cfg.train.oom_retry, oom_injector=oom_injector)
