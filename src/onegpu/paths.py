@@ -29,6 +29,7 @@ TRAIN_METRICS = Path("metrics/train.json")
 EVAL_METRICS = Path("metrics/eval.json")
 STEP_PLOT = Path("plots/train_steps.csv")
 PREDICTIONS = Path("plots/predictions.csv")
+GENERATIONS = Path("plots/generations.csv")  # instruction data: reference and generated answer per test row
 
 
 def project_root(cwd: str | os.PathLike | None = None) -> Path:

@@ -56,6 +56,8 @@ def run(cfg: Config) -> dict:
             tracker.log_table(run_id, table, "generations.json")
         paths.write_json_atomic(paths.EVAL_METRICS, {k: metrics[k] for k in HEADLINE if k in metrics})
         _write_predictions(gold, pred, names)
+        paths.write_csv_atomic(paths.GENERATIONS, ["reference", "generation", "rouge_l"],
+                               zip(*(table[k] for k in ("reference", "generation", "rouge_l"))) if table else [])
     if reproduces:
         print(f"evaluate: the training run {reproduces} is not in this MLflow store (trained in another clone); "
               f"run {run_id} here reproduces it (tag {tracking.REPRODUCES_RUN_ID})")
