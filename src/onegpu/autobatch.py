@@ -229,12 +229,29 @@ def estimate(model, dataset, collator, loss_fn, micro_batches: list[int], optim:
     plain = activation_line(model, dataset, collator, loss_fn, device, mixed_precision)
     enable_checkpointing(model)
     ckpt = activation_line(model, dataset, collator, loss_fn, device, mixed_precision)
+    per_row = logits_bytes(model, plain[2], mixed_precision)
     rows = []
     for m in micro_batches:
         a, c = plain[0] + plain[1] * m, ckpt[0] + ckpt[1] * m
         rows.append({"micro_batch": m, "activations": int(a), "activations_checkpointed": int(c),
-                     "total": int(sum(states.values()) + (c if checkpointing else a))})
+                     "logits": per_row * m,
+                     "total": int(sum(states.values()) + (c if checkpointing else a) + per_row * m)})
     return {"states": states, "length": plain[2], "rows": rows}
+
+
+def logits_bytes(model, length: int, mixed_precision: str = "no") -> int:
+    """Bytes per row of a language model's logits that the saved activations leave out: the logits
+    (``length x vocab``, 2 bytes under bf16/fp16 autocast, else 4), their float32 copy that the loss
+    reads (:func:`onegpu.training.loss.causal_lm_loss`: ``logits.float()``, or the contiguous copy of the
+    shifted slice in fp32) and its float32 gradient in the backward pass; the log-softmax output, which
+    autograd saves, is counted in the activations already. At vocab 49,152 (SmolLM2) this is the largest
+    activation: 1.5 MiB per token. 0 for a model without output embeddings (a classifier)."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(out, "weight", None)
+    if weight is None:
+        return 0
+    own = 4 if mixed_precision == "no" else 2
+    return int(length * weight.shape[0] * (own + 4 + 4))
 
 
 def format_estimate(est: dict, budget: int | None, checkpointing: bool) -> str:
@@ -244,15 +261,16 @@ def format_estimate(est: dict, budget: int | None, checkpointing: bool) -> str:
     head = (f"params {mib(s['mem_params_bytes'])} MiB + grads {mib(s['mem_grads_bytes'])} MiB + optimizer "
             f"{mib(s['mem_optimizer_bytes'])} MiB; activations at padded length {est['length']} "
             f"(checkpointing {'on' if checkpointing else 'off'} in params)")
-    lines = [head, "", "| micro-batch | activations (MiB) | with checkpointing (MiB) | total as configured (MiB) |"
-             + (" fits |" if budget else ""), "| --- | --- | --- | --- |" + (" --- |" if budget else "")]
+    lines = [head, "", "| micro-batch | activations (MiB) | with checkpointing (MiB) | logits and their fp32 copy "
+             "(MiB) | total as configured (MiB) |" + (" fits |" if budget else ""),
+             "| --- | --- | --- | --- | --- |" + (" --- |" if budget else "")]
     best = None
     for r in est["rows"]:
         fits = budget is not None and r["total"] <= budget * SAFETY
         if fits:
             best = max(best or 0, r["micro_batch"])
         lines.append(f"| {r['micro_batch']} | {mib(r['activations'])} | {mib(r['activations_checkpointed'])} | "
-                     f"{mib(r['total'])} |" + ((" yes |" if fits else " no |") if budget else ""))
+                     f"{mib(r.get('logits', 0))} | {mib(r['total'])} |" + ((" yes |" if fits else " no |") if budget else ""))
     if budget:
         lines.append("")
         lines.append(f"largest micro-batch that fits {budget / 2**30:.2f} GiB ({SAFETY:.0%} usable): "

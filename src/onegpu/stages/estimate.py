@@ -24,6 +24,11 @@ def _rows(cfg: Config, tokenizer_path):
         dsd = load_from_disk(str(paths.PROCESSED))
         tok_path = str(paths.TOKENIZER) if tokenizer_path is None else tokenizer_path
         return dsd, models.load_tokenizer(tok_path, task), "data/processed"
+    fmt = data.check_input(cfg)
+    if fmt != "text":  # instruction data: prepare's rows with their masks and truncation (nothing written)
+        from onegpu.data import pipeline
+        dsd, tokenizer, _, _ = pipeline.prepare(cfg, fmt, lambda texts: models.load_tokenizer(tokenizer_path, task))
+        return dsd, tokenizer, f"{cfg.data.source} ({fmt}, as prepare would write it)"
     raw = data.read(cfg.data, task)
     texts, labels, _ = data.deduplicate(raw)
     from datasets import ClassLabel, Dataset
@@ -46,7 +51,7 @@ def _attention(model) -> str:
 def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float | None = None) -> dict:
     from datasets.utils.logging import disable_progress_bar
 
-    from onegpu.training.batches import collator_for, model_inputs
+    from onegpu.training.batches import train_collator, training_rows
     from onegpu.training.loss import loss_for
     disable_progress_bar()
     start = time.perf_counter()
@@ -55,8 +60,9 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     dsd, tokenizer, where = _rows(cfg, path)
     labels = dsd["train"].features["label"].names
     from onegpu import measure
-    from onegpu.training.session import check_kernels
+    from onegpu.training.session import check_flattened, check_kernels
     check_kernels(cfg, measure.cuda_available())  # flash_attention_2 / adamw_bnb_8bit: one line, not a traceback
+    check_flattened(cfg)  # padding-free / packing on a model that cannot keep sequences apart
     attn = cfg.model.attn_implementation  # eager saves the attention probabilities; SDPA does not
     if task == "causal-lm":
         model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout, attn)
@@ -65,8 +71,10 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     if cfg.model.lora is not None:  # grads and optimizer states then exist for the adapters only
         from onegpu import lora
         model = lora.apply(model, cfg.model.lora, task, cfg.train.gradient_checkpointing)
-    rows = model_inputs(dsd, task)["train"].add_column("length", dsd["train"]["length"])
-    est = autobatch.estimate(model, rows, collator_for(task, tokenizer), loss_for(task),
+    if getattr(model.config, "use_cache", None):  # as training runs it (a KV cache hides packed sequences)
+        model.config.use_cache = False
+    rows = training_rows(dsd, task, cfg)
+    est = autobatch.estimate(model, rows, train_collator(cfg, tokenizer), loss_for(task),
                              micro_batches or DEFAULT_MICRO_BATCHES, cfg.train.optim,
                              cfg.train.gradient_checkpointing,
                              lambda m: checkpointing.enable(m, cfg.train),
