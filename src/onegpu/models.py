@@ -183,6 +183,9 @@ def build_causal_lm(path: str | None, tokenizer, sizes, context: int, dropout: f
         if dropout is not None:
             _set_dropout(config, dropout)
         return AutoModelForCausalLM.from_config(config, **_attn(attn_implementation))
+    from transformers.utils import logging as hf_logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers 5's "Loading weights" bar between the stage's lines
     try:
         config = AutoConfig.from_pretrained(path)
         if dropout is not None:
@@ -190,6 +193,9 @@ def build_causal_lm(path: str | None, tokenizer, sizes, context: int, dropout: f
         model = AutoModelForCausalLM.from_pretrained(path, config=config, **_attn(attn_implementation))
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelError(f"cannot load a causal LM from {path!r}: {str(e).splitlines()[0]}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model

@@ -103,6 +103,8 @@ def _convert(gguf: Path, d: Path, tokenizer_only: bool) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    quiet = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"  # the GGUF reader's own tqdm bar (not transformers' logging)
     try:
         kw = {"gguf_file": gguf.name}
         if not all((d / f).is_file() for f in TOKENIZER_FILES):
@@ -121,6 +123,10 @@ def _convert(gguf: Path, d: Path, tokenizer_only: bool) -> None:
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+        if quiet is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = quiet
     d.mkdir(parents=True, exist_ok=True)
     files = sorted(tmp.iterdir(), key=lambda f: f.name == "config.json")  # config.json last: it marks a model
     for f in files:
