@@ -61,7 +61,7 @@ def padding_share(lengths: list[int], micro: int, seed: int) -> float:
 
 def arm(args, dsd, tok, path, padding_free: bool) -> dict:
     """One training of ``--steps`` optimizer steps; its steady tokens/s, activation bytes and peak RSS."""
-    from onegpu import lora, measure, models
+    from onegpu import lora, models
     from onegpu.config import resolve
     from onegpu.training.backends import accelerate
     cfg = _cfg(args, padding_free)
@@ -69,7 +69,6 @@ def arm(args, dsd, tok, path, padding_free: bool) -> dict:
     transformers.set_seed(cfg.train.seed)
     model = models.build_causal_lm(path, tok, cfg.model, cfg.data.max_length, 0.0)
     model = lora.apply(model, cfg.model.lora, "causal-lm")
-    measure.reset_rss_peak()
     start = time.perf_counter()
     _, steps = accelerate.train(model, tok, dsd, cfg, resolve(cfg), sink=lambda m, s: None)
     rows = steps.rows
@@ -77,7 +76,7 @@ def arm(args, dsd, tok, path, padding_free: bool) -> dict:
     return {"tokens_per_second": sum(r["tokens"] for r in steady) / sum(r["step_time_s"] for r in steady),
             "samples_per_second": sum(r["samples"] for r in steady) / sum(r["step_time_s"] for r in steady),
             "mem_activation_bytes": steps.breakdown.get("mem_activation_bytes"),
-            "peak_rss_bytes": measure.rss_peak_bytes(), "first_loss": rows[0]["loss"],
+            "peak_rss_bytes": max(r["mem_peak_bytes"] for r in rows), "first_loss": rows[0]["loss"],
             "losses": [r["loss"] for r in rows], "wall_s": time.perf_counter() - start}
 
 

@@ -279,3 +279,57 @@ def test_two_processes_take_the_one_process_steps(tmp_path, backend):
     ranks = td._spawn(_two_process_worker, tmp_path, backend)
     assert ranks[0] == ranks[1]  # every rank logs the whole step
     assert_same_steps(ranks[0], train(backend, 2, 4, True))
+
+
+def _lora_run(checkpointing: bool, reentrant: bool = False, bf16: bool = False) -> tuple:
+    from onegpu import lora
+    from onegpu.config import LoraConfig
+    from onegpu.training.backends import accelerate as accel
+    extra = {"gradient_checkpointing": checkpointing, "bf16": bf16}
+    if checkpointing:
+        extra["gradient_checkpointing_kwargs"] = {"use_reentrant": reentrant, "every_n_layers": 1}
+    cfg = config("accelerate", 2, 2, padding_free=True, **extra)
+    torch.manual_seed(1)
+    model = lora.apply(tiny_llama(), LoraConfig(r=4, alpha=8.0), "causal-lm", checkpointing)
+    _, steps = accel.train(model, tokenizer(), dataset(), cfg, resolve(cfg), sink=lambda m, s: None)
+    return tuple(steps.rows), model
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_lora_with_checkpointing_trains_the_adapters_and_takes_the_same_steps(reentrant):
+    """Under LoRA the frozen embedding's output must require grad, or reentrant checkpointing gives the
+    adapters inside a checkpointed layer no gradient (lora.apply: enable_input_require_grads)."""
+    plain, _ = _lora_run(False)
+    ckpt, model = _lora_run(True, reentrant)
+    assert_same_steps(ckpt, plain)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)  # peft's Llama default: q_proj, v_proj adapters
+    assert any(".q_proj.lora_" in n for n in trained) and any(".v_proj.lora_" in n for n in trained)
+
+
+def test_bf16_autocast_trains_padding_free_within_bf16_tolerance():
+    from accelerate.state import AcceleratorState
+    fp32, _ = _lora_run(False)
+    AcceleratorState._reset_state(True)  # Accelerate keeps one mixed-precision setting per process
+    try:
+        bf16, _ = _lora_run(False, bf16=True)
+    finally:
+        AcceleratorState._reset_state(True)
+    assert [r["targets"] for r in bf16] == [r["targets"] for r in fp32]
+    assert [r["loss"] for r in bf16] == pytest.approx([r["loss"] for r in fp32], rel=1e-2)
+
+
+def test_the_auto_finder_probes_flattened_rows():
+    from onegpu import autobatch
+    from onegpu.training.batches import PaddingFreeCollator, model_inputs
+    from onegpu.training.loss import causal_lm_loss
+    rows = model_inputs(dataset(), "causal-lm")["train"]
+    model = tiny_llama()
+    model.config.use_cache = False
+    micro, probes = autobatch.find_micro_batch(model, rows, PaddingFreeCollator(), causal_lm_loss, 8, 2**40,
+                                               "adamw_torch", "cpu")
+    assert micro == 8 and probes[0].fits  # a terabyte: the largest divisor fits
+    small = probes[0].peak_bytes * 0.6 / autobatch.SAFETY
+    micro, probes = autobatch.find_micro_batch(model, rows, PaddingFreeCollator(), causal_lm_loss, 8, int(small),
+                                               "adamw_torch", "cpu")
+    assert micro in (2, 4) and [p.micro_batch for p in probes][:2] == [8, 4]
