@@ -153,5 +153,5 @@ def generations_text(table: dict, metrics: dict, max_new_tokens: int) -> str:
              f"prompts in {metrics['eval_generation_runtime']:.0f} s; the first {min(SHOWN, len(table['generation']))} "
              "(all: generations.json in the MLflow run):"]
     for ref, gen, score in list(zip(table["reference"], table["generation"], table["rouge_l"]))[:SHOWN]:
-        lines.append(f"  reference:  {ref}\n  generated:  {gen}   (ROUGE-L {score:.2f})")
+        lines.append(f"  reference:  {ref}\n  generated:  {' '.join(gen.split())}   (ROUGE-L {score:.2f})")
     return "\n".join(lines)

@@ -61,5 +61,5 @@ def _generations(shown: int = 3) -> str:
     lines = [f"  generated (greedy) for {len(rows)} test prompts, the first {min(shown, len(rows))} "
              f"({paths.GENERATIONS}):"]
     for r in rows[:shown]:
-        lines.append(f"    reference: {r['reference']}\n    generated: {r['generation']}")
+        lines.append(f"    reference: {r['reference']}\n    generated: {' '.join(r['generation'].split())}")
     return "\n".join(lines) + "\n"
