@@ -71,7 +71,7 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     if cfg.model.lora is not None:  # grads and optimizer states then exist for the adapters only
         from onegpu import lora
         model = lora.apply(model, cfg.model.lora, task, cfg.train.gradient_checkpointing)
-    if getattr(model.config, "use_cache", None):  # as training runs it (a KV cache hides packed sequences)
+    if getattr(getattr(model, "config", None), "use_cache", None):  # as training runs it (a KV cache hides packed sequences)
         model.config.use_cache = False
     rows = training_rows(dsd, task, cfg)
     est = autobatch.estimate(model, rows, train_collator(cfg, tokenizer), loss_for(task),

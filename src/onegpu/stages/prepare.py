@@ -27,6 +27,7 @@ def run(cfg: Config) -> dict:
     from datasets.utils.logging import disable_progress_bar
     disable_progress_bar()
     models.resolve_model_path(cfg.model.name_or_path)  # a missing model fails now (a packaged one converts once)
+    tracking.uri.store_uri(paths.project_root())  # a malformed or unreachable store fails before the work
     # Everything that can refuse the data runs before the run opens: a bad input is not a failed run.
     dsd, tokenizer, stats, raw = pipeline.prepare(cfg, fmt, _tokenizer(cfg))
     tracker = tracking.connect(cfg.tracking.experiment_name)

@@ -337,7 +337,7 @@ def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: s
     cfg, device, budget = plan.cfg, plan.device, plan.budget
     task = cfg.model.task
     model.to(device)
-    if getattr(model.config, "use_cache", None):  # as training runs it (a KV cache hides packed sequences)
+    if getattr(getattr(model, "config", None), "use_cache", None):  # as training runs it (a KV cache hides packed sequences)
         model.config.use_cache = False
     if cfg.train.gradient_checkpointing:
         from onegpu.training import checkpointing
