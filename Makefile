@@ -40,7 +40,7 @@ run: install
 # headlines, completion-only loss, padding-free batches; one DVC experiment, then the summary with a few
 # generated headlines. `dvc exp run` leaves these params in params.yaml (git checkout params.yaml to go back).
 SFT := -S data.source=bbcnews-headlines -S model.task=causal-lm -S model.name_or_path=packaged:SmolLM2-135M-Instruct \
-       -S 'model.lora={r: 8, alpha: 16, dropout: 0.0, target_modules: null}' -S data.padding_free=true \
+       -S model.lora.r=8 -S data.padding_free=true \
        -S data.max_length=128 -S data.max_train_samples=192 -S data.max_eval_samples=24 \
        -S train.per_device_train_batch_size=8 -S train.gradient_accumulation_steps=2 -S train.learning_rate=3e-4 \
        -S train.logging_steps=4 -S evaluate.max_new_tokens=24 -S evaluate.per_device_eval_batch_size=24

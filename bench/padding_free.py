@@ -68,7 +68,7 @@ def arm(args, dsd, tok, path, padding_free: bool) -> dict:
     import transformers
     transformers.set_seed(cfg.train.seed)
     model = models.build_causal_lm(path, tok, cfg.model, cfg.data.max_length, 0.0)
-    model = lora.apply(model, cfg.model.lora, "causal-lm")
+    model = lora.apply(model, cfg.model.lora_adapters, "causal-lm")
     start = time.perf_counter()
     _, steps = accelerate.train(model, tok, dsd, cfg, resolve(cfg), sink=lambda m, s: None)
     rows = steps.rows

@@ -10,7 +10,9 @@ Memory of one training step with micro-batch m (bytes):
 
     params + grads + optimizer states + activations(m)
 
-where activations(m) are the bytes autograd saves for backward (:func:`onegpu.measure.activation_bytes`).
+where activations(m) are the bytes autograd saves for backward (:func:`onegpu.measure.activation_bytes`);
+under bf16/fp16 autocast the 2-byte weight copies it keeps for backward are added (a fixed amount,
+:func:`onegpu.measure.saved_bytes`).
 On CUDA a probe runs a real forward and backward and reads the allocator peak (an out-of-memory
 error counts as "does not fit"), plus the optimizer states that do not exist yet. On CPU, where
 nothing runs out of memory by itself, the breakdown is used. Probes use the longest training rows,
@@ -132,7 +134,7 @@ def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: in
                 continue
         else:
             with autocast(mixed_precision, device):
-                peak = sum(states.values()) + measure.activation_bytes(model, batch, loss_fn)
+                peak = sum(states.values()) + sum(measure.saved_bytes(model, batch, loss_fn).values())
             how = "breakdown"
         del batch
         probes.append(Probe(m, int(peak), usable, peak <= usable, how))
@@ -192,19 +194,22 @@ def autocast(mixed_precision: str, device: str = "cpu"):
 
 
 def activation_line(model, dataset, collator, loss_fn, device: str = "cpu",
-                    mixed_precision: str = "no") -> tuple[float, float, int]:
+                    mixed_precision: str = "no") -> tuple[float, float, int, int]:
     """Fit activations(m) = a + b * m from probes of 1 and 2 copies of the longest training row.
 
     Saved activations grow linearly with the rows of a micro-batch at a fixed padded length (every
     saved tensor has the batch dimension), so two probes fix the line. The probes run under
-    :func:`autocast` for ``mixed_precision``, as the training does. Returns (a, b, padded length).
+    :func:`autocast` for ``mixed_precision``, as the training does. Returns (a, b, padded length,
+    autocast weight copies): the copies (bytes, :func:`onegpu.measure.saved_bytes`; 0 in fp32) do not
+    grow with m and are left out of the line.
     """
     longest = longest_rows(dataset, 1)[0]
     probe = {m: _batch(dataset, collator, [longest] * m, device) for m in (1, 2)}
     with autocast(mixed_precision, device):
-        a1 = measure.activation_bytes(model, probe[1], loss_fn)
-        a2 = measure.activation_bytes(model, probe[2], loss_fn)
-    return float(2 * a1 - a2), float(a2 - a1), int(probe[1]["input_ids"].shape[1])
+        s1 = measure.saved_bytes(model, probe[1], loss_fn)
+        a2 = measure.saved_bytes(model, probe[2], loss_fn)["activations"]
+    a1 = s1["activations"]
+    return float(2 * a1 - a2), float(a2 - a1), int(probe[1]["input_ids"].shape[1]), s1["autocast_weights"]
 
 
 def estimate(model, dataset, collator, loss_fn, micro_batches: list[int], optim: str,
@@ -222,21 +227,24 @@ def estimate(model, dataset, collator, loss_fn, micro_batches: list[int], optim:
             Params, grads and optimizer states stay fp32 under mixed precision (Accelerate and Trainer
             autocast the forward pass; they keep fp32 master weights).
     Returns:
-        ``{"states": {...bytes}, "length": padded length, "rows": [{micro_batch, activations,
-        activations_checkpointed, total}]}``; every figure in bytes.
+        ``{"states": {...bytes}, "autocast_weights": bytes, "length": padded length, "rows":
+        [{micro_batch, activations, activations_checkpointed, total}]}``; every figure in bytes.
+        ``autocast_weights``: the bf16/fp16 weight copies the configured run keeps for backward (with
+        checkpointing, only those of what runs outside the checkpointed layers), in every total.
     """
     states = state_bytes_predicted(model, optim)
     plain = activation_line(model, dataset, collator, loss_fn, device, mixed_precision)
     enable_checkpointing(model)
     ckpt = activation_line(model, dataset, collator, loss_fn, device, mixed_precision)
+    weights = ckpt[3] if checkpointing else plain[3]
     per_row = logits_bytes(model, plain[2], mixed_precision)
     rows = []
     for m in micro_batches:
         a, c = plain[0] + plain[1] * m, ckpt[0] + ckpt[1] * m
         rows.append({"micro_batch": m, "activations": int(a), "activations_checkpointed": int(c),
                      "logits": per_row * m,
-                     "total": int(sum(states.values()) + (c if checkpointing else a) + per_row * m)})
-    return {"states": states, "length": plain[2], "rows": rows}
+                     "total": int(sum(states.values()) + weights + (c if checkpointing else a) + per_row * m)})
+    return {"states": states, "autocast_weights": int(weights), "length": plain[2], "rows": rows}
 
 
 def logits_bytes(model, length: int, mixed_precision: str = "no") -> int:
@@ -258,8 +266,12 @@ def format_estimate(est: dict, budget: int | None, checkpointing: bool) -> str:
     """The estimate as a Markdown table, with the largest micro-batch that fits ``budget`` (bytes)."""
     s = est["states"]
     mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
+    copies = est.get("autocast_weights", 0)
     head = (f"params {mib(s['mem_params_bytes'])} MiB + grads {mib(s['mem_grads_bytes'])} MiB + optimizer "
-            f"{mib(s['mem_optimizer_bytes'])} MiB; activations at padded length {est['length']} "
+            f"{mib(s['mem_optimizer_bytes'])} MiB"
+            + (f" + autocast's weight copies {mib(copies)} MiB (2 bytes per matmul weight, kept for backward "
+               "whatever the micro-batch)" if copies else "")
+            + f"; activations at padded length {est['length']} "
             f"(checkpointing {'on' if checkpointing else 'off'} in params)")
     lines = [head, "", "| micro-batch | activations (MiB) | with checkpointing (MiB) | logits and their fp32 copy "
              "(MiB) | total as configured (MiB) |" + (" fits |" if budget else ""),

@@ -17,8 +17,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Fine-tune Hugging Face models on one GPU through DVC, with every run's memory, "
                     "speed and loss in MLflow.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, text in (("inputs", "fingerprint the data source and the model that params.yaml names, so DVC "
-                                  "re-runs prepare and train when they change (DVC stage)"),
+    for name, text in (("inputs", "link the data source and the model that params.yaml names as "
+                                  "data/inputs/*, the paths DVC hashes for prepare and train (DVC stage)"),
                        ("prepare", "read, de-duplicate, split and tokenize the data (DVC stage)"),
                        ("train", "fine-tune the model with the params' micro-batch, accumulation and "
                                  "checkpointing (DVC stage)"),
@@ -128,8 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         # One line, whatever the message holds (a YAML parser's error spans several): scripts and
         # `dvc repro` logs show the whole problem on the line that names the stage.
         message = "; ".join(" ".join(part.split()) for part in str(e).splitlines() if part.strip())
-        print(f"onegpu {args.command}: error: {message}", file=sys.stderr)
+        print(f"onegpu {args.command}: error: {message}{_params_note(args)}", file=sys.stderr)
         return 2
+    except Exception:
+        if note := _params_note(args):
+            print(f"onegpu {args.command}: error (traceback below){note}", file=sys.stderr)
+        raise
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", 2)
         if str(e):  # a clean stop (onegpu.training.interrupt.Interrupted)
@@ -139,6 +143,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"onegpu {args.command}: interrupted", file=sys.stderr)
         return 128 + signum
     return 0
+
+
+def _params_note(args) -> str:
+    """For a failed stage: ``"; params.yaml differs from git's HEAD ..."`` when it does (what a failed
+    ``dvc exp run -S`` leaves behind), else ``""``."""
+    from onegpu import paths
+    params = getattr(args, "params", None)
+    if args.command not in STAGES or not params or not paths.params_differ_from_head(params):
+        return ""
+    return (f"; {params} differs from git's HEAD (`dvc exp run -S` writes its values there first and "
+            f"keeps them when a stage fails): `git diff {params}` shows what, `git checkout {params}` "
+            "restores the committed one")
 
 
 if __name__ == "__main__":

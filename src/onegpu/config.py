@@ -95,9 +95,16 @@ class ModelConfig:
     n_head: int = 4
     vocab_size: int = 4096
     attn_implementation: Optional[str] = None  # eager | sdpa | flash_attention_2; null = the model's default
-    # null = full fine-tuning; a mapping (r, alpha, dropout, target_modules) = train LoRA adapters only
-    # (plus the classification head), saved as models/adapter and merged into models/model.
+    # r >= 1: train LoRA adapters only (plus the classification head), saved as models/adapter and
+    # merged into models/model; r: 0 (params.yaml's default, so `-S model.lora.r=8` has a key to set) or
+    # null = full fine-tuning. Read it through lora_adapters.
     lora: Optional[LoraConfig] = None
+
+    @property
+    def lora_adapters(self) -> Optional[LoraConfig]:
+        """``model.lora`` when LoRA adapters train (``r >= 1``); None for full fine-tuning
+        (``model.lora.r: 0`` or ``model.lora: null``)."""
+        return self.lora if self.lora is not None and self.lora.r > 0 else None
 
 
 @dataclass
@@ -289,7 +296,7 @@ _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", 
              "Optional[int]": "an integer or null", "Optional[float]": "a number or null",
              "Optional[str]": "a string or null", "Optional[list[str]]": "a list of strings or null",
              "Optional[bool]": "true, false or null",
-             "Optional[LoraConfig]": "null or a mapping with keys r, alpha, dropout, target_modules",
+             "Optional[LoraConfig]": "a mapping with keys r (0 = off), alpha, dropout, target_modules, or null (off)",
              "CheckpointingKwargs": "a mapping with keys use_reentrant (true/false), every_n_layers (a positive integer)"}
 
 
@@ -406,8 +413,9 @@ def _check_model(m: ModelConfig, source: str) -> None:
 
 def _check_lora(lora: LoraConfig, source: str) -> None:
     """``model.lora``'s values: a positive rank and alpha, a dropout probability, module names."""
-    if lora.r < 1:
-        _fail(source, "model.lora.r", f"must be a positive integer (the adapter rank), got {lora.r}")
+    if lora.r < 0:
+        _fail(source, "model.lora.r", f"must be 0 (LoRA off: full fine-tuning) or a positive integer (the "
+              f"adapter rank), got {lora.r}")
     if not lora.alpha > 0:
         _fail(source, "model.lora.alpha", f"must be a positive number (the update is scaled by alpha / r), "
               f"got {lora.alpha}")

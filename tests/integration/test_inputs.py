@@ -1,10 +1,12 @@
-"""What params.yaml names (data.source, model.name_or_path) is a dependency DVC sees: editing the CSV,
-JSONL, text directory or model directory re-runs prepare/train under `dvc repro` and `dvc exp run`;
-unchanged inputs re-run neither. A queued/--temp experiment on an untracked file says to add it."""
+"""What params.yaml names (data.source, model.name_or_path) is a dependency DVC sees (data/inputs/*
+link to it): editing the CSV, JSONL, text directory or model directory makes `dvc status` name prepare or
+train and re-runs them under `dvc repro` and `dvc exp run`; unchanged inputs re-run nothing and `dvc
+status` says up to date. A queued/--temp experiment on an untracked file says to add it."""
 from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -47,35 +49,45 @@ def _ran(out: str) -> set[str]:
     return {s for s in ("inputs", "prepare", "train", "evaluate") if f"Running stage '{s}'" in out}
 
 
+def _status(p: Path, *targets: str) -> str:
+    return dvc(p, "status", *targets).stdout
+
+
+def _names(status: str) -> set[str]:
+    """The stages `dvc status` lists as changed."""
+    return {line[:-1] for line in status.splitlines() if line.endswith(":") and not line.startswith("\t")}
+
+
 def _labels(p: Path) -> list[str]:
     return json.loads((p / "data" / "stats.json").read_text())["labels"]
 
 
-def test_csv_edit_reruns_prepare_and_train_under_dvc_repro(tmp_path):
+def test_csv_edit_is_named_by_dvc_status_and_reruns_prepare_and_train(tmp_path):
     p = make_project(tmp_path, {"data": {"source": "d.csv"}})
     _write_csv(p / "d.csv", _rows("ab"))
     _commit(p, "data")
     assert _ran(dvc(p, "repro").stdout) == {"inputs", "prepare", "train", "evaluate"}
     assert _labels(p) == ["a", "b"]
+    assert os.readlink(p / "data" / "inputs" / "data.source") == "../../d.csv"
     _commit(p, "repro")
 
+    assert "Data and pipelines are up to date" in _status(p)  # nothing is "always changed"
+    assert "Data and pipelines are up to date" in _status(p, "prepare")
     same = dvc(p, "repro").stdout
-    assert _ran(same) == {"inputs"}, same
-    for stage in ("prepare", "train", "evaluate"):
-        assert f"Stage '{stage}' didn't change, skipping" in same
+    assert _ran(same) == set(), same
 
     _write_csv(p / "d.csv", _rows("abc", tag="new "))  # new rows and a third label
-    status = dvc(p, "status").stdout
-    assert "Data and pipelines are up to date" not in status and "always changed" in status
+    status = _status(p, "prepare")
+    assert {"prepare"} <= _names(status) and "modified:           data/inputs/data.source" in status, status
+    assert _names(_status(p)) == {"inputs", "prepare"}  # train and evaluate follow once prepare re-ran
     out = dvc(p, "repro").stdout
     assert _ran(out) == {"inputs", "prepare", "train", "evaluate"}, out
     assert _labels(p) == ["a", "b", "c"]
-    fingerprint = json.loads((p / "data" / "inputs.json").read_text())["data"]
-    assert (fingerprint["source"], fingerprint["kind"]) == ("d.csv", "file")
+    assert "Data and pipelines are up to date" in _status(p)
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "directory"])
-def test_jsonl_and_directory_edits_rerun_prepare(tmp_path, kind):
+def test_jsonl_and_directory_edits_are_named_by_dvc_status_and_rerun_prepare(tmp_path, kind):
     source, write = {"jsonl": ("d.jsonl", _write_jsonl), "directory": ("texts", _write_tree)}[kind]
     p = make_project(tmp_path, {"data": {"source": source}})
     write(p / source, _rows("ab"))
@@ -84,15 +96,37 @@ def test_jsonl_and_directory_edits_rerun_prepare(tmp_path, kind):
     assert _labels(p) == ["a", "b"]
     _commit(p, "repro")
 
+    assert "Data and pipelines are up to date" in _status(p, "prepare")
     same = dvc(p, "repro", "prepare").stdout
-    assert _ran(same) == {"inputs"} and "Stage 'prepare' didn't change, skipping" in same
+    assert _ran(same) == set() and "Stage 'prepare' didn't change, skipping" in same
 
     write(p / source, _rows("abc", tag="new "))
+    assert "prepare" in _names(_status(p, "prepare"))
     assert _ran(dvc(p, "repro", "prepare").stdout) == {"inputs", "prepare"}
     assert _labels(p) == ["a", "b", "c"]
 
 
-def test_model_directory_edit_reruns_train_under_dvc_exp_run(tmp_path):
+def test_packaged_default_is_up_to_date_until_the_params_change(tmp_path):
+    """bbcnews and the packaged MiniLM: the links point at the installed packages' folders, `dvc status`
+    is up to date after a repro, and `dvc exp run -S data.source=<file>` relinks and re-runs prepare."""
+    from onegpu import data, models
+    p = make_project(tmp_path)
+    _write_csv(p / "d.csv", _rows("ab"))
+    _commit(p, "data")
+    assert _ran(dvc(p, "repro", "prepare").stdout) == {"inputs", "prepare"}
+    links = p / "data" / "inputs"
+    assert (links / "data.source").resolve() == data.bbcnews_dir().resolve()
+    assert (links / "model.name_or_path").resolve() == Path(models.resolve_model_path(
+        "packaged:all-MiniLM-L6-v2")).resolve()
+    assert "Data and pipelines are up to date" in _status(p, "prepare")
+    _commit(p, "repro")
+    out = dvc(p, "exp", "run", "prepare", "-S", "data.source=d.csv").stdout
+    assert _ran(out) == {"inputs", "prepare"}, out
+    assert _labels(p) == ["a", "b"]
+    assert os.readlink(links / "data.source") == "../../d.csv"
+
+
+def test_model_directory_edit_is_named_by_dvc_status_and_reruns_train_under_dvc_exp_run(tmp_path):
     """A local copy of the packaged MiniLM as model.name_or_path (kept out of git, as a user's model
     folder often is: the workspace `dvc exp run` reads it in place)."""
     from onegpu import models
@@ -105,15 +139,17 @@ def test_model_directory_edit_reruns_train_under_dvc_exp_run(tmp_path):
     assert _ran(first) == {"inputs", "prepare", "train"}, first
 
     same = dvc(p, "exp", "run", "train").stdout
-    assert _ran(same) == {"inputs"}, same
+    assert _ran(same) == set(), same
     assert "Stage 'train' didn't change, skipping" in same
+    assert "Data and pipelines are up to date" in _status(p, "train")
 
     config = json.loads((p / "mini" / "config.json").read_text())
     config["attention_probs_dropout_prob"] = 0.2  # overridden by TINY's model.dropout: 0, still an edit
     (p / "mini" / "config.json").write_text(json.dumps(config, indent=2))
+    status = _status(p, "train")
+    assert "train" in _names(status) and "modified:           data/inputs/model.name_or_path" in status, status
     out = dvc(p, "exp", "run", "train").stdout
-    assert {"inputs", "train"} <= _ran(out), out
-    assert json.loads((p / "data" / "inputs.json").read_text())["model"]["kind"] == "directory"
+    assert "train" in _ran(out), out
 
 
 def test_temp_experiment_on_an_untracked_csv_says_to_add_it(tmp_path):

@@ -171,3 +171,22 @@ def test_auto_micro_batch_keeps_the_effective_batch_and_the_losses(project):
     b = [m.value for m in sorted(c.get_metric_history(hand[0].info.run_id, "loss"), key=lambda m: m.step)]
     assert len(a) == len(b) == MAX_STEPS
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-6, (a, b)  # the probes changed nothing
+
+
+def test_exp_run_dotted_lora_rank_trains_lora(project):
+    """`dvc exp run -S model.lora.r=8`, the form a user types first: a LoRA run (adapters only train,
+    another equivalence key, the adapter saved), from params.yaml's mapping with r: 0."""
+    run(["git", "checkout", "--", "."], project)
+    dvc(project, "checkout", "--force")
+    out = dvc(project, "exp", "run", "-S", "model.lora.r=8").stdout
+    c, exp, train = _training_runs(project)
+    lora = [r for r in train if r.data.params.get("model.lora.r") == "8"]
+    assert len(lora) == 1, out
+    base = [r for r in train if not r.data.tags.get("dvc.exp_name")][0]
+    assert base.data.params["model.lora.r"] == "0"
+    tags = lora[0].data.tags
+    assert int(tags["model.trainable_parameters"]) < int(tags["model.parameters"]) / 20
+    assert int(base.data.tags["model.trainable_parameters"]) == int(base.data.tags["model.parameters"])
+    assert tags["equivalence_key"] != base.data.tags["equivalence_key"]
+    assert (project / "models" / "adapter" / "adapter_config.json").is_file()
+    assert len(c.get_metric_history(lora[0].info.run_id, "loss")) == MAX_STEPS

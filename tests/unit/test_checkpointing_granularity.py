@@ -61,6 +61,23 @@ def test_every_granularity_trains_the_same_steps_as_no_checkpointing(backend):
         assert 0 < act < ref_bytes, (setting, act, ref_bytes)  # the backend did checkpoint as asked
 
 
+def test_a_transformers_without_activation_checkpointing_still_checkpoints(monkeypatch, tmp_path):
+    """transformers before the rename (5.17, the lent GPU machine's) has no TrainingArguments
+    ``activation_checkpointing``, and its ``gradient_checkpointing_kwargs`` cannot carry every_n_layers:
+    Trainer's switch is not passed and the backend checkpoints the model itself, the same steps."""
+    from onegpu.training.backends import hf_trainer
+    ref, ref_bytes = losses("trainer", None)
+    monkeypatch.setattr(hf_trainer, "TRAINER_CHECKPOINTS", False)
+    cfg = from_container({"train": {"gradient_checkpointing": True,
+                                    "gradient_checkpointing_kwargs": {"every_n_layers": 2}}}, source="test")
+    args = hf_trainer.training_arguments(cfg, resolve(cfg), str(tmp_path))
+    assert not getattr(args, "activation_checkpointing", False) and not args.gradient_checkpointing
+    for setting in [(2, "layer", False), (1, "layer", True)]:
+        got, act = losses("trainer", setting)
+        assert got == pytest.approx(ref, abs=1e-6), (setting, got, ref)
+        assert 0 < act < ref_bytes, (setting, act, ref_bytes)
+
+
 def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)

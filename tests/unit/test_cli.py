@@ -87,3 +87,43 @@ def test_help_lists_commands(tmp_path):
     assert proc.returncode == 0
     for c in ("prepare", "train", "evaluate", "ui"):
         assert c in proc.stdout
+
+
+def _git_project(root: Path) -> Path:
+    """A git repository whose committed params.yaml is the project's default."""
+    root.mkdir(parents=True)
+    for args in (["init", "-q"], ["config", "user.email", "t@example.invalid"], ["config", "user.name", "t"]):
+        subprocess.run(["git", *args], cwd=root, check=True)
+    defaults.write_params(root)
+    subprocess.run(["git", "add", "params.yaml"], cwd=root, check=True)
+    subprocess.run(["git", "commit", "-qm", "params"], cwd=root, check=True)
+    return root
+
+
+def _like_a_failed_dvc_exp_run(params: Path) -> None:
+    """What `dvc exp run -S train.learning_rat=1e-3` leaves: the typo key written, nulls blanked."""
+    text = params.read_text().replace("  learning_rate:", "  learning_rat: 1.0e-3\n  learning_rate:")
+    params.write_text(text.replace(": null", ":"))
+
+
+def test_a_failed_stage_names_the_changed_params_file_and_how_to_restore_it(tmp_path):
+    root = _git_project(tmp_path / "proj")
+    _like_a_failed_dvc_exp_run(root / "params.yaml")
+    line = _assert_one_error_line(_onegpu(["prepare"], cwd=root), "prepare")
+    assert "unknown key 'train.learning_rat'" in line
+    assert line.endswith("; params.yaml differs from git's HEAD (`dvc exp run -S` writes its values there first "
+                         "and keeps them when a stage fails): `git diff params.yaml` shows what, "
+                         "`git checkout params.yaml` restores the committed one"), line
+
+
+def test_no_params_note_when_the_file_is_as_committed_or_in_dvcs_temp_clone(tmp_path):
+    root = _git_project(tmp_path / "proj")
+    _like_a_failed_dvc_exp_run(root / "params.yaml")
+    subprocess.run(["git", "commit", "-qam", "a bad value, committed"], cwd=root, check=True)
+    line = _assert_one_error_line(_onegpu(["train"], cwd=root), "train")
+    assert "learning_rat" in line and "differs from git's HEAD" not in line
+    # a queued/--temp experiment's clone: params.yaml holds the -S values, the user's file does not
+    clone = _git_project(root / ".dvc" / "tmp" / "exps" / "tmpabc")
+    _like_a_failed_dvc_exp_run(clone / "params.yaml")
+    line = _assert_one_error_line(_onegpu(["train"], cwd=clone), "train")
+    assert "learning_rat" in line and "differs from git's HEAD" not in line

@@ -372,3 +372,12 @@ def test_guide_knobs_accept_their_values(raw):
         for dotted, value in changes.items():
             section, name = dotted.split(".")
             assert getattr(getattr(cfg, section), name) == value
+
+
+def test_every_key_of_the_schema_is_in_params_yaml():
+    """`dvc exp run -S section.key=value` sets only keys params.yaml has (a missing one, or one under a
+    null, fails in DVC: "Key ... is not in struct"): every documented knob is there, nested ones too."""
+    have = config.flatten(defaults.params())
+    assert sorted(set(config.flatten(config.Config().to_dict())) - set(have) - {"model.lora"}) == []
+    assert {k for k in have if k.startswith("model.lora.")} == {f"model.lora.{f}" for f in
+                                                                ("r", "alpha", "dropout", "target_modules")}

@@ -238,3 +238,62 @@ def test_processes_all_stopped_by_a_signal_are_an_interrupt_not_a_failure(fresh_
     monkeypatch.setattr(torchrun, "run", fake_run)
     with pytest.raises(KeyboardInterrupt, match="every training process stopped on a signal"):
         distributed.launch(2, ["train"])
+
+
+def _torchrun_with(failures: dict[int, tuple[int, int]], notes: dict[int, str], tracker, monkeypatch):
+    """``torch.distributed.run.run`` replaced by one whose rank 0 started a run and whose processes then
+    ended: ``failures`` = rank -> (exit code, seconds after the first failure), ``notes`` = rank -> the
+    error that process noted itself (a SIGKILLed process notes nothing)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def fake_run(args):
+        import os
+        from pathlib import Path
+        os.environ["RANK"] = "0"
+        distributed.announce_run(tracker.start_run("ddp", {"stage": "train"}), "ddp-exp")
+        folder = Path(os.environ[distributed.LAUNCH_DIR_ENV])
+        for r, error in notes.items():
+            (folder / f"failed-{r}.json").write_text(json.dumps({"rank": r, "time": 5.0 + r, "error": error}))
+        out = {}
+        for r, (code, after) in failures.items():
+            out[r] = ProcessFailure(local_rank=r, pid=100 + r, exitcode=code, error_file="")
+            out[r].timestamp = 1_000 + after
+        raise ChildFailedError("onegpu", out)
+
+    monkeypatch.setattr(torchrun, "run", fake_run)
+    monkeypatch.delenv("RANK", raising=False)
+
+
+LOST_PEER = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+
+
+@pytest.mark.parametrize("signal_name, code", [("SIGKILL", -9), ("SIGSEGV", -11)])
+def test_a_rank_killed_by_a_signal_is_named_not_the_survivor(fresh_root, monkeypatch, signal_name, code):
+    """Rank 1 killed outright (nothing noted); rank 0 then fails on the lost peer and notes that: the run
+    names rank 1 and the signal, and for SIGKILL the out-of-memory killer."""
+    from mlflow import MlflowClient
+
+    from onegpu import tracking
+    tracker = tracking.connect("ddp-exp")
+    _torchrun_with({0: (1, 0), 1: (code, 0)}, {0: LOST_PEER}, tracker, monkeypatch)
+    with pytest.raises(distributed.RankFailed) as e:
+        distributed.launch(2, ["train"])
+    message = str(e.value)
+    assert message.startswith(f"training process rank 1 of 2 was killed by signal {signal_name}"), message
+    assert ("out-of-memory killer" in message) == (signal_name == "SIGKILL"), message
+    assert "Connection closed by peer" not in message
+    (r,) = MlflowClient(tracker.uri).search_runs([tracker.experiment_id])
+    assert r.info.status == "FAILED"
+    assert (r.data.tags["error.rank"], r.data.tags["error.exitcode"]) == ("1", str(code))
+    assert r.data.tags["error.message"] == message
+
+
+def test_a_sigkill_torchrun_sent_after_its_grace_does_not_hide_the_first_error(fresh_root, monkeypatch):
+    """Rank 1 raised first; rank 0, stuck, was SIGKILLed by torchrun 30 s into stopping it: rank 1's
+    error is the cause."""
+    from onegpu import tracking
+    tracker = tracking.connect("ddp-exp")
+    _torchrun_with({1: (1, 0), 0: (-9, 31)}, {1: "ValueError: bad batch"}, tracker, monkeypatch)
+    with pytest.raises(distributed.RankFailed, match=r"^training process rank 1 of 2 failed \(ValueError: bad batch\)"):
+        distributed.launch(2, ["train"])

@@ -58,11 +58,16 @@ def test_code_deps_match_what_the_stage_imports(stage):
     assert stray == [], f"{stage} lists these but never imports them"
 
 
-def test_stages_that_read_params_named_inputs_depend_on_their_fingerprint():
-    assert STAGES["inputs"]["always_changed"] is True
-    assert STAGES["inputs"]["outs"] == [{"data/inputs.json": {"cache": False}}]
+def test_stages_that_read_params_named_inputs_depend_on_their_links():
+    """No stage is always changed (`dvc status` would never say up to date); the inputs stage's links are
+    persistent, uncached outs (DVC neither deletes nor caches what they point to), one per param."""
+    from onegpu import inputs
+    assert not any(s.get("always_changed") for s in STAGES.values())
+    links = {str(inputs.DATA_LINK), str(inputs.MODEL_LINK)}
+    assert STAGES["inputs"]["outs"] == [{link: {"cache": False, "persist": True}} for link in sorted(links)]
     assert set(STAGES["inputs"]["params"]) == {"data.source", "model.name_or_path"}
     # prepare reads the data and the model's tokenizer; train reads the model's weights.
-    assert "data/inputs.json" in STAGES["prepare"]["deps"]
-    assert "data/inputs.json" in STAGES["train"]["deps"]
+    assert links <= set(STAGES["prepare"]["deps"])
+    assert str(inputs.MODEL_LINK) in STAGES["train"]["deps"]
+    assert "/inputs/" in (REPO / "data" / ".gitignore").read_text().splitlines()  # machine-specific links
     assert {"data/processed", "models"} <= set(STAGES["evaluate"]["deps"])

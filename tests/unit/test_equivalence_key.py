@@ -139,6 +139,18 @@ def test_equivalence_key_is_16_hex_and_pinned():
     assert key == PINNED_KEY
 
 
+def test_the_default_runs_key_is_unchanged_by_the_lora_mapping_and_the_added_keys():
+    """params.yaml now spells LoRA off as the mapping with r: 0 and lists train.oom_retry and
+    train.save_steps at their defaults (so `-S` can set them): the key of the default run is the pinned
+    one, as with `model.lora: null` and those keys left out."""
+    raw = copy.deepcopy(PINNED)
+    raw["model"]["lora"] = {"r": 0, "alpha": 16, "dropout": 0.0, "target_modules": None}
+    raw["train"].update(oom_retry=True, save_steps=None)
+    cfg = config.from_container(raw)
+    assert eqkey.equivalence_key(cfg, config.resolve(cfg), "abc") == PINNED_KEY
+    assert eqkey.run_config_hash(cfg, "abc") == eqkey.run_config_hash(config.from_container(copy.deepcopy(PINNED)), "abc")
+
+
 def test_equivalence_fields_hold_resolved_batch_and_fingerprint():
     cfg = config.from_container(copy.deepcopy(PINNED))
     f = eqkey.equivalence_fields(cfg, config.resolve(cfg), "abc")

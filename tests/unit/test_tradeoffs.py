@@ -1,6 +1,8 @@
 """onegpu tradeoffs: the plan of experiments, the rows measured from runs, the recommendation, the report."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from onegpu import cli, config, tradeoffs, tradeoffs_report
@@ -30,7 +32,7 @@ def test_plan_on_cpu_for_the_defaults():
     assert by["split-16x1"].set_args == ["-S", "train.per_device_train_batch_size=16",
                                          "-S", "train.gradient_accumulation_steps=1"]
     assert by["baseline"].set_args == []
-    assert by["lora"].overrides == (("model.lora", tradeoffs.LORA_ROW),)
+    assert by["lora"].set_args == ["-S", "model.lora.r=8"]  # the dotted form a user types
     assert [s.split(":")[0] for s in skipped] == ["tf32"]  # a no-op on CPU
 
 
@@ -79,8 +81,16 @@ def test_every_variant_validates_and_its_key_matches_what_it_expects():
     lora = config.from_container({**defaults.params(), "model": {**defaults.params()["model"],
                                                                   "lora": {"r": 8, "alpha": 16}}})
     r = defaults.params()
-    config.apply_override(r, f"model.lora={tradeoffs.LORA_ROW}")
-    assert config.from_container(r).model.lora == lora.model.lora
+    for k, val in tradeoffs.LORA_ROW:
+        config.apply_override(r, f"{k}={val}")
+    assert config.from_container(r).model.lora_adapters == lora.model.lora
+    # params whose model.lora is null (DVC cannot set model.lora.r there): the row gives the whole mapping
+    r = defaults.params()
+    r["model"]["lora"] = None
+    (row,) = [v for v in tradeoffs.plan(config.from_container(r))[0] if v.knob == "lora"]
+    assert row.overrides == (("model.lora", tradeoffs.LORA_MAPPING),)
+    config.apply_override(r, f"model.lora={tradeoffs.LORA_MAPPING}")
+    assert config.from_container(r).model.lora_adapters == lora.model.lora
 
 
 def test_parse_knobs():
@@ -283,3 +293,18 @@ def test_run_queue_waits_for_its_experiments_to_leave_the_queue(monkeypatch, cap
     stage._run_queue({"tradeoffs-1-recommended"})
     assert states == []  # polled until its experiment left the queue
     assert "waiting for tradeoffs-1-recommended (still in the DVC queue)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("differs", [True, False])
+def test_start_says_when_the_baseline_params_differ_from_git(monkeypatch, capsys, fresh_root, differs):
+    """A workspace `dvc exp run -S` (the README's `auto` example) leaves its values in params.yaml; the
+    baseline is then that file, and the command says so."""
+    from onegpu import paths
+    from onegpu.stages import tradeoffs as stage
+    monkeypatch.setattr(stage, "_queue", lambda prefix, variants: None)
+    monkeypatch.setattr(paths, "params_differ_from_head", lambda params: differs)
+    defaults.write_params(Path.cwd())
+    stage._start(_cfg(), "params.yaml", ("split",), [], queue_only=True)
+    out = capsys.readouterr().out
+    assert ("note: params.yaml differs from git's HEAD (`git diff params.yaml`): the baseline is the file "
+            "as it is" in out) == differs, out

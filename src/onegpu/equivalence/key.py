@@ -111,10 +111,10 @@ def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = 
     size and the prepared data's content fingerprint (so two runs on different data files never match).
     """
     flat = {k: v for k, v in flatten(cfg.to_dict()).items() if k not in NOT_IN_EQUIVALENCE_KEY}
-    # LoRA trains other parameters: model.lora.* are in the key. Off (null) adds nothing, so keys of
-    # full fine-tuning stay as they were before the knob existed.
-    if cfg.model.lora is None:
-        flat.pop("model.lora", None)
+    # LoRA trains other parameters: model.lora.* are in the key. Off (null or r: 0) adds nothing, so
+    # keys of full fine-tuning stay as they were before the knob existed.
+    if cfg.model.lora_adapters is None:
+        flat = {k: v for k, v in flat.items() if k != "model.lora" and not k.startswith("model.lora.")}
     _drop_sft_defaults(flat)
     for k, v in flat.items():
         if v is None or isinstance(v, (str, int, float, bool)):  # scalars; lists (LoRA targets) stay as given
@@ -132,8 +132,8 @@ def run_config_hash(cfg: Config, data_fingerprint: str = "") -> str:
     terminal output, plus the data fingerprint): a checkpoint resumes only a run with the same hash."""
     skip = ("tracking.", "evaluate.", "train.logging_steps", "train.save_steps")
     flat = {k: v for k, v in flatten(cfg.to_dict()).items() if not k.startswith(skip)}
-    if cfg.model.lora is None:  # as in the key: checkpoints written before the knob existed still resume
-        flat.pop("model.lora", None)
+    if cfg.model.lora_adapters is None:  # as in the key: checkpoints written before the knob still resume
+        flat = {k: v for k, v in flat.items() if k != "model.lora" and not k.startswith("model.lora.")}
     for k, default in _GRANULARITY_DEFAULTS.items():  # the same for the checkpointing granularity
         if flat.get(k) == default:
             flat.pop(k)

@@ -68,9 +68,9 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
         model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout, attn)
     else:
         model = models.build_classifier(path, labels, cfg.model.dropout, attn)
-    if cfg.model.lora is not None:  # grads and optimizer states then exist for the adapters only
+    if cfg.model.lora_adapters is not None:  # grads and optimizer states then exist for the adapters only
         from onegpu import lora
-        model = lora.apply(model, cfg.model.lora, task, cfg.train.gradient_checkpointing)
+        model = lora.apply(model, cfg.model.lora_adapters, task, cfg.train.gradient_checkpointing)
     if getattr(getattr(model, "config", None), "use_cache", None):  # as training runs it (a KV cache hides packed sequences)
         model.config.use_cache = False
     rows = training_rows(dsd, task, cfg)
@@ -82,7 +82,7 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     budget_gib = budget_gib if budget_gib is not None else cfg.train.memory_budget_gib
     budget = int(budget_gib * 2**30) if budget_gib else None
     precision = "fp32" if cfg.train.mixed_precision == "no" else f"{cfg.train.mixed_precision} autocast"
-    lora_note = "" if cfg.model.lora is None else f", LoRA r={cfg.model.lora.r}"
+    lora_note = "" if cfg.model.lora_adapters is None else f", LoRA r={cfg.model.lora.r}"
     print(f"memory estimate for {type(model).__name__}, precision {precision}, attention "
           f"{_attention(model)}, optimizer {cfg.train.optim}{lora_note}, rows from {where}:")
     print(autobatch.format_estimate(est, budget, cfg.train.gradient_checkpointing))

@@ -233,6 +233,8 @@ def _start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str
     _save_manifest(batch, variants, skipped, {"params": params, "overrides": overrides})
     print(f"onegpu tradeoffs: {len(variants)} experiments from {params}"
           + "".join(f" -S {o}" for o in overrides) + f" (batch {batch}):")
+    if paths.params_differ_from_head(params):  # e.g. what a workspace `dvc exp run -S` left there
+        print(f"  note: {params} differs from git's HEAD (`git diff {params}`): the baseline is the file as it is")
     _queue(prefix, variants)
     for s in skipped:
         print(f"  not measured: {s}")

@@ -81,6 +81,10 @@ def reap_orphans(client, experiment_id: str) -> list[str]:
         why = writer_gone(run.data.tags)
         if why is None:
             continue
+        # A stage that ends, fails or is stopped (SIGINT/SIGTERM) ends its run: one left RUNNING was killed
+        # outright (SIGKILL, which the kernel's out-of-memory killer sends), crashed, or lost power.
+        why += (" without ending the run (killed outright: SIGKILL, e.g. the out-of-memory killer (see dmesg), "
+                "a crash or a power loss)")
         try:
             client.set_tag(run.info.run_id, KILLED_REASON, f"left RUNNING: {why}")
             client.set_terminated(run.info.run_id, status="KILLED")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +34,8 @@ from onegpu.errors import ConfigError, UserError
 TIMEOUT_S = 600
 # Exit codes of a process stopped by SIGINT/SIGTERM: the stage's 128 + signal, or killed by the signal.
 STOP_EXIT_CODES = (130, 143, -2, -15)
+# Seconds torchrun waits after SIGTERM before it SIGKILLs the processes it stops (PContext.close's timeout).
+KILL_GRACE_S = 30
 # Set by :func:`launch` for its processes: a folder where rank 0 writes ``run.json`` (the MLflow run id).
 LAUNCH_DIR_ENV = "ONEGPU_LAUNCH_DIR"
 
@@ -96,7 +99,9 @@ def launch(num_processes: int, argv: list[str]) -> None:
 
     Raises:
         RankFailed: a process exited non-zero; the MLflow run (if rank 0 had started one) is ended
-            FAILED with ``error.rank``, ``error.exitcode`` and ``error.message`` tags (KILLED stays KILLED).
+            FAILED with ``error.rank``, ``error.exitcode`` and ``error.message`` tags (KILLED stays KILLED);
+            the rank named is the cause (:func:`_cause`: a process killed outright before its peers'
+            lost-connection errors).
         KeyboardInterrupt: the launch was stopped by a signal (forwarded to the processes once), or every
             process stopped on one (the run is then KILLED, by rank 0).
     """
@@ -110,20 +115,13 @@ def launch(num_processes: int, argv: list[str]) -> None:
         try:
             torchrun.run(args)
         except ChildFailedError as e:
-            failed, failure = e.get_first_failure()
-            what = (f"signal {failure.signal_name()}" if failure.exitcode < 0
-                    else f"exit code {failure.exitcode}")
             noted = _first_noted_failure(Path(folder))
             if noted is None and all(f.exitcode in STOP_EXIT_CODES for f in e.failures.values()):
                 # Every process stopped on a signal after its checkpoint (rank 0 ended the run KILLED).
                 raise KeyboardInterrupt("every training process stopped on a signal") from None
-            if noted is not None:  # the rank whose own error came first (the others then lose their peers)
-                failed = noted["rank"]
-                what = noted["error"]
-                failure = e.failures.get(failed, failure)
-            message = (f"training process rank {failed} of {num_processes} failed ({what}); the other processes "
-                       "were stopped")
-            _fail_run(Path(folder), failed, failure.exitcode, message)
+            failed, exitcode, what = _cause(e.failures, noted)
+            message = f"training process rank {failed} of {num_processes} {what}; the other processes were stopped"
+            _fail_run(Path(folder), failed, exitcode, message)
             raise RankFailed(message) from None
         except SignalException as e:  # torchrun forwarded it to the processes, which checkpoint and stop
             stopped = KeyboardInterrupt(f"the launch was stopped by {e.sigval.name}")
@@ -131,6 +129,36 @@ def launch(num_processes: int, argv: list[str]) -> None:
             raise stopped from None
         finally:
             os.environ.pop(LAUNCH_DIR_ENV, None)
+
+
+def _cause(failures: dict, noted: dict | None) -> tuple[int, int, str]:
+    """``(rank, exit code, what happened)`` of the process that ended a launch, from torchrun's
+    ``ProcessFailure`` per rank (exit code; negative = killed by that signal) and the first error a
+    process noted itself (:func:`failure_note`).
+
+    A process killed by a signal it could not catch or answer (SIGKILL from the kernel's out-of-memory
+    killer, SIGSEGV, SIGABRT, ...: any but SIGINT/SIGTERM, which stop cleanly) notes nothing; its peers
+    then fail on the lost connection and note *that*, so such a death is the cause, the earliest first.
+    One torchrun sent itself, SIGKILL after its 30 s grace when stopping the others, comes at least that
+    long after the first failure and is left out. Otherwise the first noted error, else torchrun's first
+    failure.
+    """
+    first = min(f.timestamp for f in failures.values())
+    killed = sorted((f.timestamp, r, f) for r, f in failures.items()
+                    if f.exitcode < 0 and f.exitcode not in STOP_EXIT_CODES
+                    and f.timestamp < first + KILL_GRACE_S and not (noted and noted["rank"] == r))
+    if killed:
+        _, r, f = killed[0]
+        name = f.signal_name()
+        why = (" (not catchable; the usual sender is the kernel's out-of-memory killer: see `dmesg` or "
+               "`journalctl -k` for 'Out of memory: Killed process')" if f.exitcode == -signal.SIGKILL else "")
+        return r, f.exitcode, f"was killed by signal {name}{why}"
+    if noted is not None:  # the rank whose own error came first (the others then lose their peers)
+        r = noted["rank"]
+        return r, failures[r].exitcode if r in failures else 1, f"failed ({noted['error']})"
+    r = min(failures, key=lambda k: failures[k].timestamp)
+    f = failures[r]
+    return r, f.exitcode, f"failed ({f'signal {f.signal_name()}' if f.exitcode < 0 else f'exit code {f.exitcode}'})"
 
 
 def announce_run(run_id: str, experiment_name: str) -> None:

@@ -128,8 +128,11 @@ class StepRecorder:
         self.events.extend(point.events)
 
     def probe_activations(self, model, batch: dict, loss_fn) -> None:
-        """Record ``mem_activation_bytes`` for one micro-batch (:func:`onegpu.measure.activation_bytes`)."""
-        self.breakdown["mem_activation_bytes"] = measure.activation_bytes(model, batch, loss_fn)
+        """Record ``mem_activation_bytes`` for one micro-batch and ``mem_autocast_weights_bytes`` (the
+        bf16/fp16 weight copies autocast keeps for backward; 0 in fp32): :func:`onegpu.measure.saved_bytes`."""
+        saved = measure.saved_bytes(model, batch, loss_fn)
+        self.breakdown["mem_activation_bytes"] = saved["activations"]
+        self.breakdown[measure.AUTOCAST_WEIGHTS] = saved["autocast_weights"]
 
     def record_states(self, model, optimizer) -> None:
         """Record params/grads/optimizer bytes once, right after the first optimizer step."""

@@ -216,9 +216,9 @@ def build_model(cfg: Config, stats: dict):
     if cfg.train.gradient_checkpointing:
         from onegpu.training import checkpointing
         checkpointing.check_supported(model, cfg.train)
-    if cfg.model.lora is not None:
+    if cfg.model.lora_adapters is not None:
         from onegpu import lora
-        model = lora.apply(model, cfg.model.lora, task, cfg.train.gradient_checkpointing)
+        model = lora.apply(model, cfg.model.lora_adapters, task, cfg.train.gradient_checkpointing)
     return model, tokenizer
 
 

@@ -25,6 +25,19 @@ from onegpu.training.loss import count_items, loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
 
 
+# Whole-layer checkpointing through Trainer: transformers' current name is ``activation_checkpointing``
+# (with ``every_n_layers`` in its kwargs). Earlier 5.x releases (5.17, say) have only
+# ``gradient_checkpointing``, whose kwargs go to torch's checkpoint and cannot carry ``every_n_layers``:
+# there Trainer's stays off and :func:`train` switches checkpointing on in the model itself, as it does
+# for the attention/MLP granularities (the same recomputation either way).
+TRAINER_CHECKPOINTS = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+
+
+def trainer_checkpoints(train) -> bool:
+    """Whether Trainer applies ``train``'s activation checkpointing (else the backend does, or none is on)."""
+    return bool(train.gradient_checkpointing and checkpointing.is_default(train) and TRAINER_CHECKPOINTS)
+
+
 # train.* keys that TrainingArguments takes under the same name and meaning.
 SAME_NAME = ("learning_rate", "num_train_epochs", "max_steps", "lr_scheduler_type", "weight_decay", "optim",
              "max_grad_norm", "seed", "bf16", "fp16", "dataloader_num_workers")
@@ -41,7 +54,8 @@ def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> Trai
     ``train.gradient_checkpointing`` becomes ``activation_checkpointing`` (its current name) with
     ``train.gradient_checkpointing_kwargs`` (``use_reentrant``, ``every_n_layers``) as its kwargs; with
     ``gradient_checkpointing_blocks`` attention/mlp Trainer's is off and the backend wraps the sub-blocks
-    (:mod:`onegpu.training.checkpointing`).
+    (:mod:`onegpu.training.checkpointing`); on a transformers without ``activation_checkpointing`` it is
+    not passed at all (:data:`TRAINER_CHECKPOINTS`).
     ``train.tf32`` goes to TrainingArguments only with CUDA (there it is set either way, so that
     ``torch_compile`` does not switch TF32 on by itself); without CUDA it is a no-op and left None
     (TrainingArguments refuses ``tf32=True`` there). ``train.dataloader_pin_memory`` null = on with CUDA.
@@ -54,10 +68,10 @@ def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> Trai
         output_dir=output_dir,
         per_device_train_batch_size=resolved.per_device_train_batch_size,
         gradient_accumulation_steps=resolved.gradient_accumulation_steps,
-        # blocks attention/mlp: onegpu wraps the sub-blocks itself (train()), Trainer checkpoints nothing
-        activation_checkpointing=t.gradient_checkpointing and checkpointing.is_default(t),
-        activation_checkpointing_kwargs=(checkpointing.hf_kwargs(t) if t.gradient_checkpointing
-                                         and checkpointing.is_default(t) else None),
+        # blocks attention/mlp (or an older transformers): onegpu checkpoints itself (train()), Trainer nothing
+        **({"activation_checkpointing": trainer_checkpoints(t),
+            "activation_checkpointing_kwargs": checkpointing.hf_kwargs(t) if trainer_checkpoints(t) else None}
+           if TRAINER_CHECKPOINTS else {}),
         **{name: getattr(t, name) for name in SAME_NAME},
         warmup_steps=t.warmup_ratio,
         data_seed=t.seed,
@@ -284,8 +298,8 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
     scratch = None if checkpoint_dir else tempfile.TemporaryDirectory(prefix="onegpu-trainer-")
     out = str(checkpoint_dir) if checkpoint_dir else scratch.name  # scratch: removed when training ends
     args = training_arguments(cfg, resolved, out)
-    if cfg.train.gradient_checkpointing and not checkpointing.is_default(cfg.train):
-        checkpointing.enable(model, cfg.train)  # sub-blocks: Trainer's own checkpointing is off (args)
+    if cfg.train.gradient_checkpointing and not trainer_checkpoints(cfg.train):
+        checkpointing.enable(model, cfg.train)  # Trainer's own checkpointing is off (args)
     train_ds = train_set(dsd, cfg)
     collator = train_collator(cfg, tokenizer)
     trainer = ExactLossTrainer(
