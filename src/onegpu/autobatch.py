@@ -235,12 +235,29 @@ def estimate(model, dataset, collator, loss_fn, micro_batches: list[int], optim:
     enable_checkpointing(model)
     ckpt = activation_line(model, dataset, collator, loss_fn, device, mixed_precision)
     weights = ckpt[3] if checkpointing else plain[3]
+    per_row = logits_bytes(model, plain[2], mixed_precision)
     rows = []
     for m in micro_batches:
         a, c = plain[0] + plain[1] * m, ckpt[0] + ckpt[1] * m
         rows.append({"micro_batch": m, "activations": int(a), "activations_checkpointed": int(c),
-                     "total": int(sum(states.values()) + weights + (c if checkpointing else a))})
+                     "logits": per_row * m,
+                     "total": int(sum(states.values()) + weights + (c if checkpointing else a) + per_row * m)})
     return {"states": states, "autocast_weights": int(weights), "length": plain[2], "rows": rows}
+
+
+def logits_bytes(model, length: int, mixed_precision: str = "no") -> int:
+    """Bytes per row of a language model's logits that the saved activations leave out: the logits
+    (``length x vocab``, 2 bytes under bf16/fp16 autocast, else 4), their float32 copy that the loss
+    reads (:func:`onegpu.training.loss.causal_lm_loss`: ``logits.float()``, or the contiguous copy of the
+    shifted slice in fp32) and its float32 gradient in the backward pass; the log-softmax output, which
+    autograd saves, is counted in the activations already. At vocab 49,152 (SmolLM2) this is the largest
+    activation: 1.5 MiB per token. 0 for a model without output embeddings (a classifier)."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(out, "weight", None)
+    if weight is None:
+        return 0
+    own = 4 if mixed_precision == "no" else 2
+    return int(length * weight.shape[0] * (own + 4 + 4))
 
 
 def format_estimate(est: dict, budget: int | None, checkpointing: bool) -> str:
@@ -253,11 +270,12 @@ def format_estimate(est: dict, budget: int | None, checkpointing: bool) -> str:
                "whatever the micro-batch)" if copies else "")
             + f"; activations at padded length {est['length']} "
             f"(checkpointing {'on' if checkpointing else 'off'} in params)")
-    columns = ["micro-batch", "activations (MiB)", "with checkpointing (MiB)", "total as configured (MiB)"]
+    columns = ["micro-batch", "activations (MiB)", "with checkpointing (MiB)", "logits and their fp32 copy (MiB)",
+               "total as configured (MiB)"]
     fitting = [r["micro_batch"] for r in est["rows"] if budget is not None and r["total"] <= budget * SAFETY]
     rows = [[r["micro_batch"], mib(r["activations"], unit=False), mib(r["activations_checkpointed"], unit=False),
-             mib(r["total"], unit=False)] + (["yes" if r["micro_batch"] in fitting else "no"] if budget else [])
-            for r in est["rows"]]
+             mib(r.get("logits", 0), unit=False), mib(r["total"], unit=False)]
+            + (["yes" if r["micro_batch"] in fitting else "no"] if budget else []) for r in est["rows"]]
     lines = [head, "", markdown_table(columns + (["fits"] if budget else []), rows)]
     if budget:
         lines += ["", f"largest micro-batch that fits {gib(budget)} ({SAFETY:.0%} usable): "

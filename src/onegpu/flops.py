@@ -200,9 +200,15 @@ def matmul_parameters(model) -> tuple[int, int]:
 
 
 def _layers_width(model) -> tuple[int, int]:
+    """(layers, attention width): the width of the query heads (``num_attention_heads x head_dim``) where
+    the config gives a ``head_dim`` (Llama, whose grouped-query attention still scores every query head
+    against its shared key), else the hidden size."""
     cfg = model.config
     n_layer = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0)
     d_model = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)
+    heads, head_dim = getattr(cfg, "num_attention_heads", None), getattr(cfg, "head_dim", None)
+    if isinstance(heads, int) and isinstance(head_dim, int):
+        d_model = heads * head_dim
     return int(n_layer), int(d_model)
 
 

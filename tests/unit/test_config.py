@@ -126,6 +126,16 @@ BAD = [
     ("auto-not-divisible-by-processes", {"train.per_device_train_batch_size": "auto",
                                          "train.effective_batch_size": 9, "train.num_processes": 2},
      "train.effective_batch_size", ["not divisible by train.num_processes (2)"]),
+    # instruction data (issue 21): causal LM only
+    ("padding-free-classifier", {"data.padding_free": True}, "data.padding_free", ["causal-lm only"]),
+    ("packing-classifier", {"data.packing": True}, "data.packing", ["causal-lm only"]),
+    ("completion-only-classifier", {"data.completion_only_loss": True}, "data.completion_only_loss", ["causal-lm"]),
+    ("headlines-classifier", {"data.source": "bbcnews-headlines"}, "data.source", ["instruction data"]),
+    ("padding-free-not-bool", {"data.padding_free": "sometimes"}, "data.padding_free", ["true or false"]),
+    ("completion-only-not-bool", {"data.completion_only_loss": "maybe"}, "data.completion_only_loss",
+     ["true, false or null"]),
+    ("max-new-tokens-0", {"evaluate.max_new_tokens": 0}, "evaluate.max_new_tokens", ["from 1 to 4096"]),
+    ("source-parquet-typo", {"data.source": "d.parqet"}, "data.source", [".parquet"]),
 ]
 
 

@@ -205,3 +205,24 @@ def test_speed_metrics_without_a_trustworthy_peak_leave_mfu_out_and_say_why(mini
     summary = {"train_samples": 8, "train_tokens": 400, "train_runtime": 1e-12}  # far above any peak
     metrics, _, tags = flops.speed_metrics(model, summary, 1, "bf16", "cuda:0", "NVIDIA H200")
     assert "train_mfu" not in metrics and "no MFU is given" in tags["train_mfu.unknown_reason"]
+
+
+def test_flops_of_a_llama_count_grouped_query_attention_swiglu_and_the_tied_unembedding():
+    """A Llama of SmolLM2's shape, shrunk: hidden 48, 2 layers, 4 query heads of 16 (query width 64, not the
+    hidden size), 2 key/value heads, SwiGLU MLP of 80, tied embeddings, vocab 256, no biases.
+
+    Per layer: q_proj 48*64 = 3,072; k_proj, v_proj 48*(2*16) = 1,536 each (grouped-query: 2 kv heads);
+               o_proj 64*48 = 3,072; gate_proj, up_proj, down_proj 3 * 48*80 = 11,520 (SwiGLU: 3 matrices);
+               input/post-attention RMSNorm 2*48 = 96; layer total 20,832; 2 layers 41,664; + final norm 48
+    Unembedding (lm_head, tied to embed_tokens, a 48 x 256 matmul per token): 12,288
+    N_tok = 41,664 + 48 + 12,288 = 54,000; attention 12 * 2 layers * 64 (4 heads x 16) per token and context.
+    Per token at T = 32: 6 * 54,000 + 12 * 2 * 64 * 32 = 324,000 + 49,152 = 373,152
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         tie_word_embeddings=True, max_position_embeddings=64))
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+    assert flops.matmul_parameters(model) == (54_000, 0)
+    assert flops.flops_per_token(model, 32) == 373_152
+

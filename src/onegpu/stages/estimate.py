@@ -27,6 +27,11 @@ def _rows(cfg: Config, tokenizer_path: str | None):
     if paths.PROCESSED.is_dir():
         tok_path = str(paths.TOKENIZER) if tokenizer_path is None else tokenizer_path
         return load_from_disk(str(paths.PROCESSED)), models.load_tokenizer(tok_path, task), "data/processed"
+    fmt = data.check_input(cfg)
+    if fmt != "text":  # instruction data: prepare's rows with their masks and truncation (nothing written)
+        from onegpu.data import pipeline
+        dsd, tokenizer, _, _ = pipeline.prepare(cfg, fmt, lambda texts: models.load_tokenizer(tokenizer_path, task))
+        return dsd, tokenizer, f"{cfg.data.source} ({fmt}, as prepare would write it)"
     texts, labels, _ = data.deduplicate(data.read(cfg.data, task))
     ds = Dataset.from_dict({"text": texts[:256], "label": labels[:256]}).cast_column(
         "label", ClassLabel(names=sorted(set(labels))))
@@ -36,18 +41,12 @@ def _rows(cfg: Config, tokenizer_path: str | None):
     return dsd, tokenizer, f"{cfg.data.source} (first {len(ds)} rows)"
 
 
-def _attention(model) -> str:
-    """The attention kernel the built model uses (``config._attn_implementation``: ``eager``, ``sdpa``,
-    ...), which ``model.attn_implementation: null`` leaves to transformers."""
-    return str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "the model's default")
-
-
 def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float | None = None) -> dict:
     from datasets.utils.logging import disable_progress_bar
 
-    from onegpu.training.batches import collator_for, model_inputs
+    from onegpu.training.batches import train_collator, training_rows
     from onegpu.training.loss import loss_for
-    from onegpu.training.session import build_model
+    from onegpu.training.session import build_model, check_flattened
     from onegpu import config, measure
     config.check_device(cfg, measure.device_facts())  # e.g. flash_attention_2 on a CPU: one line, before any work
     disable_progress_bar()
@@ -55,11 +54,13 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     task = cfg.model.task
     path = models.resolve_model_path(cfg.model.name_or_path)
     dsd, tokenizer, where = _rows(cfg, path)
+    check_flattened(cfg)  # padding-free / packing on a model that cannot keep sequences apart
     # as the train stage builds it: the attention kernel (eager saves the attention probabilities, SDPA
     # does not) and LoRA (grads and optimizer states then exist for the adapters only)
     model, _ = build_model(cfg, {"labels": dsd["train"].features["label"].names}, tokenizer)
-    rows = model_inputs(dsd, task)["train"].add_column("length", dsd["train"]["length"])
-    est = autobatch.estimate(model, rows, collator_for(task, tokenizer), loss_for(task),
+    models.no_kv_cache(model)  # as training runs it
+    rows = training_rows(dsd, task, cfg)
+    est = autobatch.estimate(model, rows, train_collator(cfg, tokenizer), loss_for(task),
                              micro_batches or DEFAULT_MICRO_BATCHES, cfg.train.optim,
                              cfg.train.gradient_checkpointing,
                              lambda m: checkpointing.enable(m, cfg.train),
@@ -69,7 +70,7 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     precision = "fp32" if cfg.train.mixed_precision == "no" else f"{cfg.train.mixed_precision} autocast"
     lora_note = "" if cfg.model.lora_adapters is None else f", LoRA r={cfg.model.lora.r}"
     print(f"memory estimate for {type(model).__name__}, precision {precision}, attention "
-          f"{_attention(model)}, optimizer {cfg.train.optim}{lora_note}, rows from {where}:")
+          f"{models.attention_kernel(model)}, optimizer {cfg.train.optim}{lora_note}, rows from {where}:")
     print(autobatch.format_estimate(est, budget, cfg.train.gradient_checkpointing))
     print(f"({time.perf_counter() - start:.1f} s; CUDA adds its context and allocator slack, the CPU process "
           "its libraries: compare with mem_activation_bytes, not peak RSS)")

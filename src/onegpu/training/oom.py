@@ -8,13 +8,38 @@ piece's loss is divided by the whole step's item count, so any split of the step
 from __future__ import annotations
 
 
+def _flat(inputs: dict) -> bool:
+    """A padding-free micro-batch: one row of sequences told apart by ``position_ids``."""
+    return "position_ids" in inputs and "attention_mask" not in inputs and int(inputs["input_ids"].shape[0]) == 1
+
+
+def rows(inputs: dict) -> int:
+    """Examples in one collated micro-batch: its rows, or the sequences of a padding-free row (one host
+    sync; called only on an out-of-memory error or by a test's injector)."""
+    if _flat(inputs):
+        return int(inputs["position_ids"].eq(0).sum())
+    return int(inputs["input_ids"].shape[0])
+
+
+def _flat_pieces(inputs: dict, pieces: int) -> list[dict]:
+    """A padding-free row cut between sequences into ``min(pieces, sequences)`` pieces of whole sequences."""
+    import torch
+    width = int(inputs["input_ids"].shape[1])
+    starts = inputs["position_ids"][0].eq(0).nonzero().flatten().tolist() + [width]
+    groups = torch.arange(len(starts) - 1).tensor_split(min(pieces, len(starts) - 1))
+    return [{k: v[:, starts[int(g[0])]:starts[int(g[-1]) + 1]] if hasattr(v, "shape") and v.dim() == 2 else v
+             for k, v in inputs.items()} for g in groups if len(g)]
+
+
 def cut(inputs: dict, pieces: int) -> list[dict]:
-    """``inputs`` (one collated micro-batch) cut along the row dimension into ``min(pieces, rows)`` pieces;
-    tensors without that leading dimension are passed whole."""
+    """``inputs`` (one collated micro-batch) cut along the row dimension into ``min(pieces, rows)`` pieces
+    (a padding-free row between its sequences); tensors without that leading dimension are passed whole."""
     import torch
     rows = int(inputs["input_ids"].shape[0])
     if pieces == 1:
         return [inputs]
+    if _flat(inputs):
+        return _flat_pieces(inputs, pieces)
     return [{k: v[idx] if hasattr(v, "shape") and v.dim() > 0 and v.shape[0] == rows else v
              for k, v in inputs.items()} for idx in torch.arange(rows).tensor_split(min(pieces, rows))]
 
@@ -52,8 +77,8 @@ def recover(error, model, micro: int, pieces: int, accum: int, step: int, enable
     return pieces * 2
 
 
-def injected(injector, step: int, rows: int) -> None:
-    """Tests: raise an injected out-of-memory error when ``injector(step, rows)`` says so."""
-    if injector is not None and injector(step, rows):
+def injected(injector, step: int, piece: dict) -> None:
+    """Tests: raise an injected out-of-memory error when ``injector(step, examples in piece)`` says so."""
+    if injector is not None and injector(step, rows(piece)):
         import torch
-        raise torch.OutOfMemoryError(f"injected out-of-memory (step {step}, {rows} rows)")
+        raise torch.OutOfMemoryError(f"injected out-of-memory (step {step}, {rows(piece)} rows)")

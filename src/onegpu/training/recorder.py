@@ -39,31 +39,41 @@ class BatchCounter:
 
     def __init__(self) -> None:
         self.samples = 0
-        self._counts = None  # device tensor: (tokens, targets, sum of squared non-padding lengths)
+        # device tensor: (tokens, targets, sum of squared non-padding lengths, sequences in flattened rows)
+        self._counts = None
 
     def add(self, inputs: dict) -> None:
+        """Count one micro-batch (on its device). A padding-free row (``position_ids``, no attention mask,
+        :class:`onegpu.training.batches.PaddingFreeCollator`) holds one example per position 0, and
+        ``sum(2 p + 1)`` over its positions is the sum of its sequences' squared lengths."""
         import torch
 
         from onegpu.training.loss import count_items
         ids = inputs["input_ids"]
-        self.samples += int(ids.shape[0])
-        mask = inputs.get("attention_mask")
-        lengths = mask.sum(dim=-1) if mask is not None else torch.full(
-            (ids.shape[0],), ids.shape[-1], device=ids.device)
+        mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
+        flat = mask is None and positions is not None
+        if flat:
+            positions = positions.to(torch.int64)
+            lengths = torch.full((ids.shape[0],), ids.shape[-1], device=ids.device, dtype=torch.int64)
+            squares, sequences = (2 * positions + 1).sum(), positions.eq(0).sum()
+        else:
+            self.samples += int(ids.shape[0])
+            lengths = (mask.sum(dim=-1) if mask is not None else torch.full(
+                (ids.shape[0],), ids.shape[-1], device=ids.device)).to(torch.int64)
+            squares, sequences = (lengths * lengths).sum(), torch.zeros((), dtype=torch.int64, device=ids.device)
         labels = inputs.get("labels")
         if labels is None:
             targets = torch.tensor(ids.shape[0], device=ids.device)
         else:
             targets = count_items(labels, "causal-lm" if labels.dim() > 1 else "sequence-classification")
-        lengths = lengths.to(torch.int64)
-        n = torch.stack([lengths.sum(), targets.to(lengths.device, torch.int64), (lengths * lengths).sum()])
+        n = torch.stack([lengths.sum(), targets.to(lengths.device, torch.int64), squares, sequences])
         self._counts = n if self._counts is None else self._counts + n
 
     def take_all(self) -> tuple[int, int, int, int]:
         """(examples, non-padding tokens, loss targets, sum of squared non-padding lengths) since the
         last take; one host sync."""
-        counts = self._counts.tolist() if self._counts is not None else [0, 0, 0]
-        s = self.samples
+        counts = self._counts.tolist() if self._counts is not None else [0, 0, 0, 0]
+        s = self.samples + int(counts[3])
         self.samples, self._counts = 0, None
         return s, int(counts[0]), int(counts[1]), int(counts[2])
 

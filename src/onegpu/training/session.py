@@ -24,7 +24,7 @@ from typing import Callable
 from onegpu import measure, models, paths
 from onegpu.config import Config, DeviceFacts, Resolved, check_device, flatten, resolve, with_layout
 from onegpu.equivalence import equivalence_key, resolved_params, run_config_hash
-from onegpu.errors import DataError, ModelError
+from onegpu.errors import ConfigError, DataError, ModelError
 from onegpu.formatting import gib
 from onegpu.training.resume import ResumePoint, tidy_other_checkpoints
 
@@ -99,6 +99,19 @@ def load_stats() -> dict:
     return paths.read_json(paths.STATS)
 
 
+def check_flattened(cfg: Config) -> None:
+    """Raises ConfigError, before any work, when ``data.padding_free`` or ``data.packing`` asks for rows
+    of several sequences and the model cannot keep them apart (:func:`onegpu.models.packed_sequences_problem`)."""
+    from onegpu.training.batches import flattened
+    if not flattened(cfg):
+        return
+    key = "data.packing" if cfg.data.packing else "data.padding_free"
+    problem = models.packed_sequences_problem(models.resolve_model_path(cfg.model.name_or_path),
+                                              cfg.model.attn_implementation)
+    if problem:
+        raise ConfigError(f"params.yaml: {key}: {problem}; set {key}: false")
+
+
 def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = None) -> TrainPlan:
     """The :class:`TrainPlan` for ``cfg`` on the prepared data ``stats`` (None: read data/stats.json after
     the device checks, so a bad precision flag is named before missing data); fails before any work.
@@ -114,6 +127,7 @@ def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = Non
     from onegpu.training.resume import latest_checkpoint
     facts = measure.device_facts() if facts is None else facts
     check_device(cfg, facts)
+    check_flattened(cfg)  # the model's side: can it keep a flattened row's sequences apart?
     device = f"cuda:{distributed.local_rank()}" if facts.cuda else "cpu"
     stats = load_stats() if stats is None else stats
     auto = cfg.train.per_device_train_batch_size == "auto"
@@ -285,17 +299,18 @@ def _with_layout(plan: TrainPlan, model, tokenizer, dsd, tracker, run_id: str) -
 def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: str) -> int:
     """Run the ``auto`` finder (:mod:`onegpu.autobatch`); print and log its probes."""
     from onegpu import autobatch
-    from onegpu.training.batches import collator_for, training_rows
+    from onegpu.training.batches import train_collator, training_rows
     from onegpu.training.loss import loss_for
     cfg, device, budget = plan.cfg, plan.device, plan.budget
     task = cfg.model.task
     model.to(device)
+    models.no_kv_cache(model)  # as training runs it
     if cfg.train.gradient_checkpointing:
         from onegpu.training import checkpointing
         checkpointing.enable(model, cfg.train)
     world = cfg.train.num_processes
     micro, probes = autobatch.find_micro_batch(
-        model, training_rows(dsd, task), collator_for(task, tokenizer), loss_for(task),
+        model, training_rows(dsd, task, cfg), train_collator(cfg, tokenizer), loss_for(task),
         cfg.train.effective_batch_size, budget, cfg.train.optim, device, world_size=world,
         mixed_precision=cfg.train.mixed_precision)  # probe under the training's autocast
     from onegpu.training import distributed

@@ -53,7 +53,11 @@ def test_recover_raises_the_error_when_off_and_says_so_when_no_smaller_split_is_
 
 
 def test_the_injector_raises_only_where_it_says():
-    oom.injected(None, 1, 4)
-    oom.injected(lambda step, rows: step == 2, 1, 4)
+    piece = {"input_ids": torch.zeros(4, 3, dtype=torch.long)}
+    oom.injected(None, 1, piece)
+    oom.injected(lambda step, rows: step == 2, 1, piece)
     with pytest.raises(torch.OutOfMemoryError, match="step 2, 4 rows"):
-        oom.injected(lambda step, rows: step == 2, 2, 4)
+        oom.injected(lambda step, rows: step == 2, 2, piece)
+    flat = {"input_ids": torch.zeros(1, 7, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1]])}
+    with pytest.raises(torch.OutOfMemoryError, match="step 2, 3 rows"):  # a padding-free row: its sequences
+        oom.injected(lambda step, rows: rows == 3, 2, flat)

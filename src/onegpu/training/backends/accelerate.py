@@ -29,7 +29,7 @@ from functools import partial
 from onegpu import measure
 from onegpu.config import Config
 from onegpu.training import checkpointing, distributed, oom
-from onegpu.training.batches import collator_for, model_inputs, probe_batch
+from onegpu.training.batches import probe_batch, train_collator, train_set
 from onegpu.training.backends.base import TrainRequest
 from onegpu.training.resume import load_loop_state, load_rng, save_loop_state
 from onegpu.training.interrupt import Interrupted
@@ -117,7 +117,7 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
     for i, piece in enumerate(parts):
         last = i == len(parts) - 1
         accelerator.sync_gradients = last  # as Trainer sets it; the optimizer steps only when True
-        oom.injected(oom_injector, step, int(piece["input_ids"].shape[0]))
+        oom.injected(oom_injector, step, piece)
         features = {k: v for k, v in piece.items() if k != "labels"}
         with contextlib.nullcontext() if last else accelerator.no_sync(model):
             loss = loss_fn(model(**features), piece["labels"], num_items)  # this piece's share of the mean
@@ -173,10 +173,10 @@ def _build(req: TrainRequest) -> _Loop:
         cpu=not cuda, mixed_precision=t.mixed_precision, dynamo_plugin=dynamo,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=distributed.TIMEOUT_S))],
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=t.seed))
-    train_set = model_inputs(req.dsd, cfg.model.task)["train"]
-    collator = collator_for(cfg.model.task, req.tokenizer)
+    rows = train_set(req.dsd, cfg)
+    collator = train_collator(cfg, req.tokenizer)
     loader = DataLoader(
-        train_set, batch_size=t.per_device_train_batch_size, sampler=RandomSampler(train_set),
+        rows, batch_size=t.per_device_train_batch_size, sampler=RandomSampler(rows),
         drop_last=False, collate_fn=collator, num_workers=t.dataloader_num_workers,
         pin_memory=cuda if t.dataloader_pin_memory is None else t.dataloader_pin_memory,
         worker_init_fn=partial(seed_worker, num_workers=t.dataloader_num_workers,
@@ -196,7 +196,7 @@ def _build(req: TrainRequest) -> _Loop:
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=warmup,
                               num_training_steps=total_steps)
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)  # stepped by eval only
-    return _Loop(accelerator, model, optimizer, scheduler, loader, train_set, collator, total_steps,
+    return _Loop(accelerator, model, optimizer, scheduler, loader, rows, collator, total_steps,
                  steps_per_epoch, epochs, plateau)
 
 
@@ -292,7 +292,7 @@ def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> No
                                                   pieces, req.oom_injector, step + 1)
                     break
                 except torch.OutOfMemoryError as e:
-                    rows = max(int(b["input_ids"].shape[0]) for b in micro_batches)
+                    rows = max(oom.rows(b) for b in micro_batches)
                     pieces = oom.recover(e, lp.model, rows, pieces, accum, step + 1, t.oom_retry, recorder.events)
             for inputs in micro_batches:  # counted once, however many pieces
                 recorder.counter.add(inputs)

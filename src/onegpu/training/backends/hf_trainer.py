@@ -18,7 +18,7 @@ from transformers.trainer_callback import ProgressCallback
 from onegpu import measure
 from onegpu.config import Config
 from onegpu.training import checkpointing, distributed, oom
-from onegpu.training.batches import collator_for, model_inputs, probe_batch
+from onegpu.training.batches import probe_batch, train_collator, train_set
 from onegpu.training.backends.base import TrainRequest
 from onegpu.training.resume import write_state
 from onegpu.training.loss import count_items, loss_for
@@ -171,7 +171,7 @@ class ExactLossTrainer(Trainer):
         total = None
         parts = oom.cut(inputs, self.pieces)
         for i, piece in enumerate(parts):
-            oom.injected(self.oom_injector, self.state.global_step + 1, int(piece["input_ids"].shape[0]))
+            oom.injected(self.oom_injector, self.state.global_step + 1, piece)
             # Under several processes only the last piece may all-reduce (if Trainer syncs this
             # micro-batch at all): every rank then syncs once, however it split its micro-batches.
             with self._no_sync(model) if i < len(parts) - 1 else contextlib.nullcontext():
@@ -184,7 +184,7 @@ class ExactLossTrainer(Trainer):
         return self.accelerator.no_sync(model) if self.args.world_size > 1 else contextlib.nullcontext()
 
     def _recover(self, model, inputs, error) -> None:
-        self.pieces = oom.recover(error, model, int(inputs["input_ids"].shape[0]), self.pieces,
+        self.pieces = oom.recover(error, model, oom.rows(inputs), self.pieces,
                                  self.args.gradient_accumulation_steps, self.state.global_step + 1,
                                  self.oom_retry, self.oom_events)
 
@@ -299,8 +299,8 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     args = training_arguments(cfg, out)
     if t.gradient_checkpointing and not trainer_checkpoints(t):
         checkpointing.enable(req.model, t)  # Trainer's own checkpointing is off (args)
-    train_ds = model_inputs(req.dsd, task)["train"]
-    collator = collator_for(task, req.tokenizer)
+    train_ds = train_set(req.dsd, cfg)
+    collator = train_collator(cfg, req.tokenizer)
     trainer = ExactLossTrainer(
         model=req.model, args=args, train_dataset=train_ds, data_collator=collator, processing_class=req.tokenizer,
         counter=counter, task=task, oom_retry=t.oom_retry, oom_injector=req.oom_injector)
