@@ -1,12 +1,13 @@
 """The per-run figure: loss, gradient norm, peak memory and speed per optimizer step, one PNG that the
-train stage logs as the run's artifact :data:`FIGURE` (MLflow's run page previews it under Artifacts;
-the run's description shows it on the Overview tab). Drawn at the end of training, and also when the
+train stage logs as the run's artifact :data:`FIGURE` (MLflow's run page previews it under Artifacts)
+and shows as the run's description (:func:`description`), on top of the run page's Overview tab. Drawn at the end of training, and also when the
 training failed or was stopped, with the steps measured until then (the title says so).
 matplotlib's Agg backend; no MLflow here.
 """
 from __future__ import annotations
 
 FIGURE = "training_steps.png"
+NOTE_TAG = "mlflow.note.content"  # the run's description, Markdown, on the top of MLflow's run Overview
 # (metric, panel title, scale of the values, unit); memory in MiB, speed in examples per second.
 PANELS = (("loss", "loss (effective batch)", 1.0, ""), ("grad_norm", "grad_norm (before clipping)", 1.0, ""),
           ("mem_peak_bytes", "peak memory per step", 1 / 2**20, "MiB"),
@@ -46,3 +47,10 @@ def plot_steps(rows: list[tuple[int, dict]], title: str, note: str = ""):
     fig.suptitle(title + (f"\n{note}" if note else ""), fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def description(run_id: str, note: str = "") -> str:
+    """The run's description (Markdown): the figure, through the MLflow server's ``get-artifact`` address
+    relative to the UI's page (so it works on any host and port), then ``note``."""
+    text = f"![loss, grad_norm, memory and speed per optimizer step](get-artifact?path={FIGURE}&run_uuid={run_id})"
+    return text + (f"\n\n{note}" if note else "")

@@ -26,7 +26,7 @@ from onegpu.config import (Config, DeviceFacts, Resolved, TrainConfig, check_dev
                            with_layout)
 from onegpu.equivalence import equivalence_key, resolved_params, run_config_hash
 from onegpu.errors import ConfigError, DataError, ModelError
-from onegpu.formatting import gib
+from onegpu.formatting import gib, mib
 from onegpu.training.resume import ResumePoint, tidy_other_checkpoints
 
 _BUDGET_CPU = ("; on a CPU the budget covers the training state: params, grads, optimizer states and "
@@ -377,7 +377,8 @@ def _log_results(plan: TrainPlan, tracker, run_id: str, buffer, model, steps) ->
         print(f"train: {speed_tags['train_mfu.unknown_reason']}")
     summary.update(speed)
     tracker.log_params(run_id, speed_params)
-    tracker.set_tags(run_id, {**speed_tags, **_step_tags(steps, plan.resolved.effective_batch_size)})
+    tracker.set_tags(run_id, {**speed_tags, **_step_tags(steps, plan.resolved.effective_batch_size),
+                              **table_tags(summary)})
     tracker.log_metrics(run_id, {k: v for k, v in summary.items()
                                  if k not in ("train_steps", "train_samples", "train_tokens")},
                         step=0)  # step 0, like eval_*: MLflow draws a bar, not a lone dot
@@ -419,6 +420,27 @@ def _step_tags(steps, effective_batch: int) -> dict:
 
 
 
+# Tags with the run's costs in people's units, for MLflow's runs table (it prints metrics as raw numbers:
+# 1572425728 bytes, nine-digit floats): peak_memory, speed and outside_load.
+TABLE_TAGS = ("peak_memory", "speed", "outside_load")
+
+
+def table_tags(summary: dict, load: dict | None = None) -> dict[str, str]:
+    """``peak_memory`` (``train_mem_peak_bytes`` in MiB/GiB), ``speed`` (``train_samples_per_second``,
+    e.g. ``2.53 samples/s``) from the summary, and ``outside_load`` (other processes' share of the CPUs,
+    e.g. ``71% of 2 CPUs``) from ``load``; each only when measured."""
+    out = {}
+    if summary.get("train_mem_peak_bytes") is not None:
+        out["peak_memory"] = gib(summary["train_mem_peak_bytes"]) if summary["train_mem_peak_bytes"] >= 2**30 \
+            else mib(summary["train_mem_peak_bytes"])
+    if summary.get("train_samples_per_second") is not None:
+        out["speed"] = f"{summary['train_samples_per_second']:.2f} samples/s"
+    if load is not None and load.get("share") is not None:
+        out["outside_load"] = f"{load['share']:.0%} of {load['cpus']} CPUs" + (
+            f" + {load['gpu_processes']} GPU process(es)" if load.get("gpu_processes") else "")
+    return out
+
+
 def _own_tree_root() -> int:
     """The pid whose process tree is this training's own: the launcher under a multi-process launch (its
     ranks are its children), else this process."""
@@ -453,7 +475,7 @@ def _log_closing(tracker, run_id: str, rows: list, load: dict | None, failed: bo
     from onegpu.training import figure
     note = []
     if load is not None:
-        tracker.set_tags(run_id, {outside_load.TAG: json.dumps(load)})
+        tracker.set_tags(run_id, {outside_load.TAG: json.dumps(load), **table_tags({}, load)})
         tracker.log_metrics(run_id, {outside_load.METRIC: load["cpu_busy"]}, step=0)
         if outside_load.under_load(load):
             text = outside_load.describe(load)
@@ -469,3 +491,4 @@ def _log_closing(tracker, run_id: str, rows: list, load: dict | None, failed: bo
     finally:
         import matplotlib.pyplot as plt
         plt.close(fig)
+    tracker.set_tags(run_id, {figure.NOTE_TAG: figure.description(run_id, "; ".join(note))})
