@@ -2,9 +2,17 @@
 
 The copy holds the files git knows (tracked, or new and not ignored), committed in a fresh git repo,
 so DVC experiments (which need commits) work as they would in a user's clone.
+
+Cheap patterns (tests/README.md, "Keeping the suite fast"): a test that needs prepared data but does not
+test `prepare` itself takes the ``prepared`` fixture: ``prepared(tmp_path, overrides)`` is a copy of a
+project on which `dvc repro prepare` ran once per session for those params (git history, dvc.lock and
+the DVC cache copied, not re-run). Several assertions on one pipeline run share one run (the module
+fixture ``project``, or one test that checks several things in sequence), not one run each.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -50,6 +58,14 @@ def dvc(project: Path, *args: str, **kw) -> subprocess.CompletedProcess:
     return run([str(BIN / "dvc"), *args], cwd=project, **kw)
 
 
+def tiny_params(overrides: dict | None = None) -> dict:
+    """The committed defaults with TINY, then ``overrides``, applied section by section."""
+    params = defaults.params()  # the committed defaults, whatever `dvc exp run` left in the workspace
+    for section, values in {**TINY, **(overrides or {})}.items():
+        params[section].update(values)
+    return params
+
+
 def make_project(dest: Path, overrides: dict | None = None) -> Path:
     """Copy the repo's files into ``dest``, apply TINY (+ ``overrides``) to the committed params.yaml, git commit."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
@@ -61,14 +77,67 @@ def make_project(dest: Path, overrides: dict | None = None) -> Path:
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / f)
     (dest / "dvc.lock").unlink(missing_ok=True)  # a developer's earlier run
-    params = defaults.params()  # the committed defaults, whatever `dvc exp run` left in the workspace
-    for section, values in {**TINY, **(overrides or {})}.items():
-        params[section].update(values)
-    (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (dest / "params.yaml").write_text(yaml.safe_dump(tiny_params(overrides), sort_keys=False))
     run(["git", "init", "-q", "-b", "main"], dest)
     run(["git", "add", "-A"], dest)
     run(["git", "commit", "-qm", "tiny project"], dest)
     return dest
+
+
+# What a copy leaves out: the MLflow store (its experiment names the original's artifact folder, so a
+# copy starts with none, as a fresh clone does) and DVC's per-machine state.
+_NOT_COPIED = {".": {"mlflow.db", "mlflow.db-journal", "mlartifacts", ".onegpu"}, ".dvc": {"tmp"}}
+
+
+def copy_project(src: Path, dest: Path, overrides: dict | None = None) -> Path:
+    """Copy project ``src`` to ``dest`` (an empty or missing folder): git history, dvc.lock, DVC cache and
+    outputs, links kept as links; not the MLflow store or .dvc/tmp. With ``overrides``, params.yaml becomes
+    TINY + ``overrides`` (committed when it changed)."""
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        return _NOT_COPIED.get(Path(folder).relative_to(src).as_posix(), set()) & set(names)
+    shutil.copytree(src, dest, symlinks=True, ignore=ignore, dirs_exist_ok=True)
+    if overrides is not None:
+        (dest / "params.yaml").write_text(yaml.safe_dump(tiny_params(overrides), sort_keys=False))
+        if run(["git", "status", "--porcelain"], dest).stdout.strip():
+            run(["git", "commit", "-qam", "test params"], dest)
+    return dest
+
+
+def _prepare_key(params: dict) -> str:
+    """The values of the params dvc.yaml's inputs and prepare stages read, as one string."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    picked = {}
+    for key in (*stages["inputs"]["params"], *stages["prepare"]["params"]):
+        section, _, name = key.partition(".")
+        picked[key] = params.get(section) if not name else (params.get(section) or {}).get(name)
+    return json.dumps(picked, sort_keys=True, default=str)
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory):
+    """``prepared(dest, overrides=None)``: a copy (:func:`copy_project`) at ``dest`` of a tiny project
+    with TINY + ``overrides`` on which `dvc repro prepare` ran and was committed; its MLflow store is
+    empty (no prepare run). The prepared original is built once per session for each value of the params
+    prepare depends on (dvc.yaml), shared by the xdist workers (a file lock), and never changed."""
+    from filelock import FileLock
+    shared = tmp_path_factory.getbasetemp().parent  # one folder for all workers of this session
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        shared = tmp_path_factory.getbasetemp()
+
+    def copy(dest: Path, overrides: dict | None = None) -> Path:
+        key = hashlib.sha256(_prepare_key(tiny_params(overrides)).encode()).hexdigest()[:12]
+        base, done = shared / f"prepared-{key}", shared / f"prepared-{key}.done"
+        with FileLock(str(base) + ".lock"):
+            if not done.is_file():
+                shutil.rmtree(base, ignore_errors=True)
+                base.mkdir()
+                make_project(base, overrides)
+                dvc(base, "repro", "prepare")
+                run(["git", "add", "-A"], base)
+                run(["git", "commit", "-qm", "prepared"], base)
+                done.write_text(key)
+        return copy_project(base, dest, overrides or {})
+    return copy
 
 
 def wait_for_queue(project: Path, timeout: float = 900) -> str:

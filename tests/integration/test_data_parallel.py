@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from .conftest import BIN, dvc, make_project, run, runs
+from .conftest import BIN, run, runs
 
 pytestmark = pytest.mark.slow
 
@@ -44,9 +44,8 @@ def _series(client, run_id: str, key: str) -> list[float]:
 
 
 @pytest.mark.parametrize("task", list(TASKS))
-def test_two_processes_equal_one_process_per_step(tmp_path, task):
-    project = make_project(tmp_path, TASKS[task])
-    dvc(project, "repro", "prepare")
+def test_two_processes_equal_one_process_per_step(tmp_path, prepared, task):
+    project = prepared(tmp_path, TASKS[task])
     for backend in ("trainer", "accelerate"):
         for layout in LAYOUTS:
             _train(project, backend, layout)
@@ -78,7 +77,7 @@ def test_two_processes_equal_one_process_per_step(tmp_path, task):
 
 
 @pytest.mark.parametrize("backend", ["trainer", "accelerate"])
-def test_two_processes_stop_on_sigterm_and_resume_to_the_uninterrupted_losses(tmp_path, backend):
+def test_two_processes_stop_on_sigterm_and_resume_to_the_uninterrupted_losses(tmp_path, prepared, backend):
     """SIGTERM to `onegpu train` (as `dvc queue kill` sends it): the processes stop after the same step with
     one checkpoint, the run ends KILLED, and the next `onegpu train` resumes it on 2 processes to the
     losses of an uninterrupted run."""
@@ -87,8 +86,7 @@ def test_two_processes_stop_on_sigterm_and_resume_to_the_uninterrupted_losses(tm
     import subprocess
 
     from .conftest import _env
-    project = make_project(tmp_path, TASKS["causal-lm"])
-    dvc(project, "repro", "prepare")
+    project = prepared(tmp_path, TASKS["causal-lm"])
     steps = 24
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["train"].update(backend=backend, num_processes=2, per_device_train_batch_size=4,
@@ -125,7 +123,7 @@ def test_two_processes_stop_on_sigterm_and_resume_to_the_uninterrupted_losses(tm
     assert resumed == pytest.approx(reference, rel=1e-5)
 
 
-def test_a_rank_killed_outright_is_the_one_the_failed_run_names(tmp_path):
+def test_a_rank_killed_outright_is_the_one_the_failed_run_names(tmp_path, prepared):
     """SIGKILL (as the kernel's out-of-memory killer sends it) to rank 1 mid-training: rank 0 then fails on
     the lost peer, but the run ends FAILED naming rank 1 and the signal, not rank 0's symptom."""
     import os
@@ -135,8 +133,7 @@ def test_a_rank_killed_outright_is_the_one_the_failed_run_names(tmp_path):
     import psutil
 
     from .conftest import _env
-    project = make_project(tmp_path, TASKS["causal-lm"])
-    dvc(project, "repro", "prepare")
+    project = prepared(tmp_path, TASKS["causal-lm"])
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["train"].update(num_processes=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
                            max_steps=40, learning_rate=1e-3, logging_steps=1)
