@@ -34,10 +34,10 @@ run: install
 	PYTHONUNBUFFERED=1 $(BIN)/dvc repro 2>&1 | { grep --line-buffered -v -E '$(DVC_HINTS)' || true; } | cat -s
 	$(BIN)/onegpu summary
 
-# pytest-xdist: one worker per core (at most 4; PyTorch threads split between them), tests that share a
-# module-scoped fixture on one worker, the heaviest first (tests/conftest.py, tests/README.md).
+# pytest-xdist: one worker per core (at most 4; PyTorch threads split between them), each test file on
+# one worker in file order, the heaviest files first (tests/conftest.py, tests/README.md).
 # PYTEST_ARGS="-n 0" runs serially; any pytest option goes there (e.g. -x, -k name, --durations=20).
-PYTEST_XDIST := -n auto --maxprocesses 4 --dist loadgroup --no-loadscope-reorder
+PYTEST_XDIST := -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 PYTEST_ARGS  ?=
 test: install
 	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)

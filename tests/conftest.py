@@ -7,17 +7,17 @@
   ``params.yaml`` or ``mlflow.db`` through the current directory; MLflow and DVC variables of the
   calling shell are cleared.
 
-Parallel runs (``make test``: pytest-xdist, ``-n auto --dist loadgroup``; tests/README.md, "Keeping the
+Parallel runs (``make test``: pytest-xdist, ``-n auto --dist loadfile``; tests/README.md, "Keeping the
 suite fast"):
 
 - each worker's PyTorch gets its share of the cores (``OMP_NUM_THREADS``, inherited by the stages the
   integration tests start): two workers of two threads each on two cores stall every parallel op on a
   descheduled thread (measured: 3.4 s instead of 0.36 s per optimizer step of the tiny project);
-- a test that uses a module-scoped fixture runs on the same worker as the module's other such tests
-  (an ``xdist_group`` named after the module), so the fixture is built once and tests that share its
-  state keep their order; every other test may go to any worker;
-- the heaviest tests start first (integration, then slow, then the rest, each in file order), so no
-  long test is left to run alone at the end.
+- the tests of one file run on one worker, in file order (``--dist loadfile``), so module fixtures are
+  built once and tests that share their state keep their order. (Not ``loadgroup``: with pytest 9.2 it
+  silently stops grouping, pytest-xdist issue #1386.);
+- the heaviest files start first (integration, then files with ``slow`` tests, then the rest), so no
+  long file is left to run alone at the end.
 """
 from __future__ import annotations
 
@@ -75,11 +75,9 @@ def dsd(tokenizer):
     return d.map(tok, batched=True)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     _skip_gpu_tests(items)
-    _group_module_fixture_users(items)
-    items.sort(key=_heaviest_first)  # stable: file order within each class
+    _heaviest_files_first(items)
 
 
 def _skip_gpu_tests(items) -> None:
@@ -95,26 +93,14 @@ def _skip_gpu_tests(items) -> None:
             item.add_marker(skip)
 
 
-_SHARED_SCOPES = {"module", "class", "package"}
-
-
-def _group_module_fixture_users(items) -> None:
-    """``xdist_group(<module>)`` on each test that uses a module-, class- or package-scoped fixture and
-    has no ``xdist_group`` of its own (``--dist loadgroup`` keeps a group on one worker)."""
+def _heaviest_files_first(items) -> None:
+    """Whole files, in this order: integration, other files with a ``slow`` test, the rest; the order of
+    the files within each class and of the tests within each file is kept."""
+    rank: dict = {}
     for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        info = getattr(item, "_fixtureinfo", None)
-        defs = info.name2fixturedefs.values() if info is not None else ()
-        if any(d and d[-1].scope in _SHARED_SCOPES for d in defs):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
-def _heaviest_first(item) -> int:
-    """0: integration tests, 1: other ``slow`` tests, 2: the rest."""
-    if "integration" in item.path.parts:
-        return 0
-    return 1 if item.get_closest_marker("slow") else 2
+        heavy = 0 if "integration" in item.path.parts else 1 if item.get_closest_marker("slow") else 2
+        rank[item.path] = min(rank.get(item.path, 2), heavy)
+    items.sort(key=lambda item: rank[item.path])
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -84,18 +84,27 @@ def make_project(dest: Path, overrides: dict | None = None) -> Path:
     return dest
 
 
-# What a copy leaves out: the MLflow store (its experiment names the original's artifact folder, so a
-# copy starts with none, as a fresh clone does) and DVC's per-machine state.
-_NOT_COPIED = {".": {"mlflow.db", "mlflow.db-journal", "mlartifacts", ".onegpu"}, ".dvc": {"tmp"}}
+# What a copy leaves out: onegpu's per-project state (locks, spool, checkpoints) and DVC's per-machine state.
+_NOT_COPIED = {".": {".onegpu", "mlflow.db-journal"}, ".dvc": {"tmp"}}
 
 
 def copy_project(src: Path, dest: Path, overrides: dict | None = None) -> Path:
-    """Copy project ``src`` to ``dest`` (an empty or missing folder): git history, dvc.lock, DVC cache and
-    outputs, links kept as links; not the MLflow store or .dvc/tmp. With ``overrides``, params.yaml becomes
-    TINY + ``overrides`` (committed when it changed)."""
+    """Copy project ``src`` to ``dest`` (an empty or missing folder) as if its commands had run there: git
+    history, dvc.lock, DVC cache and outputs (links kept as links), the MLflow store with its artifact
+    locations moved to ``dest``; not .onegpu or .dvc/tmp. With ``overrides``, params.yaml becomes TINY +
+    ``overrides`` (committed when it changed)."""
+    src, dest = Path(src), Path(dest)
+
     def ignore(folder: str, names: list[str]) -> set[str]:
         return _NOT_COPIED.get(Path(folder).relative_to(src).as_posix(), set()) & set(names)
     shutil.copytree(src, dest, symlinks=True, ignore=ignore, dirs_exist_ok=True)
+    if (dest / "mlflow.db").is_file():
+        import sqlite3
+        db = sqlite3.connect(dest / "mlflow.db")
+        with db:  # the only columns of MLflow's schema that hold the project's path
+            for table, column in (("experiments", "artifact_location"), ("runs", "artifact_uri")):
+                db.execute(f"UPDATE {table} SET {column} = replace({column}, ?, ?)", (str(src), str(dest)))
+        db.close()
     if overrides is not None:
         (dest / "params.yaml").write_text(yaml.safe_dump(tiny_params(overrides), sort_keys=False))
         if run(["git", "status", "--porcelain"], dest).stdout.strip():
@@ -113,31 +122,44 @@ def _prepare_key(params: dict) -> str:
     return json.dumps(picked, sort_keys=True, default=str)
 
 
-@pytest.fixture(scope="session")
-def prepared(tmp_path_factory):
-    """``prepared(dest, overrides=None)``: a copy (:func:`copy_project`) at ``dest`` of a tiny project
-    with TINY + ``overrides`` on which `dvc repro prepare` ran and was committed; its MLflow store is
-    empty (no prepare run). The prepared original is built once per session for each value of the params
-    prepare depends on (dvc.yaml), shared by the xdist workers (a file lock), and never changed."""
-    from filelock import FileLock
-    shared = tmp_path_factory.getbasetemp().parent  # one folder for all workers of this session
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        shared = tmp_path_factory.getbasetemp()
+class Prepared:
+    """``prepared(dest, overrides=None)``: a copy (:func:`copy_project`) at ``dest`` of a tiny project with
+    TINY + ``overrides`` on which `dvc repro prepare` ran and was committed (its MLflow store holds the
+    prepare run). The original is built once per session for each value of the params prepare depends on
+    (dvc.yaml), shared by the xdist workers (a file lock), and never changed; ``output(overrides)`` is what
+    its `dvc repro prepare` printed."""
 
-    def copy(dest: Path, overrides: dict | None = None) -> Path:
+    def __init__(self, shared: Path) -> None:
+        self.shared = shared
+
+    def _base(self, overrides: dict | None) -> Path:
+        from filelock import FileLock
         key = hashlib.sha256(_prepare_key(tiny_params(overrides)).encode()).hexdigest()[:12]
-        base, done = shared / f"prepared-{key}", shared / f"prepared-{key}.done"
+        base, log = self.shared / f"prepared-{key}", self.shared / f"prepared-{key}.log"
         with FileLock(str(base) + ".lock"):
-            if not done.is_file():
+            if not log.is_file():
                 shutil.rmtree(base, ignore_errors=True)
                 base.mkdir()
                 make_project(base, overrides)
-                dvc(base, "repro", "prepare")
+                out = dvc(base, "repro", "prepare").stdout
                 run(["git", "add", "-A"], base)
                 run(["git", "commit", "-qm", "prepared"], base)
-                done.write_text(key)
-        return copy_project(base, dest, overrides or {})
-    return copy
+                log.write_text(out)
+        return base
+
+    def __call__(self, dest: Path, overrides: dict | None = None) -> Path:
+        return copy_project(self._base(overrides), dest, overrides or {})
+
+    def output(self, overrides: dict | None = None) -> str:
+        base = self._base(overrides)
+        return base.with_name(base.name + ".log").read_text()
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory) -> Prepared:
+    """See :class:`Prepared`."""
+    base = tmp_path_factory.getbasetemp()
+    return Prepared(base.parent if "PYTEST_XDIST_WORKER" in os.environ else base)  # one folder for all workers
 
 
 def wait_for_queue(project: Path, timeout: float = 900) -> str:
@@ -167,9 +189,10 @@ def runs(project: Path, experiment: str = "onegpu"):
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory) -> Path:
-    """A tiny project on which `dvc repro` has run once."""
-    p = make_project(tmp_path_factory.mktemp("project"))
+def project(tmp_path_factory, prepared) -> Path:
+    """A tiny project on which `dvc repro` has run once (prepare in ``prepared``'s original, train and
+    evaluate here)."""
+    p = prepared(tmp_path_factory.mktemp("project"))
     result = dvc(p, "repro")
     p.joinpath("repro.log").write_text(result.stdout + result.stderr)
     run(["git", "add", "-A"], p)
