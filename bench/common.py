@@ -31,6 +31,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Iterable
+
+from onegpu.formatting import mib
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -49,7 +52,6 @@ def setup() -> Path:
     global _TMP
     if _TMP is not None:
         return _TMP
-    sys.path.insert(0, str(REPO / "src"))  # harmless when onegpu is installed (editable) already
     from onegpu import models
     models.go_offline()
     for k in [k for k in os.environ if k.startswith(("MLFLOW_", "DVC_", "HF_MLFLOW_"))]:
@@ -73,74 +75,6 @@ def setup() -> Path:
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     return _TMP
-
-
-# -- the activation probe's reference cycle ----------------------------------------------------------
-# onegpu.measure.activation_bytes packs each saved tensor by returning the tensor itself from its
-# saved_tensors_hooks pack hook. For tensors that are outputs of the op saving them, autograd then holds
-# the tensor, which holds its grad_fn, which holds the saved value: a cycle through C++ that Python's gc
-# cannot see. The probe's whole forward graph (one micro-batch of activations, plus every parameter of
-# the model) is never freed: the train stage's peak memory includes it, and in one process the leaks of
-# successive runs add up. Returning ``t.detach()`` (same storage, no grad_fn) breaks the cycle and gives
-# the same byte count. When the installed onegpu still leaks, the benchmarks use that one-line change
-# (``--probe-as-is`` keeps the installed function) and say so in their output.
-
-PROBE = {"leaks": None, "patched": False}
-
-
-def _graph_tensors() -> int:
-    import torch
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
-
-
-def probe_leaks() -> bool:
-    """Whether ``onegpu.measure.activation_bytes`` leaves graph tensors alive (on a tiny module)."""
-    import torch
-    from onegpu import measure
-
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
-
-        def forward(self, x):
-            return self.b(torch.relu(self.a(x)))
-
-    before = _graph_tensors()
-    measure.activation_bytes(Tiny(), {"x": torch.ones(3, 4), "labels": torch.zeros(3, dtype=torch.long)},
-                             lambda out, labels: torch.nn.functional.cross_entropy(out, labels))
-    return _graph_tensors() > before
-
-
-def fix_probe(as_is: bool = False) -> None:
-    """Detect the probe leak and, unless ``as_is``, patch ``measure.activation_bytes`` in this process."""
-    import inspect
-    from onegpu import measure
-    PROBE["leaks"] = probe_leaks()
-    if not PROBE["leaks"] or as_is:
-        return
-    src = inspect.getsource(measure.activation_bytes)
-    if src.count("        return t\n") != 1:
-        return  # the function changed: leave it alone (the output still says it leaks)
-    ns: dict = {}
-    exec(compile(src.replace("        return t\n", "        return t.detach()\n"), measure.__file__, "exec"),
-         dict(measure.__dict__), ns)
-    measure.activation_bytes = ns["activation_bytes"]
-    PROBE["patched"] = not probe_leaks()
-
-
-def probe_note() -> str | None:
-    if not PROBE["leaks"]:
-        return None
-    if PROBE["patched"]:
-        return ("The installed `onegpu.measure.activation_bytes` leaks the probe's forward graph (its pack hook "
-                "returns the saved tensor itself: a reference cycle through autograd); these runs use the "
-                "one-line fix (`return t.detach()`), which gives the same byte count. Unpatched, every run "
-                "keeps one extra micro-batch of activations and a copy of the model's parameters alive.")
-    return ("The installed `onegpu.measure.activation_bytes` leaks the probe's forward graph (one micro-batch of "
-            "activations and the model's parameters stay allocated); these runs use it as is, so peak memory "
-            "includes the leak and grows from run to run in this process.")
 
 
 def tmpdir() -> Path:
@@ -167,8 +101,6 @@ def parser(description: str, *, reps: int, steps: int, max_length: int = 64, row
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--tag", default="", help="suffix for the result files: results/<name>-<tag>.json")
     p.add_argument("--verbose", action="store_true", help="show the Trainer's own output")
-    p.add_argument("--probe-as-is", action="store_true",
-                   help="keep onegpu's activation probe as installed even if it leaks (see common.fix_probe)")
     p.add_argument("--max-wait", type=float, default=120.0,
                    help="seconds to wait, before each run, for other processes to stop using the CPU")
     p.add_argument("--retries", type=int, default=2,
@@ -342,23 +274,90 @@ def stage_run(tracker, model, tok, dsd, cfg, verbose: bool = False) -> dict:
     return res
 
 
+def train_or_oom(build: Callable[[], object], tokenizer, dsd, cfg, verbose: bool = False) -> dict:
+    """:func:`train_once` on the model ``build()`` makes; ``{"oom": True}`` when it runs out of memory
+    (a result here: the split or setting does not fit)."""
+    import torch
+    try:
+        return train_once(build(), tokenizer, dsd, cfg, verbose=verbose)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not is_oom(e):
+            raise
+        release_memory()
+        return {"oom": True}
+
+
+def rotated(names: list, rep: int) -> list:
+    """``names`` rotated by ``rep``: each arm leads once every ``len(names)`` repetitions (for two arms:
+    the order alternates)."""
+    k = rep % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
+def run_reps(args, order: Callable[[int], Iterable], one: Callable[[object], dict],
+             say: Callable[[dict], str] = lambda res: "done", clean: bool = True) -> dict:
+    """The arms' runs, ``args.reps`` repetitions in the arms' ``order(rep)``: each ``one(arm)`` (in
+    :func:`clean_run` unless ``clean`` is False; its result gets ``rep``), then one printed line
+    ``rep N/R <arm>: <say(result)>``. Returns ``{arm: [result per repetition]}``."""
+    runs: dict = {}
+    for rep in range(args.reps):
+        for arm in order(rep):
+            res = clean_run(lambda arm=arm: one(arm), args, str(arm)) if clean else one(arm)
+            res["rep"] = rep
+            runs.setdefault(arm, []).append(res)
+            print(f"rep {rep + 1}/{args.reps} {arm}: {say(res)}", flush=True)
+    return runs
+
+
+def training_line(res: dict) -> str:
+    """One run's figures for the progress line: samples/s, median step, peak memory, activation bytes."""
+    if res.get("oom"):
+        return "out of memory"
+    return (f"{res['samples_per_second']:.2f} samples/s, median step {res['median_step_s']:.3f} s, peak "
+            f"{mib(res['summary'].get('train_mem_peak_bytes'))}, activations "
+            f"{mib(res['memory'].get('mem_activation_bytes'))}")
+
+
+def builder(cfg, labels, path, layers: int | None = None, hidden: int | None = None):
+    """``(build(cfg) -> model, name)``: the packaged MiniLM-L6 (``layers`` None) or a BERT of ``layers``
+    layers (and ``hidden`` width) from its config, random init; the name for the report."""
+    def build(c):
+        return pretrained_model(c, labels, path) if layers is None else bert_from_config(c, labels, path, layers, hidden)
+    kind = "MiniLM-L6 (pretrained), " if layers is None else "from config, random init, "
+    return build, kind + describe_model(build(cfg))
+
+
+def medians(results: list[dict]) -> dict:
+    """An arm's repetitions summed up: ``oom`` (none fitted), the medians of samples/s, step time, peak
+    memory and activation bytes over the runs that fitted, and those runs (``ok``)."""
+    ok = [r for r in results if not r.get("oom")]
+    return {"oom": not ok, "ok": ok,
+            "samples_per_second": median(r["samples_per_second"] for r in ok),
+            "median_step_s": median(r["median_step_s"] for r in ok),
+            "train_mem_peak_bytes": median(r["summary"].get("train_mem_peak_bytes") for r in ok),
+            "mem_activation_bytes": median(r["memory"].get("mem_activation_bytes") for r in ok)}
+
+
+def without_rows(runs: dict) -> dict:
+    """``{arm: [result, ...]}`` with each result's per-step ``rows`` left out (for the JSON payload)."""
+    return {arm: [{k: v for k, v in r.items() if k != "rows"} for r in rs] for arm, rs in runs.items()}
+
+
 def steady(rows: list[dict]) -> dict:
-    """Median/mean step time and samples/s over optimizer steps 2..N (step 1 is warm-up)."""
-    times = [r["step_time_s"] for r in rows]
-    keep = rows[1:] if len(rows) > 1 else rows
-    t = [r["step_time_s"] for r in keep]
-    samples = sum(r.get("samples", 0) for r in keep)
-    return {"step_times_s": times,
+    """Median/mean step time over optimizer steps 2..N (step 1 is warm-up) and the steady-state
+    samples/s (:func:`onegpu.training.recorder.steady_samples_per_second`, NaN without steps 2..N)."""
+    from onegpu.training.recorder import steady_samples_per_second
+    t = [r["step_time_s"] for r in rows if r["step"] >= 2]
+    sps = steady_samples_per_second(rows)
+    return {"step_times_s": [r["step_time_s"] for r in rows],
             "median_step_s": statistics.median(t) if t else float("nan"),
             "mean_step_s": statistics.fmean(t) if t else float("nan"),
-            "samples_per_second": samples / sum(t) if t and sum(t) > 0 else float("nan"),
+            "samples_per_second": float("nan") if sps is None else sps,
             "steady_steps": len(t)}
 
 
 def warm_up(args) -> None:
-    """Two tiny optimizer steps, so the first measured run does not pay one-off start-up costs.
-    Also checks the activation probe first (:func:`fix_probe`)."""
-    fix_probe(getattr(args, "probe_as_is", False))
+    """Two tiny optimizer steps, so the first measured run does not pay one-off start-up costs."""
     cfg = make_cfg(args, micro=2, accum=1, steps=2)
     dsd, labels, tok, path = data(cfg)
     train_once(pretrained_model(cfg, labels, path), tok, dsd, cfg, verbose=args.verbose)
@@ -366,20 +365,17 @@ def warm_up(args) -> None:
 
 # -- other load on the machine ----------------------------------------------------------------------
 # A small shared machine runs other work (test suites, builds) now and then; a run that overlaps it is
-# measured again. "Other load" = CPU time of the whole machine (/proc/stat, steal included) minus this
+# measured again. "Other load" = CPU time of the whole machine (psutil, steal included) minus this
 # process's own CPU time, per second of wall time, in cores.
 
 CONTENTION_LIMIT = 0.2
 
 
-def _machine_busy_s() -> float | None:
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+def _machine_busy_s() -> float:
+    """Busy CPU seconds of the whole machine so far (psutil: user, nice, system, irq, softirq, steal)."""
+    import psutil
+    t = psutil.cpu_times()
+    return sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
 def _own_cpu_s() -> float:
@@ -399,11 +395,8 @@ class OtherLoad:
 
     def __exit__(self, *exc):
         wall = time.perf_counter() - self.t0
-        b1 = _machine_busy_s()
-        if self.b0 is None or b1 is None or wall <= 0:
-            self.cores = 0.0
-        else:
-            self.cores = max(0.0, ((b1 - self.b0) - (_own_cpu_s() - self.p0)) / wall)
+        busy = _machine_busy_s() - self.b0
+        self.cores = max(0.0, (busy - (_own_cpu_s() - self.p0)) / wall) if wall > 0 else 0.0
         return False
 
 
@@ -500,30 +493,9 @@ def machine_line(m: dict) -> str:
             f"mlflow {m['mlflow']}; {m['date']}")
 
 
-def table(headers: list[str], rows: list[list]) -> str:
-    """A Markdown table (numbers already formatted by the caller)."""
-    def cell(x):
-        return str(x).replace("|", "\\|")
-    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
-    lines += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def mib(b) -> str:
-    return "n/a" if b is None else f"{b / 2**20:,.0f} MiB"
-
-
-def secs(s) -> str:
-    return f"{s:.3f} s" if s < 10 else f"{s:.1f} s"
-
-
 def report(name: str, args, title: str, lines: list[str], payload: dict) -> None:
     """Print the Markdown (title, machine line, tables, notes) and write results/<name>[-tag].json/.md."""
     m = machine()
-    note = probe_note()
-    if note:
-        lines = [*lines, f"- {note}"]
-    payload = {**payload, "probe": dict(PROBE)}
     stem = f"{name}-{args.tag}" if getattr(args, "tag", "") else name
     md = "\n".join([f"### {title}", "", machine_line(m), "", *lines]).rstrip() + "\n"
     print("\n" + md)

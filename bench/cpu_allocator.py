@@ -17,7 +17,8 @@ import resource
 import subprocess
 import sys
 
-import common
+from bench import common
+from onegpu.formatting import markdown_table, mib
 
 ARMS = ("system", "caching")
 
@@ -41,52 +42,54 @@ def child(args) -> None:
 
 def one(args, arm: str, overrides: tuple[str, ...]) -> dict:
     """One run of ``arm`` in its own process, on a quiet machine (``common.clean_run``)."""
-    cmd = [sys.executable, __file__, "--child", "system" if arm == "system" else "caching",
+    cmd = [sys.executable, "-m", "bench.cpu_allocator", "--child", "system" if arm == "system" else "caching",
            "--micro", str(args.micro), "--accum", str(args.accum), "--steps", str(args.steps),
            "--rows", str(args.rows), "--max-length", str(args.max_length), "--seed", str(args.seed),
            *[a for o in overrides for a in ("--set", o)]]
 
     def run() -> dict:
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=common.REPO)
         return json.loads(out.stdout.strip().splitlines()[-1])
     return common.clean_run(run, args, arm)
 
 
-def main() -> None:
+def _args():
     p = common.parser(__doc__.splitlines()[0], reps=3, steps=32, rows=500, micro=8, accum=2)
     p.add_argument("--set", dest="overrides", action="append", default=None, metavar="KEY=VALUE",
                    help="adds an arm: the caching allocator with these overrides, as `dvc exp run -S` takes "
                         "them (repeatable)")
     p.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.child:
-        child(args)
-        return
-    common.setup()
+    return p.parse_args()
+
+
+def measure(args) -> dict:
+    """Every arm's runs, each in its own process, the order rotating: ``{arm: [results]}``."""
     arms = {a: () for a in ARMS}
     if args.overrides:
         arms["caching + " + " ".join(args.overrides)] = tuple(args.overrides)
-    names = list(arms)
-    runs = {a: [] for a in names}
-    for rep in range(args.reps):
-        for arm in names[rep % len(names):] + names[:rep % len(names)]:  # rotate the order
-            res = one(args, arm, arms[arm])
-            runs[arm].append(res)
-            print(f"rep {rep + 1}/{args.reps} {arm}: {res['samples_per_second']:.2f} samples/s (steps 2..N), "
-                  f"{res['minor_faults']:,} page faults, {res['system_cpu_s']:.1f} s system CPU, "
-                  f"peak RSS {res['peak_rss_bytes'] / 2**20:,.0f} MiB", flush=True)
+
+    # one() waits for a quiet machine itself (clean_run around the child process)
+    return common.run_reps(args, lambda rep: common.rotated(list(arms), rep), lambda arm: one(args, arm, arms[arm]),
+                           lambda res: f"{res['samples_per_second']:.2f} samples/s (steps 2..N), "
+                                       f"{res['minor_faults']:,} page faults, {res['system_cpu_s']:.1f} s system "
+                                       f"CPU, peak RSS {mib(res['peak_rss_bytes'])}", clean=False)
+
+
+def report_lines(args, runs: dict) -> tuple[list[str], dict]:
+    """The table and the ratios against ``system`` and ``caching``; also returns the numbers."""
+    names = list(runs)
     med = {a: {k: common.median(r[k] for r in runs[a]) for k in runs[a][0] if isinstance(runs[a][0][k], (int, float))}
            for a in names}
     rows = [[a, ", ".join(f"{r['samples_per_second']:.2f}" for r in runs[a]), f"{med[a]['samples_per_second']:.2f}",
              f"{med[a]['median_step_s']:.4f} s", f"{med[a]['minor_faults']:,.0f}", f"{med[a]['system_cpu_s']:.1f} s",
-             f"{med[a]['user_cpu_s']:.1f} s", common.mib(med[a]['peak_rss_bytes'])] for a in names]
+             f"{med[a]['user_cpu_s']:.1f} s", mib(med[a]['peak_rss_bytes'])] for a in names]
     ratio = med["caching"]["samples_per_second"] / med["system"]["samples_per_second"]
     pairs = [c["samples_per_second"] / s["samples_per_second"] for c, s in zip(runs["caching"], runs["system"])]
     lines = [f"`bench/cpu_allocator.py`: MiniLM-L6 (pretrained), {args.rows} training rows, max_length "
              f"{args.max_length}, {args.micro} x {args.accum}, {args.steps} optimizer steps per run, one process "
              f"per run, {args.reps} repetitions (order rotating), step 1 excluded from samples/s.", "",
-             common.table(["arm (train.cpu_allocator)", "samples/s per rep (steps 2..N)", "median", "median step time",
-                           "minor page faults (training)", "system CPU", "user CPU", "peak RSS (process)"], rows),
+             markdown_table(["arm (train.cpu_allocator)", "samples/s per rep (steps 2..N)", "median", "median step time",
+                             "minor page faults (training)", "system CPU", "user CPU", "peak RSS (process)"], rows),
              "",
              f"- caching / system, samples/s: **{ratio:.2f}x** (pairs: {', '.join(f'{x:.2f}' for x in pairs)}); "
              f"page faults {med['system']['minor_faults'] / max(1, med['caching']['minor_faults']):.1f}x fewer; "
@@ -96,8 +99,17 @@ def main() -> None:
                f" / caching: **{med[a]['samples_per_second'] / med['caching']['samples_per_second']:.2f}x**."
                for a in names[2:]],
              "- " + common.load_note([r for a in names for r in runs[a]])]
-    common.report("cpu_allocator", args, "train.cpu_allocator: caching against glibc's defaults", lines,
-                  {"runs": runs, "ratio": ratio, "pairs": pairs})
+    return lines, {"runs": runs, "ratio": ratio, "pairs": pairs}
+
+
+def main() -> None:
+    args = _args()
+    if args.child:
+        child(args)
+        return
+    common.setup()
+    lines, payload = report_lines(args, measure(args))
+    common.report("cpu_allocator", args, "train.cpu_allocator: caching against glibc's defaults", lines, payload)
 
 
 if __name__ == "__main__":

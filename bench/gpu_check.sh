@@ -7,9 +7,9 @@
 #                 (the tree here is not touched), MLflow on SQLite, then its store checked
 #                 (python -m bench.store_check: every per-step metric at steps 1..N, memory, FINISHED)
 #   mfu           python -m bench.mfu: GPT-2 124 M at 1024 tokens in bf16, eager and torch.compile
-#   sweep         bench/split_sweep.py in bf16, 24-layer hidden-1024 BERT (random init), 512 tokens,
+#   sweep         python -m bench.split_sweep in bf16, 24-layer hidden-1024 BERT (random init), 512 tokens,
 #                 effective batch 64 as 64x1, 16x4, 4x16, 1x64 (shortened: 4 steps, 1 repetition)
-#   checkpointing bench/checkpointing.py in bf16: MiniLM-L6 and that BERT, 16 x 512 tokens, none/layer
+#   checkpointing python -m bench.checkpointing in bf16: MiniLM-L6 and that BERT, 16 x 512 tokens, none/layer
 #   tradeoffs     onegpu tradeoffs on a 12-layer hidden-768 BERT (random init) at 512 tokens, bf16,
 #                 train.max_steps=12 per row, knobs $TRADEOFFS_KNOBS (default split,checkpointing,precision,compile)
 #   dataparallel  only with 2+ GPUs: the data-parallel test on NCCL
@@ -170,9 +170,9 @@ sec_mfu() {
 bench_script() {  # NAME ARGS...: run bench/NAME.py in the project copy, collect results/NAME-$TAG.*
     local name=$1 rc
     shift
-    section_md "bench/$name.py"
+    section_md "python -m bench.$name"
     ensure_project || return 1
-    (cd "$PROJ" && "$PY" "bench/$name.py" "$@" --bf16 --tag "$TAG" --max-wait 0 --retries 0) >"$R/$name-$TAG.log" 2>&1
+    (cd "$PROJ" && "$PY" -m "bench.$name" "$@" --bf16 --tag "$TAG" --max-wait 0 --retries 0) >"$R/$name-$TAG.log" 2>&1
     rc=$?
     if [ -f "$PROJ/bench/results/$name-$TAG.md" ]; then
         cp "$PROJ/bench/results/$name-$TAG."{md,json} "$R/"

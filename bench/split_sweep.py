@@ -13,7 +13,8 @@ run's RSS peak.
 """
 from __future__ import annotations
 
-import common
+from bench import common
+from onegpu.formatting import markdown_table, mib
 
 
 def parse_split(s: str) -> tuple[int, int]:
@@ -21,7 +22,7 @@ def parse_split(s: str) -> tuple[int, int]:
     return int(m), int(a)
 
 
-def main() -> None:
+def _args():
     p = common.parser(__doc__.splitlines()[0], reps=2, steps=3, rows=200)
     p.add_argument("--splits", default="64x1,16x4,4x16,1x64", help="micro x accumulation, comma-separated")
     p.add_argument("--layers", type=int, default=None,
@@ -29,104 +30,104 @@ def main() -> None:
                         "instead of the pretrained MiniLM-L6")
     p.add_argument("--hidden", type=int, default=None, help="hidden size of that BERT (default 384)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing on for every split")
-    args = p.parse_args()
-    common.setup()
-    import torch
+    return p.parse_args()
 
-    splits = [parse_split(s) for s in args.splits.split(",") if s.strip()]
-    effs = {m * a for m, a in splits}
-    cfgs = {s: common.make_cfg(args, micro=s[0], accum=s[1], checkpointing=args.checkpointing) for s in splits}
-    dsd, labels, tok, path = common.data(next(iter(cfgs.values())))
-    need = max(effs) * args.steps
+
+# -- the arms ----------------------------------------------------------------------------------------
+
+def measure(args, splits: list[str]) -> tuple[str, dict]:
+    """Every split ``MxA``, smallest micro-batch first (then the reverse, alternating between
+    repetitions). Returns the model's name and ``{split: [run results]}``."""
+    cfgs = {s: common.make_cfg(args, micro=parse_split(s)[0], accum=parse_split(s)[1],
+                               checkpointing=args.checkpointing) for s in splits}
+    dsd, labels, tok, path = common.data(cfgs[splits[0]])
+    need = max(m * a for m, a in map(parse_split, splits)) * args.steps
     if len(dsd["train"]) < need:
         print(f"note: {len(dsd['train'])} training rows < {need} (effective batch x steps): the data wraps "
               "around and the epoch's last step may be partial")
     common.warm_up(args)
 
-    def build(cfg):
-        if args.layers:
-            return common.bert_from_config(cfg, labels, path, args.layers, args.hidden)
-        return common.pretrained_model(cfg, labels, path)
+    build, name = common.builder(cfgs[splits[0]], labels, path, args.layers, args.hidden)
+    order = sorted(splits, key=lambda s: (parse_split(s)[0], -parse_split(s)[1]))  # smallest micro-batch first
+    runs = common.run_reps(args, lambda rep: order if rep % 2 == 0 else order[::-1],
+                           lambda s: common.train_or_oom(lambda: build(cfgs[s]), tok, dsd, cfgs[s], args.verbose),
+                           common.training_line)
+    return name, {s: runs[s] for s in splits}
 
-    probe = build(next(iter(cfgs.values())))
-    model_name = ("MiniLM-L6 (pretrained), " if not args.layers else "from config, random init, ") \
-        + common.describe_model(probe)
-    del probe
 
-    runs: dict = {s: [] for s in splits}
-    order = sorted(splits, key=lambda s: (s[0], -s[1]))  # smallest micro-batch first
-    for rep in range(args.reps):
-        for s in (order if rep % 2 == 0 else order[::-1]):
-            cfg = cfgs[s]
+def _tokens_per_second(rows: list[dict]) -> float:
+    keep = [x for x in rows if x["step"] >= 2]
+    return sum(x["tokens"] for x in keep) / sum(x["step_time_s"] for x in keep)
 
-            def one(cfg=cfg):
-                try:
-                    return common.train_once(build(cfg), tok, dsd, cfg, verbose=args.verbose)
-                except (torch.OutOfMemoryError, RuntimeError) as e:
-                    if not common.is_oom(e):
-                        raise
-                    common.release_memory()
-                    return {"oom": True}
-            res = common.clean_run(one, args, f"{s[0]}x{s[1]}")
-            runs[s].append(res)
-            if res.get("oom"):
-                print(f"{s[0]}x{s[1]} rep {rep + 1}: out of memory", flush=True)
-                continue
-            print(f"{s[0]}x{s[1]} rep {rep + 1}/{args.reps}: {res['samples_per_second']:.2f} samples/s, "
-                  f"median step {res['median_step_s']:.3f} s, peak {common.mib(res['summary']['train_mem_peak_bytes'])}, "
-                  f"activations {common.mib(res['memory'].get('mem_activation_bytes'))}", flush=True)
 
-    agg = {}
-    for s in splits:
-        ok = [r for r in runs[s] if not r.get("oom")]
-        agg[s] = {"oom": not ok,
-                  "samples_per_second": common.median(r["samples_per_second"] for r in ok),
-                  "median_step_s": common.median(r["median_step_s"] for r in ok),
-                  "train_mem_peak_bytes": common.median(r["summary"]["train_mem_peak_bytes"] for r in ok),
-                  "mem_activation_bytes": common.median(r["memory"].get("mem_activation_bytes") for r in ok),
-                  "tokens_per_second": common.median(
-                      sum(x["tokens"] for x in r["rows"][1:]) / sum(x["step_time_s"] for x in r["rows"][1:])
-                      for r in ok if len(r["rows"]) > 1)}
-    best = max((s for s in splits if not agg[s]["oom"]), key=lambda s: agg[s]["samples_per_second"], default=None)
-    peak_name = "peak memory (CUDA allocator)" if torch.cuda.is_available() else "peak RSS (process)"
+def summarize(runs: dict) -> dict:
+    """Per split: medians over repetitions (samples/s, step time, tokens/s over steps 2..N, memory)."""
+    agg = {s: common.medians(rs) for s, rs in runs.items()}
+    for a in agg.values():
+        a["tokens_per_second"] = common.median(_tokens_per_second(r["rows"]) for r in a.pop("ok") if len(r["rows"]) > 1)
+    return agg
+
+
+# -- the report --------------------------------------------------------------------------------------
+
+def _rows(agg: dict, best: str | None) -> list[list]:
     rows = []
-    for s in splits:
-        a = agg[s]
+    for s, a in agg.items():
+        m, acc = parse_split(s)
         if a["oom"]:
-            rows.append([f"{s[0]} x {s[1]}", "OOM", "", "", "", "", ""])
+            rows.append([f"{m} x {acc}", "OOM", "", "", "", "", ""])
             continue
-        rel = a["samples_per_second"] / agg[best]["samples_per_second"]
-        rows.append([f"{s[0]} x {s[1]}", f"{a['samples_per_second']:.2f}", f"{rel:.2f}",
-                     f"{a['median_step_s']:.3f} s", f"{a['tokens_per_second']:,.0f}",
-                     common.mib(a["train_mem_peak_bytes"]), common.mib(a["mem_activation_bytes"])])
-    prec = "bf16 mixed precision" if args.bf16 else "float32"
+        rows.append([f"{m} x {acc}", f"{a['samples_per_second']:.2f}",
+                     f"{a['samples_per_second'] / agg[best]['samples_per_second']:.2f}", f"{a['median_step_s']:.3f} s",
+                     f"{a['tokens_per_second']:,.0f}", mib(a["train_mem_peak_bytes"]), mib(a["mem_activation_bytes"])])
+    return rows
+
+
+def verdict(agg: dict) -> dict | None:
+    """Does 4 x 16 beat 1 x 64: the samples/s and peak-memory ratios (None when either is missing)."""
+    a, b = agg.get("4x16"), agg.get("1x64")
+    if not a or not b or a["oom"] or b["oom"]:
+        return None
+    return {"4x16_over_1x64": a["samples_per_second"] / b["samples_per_second"],
+            "4x16_peak_over_1x64": a["train_mem_peak_bytes"] / b["train_mem_peak_bytes"],
+            "4x16_activations_over_1x64": a["mem_activation_bytes"] / b["mem_activation_bytes"]}
+
+
+def report_lines(args, name: str, agg: dict, all_runs: list, cuda: bool) -> list[str]:
+    best = max((s for s in agg if not agg[s]["oom"]), key=lambda s: agg[s]["samples_per_second"], default=None)
+    effs = sorted({m * a for m, a in map(parse_split, agg)})
     lines = [
-        f"`bench/split_sweep.py`: {model_name}, effective batch {'/'.join(map(str, sorted(effs)))}, "
-        f"max_length {args.max_length}, {prec}, checkpointing {'on' if args.checkpointing else 'off'}, "
-        f"{args.steps} optimizer steps per split, {args.reps} repetition(s), step 1 excluded.",
+        f"`bench/split_sweep.py`: {name}, effective batch {'/'.join(map(str, effs))}, max_length "
+        f"{args.max_length}, {'bf16 mixed precision' if args.bf16 else 'float32'}, checkpointing "
+        f"{'on' if args.checkpointing else 'off'}, {args.steps} optimizer steps per split, {args.reps} "
+        "repetition(s), step 1 excluded.",
         "",
-        common.table(["micro-batch x accumulation", "samples/s", "vs best", "median step time",
-                      "tokens/s (non-padding)", peak_name, "mem_activation_bytes (one micro-batch)"], rows),
+        markdown_table(["micro-batch x accumulation", "samples/s", "vs best", "median step time",
+                        "tokens/s (non-padding)", "peak memory (CUDA allocator)" if cuda else "peak RSS (process)",
+                        "mem_activation_bytes (one micro-batch)"], _rows(agg, best)),
         "",
     ]
-    verdict = None
-    a, b = (4, 16), (1, 64)
-    if a in agg and b in agg and not agg[a]["oom"] and not agg[b]["oom"]:
-        f = agg[a]["samples_per_second"] / agg[b]["samples_per_second"]
-        mem = agg[a]["train_mem_peak_bytes"] / agg[b]["train_mem_peak_bytes"]
-        verdict = {"4x16_over_1x64": f, "4x16_peak_over_1x64": mem}
+    v = verdict(agg)
+    if v:
+        f = v["4x16_over_1x64"]
         lines.append(f"- 4 x 16 {'beats' if f > 1 else 'does not beat'} 1 x 64: **{f:.2f}x** the samples/s, at "
-                     f"{mem:.2f}x the peak memory and "
-                     f"{agg[a]['mem_activation_bytes'] / agg[b]['mem_activation_bytes']:.1f}x the activation bytes "
-                     "per micro-batch.")
+                     f"{v['4x16_peak_over_1x64']:.2f}x the peak memory and {v['4x16_activations_over_1x64']:.1f}x "
+                     "the activation bytes per micro-batch.")
     if best:
-        lines.append(f"- Fastest split here: {best[0]} x {best[1]}.")
-    lines.append(f"- {common.load_note([r for v in runs.values() for r in v])}")
-    common.report("split_sweep", args, "Split sweep: one effective batch, four splits", lines,
-                  {"model": model_name, "verdict": verdict,
-                   "splits": {f"{m}x{a_}": v for (m, a_), v in agg.items()},
-                   "runs": {f"{m}x{a_}": [{k: v for k, v in r.items() if k != "rows"} for r in rs]
-                            for (m, a_), rs in runs.items()}})
+        lines.append(f"- Fastest split here: {' x '.join(map(str, parse_split(best)))}.")
+    return lines + [f"- {common.load_note(all_runs)}"]
+
+
+def main() -> None:
+    args = _args()
+    common.setup()
+    import torch
+    splits = [f"{m}x{a}" for m, a in (parse_split(s) for s in args.splits.split(",") if s.strip())]
+    name, runs = measure(args, splits)
+    agg = summarize(runs)
+    common.report("split_sweep", args, "Split sweep: one effective batch, four splits",
+                  report_lines(args, name, agg, [r for v in runs.values() for r in v], torch.cuda.is_available()),
+                  {"model": name, "verdict": verdict(agg), "splits": agg, "runs": common.without_rows(runs)})
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ from __future__ import annotations
 import statistics
 import time
 
-import common
+from bench import common
+from onegpu.formatting import markdown_table
 
 TARGET = 1.02
 
@@ -109,41 +110,41 @@ def outlier_lines(runs: dict, load: str) -> list[str]:
     worst = {a: max(r["outlier"]["max_step_s"] for r in runs[a]) for a in runs}
     return ["", "Longest step-time outlier (steps 2..N) with tracking on vs off" + (f" ({load})" if load else "")
             + ":", "",
-            common.table(["arm", "longest step per run (s)", "longest of all", "longest / run's median step"], rows),
+            markdown_table(["arm", "longest step per run (s)", "longest of all", "longest / run's median step"], rows),
             "", f"- Longest step, tracked/off: **{worst['tracked'] / worst['off']:.3f}**."]
 
 
-def main() -> None:
+def _args():
     p = common.parser(__doc__.splitlines()[0], reps=5, steps=30, rows=200, micro=4, accum=1)
     p.add_argument("--interleaved-steps", type=int, default=60,
                    help="optimizer steps of the interleaved run (0: skip it)")
     p.add_argument("--load", default="", help="other load on the machine during the run, named in the report")
-    args = p.parse_args()
-    common.setup()
-    from onegpu import tracking
+    return p.parse_args()
 
+
+# -- the arms ----------------------------------------------------------------------------------------
+
+def measure(args) -> dict:
+    """The paired runs (tracked and off, the order alternating), the interleaved run and the sink's
+    direct cost: ``{"runs": {arm: [results]}, "inter": result or None, "per_step": s, "longest_add": s}``."""
+    from onegpu import tracking
     tracker = tracking.connect("bench-tracking")  # <tmp>/mlflow.db: created here, outside any timing
     cfg = common.make_cfg(args, micro=args.micro, accum=args.accum)
     dsd, labels, tok, path = common.data(cfg)
     common.warm_up(args)
 
-    runs = {"tracked": [], "off": []}
-    for rep in range(args.reps):
-        order = ("tracked", "off") if rep % 2 == 0 else ("off", "tracked")
-        for arm in order:
-            def one(arm=arm):
-                model = common.pretrained_model(cfg, labels, path)
-                if arm == "tracked":
-                    return common.stage_run(tracker, model, tok, dsd, cfg, args.verbose)
-                return common.train_once(model, tok, dsd, cfg, verbose=args.verbose, stage_like=True)
-            res = common.clean_run(one, args, arm)
-            res["rep"], res["position"] = rep, order.index(arm)
-            res["outlier"] = outlier(res["rows"])
-            runs[arm].append(res)
-            print(f"rep {rep + 1}/{args.reps} {arm:7s}: median step {res['median_step_s']:.4f} s, "
-                  f"mean {res['mean_step_s']:.4f} s, longest {res['outlier']['max_step_s']:.4f} s "
-                  f"(step {res['outlier']['max_at_step']}), wall {res['wall_s']:.1f} s", flush=True)
+    def one(arm):
+        model = common.pretrained_model(cfg, labels, path)
+        if arm == "tracked":
+            res = common.stage_run(tracker, model, tok, dsd, cfg, args.verbose)
+        else:
+            res = common.train_once(model, tok, dsd, cfg, verbose=args.verbose, stage_like=True)
+        res["outlier"] = outlier(res["rows"])
+        return res
 
+    runs = common.run_reps(args, lambda rep: common.rotated(["tracked", "off"], rep), one, lambda res: (
+        f"median step {res['median_step_s']:.4f} s, mean {res['mean_step_s']:.4f} s, longest "
+        f"{res['outlier']['max_step_s']:.4f} s (step {res['outlier']['max_at_step']}), wall {res['wall_s']:.1f} s"))
     inter = None
     if args.interleaved_steps > 1:
         icfg = common.make_cfg(args, micro=args.micro, accum=args.accum, steps=args.interleaved_steps)
@@ -152,70 +153,88 @@ def main() -> None:
         print(f"interleaved: median step after a write {inter['median_after_write']:.4f} s, after a no-op "
               f"{inter['median_after_noop']:.4f} s", flush=True)
     per_step, longest_add = sink_cost(tracker, runs["tracked"][0]["rows"][-1])
+    return {"runs": runs, "inter": inter, "per_step": per_step, "longest_add": longest_add}
+
+
+def summarize(m: dict) -> dict:
+    """Medians per arm, the ratios tracked/off (median and mean step, per pair), the one-off work."""
+    runs = m["runs"]
     med = {a: common.median(r["median_step_s"] for r in runs[a]) for a in runs}
     mean = {a: common.median(r["mean_step_s"] for r in runs[a]) for a in runs}
-    ratio = med["tracked"] / med["off"]
-    ratio_mean = mean["tracked"] / mean["off"]
-    pair_ratios = [t["median_step_s"] / o["median_step_s"] for t, o in zip(runs["tracked"], runs["off"])]
-    outside = common.median(r["outside_loop_s"] for r in runs["tracked"])
-    met = ratio <= TARGET
-    direct_pct = 100 * per_step / med["off"]
-    spread = (min(pair_ratios), max(pair_ratios))
+    pairs = [t["median_step_s"] / o["median_step_s"] for t, o in zip(runs["tracked"], runs["off"])]
+    return {"median": med, "mean": mean, "ratio": med["tracked"] / med["off"],
+            "ratio_mean": mean["tracked"] / mean["off"], "pairs": pairs, "met": med["tracked"] / med["off"] <= TARGET,
+            "outside": common.median(r["outside_loop_s"] for r in runs["tracked"]),
+            "direct_pct": 100 * m["per_step"] / med["off"]}
 
-    rows = []
-    for a in ("off", "tracked"):
-        rows.append([
-            "tracking off (no-op sink)" if a == "off" else "full tracking (run, params, batched writer, system metrics)",
-            ", ".join(f"{r['median_step_s']:.4f}" for r in runs[a]),
-            f"{med[a]:.4f} s", f"{mean[a]:.4f} s",
-            f"{common.median(r['samples_per_second'] for r in runs[a]):.1f}",
-            f"{common.median(r['wall_s'] for r in runs[a]):.1f} s",
-        ])
-    verdict = ("met" if met else "NOT met")
-    lines = [
-        f"`bench/tracking_overhead.py`: MiniLM-L6 (pretrained), {args.micro} x {args.accum} per optimizer step, "
-        f"max_length {args.max_length}, {args.steps} optimizer steps per run, {args.reps} paired repetitions "
-        f"(order alternating), step 1 excluded.",
-        "",
-        common.table(["arm", "median step time per rep (s)", "median", "mean step (median over reps)",
-                      "samples/s (steps 2..N)", "train() wall per run"], rows),
-        "",
+
+# -- the report --------------------------------------------------------------------------------------
+
+def _arm_rows(runs: dict, s: dict) -> list[list]:
+    return [["tracking off (no-op sink)" if a == "off" else "full tracking (run, params, batched writer, system metrics)",
+             ", ".join(f"{r['median_step_s']:.4f}" for r in runs[a]), f"{s['median'][a]:.4f} s", f"{s['mean'][a]:.4f} s",
+             f"{common.median(r['samples_per_second'] for r in runs[a]):.1f}",
+             f"{common.median(r['wall_s'] for r in runs[a]):.1f} s"] for a in ("off", "tracked")]
+
+
+def _findings(args, m: dict, s: dict) -> list[str]:
+    inter, ratio = m["inter"], s["ratio"]
+    return [
         f"- Ratio tracked/off of the median step time: **{ratio:.4f}** ({100 * (ratio - 1):+.2f}%); "
-        f"per pair: {', '.join(f'{x:.4f}' for x in pair_ratios)}; of the mean step time: {ratio_mean:.4f}. "
-        f"Target <= {TARGET:.2f}: **{verdict}**.",
-        f"- Run-to-run spread of the pair ratios: {spread[0]:.3f} to {spread[1]:.3f}."
+        f"per pair: {', '.join(f'{x:.4f}' for x in s['pairs'])}; of the mean step time: {s['ratio_mean']:.4f}. "
+        f"Target <= {TARGET:.2f}: **{'met' if s['met'] else 'NOT met'}**.",
+        f"- Run-to-run spread of the pair ratios: {min(s['pairs']):.3f} to {max(s['pairs']):.3f}."
         + (f" Interleaved within one run ({args.interleaved_steps} steps, same model): median step after an "
            f"MLflow write {inter['median_after_write']:.4f} s vs after a no-op {inter['median_after_noop']:.4f} s, "
            f"ratio **{inter['median_after_write'] / inter['median_after_noop']:.4f}** (means: "
            f"{inter['mean_after_write'] / inter['mean_after_noop']:.4f}, flushes included)." if inter else ""),
         f"- Direct cost of the per-step sink (1,000 real step rows through `MetricBuffer.add`, flushes "
-        f"included): {per_step * 1e6:.0f} us per optimizer step = {direct_pct:.3f}% of a {med['off']:.3f} s step; "
-        f"longest single `add` (what one step waited on tracking at most): {longest_add * 1e3:.2f} ms.",
+        f"included): {m['per_step'] * 1e6:.0f} us per optimizer step = {s['direct_pct']:.3f}% of a "
+        f"{s['median']['off']:.3f} s step; longest single `add` (what one step waited on tracking at most): "
+        f"{m['longest_add'] * 1e3:.2f} ms.",
         f"- One-off tracking work outside the loop (start_run, params, tags, starting and stopping the "
-        f"system-metrics monitor, final flush, summary metrics, end_run): {outside:.3f} s per run (not per step).",
-        f"- {common.load_note(runs['tracked'] + runs['off'])}" + (f" Load named by the operator: {args.load}."
-                                                                  if args.load else ""),
-        *outlier_lines(runs, args.load),
+        f"system-metrics monitor, final flush, summary metrics, end_run): {s['outside']:.3f} s per run (not per step).",
+        f"- {common.load_note(m['runs']['tracked'] + m['runs']['off'])}"
+        + (f" Load named by the operator: {args.load}." if args.load else ""),
     ]
-    if not met:
+
+
+def _miss_line(m: dict, s: dict) -> str:
+    """Why the target was missed: run-to-run variation (some pairs faster tracked, a small direct cost)
+    or tracking work."""
+    ratio, lo, inter = s["ratio"], min(s["pairs"]), m["inter"]
+    if lo <= 1.0 and s["direct_pct"] < 100 * (ratio - 1) / 2:
         inter_ratio = inter["median_after_write"] / inter["median_after_noop"] if inter else None
-        noise = spread[0] <= 1.0 and direct_pct < 100 * (ratio - 1) / 2
-        if noise:
-            lines.append(
-                f"- The paired runs miss the target in this measurement ({100 * (ratio - 1):+.2f}%), but some pairs "
-                f"have the tracked run faster (ratios down to {spread[0]:.3f}) and the sink's direct cost is "
-                f"{direct_pct:.3f}% of a step: the miss is run-to-run variation, not tracking work"
+        return (f"- The paired runs miss the target in this measurement ({100 * (ratio - 1):+.2f}%), but some pairs "
+                f"have the tracked run faster (ratios down to {lo:.3f}) and the sink's direct cost is "
+                f"{s['direct_pct']:.3f}% of a step: the miss is run-to-run variation, not tracking work"
                 + (f"; the interleaved measurement, free of it, gives {100 * (inter_ratio - 1):+.2f}%."
                    if inter_ratio is not None else ". More --reps narrow it."))
-        else:
-            lines.append(f"- The target is not met: tracked runs are {100 * (ratio - 1):+.2f}% slower per step, "
-                         f"more than the sink's direct cost ({direct_pct:.3f}%) accounts for.")
-    payload = {"interleaved": {k: v for k, v in inter.items() if k != "rows"} if inter else None,
-               "target_ratio_max": TARGET, "ratio_median_step": ratio, "ratio_mean_step": ratio_mean,
-               "pair_ratios": pair_ratios, "target_met": met, "sink_seconds_per_step": per_step, "longest_add_s": longest_add,
-               "outside_loop_s": outside, "median_step_s": med, "mean_step_s": mean,
-               "runs": {a: [{k: v for k, v in r.items() if k != "rows"} for r in runs[a]] for a in runs}}
-    common.report("tracking_overhead", args, "Tracking overhead per optimizer step", lines, payload)
+    return (f"- The target is not met: tracked runs are {100 * (ratio - 1):+.2f}% slower per step, "
+            f"more than the sink's direct cost ({s['direct_pct']:.3f}%) accounts for.")
+
+
+def report_lines(args, m: dict, s: dict) -> list[str]:
+    lines = [f"`bench/tracking_overhead.py`: MiniLM-L6 (pretrained), {args.micro} x {args.accum} per optimizer step, "
+             f"max_length {args.max_length}, {args.steps} optimizer steps per run, {args.reps} paired repetitions "
+             f"(order alternating), step 1 excluded.", "",
+             markdown_table(["arm", "median step time per rep (s)", "median", "mean step (median over reps)",
+                             "samples/s (steps 2..N)", "train() wall per run"], _arm_rows(m["runs"], s)), "",
+             *_findings(args, m, s), *outlier_lines(m["runs"], args.load)]
+    return lines + ([] if s["met"] else [_miss_line(m, s)])
+
+
+def main() -> None:
+    args = _args()
+    common.setup()
+    m = measure(args)
+    s = summarize(m)
+    payload = {"interleaved": {k: v for k, v in m["inter"].items() if k != "rows"} if m["inter"] else None,
+               "target_ratio_max": TARGET, "ratio_median_step": s["ratio"], "ratio_mean_step": s["ratio_mean"],
+               "pair_ratios": s["pairs"], "target_met": s["met"], "sink_seconds_per_step": m["per_step"],
+               "longest_add_s": m["longest_add"], "outside_loop_s": s["outside"], "median_step_s": s["median"],
+               "mean_step_s": s["mean"], "runs": common.without_rows(m["runs"])}
+    common.report("tracking_overhead", args, "Tracking overhead per optimizer step", report_lines(args, m, s), payload)
 
 
 if __name__ == "__main__":

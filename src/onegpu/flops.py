@@ -1,4 +1,4 @@
-"""Model FLOPs and MFU (model FLOPs utilisation).
+"""Model FLOPs and MFU (model FLOPs utilisation), and a finished training's speed in both (:func:`speed_metrics`).
 
 **Model FLOPs** of training count every matrix multiply of the forward pass twice (a multiply and an
 add per weight and token), and the backward pass as twice the forward (gradients with respect to the
@@ -200,9 +200,15 @@ def matmul_parameters(model) -> tuple[int, int]:
 
 
 def _layers_width(model) -> tuple[int, int]:
+    """(layers, attention width): the width of the query heads (``num_attention_heads x head_dim``) where
+    the config gives a ``head_dim`` (Llama, whose grouped-query attention still scores every query head
+    against its shared key), else the hidden size."""
     cfg = model.config
     n_layer = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0)
     d_model = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)
+    heads, head_dim = getattr(cfg, "num_attention_heads", None), getattr(cfg, "head_dim", None)
+    if isinstance(heads, int) and isinstance(head_dim, int):
+        d_model = heads * head_dim
     return int(n_layer), int(d_model)
 
 
@@ -378,6 +384,37 @@ def mfu(achieved: float, device_name: str, dtype: str, device: str = "cpu") -> d
               f"({device_name}, {dtype}" + (", measured twice" if remeasured else "") + "): the peak is "
               "unknown, so no MFU is given")
     return {"mfu": None, "peak": peak, "source": source, "remeasured": remeasured, "unknown_reason": reason}
+
+
+def speed_metrics(model, summary: dict, num_processes: int, mixed_precision: str, device: str,
+                  device_name: str, tokens_sq: int | None = None) -> tuple[dict, dict, dict]:
+    """A finished training's ``train_flops_per_second`` (model FLOPs, :func:`train_flops`; all processes
+    together) and ``train_mfu`` against the device's peak in the matmul dtype of ``mixed_precision``
+    (``train.mixed_precision``; each of ``num_processes`` processes on its own device of the same peak);
+    ``model_flops_per_token`` and ``device_peak_flops`` with them.
+
+    ``summary``: the recorder's totals (``train_samples``, ``train_tokens``, ``train_runtime`` in s);
+    ``tokens_sq``: see :func:`train_flops`.
+    Returns ``(metrics, params, tags)``: params name the peak's source and, for a measured peak, its
+    cache file; with no trustworthy peak ``train_mfu`` is left out and the tag
+    ``train_mfu.unknown_reason`` says why. Empty dicts when nothing was trained.
+    """
+    if not summary.get("train_samples") or not summary.get("train_runtime"):
+        return {}, {}, {}
+    total = train_flops(model, summary["train_samples"], summary["train_tokens"], tokens_sq)
+    achieved = total / summary["train_runtime"]  # over all processes (their examples are summed)
+    m = mfu(achieved / num_processes, device_name, matmul_dtype(mixed_precision), device)
+    metrics = {"train_flops_per_second": achieved, "model_flops_per_token": total / summary["train_tokens"],
+               "device_peak_flops": m["peak"]}
+    params = {"device_peak_flops.source": m["source"]}
+    if m["source"] == "measured":
+        params["device_peak_flops.cache"] = display_path(cache_file())
+    tags = {}
+    if m["mfu"] is None:
+        tags["train_mfu.unknown_reason"] = m["unknown_reason"]
+    else:
+        metrics["train_mfu"] = m["mfu"]
+    return metrics, params, tags
 
 
 def cpu_model() -> str:

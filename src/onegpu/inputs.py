@@ -58,6 +58,9 @@ def model_target(name_or_path: str | None) -> Path | dict:
     """
     if name_or_path is None:
         return {"model.name_or_path": None, "kind": "built from config (model.n_layer, n_embd, n_head)"}
+    from onegpu import packaged
+    if name_or_path in packaged.GGUF:  # the package's GGUF file, not its cached conversion (none is made here)
+        return packaged.package_dir(name_or_path) / packaged.GGUF[name_or_path][1]
     untracked = data.untracked_in_clone("model.name_or_path", name_or_path, f"`dvc add {name_or_path}`")
     if untracked:
         raise ModelError(untracked)

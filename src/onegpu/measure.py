@@ -19,6 +19,7 @@ def rss_peak_bytes() -> int:
     """Peak resident set size of this process since the last reset, in bytes (``VmHWM``).
 
     Falls back to ``getrusage(RUSAGE_SELF).ru_maxrss`` (KiB on Linux, never reset) where /proc is absent.
+    (Read here, not through psutil: its ``memory_info`` has the current RSS only, not this resettable peak.)
     """
     try:
         with open("/proc/self/status") as f:
@@ -44,6 +45,22 @@ def cuda_available() -> bool:
     """Whether torch sees a CUDA GPU (``torch.cuda.is_available()``)."""
     import torch
     return torch.cuda.is_available()
+
+
+def device_facts():
+    """What this machine offers for the config's device checks (:class:`onegpu.config.DeviceFacts`):
+    CUDA and its GPUs (count, first one's name, bf16 and TF32 support) and the optional packages of
+    :data:`onegpu.config.OPTIONAL_PACKAGES` that are installed."""
+    import importlib.util
+
+    from onegpu.config import OPTIONAL_PACKAGES, DeviceFacts
+    packages = frozenset(p for p in OPTIONAL_PACKAGES if importlib.util.find_spec(p) is not None)
+    if not cuda_available():
+        return DeviceFacts(packages=packages)
+    import torch
+    from transformers.utils import is_torch_tf32_available
+    return DeviceFacts(cuda=True, gpus=torch.cuda.device_count(), name=torch.cuda.get_device_name(0),
+                       bf16=torch.cuda.is_bf16_supported(), tf32=is_torch_tf32_available(), packages=packages)
 
 
 def default_device() -> str:

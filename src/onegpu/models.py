@@ -23,13 +23,17 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model
 def resolve_model_path(name_or_path: str | None) -> str | None:
     """Map ``model.name_or_path`` to what ``from_pretrained`` takes.
 
-    Returns the packaged model's directory, a local directory (checked to hold ``config.json``), a
+    Returns the packaged model's directory (for a GGUF-packaged model its converted copy in the per-user
+    cache, :func:`onegpu.packaged.converted_dir`), a local directory (checked to hold ``config.json``), a
     hub id unchanged, or None for None (a model built from config).
     Raises:
         ModelError: the package is not installed, or a local path is missing or has no config.json.
     """
     if name_or_path is None:
         return None
+    from onegpu import packaged
+    if name_or_path in packaged.GGUF:  # the packaged chat model: its cached conversion (made once)
+        return str(packaged.converted_dir(name_or_path))
     if name_or_path in _PACKAGED:
         pkg, sub, pip_name = _PACKAGED[name_or_path]
         spec = importlib.util.find_spec(pkg)
@@ -86,7 +90,8 @@ def _check_hub(repo_id: str, timeout_s: float = 5.0) -> None:
 
 def is_local(name_or_path: str | None) -> bool:
     """True for the packaged model, a local directory, or null (built from config)."""
-    if name_or_path is None or name_or_path in _PACKAGED:
+    from onegpu import packaged
+    if name_or_path is None or name_or_path in _PACKAGED or name_or_path in packaged.GGUF:
         return True
     return Path(name_or_path).expanduser().exists()
 
@@ -178,6 +183,9 @@ def build_causal_lm(path: str | None, tokenizer, sizes, context: int, dropout: f
         if dropout is not None:
             _set_dropout(config, dropout)
         return AutoModelForCausalLM.from_config(config, **_attn(attn_implementation))
+    from transformers.utils import logging as hf_logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers 5's "Loading weights" bar between the stage's lines
     try:
         config = AutoConfig.from_pretrained(path)
         if dropout is not None:
@@ -185,6 +193,9 @@ def build_causal_lm(path: str | None, tokenizer, sizes, context: int, dropout: f
         model = AutoModelForCausalLM.from_pretrained(path, config=config, **_attn(attn_implementation))
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelError(f"cannot load a causal LM from {path!r}: {str(e).splitlines()[0]}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model
@@ -280,12 +291,40 @@ def enable_checkpointing(model, kwargs: dict | None = None) -> None:
     kwargs = dict(kwargs or {"use_reentrant": False})
     every = kwargs.pop("every_n_layers", 1)
     extra = {"every_n_layers": every} if every != 1 else {}
-    if getattr(model.config, "use_cache", None):
-        model.config.use_cache = False  # a KV cache is useless in training and clashes with checkpointing
+    no_kv_cache(model)  # a KV cache is useless in training and clashes with checkpointing
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **extra)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **extra)
+
+
+def packed_sequences_problem(path: str | None, attn_implementation: str | None) -> str | None:
+    """Why the causal LM at ``path`` (None: the GPT-2 built from config) cannot keep the sequences of a
+    padding-free or packed row apart, or None when it can.
+
+    transformers keeps them apart where the model builds its attention mask with ``masking_utils.
+    create_causal_mask``, which turns position ids that restart (with no attention mask and no KV cache:
+    training) into a block-diagonal mask for SDPA and eager attention; flash_attention_2 reads the same
+    position ids as variable-length sequences. A model whose code builds its own mask would let the
+    sequences of one row attend to each other (trl#3695: packing without sequence boundaries). The test
+    reads the model class's source: it imports the modeling module, not the weights.
+    """
+    import inspect
+    import sys
+
+    from transformers import AutoConfig, GPT2Config
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    config = GPT2Config() if path is None else AutoConfig.from_pretrained(path)
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return f"{type(config).__name__} is not a causal LM transformers knows"
+    if attn_implementation == "flash_attention_2":
+        return None
+    if "create_causal_mask" not in inspect.getsource(sys.modules[cls.__module__]):
+        return (f"{cls.__name__} builds its attention mask itself, not from restarting position ids, so the "
+                "sequences of one row would attend to each other")
+    return None
 
 
 def supports_checkpointing(model) -> bool:
@@ -300,3 +339,17 @@ def load_trained(model_dir: str | os.PathLike, task: str = "sequence-classificat
         raise ModelError(f"{d} holds no trained model: run the train stage first (dvc repro)")
     cls = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
     return cls.from_pretrained(d), load_tokenizer(str(d), task)
+
+
+def attention_kernel(model) -> str:
+    """The attention kernel a built model uses (``config._attn_implementation``: ``eager``, ``sdpa``, ...),
+    which ``model.attn_implementation: null`` leaves to transformers."""
+    return str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "the model's default")
+
+
+def no_kv_cache(model) -> None:
+    """Switch the model's KV cache off (``config.use_cache = False``), as training runs it: a cache is useless
+    in training, clashes with checkpointing, and hides the sequence boundaries of a padding-free or packed
+    row (transformers builds the block-diagonal mask from ``position_ids`` only without one)."""
+    if getattr(getattr(model, "config", None), "use_cache", None):
+        model.config.use_cache = False

@@ -28,6 +28,7 @@ TRAIN_METRICS = Path("metrics/train.json")
 EVAL_METRICS = Path("metrics/eval.json")
 STEP_PLOT = Path("plots/train_steps.csv")
 PREDICTIONS = Path("plots/predictions.csv")
+GENERATIONS = Path("plots/generations.csv")  # instruction data: reference and generated answer per test row
 
 
 def project_root(cwd: str | os.PathLike | None = None) -> Path:
@@ -68,6 +69,10 @@ def params_differ_from_head(params: str | os.PathLike = PARAMS) -> bool:
     if _outside_exp_tmp(here) != here:
         return False
     try:
+        # Outside a repository `git diff` falls back to comparing files (--no-index) and exits 1: ask first.
+        if subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True,
+                          timeout=5).returncode != 0:
+            return False
         return subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(params)], capture_output=True,
                               timeout=5).returncode == 1
     except (OSError, subprocess.SubprocessError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from onegpu import paths
 from onegpu.errors import DataError
+from onegpu.formatting import gib
 
 NEXT = """Next:
   onegpu ui          the MLflow UI: every run's per-step loss, memory and speed (link printed)
@@ -34,15 +35,32 @@ def text(cfg=None) -> str:
             raise DataError(f"{f} is missing: run the pipeline first (make run, or dvc repro)")
     tr, ev = paths.read_json(paths.TRAIN_METRICS), paths.read_json(paths.EVAL_METRICS)
     run = paths.read_json(paths.RUN_FILE).get("run_id", "?") if paths.RUN_FILE.is_file() else "?"
-    test = " | ".join(f"perplexity {ev[k]:.1f}" if k == "eval_perplexity" else f"{k.removeprefix('eval_')} {ev[k]:.4f}"
-                      for k in ("eval_accuracy", "eval_perplexity", "eval_loss") if k in ev)
+    test = " | ".join(f"perplexity {ev[k]:.1f}" if k == "eval_perplexity" else
+                      f"ROUGE-L {ev[k]:.3f}" if k == "eval_rouge_l" else f"{k.removeprefix('eval_')} {ev[k]:.4f}"
+                      for k in ("eval_accuracy", "eval_rouge_l", "eval_perplexity", "eval_loss") if k in ev)
     train = [f"loss {tr['train_loss']:.4f}" if "train_loss" in tr else None,
              f"{tr['train_samples_per_second']:.1f} samples/s" if "train_samples_per_second" in tr else None,
-             f"peak {tr['train_mem_peak_bytes'] / 2**30:.2f} GiB" if "train_mem_peak_bytes" in tr else None]
+             f"peak {gib(tr['train_mem_peak_bytes'])}" if "train_mem_peak_bytes" in tr else None]
     if cfg is not None:
         t = cfg.train
         train.append("micro-batch auto (the split chosen: MLflow params resolved.*)"
                      if t.per_device_train_batch_size == "auto" else
                      f"{t.per_device_train_batch_size} x {t.gradient_accumulation_steps} per optimizer step")
     return (f"onegpu: done. Headline (metrics/*.json; every figure and per-step series in MLflow run {run}):\n"
-            f"  test:  {test}\n  train: {' | '.join(x for x in train if x)}\n{NEXT}")
+            f"  test:  {test}\n  train: {' | '.join(x for x in train if x)}\n{_generations()}{NEXT}")
+
+
+def _generations(shown: int = 3) -> str:
+    """The first ``shown`` test generations of instruction data (plots/generations.csv), or ''."""
+    import csv
+    if not paths.GENERATIONS.is_file():
+        return ""
+    with open(paths.GENERATIONS, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        return ""
+    lines = [f"  generated (greedy) for {len(rows)} test prompts, the first {min(shown, len(rows))} "
+             f"({paths.GENERATIONS}):"]
+    for r in rows[:shown]:
+        lines.append(f"    reference: {r['reference']}\n    generated: {' '.join(r['generation'].split())}")
+    return "\n".join(lines) + "\n"

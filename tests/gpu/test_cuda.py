@@ -10,6 +10,7 @@ import torch
 
 from onegpu import config, measure
 from onegpu.training.backends import accelerate as accel, hf_trainer
+from onegpu.training.backends.base import TrainRequest
 
 pytestmark = pytest.mark.gpu
 
@@ -37,8 +38,7 @@ def _losses(tokenizer, dsd, micro, accum, backend=hf_trainer, **train) -> list[f
         "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum, "max_steps": 3,
         "learning_rate": 1e-3, "logging_steps": 100, **train}})
     rows = []
-    backend.train(_model(tokenizer), tokenizer, dsd, cfg, config.resolve(cfg),
-                  sink=lambda m, s: rows.append((s, m["loss"])))
+    backend.train(TrainRequest(_model(tokenizer), tokenizer, dsd, cfg, sink=lambda m, s: rows.append((s, m["loss"]))))
     return [loss for _, loss in sorted(rows)]
 
 
@@ -87,7 +87,7 @@ def test_fp16_with_its_gradient_scaler_stays_within_fp16_tolerance_of_fp32(token
 
 @pytest.mark.parametrize("backend", [hf_trainer, accel], ids=["trainer", "accelerate"])
 def test_tf32_stays_within_the_tf32_tolerance_of_fp32(tokenizer, dsd, tmp_path, monkeypatch, backend):
-    from onegpu.equivalence import TOLERANCES
+    from onegpu.compare import TOLERANCES
     from transformers.utils import is_torch_tf32_available
     if not is_torch_tf32_available():
         pytest.skip("this GPU has no TF32 (pre-Ampere)")

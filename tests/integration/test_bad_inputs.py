@@ -163,6 +163,13 @@ def _and(*fns):
 
 
 CSV = {"data.source": "d.csv"}
+# Instruction data with a causal LM built from config (its BPE tokenizer, trained by prepare, has no chat template).
+SFT_JSONL = {"data.source": "d.jsonl", "model.task": "causal-lm", "model.name_or_path": None}
+TURNS = {"messages": [{"role": "user", "content": "Write a headline."}, {"role": "assistant", "content": "News."}]}
+
+
+def _write_jsonl(path: Path, rows) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 @dataclass(frozen=True)
@@ -258,6 +265,26 @@ CASES = [
          _set(**{"data.source": "texts"}), lambda d: (d / "texts" / "sport").mkdir(parents=True)),
     Case("data-directory-named-like-a-file", "prepare", ("data.source='texts.csv'", "is a directory"),
          _set(**{"data.source": "texts.csv"}), lambda d: (d / "texts.csv").mkdir()),
+
+    # ---- instruction data (issue 21 item 9): one line naming the row or the rule, before any run ---------
+    Case("sft-messages-cell-not-a-list", "prepare", ("data.source='d.jsonl'", "line 3", "messages cell is a dict, not a list"),
+         _set(**SFT_JSONL), lambda d: _write_jsonl(d / "d.jsonl", [TURNS] * 2 + [{"messages": {"role": "user", "content": "hi"}}])),
+    Case("sft-message-without-content", "prepare", ("line 2", "messages[0] has keys ['role', 'text']"),
+         _set(**SFT_JSONL), lambda d: _write_jsonl(d / "d.jsonl", [TURNS, {"messages": [{"role": "user", "text": "x"}]}])),
+    Case("sft-no-assistant-turn", "prepare", ("line 4 has no assistant turn", "data.assistant_only_loss"),
+         _set(**SFT_JSONL, **{"data.assistant_only_loss": True}),
+         lambda d: _write_jsonl(d / "d.jsonl", [TURNS] * 3 + [{"messages": [{"role": "user", "content": "q?"}]}])),
+    Case("sft-messages-without-chat-template", "prepare", ("messages", "no chat template"), _set(**SFT_JSONL),
+         lambda d: _write_jsonl(d / "d.jsonl", [{"messages": [{"role": "user", "content": f"Headline {i}?"},
+                                                             {"role": "assistant", "content": f"News {i}."}]}
+                                               for i in range(24)])),
+    Case("sft-no-completion-fits", "prepare", ("no train row fits data.max_length=16", "never the answer"),
+         _set(**SFT_JSONL, **{"data.max_length": 16}),
+         lambda d: _write_jsonl(d / "d.jsonl", [{"prompt": f"p {i}", "completion": " ".join(["long"] * 40) + f" {i}"}
+                                               for i in range(24)])),
+    Case("sft-completion-only-on-text-data", "inputs", ("data.completion_only_loss is true", "text data"),
+         _set(**SFT_JSONL, **{"data.completion_only_loss": True}),
+         lambda d: _write_jsonl(d / "d.jsonl", [{"text": "plain words"}] * 3)),
 
     # ---- model paths ---------------------------------------------------------------------------------
     _model_case("model-missing-directory", "./no-such-model", ("model.name_or_path='./no-such-model'",

@@ -6,6 +6,7 @@ import os
 import pytest
 
 from tests.integration.conftest import BIN, dvc, run, runs, wait_for_queue
+from tests.tables import row
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +30,7 @@ def test_queue_only_then_report(tmp_path, prepared):
     out = run([str(BIN / "onegpu"), "tradeoffs", "--report"], project).stdout
     assert "same within bf16 tolerance" in out, out
     md = (project / "reports" / "tradeoffs.md").read_text()
-    assert f"# onegpu tradeoffs {batch} -S train.max_steps=2" in md and "| bf16 |" in md and "| baseline |" in md
+    assert f"# onegpu tradeoffs {batch} -S train.max_steps=2" in md and row(md, "bf16") and row(md, "baseline")
     trained = _training_runs(project, f"tradeoffs-{batch}-")
     assert sorted(trained) == ["baseline", "bf16", "cpu-allocator-system"]
     c, _, _ = runs(project)
@@ -44,7 +45,7 @@ def test_queue_only_then_report(tmp_path, prepared):
         assert ([m.value for m in c.get_metric_history(base.info.run_id, key)]
                 == [m.value for m in c.get_metric_history(system.info.run_id, key)]), key
     assert base.data.metrics["eval_loss"] == system.data.metrics["eval_loss"]
-    assert "| cpu-allocator-system |" in md
+    assert row(md, "cpu-allocator-system")
     # Bad input: one line, exit 2, nothing queued.
     p = run([str(BIN / "onegpu"), "tradeoffs", "--knobs", "split,turbo"], project, check=False)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0
@@ -55,12 +56,13 @@ def test_queue_only_then_report(tmp_path, prepared):
 def test_full_run_with_the_combined_recommendation(tmp_path, monkeypatch, prepared):
     """Every same-training knob counts as faster (MIN_GAIN -1): the split and checkpointing rows are
     combined, queued and measured as `recommended`, which must be the same training as the baseline."""
-    from onegpu import config, tradeoffs
+    from onegpu import config
     from onegpu.stages import tradeoffs as stage
+    from onegpu.tradeoffs import measurement as tradeoffs, recommend
     project = prepared(tmp_path / "p")
     monkeypatch.chdir(project)
     monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    monkeypatch.setattr(tradeoffs, "MIN_GAIN", -1.0)
+    monkeypatch.setattr(recommend, "MIN_GAIN", -1.0)
     cfg = config.load("params.yaml")
     rows = stage.run(cfg, "params.yaml", ("split", "checkpointing", "lora"))
     names = [r.variant.name for r in rows]
@@ -81,7 +83,7 @@ def test_full_run_with_the_combined_recommendation(tmp_path, monkeypatch, prepar
         assert [s for s, _ in r.run.series["loss"]] == [1, 2, 3], r.variant.name
     assert by["lora"].memory_ratio < 0.5
     md = (project / "reports" / "tradeoffs.md").read_text()
-    assert "| recommended |" in md and "verdict against the baseline: **same training**" in md
+    assert row(md, "recommended") and "verdict against the baseline: **same training**" in md
     c, exp, all_runs = runs(project)
     report_runs = [r for r in all_runs if r.data.tags.get("stage") == "tradeoffs"]
     assert len(report_runs) == 1

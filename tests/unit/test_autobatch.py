@@ -9,6 +9,7 @@ from onegpu import autobatch, config, measure, models
 from onegpu.errors import UserError
 from onegpu.training import batches
 from onegpu.training.backends import accelerate as accel, hf_trainer
+from onegpu.training.backends.base import TrainRequest
 
 BACKENDS = pytest.mark.parametrize("backend", [hf_trainer, accel], ids=["trainer", "accelerate"])
 from onegpu.training.loss import classification_loss
@@ -73,8 +74,8 @@ def test_budget_is_required_on_cpu():
 
 def _losses(tokenizer, dsd, cfg, injector=None, backend=hf_trainer):
     rows = []
-    model, steps = backend.train(tiny_bert(tokenizer), tokenizer, dsd, cfg, config.resolve(cfg),
-                                    sink=lambda m, s: rows.append((s, m["loss"])), oom_injector=injector)
+    model, steps = backend.train(TrainRequest(tiny_bert(tokenizer), tokenizer, dsd, cfg,
+                                              sink=lambda m, s: rows.append((s, m["loss"])), oom_injector=injector))
     return [loss for _, loss in sorted(rows)], steps
 
 

@@ -126,6 +126,16 @@ BAD = [
     ("auto-not-divisible-by-processes", {"train.per_device_train_batch_size": "auto",
                                          "train.effective_batch_size": 9, "train.num_processes": 2},
      "train.effective_batch_size", ["not divisible by train.num_processes (2)"]),
+    # instruction data (issue 21): causal LM only
+    ("padding-free-classifier", {"data.padding_free": True}, "data.padding_free", ["causal-lm only"]),
+    ("packing-classifier", {"data.packing": True}, "data.packing", ["causal-lm only"]),
+    ("completion-only-classifier", {"data.completion_only_loss": True}, "data.completion_only_loss", ["causal-lm"]),
+    ("headlines-classifier", {"data.source": "bbcnews-headlines"}, "data.source", ["instruction data"]),
+    ("padding-free-not-bool", {"data.padding_free": "sometimes"}, "data.padding_free", ["true or false"]),
+    ("completion-only-not-bool", {"data.completion_only_loss": "maybe"}, "data.completion_only_loss",
+     ["true, false or null"]),
+    ("max-new-tokens-0", {"evaluate.max_new_tokens": 0}, "evaluate.max_new_tokens", ["from 1 to 4096"]),
+    ("source-parquet-typo", {"data.source": "d.parqet"}, "data.source", [".parquet"]),
 ]
 
 
@@ -371,3 +381,53 @@ def test_every_key_of_the_schema_is_in_params_yaml():
     assert sorted(set(config.flatten(config.Config().to_dict())) - set(have) - {"model.lora"}) == []
     assert {k for k in have if k.startswith("model.lora.")} == {f"model.lora.{f}" for f in
                                                                 ("r", "alpha", "dropout", "target_modules")}
+
+
+# -- the machine's combinations (config.check_device): one line each, before any work -----------------
+
+CPU = config.DeviceFacts()
+GPU = config.DeviceFacts(cuda=True, gpus=2, name="NVIDIA T4", bf16=False, tf32=False)
+
+
+@pytest.mark.parametrize("train, model, facts, key, words", [
+    ({"num_processes": 4}, {}, GPU, "train.num_processes", "4 processes need 4 GPUs (one each) and 2 is/are visible"),
+    ({"fp16": True}, {}, CPU, "train.fp16", "fp16 mixed precision needs a CUDA GPU"),
+    ({"bf16": True}, {}, GPU, "train.bf16", "NVIDIA T4 has no bf16 support; use fp16"),
+    ({"optim": "adamw_bnb_8bit"}, {}, GPU, "train.optim", "needs the bitsandbytes package"),
+    ({"optim": "adamw_bnb_8bit"}, {}, config.DeviceFacts(packages=frozenset({"bitsandbytes"})), "train.optim",
+     "adamw_bnb_8bit (bitsandbytes) needs a CUDA GPU"),
+    ({}, {"attn_implementation": "flash_attention_2"}, GPU, "model.attn_implementation",
+     "flash_attention_2 needs the flash_attn package"),
+    ({}, {"attn_implementation": "flash_attention_2"}, config.DeviceFacts(packages=frozenset({"flash_attn"})),
+     "model.attn_implementation", "flash_attention_2 needs a CUDA GPU"),
+    ({"tf32": True}, {}, GPU, "train.tf32", "NVIDIA T4 has no TF32 (needs an Ampere or newer GPU)"),
+])
+def test_a_combination_the_device_cannot_run_is_one_line_naming_the_key(train, model, facts, key, words):
+    cfg = config.from_container({"train": train, "model": model}, source="test")
+    with pytest.raises(ConfigError) as e:
+        config.check_device(cfg, facts)
+    msg = str(e.value)
+    assert msg.startswith(f"params.yaml: {key}: ") and words in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("train, model, facts", [
+    ({"num_processes": 4}, {}, CPU),  # gloo processes on a CPU: any number
+    ({"tf32": True}, {}, CPU),  # TF32 is a no-op on a CPU
+    ({"bf16": True}, {}, CPU),  # CPU autocast
+    ({"num_processes": 2, "fp16": True}, {}, GPU),
+    ({"optim": "adamw_bnb_8bit"}, {"attn_implementation": "flash_attention_2"},
+     config.DeviceFacts(cuda=True, gpus=1, packages=frozenset({"bitsandbytes", "flash_attn"}))),
+])
+def test_combinations_the_device_runs_pass(train, model, facts):
+    config.check_device(config.from_container({"train": train, "model": model}, source="test"), facts)
+
+
+def test_with_layout_writes_the_micro_batch_in_use_where_a_backend_reads_it():
+    cfg = config.from_container({"train": {"per_device_train_batch_size": "auto", "effective_batch_size": 16,
+                                           "memory_budget_gib": 1}}, source="test")
+    used = config.with_layout(cfg, config.resolve(cfg, micro_batch=4))
+    assert (used.train.per_device_train_batch_size, used.train.gradient_accumulation_steps) == (4, 4)
+    assert config.resolve(used) == config.Resolved(4, 4, 1) and used.train.effective_batch_size == 16
+    assert cfg.train.per_device_train_batch_size == "auto"  # the params as given (logged) stay as they were
+    with pytest.raises(ValueError, match="2 processes"):
+        config.with_layout(cfg, config.Resolved(4, 2, 2))

@@ -130,7 +130,7 @@ def test_stats_report_rows_dropped_per_reason(tmp_path):
 
 
 def test_drop_summary_line():
-    from onegpu.stages.prepare import drop_summary
+    from onegpu.data.pipeline import drop_summary
     assert drop_summary({"empty_text": 10, "empty_label": 1, "duplicate": 0}) == \
         "11 dropped (empty text 10, empty label 1)"
     assert drop_summary(dict.fromkeys(data.DROP_REASONS, 0)) == "0 dropped"
@@ -145,7 +145,7 @@ def test_config_accepts_a_directory_source_and_refuses_other_files(tmp_path, mon
     cfg.data.source = "texts"
     validate(cfg)
     cfg.data.source = "notes.txt"
-    with pytest.raises(ConfigError, match=r"data.source: must be 'bbcnews', a .csv or .jsonl file, or a directory"):
+    with pytest.raises(ConfigError, match=r"data.source: must be 'bbcnews', 'bbcnews-headlines', a .csv, .jsonl or .parquet file, or a directory"):
         validate(cfg)
 
 

@@ -1,6 +1,6 @@
 """PEFT LoRA (``model.lora``): config, both backends, checkpointing, what trains, saving, key, estimate.
 
-Tiny models on CPU: the 2-layer BERT classifier of ``test_backends`` and a 1-layer GPT-2 built from params.
+Tiny models on CPU: the 2-layer BERT classifier of ``tests/unit/tiny.py`` and a 1-layer GPT-2 built from params.
 """
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from onegpu import autobatch, lora, measure, models  # noqa: E402
-from onegpu.config import Resolved, from_container, resolve  # noqa: E402
+from onegpu.config import Resolved, from_container  # noqa: E402
 from onegpu.equivalence import equivalence_key  # noqa: E402
 from onegpu.errors import ConfigError  # noqa: E402
-from tests.unit.test_backends import LOSS_TOL, NORM_TOL, dataset, interrupt_at_step_2, tiny_bert, tokenizer  # noqa: E402
+from onegpu.training.backends.base import TrainRequest  # noqa: E402
+from tests.unit.tiny import LOSS_TOL, NORM_TOL, dataset, interrupt_at_step_2, tiny_bert, tokenizer  # noqa: E402
 from tests import defaults  # noqa: E402
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["query", "value"]}
@@ -37,7 +38,7 @@ def _train(cfg, model, tok, dsd):
     module = importlib.import_module(base.REGISTRY[cfg.train.backend])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return module.train(model, tok, dsd, cfg, resolve(cfg), sink=lambda m, s: None)
+        return module.train(base.TrainRequest(model, tok, dsd, cfg, sink=lambda m, s: None))
 
 
 def _lora_bert(cfg):
@@ -292,7 +293,7 @@ def test_interrupted_lora_run_resumes_to_the_uninterrupted_losses_and_weights(ba
     def train(model, sink, **kw):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return module.train(model, tokenizer(), dataset(24), cfg, resolve(cfg), sink, **kw)
+            return module.train(TrainRequest(model, tokenizer(), dataset(24), cfg, sink, **kw))
 
     ref = []
     ref_model, _ = train(build(1), lambda m, s: ref.append(m["loss"]))

@@ -3,7 +3,7 @@
 Two runs with the same key compute the same optimizer steps (up to floating-point summation order):
 only the split of the effective batch, checkpointing, the backend and what is observed may differ.
 The train stage writes the key as the run's ``equivalence_key`` tag and the resolved batch layout as the
-``resolved.*`` params named here; :mod:`onegpu.equivalence.comparison` reads both back.
+``resolved.*`` params named here; :mod:`onegpu.compare` reads both back.
 """
 from __future__ import annotations
 
@@ -55,6 +55,10 @@ NOT_IN_EQUIVALENCE_KEY = {
     "evaluate.per_device_eval_batch_size": "evaluation only",
     "tracking.experiment_name": "where results are logged",
     "data.max_eval_samples": "evaluation data only",
+    "evaluate.max_new_tokens": "evaluation only (generation length)",
+    "data.padding_free": "the same examples in the same micro-batches and steps, flattened into one row per "
+                         "micro-batch with position_ids; attention stays within each sequence (refused where a "
+                         "model cannot keep them apart), so the same losses and gradients up to summation order",
     # Same mathematics in another precision or kernel: compared within that precision's tolerance
     # (onegpu compare names the knob as a likely cause when such runs diverge).
     "train.tf32": "TF32 matmuls (10-bit mantissa inputs, fp32 accumulation) on Ampere+ GPUs; the same "
@@ -75,6 +79,19 @@ SAME_AS_IN_KEY = {
     ("train.optim", "adamw_torch_fused"): ("adamw_torch", "the fused AdamW kernel computes the same update "
                                                           "as the for-each one (other rounding order)"),
 }
+
+
+# Instruction-data keys at their defaults (off): left out of the key and of the run-config hash, so runs
+# and checkpoints made before these keys existed keep their keys. On, they are in (another training: loss on
+# other tokens; packing puts other examples in each micro-batch and step).
+SFT_DEFAULTS = {"data.completion_only_loss": None, "data.assistant_only_loss": False, "data.packing": False,
+                "data.padding_free": False}
+
+
+def _drop_sft_defaults(flat: dict) -> None:
+    for k, default in SFT_DEFAULTS.items():
+        if k in flat and flat[k] == default:
+            flat.pop(k)
 
 
 # The checkpointing granularity at its defaults (today's behaviour): left out of the run-config hash.
@@ -98,6 +115,7 @@ def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = 
     # keys of full fine-tuning stay as they were before the knob existed.
     if cfg.model.lora_adapters is None:
         flat = {k: v for k, v in flat.items() if k != "model.lora" and not k.startswith("model.lora.")}
+    _drop_sft_defaults(flat)
     for k, v in flat.items():
         if v is None or isinstance(v, (str, int, float, bool)):  # scalars; lists (LoRA targets) stay as given
             flat[k] = SAME_AS_IN_KEY.get((k, v), (v,))[0]
@@ -119,6 +137,7 @@ def run_config_hash(cfg: Config, data_fingerprint: str = "") -> str:
     for k, default in _GRANULARITY_DEFAULTS.items():  # the same for the checkpointing granularity
         if flat.get(k) == default:
             flat.pop(k)
+    _drop_sft_defaults(flat)
     flat["data.fingerprint"] = data_fingerprint
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

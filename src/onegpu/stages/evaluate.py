@@ -16,7 +16,7 @@ from onegpu.errors import DataError
 
 # metrics/eval.json (`dvc exp show`, `dvc metrics diff`): the headline figures only; eval_f1_macro,
 # runtime, throughput, memory and row/token counts are in the MLflow run.
-HEADLINE = ("eval_loss", "eval_accuracy", "eval_perplexity")
+HEADLINE = ("eval_loss", "eval_accuracy", "eval_perplexity", "eval_rouge_l")
 
 
 def run(cfg: Config) -> dict:
@@ -38,7 +38,11 @@ def run(cfg: Config) -> dict:
             tracker.set_tags(run_id, {"device": measure.device_name(device)})
         measure.reset_peak(device)
         with tracker.system_metrics(run_id, resume=True):
-            if task == "causal-lm":
+            table = None
+            if task == "causal-lm" and "reference" in test.column_names:  # instruction data
+                metrics, table = evaluation.sft_metrics(model, tokenizer, test, cfg, device)
+                gold = pred = []
+            elif task == "causal-lm":
                 metrics = evaluation.causal_lm_metrics(model, tokenizer, test, cfg, device)
                 gold = pred = []
             else:
@@ -48,14 +52,22 @@ def run(cfg: Config) -> dict:
         names = test.features["label"].names
         if gold:
             tracker.log_figure(run_id, _confusion_figure(gold, pred, names), "confusion_matrix.png")
+        if table is not None:
+            tracker.log_table(run_id, table, "generations.json")
         paths.write_json_atomic(paths.EVAL_METRICS, {k: metrics[k] for k in HEADLINE if k in metrics})
         _write_predictions(gold, pred, names)
+        paths.write_csv_atomic(paths.GENERATIONS, ["reference", "generation", "rouge_l"],
+                               zip(*(table[k] for k in ("reference", "generation", "rouge_l"))) if table else [])
     if reproduces:
         print(f"evaluate: the training run {reproduces} is not in this MLflow store (trained in another clone); "
               f"run {run_id} here reproduces it (tag {tracking.REPRODUCES_RUN_ID})")
+    if table is not None:
+        print(evaluation.generations_text(table, metrics, cfg.evaluate.max_new_tokens))
     if task == "causal-lm":
         print(f"evaluate: loss {metrics['eval_loss']:.4f} nats/token, perplexity {metrics['eval_perplexity']:.1f} "
-              f"on {metrics['eval_tokens']} test tokens; MLflow run {run_id} finished")
+              f"on {metrics['eval_tokens']} test tokens"
+              + (f", ROUGE-L {metrics['eval_rouge_l']:.3f}" if "eval_rouge_l" in metrics else "")
+              + f"; MLflow run {run_id} finished")
     else:
         print(f"evaluate: accuracy {metrics['eval_accuracy']:.4f}, f1_macro {metrics['eval_f1_macro']:.4f}, "
               f"loss {metrics['eval_loss']:.4f} on {metrics['eval_rows']} test rows; MLflow run {run_id} finished")

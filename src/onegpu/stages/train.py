@@ -12,7 +12,7 @@ import sys
 
 from onegpu import paths, tracking
 from onegpu.config import Config
-from onegpu.training import distributed, session
+from onegpu.training import distributed, recorder, session
 
 # metrics/train.json (`dvc exp show`, `dvc metrics diff`): these headline figures only, so a sweep's
 # table fits a terminal next to the params that vary. Everything else (runtime, memory breakdown, FLOP/s,
@@ -34,7 +34,8 @@ def run(cfg: Config) -> dict:
     tracker = tracking.connect(cfg.tracking.experiment_name) if main else distributed.NullTracker()
     with distributed.failure_note():
         result = session.run(plan, tracker, session.load_processed(), save=_write_outputs if main else None)
-    distributed.print_main(session.closing_line(result))
+    distributed.print_main(recorder.closing_line(result.summary, result.plan.resolved, result.plan.device,
+                                                 result.plan.budget, result.run_id))
     return result.summary
 
 

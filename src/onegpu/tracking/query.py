@@ -1,6 +1,6 @@
 """Compare-time queries: reading training runs back (params, tags, per-step histories, time windows)
 and logging the comparison run. Used by ``onegpu compare``; the records are plain dicts with the
-fields of :class:`onegpu.equivalence.RunRecord`."""
+fields of :class:`onegpu.compare.RunRecord`."""
 from __future__ import annotations
 
 import os
@@ -52,16 +52,22 @@ def _run_record(tracker: Tracker, run) -> dict:
             "window": step_window(tracker, run)}
 
 
-def _all_training_runs(tracker: Tracker) -> list:
-    """Every training run of the experiment (all pages of the search)."""
+def _search(tracker: Tracker, filter_string: str) -> list:
+    """Every run of the tracker's experiment that ``filter_string`` matches, all pages of the search.
+    (The client's, not ``mlflow.search_runs``: that pages too but reads the process-wide tracking URI.)"""
     runs, token = [], None
     while True:
-        page = tracker.client.search_runs([tracker.experiment_id], filter_string=TRAINING,
+        page = tracker.client.search_runs([tracker.experiment_id], filter_string=filter_string,
                                           max_results=1000, page_token=token)
         runs.extend(page)
         token = page.token
         if not token:
             return runs
+
+
+def _all_training_runs(tracker: Tracker) -> list:
+    """Every training run of the experiment."""
+    return _search(tracker, TRAINING)
 
 
 def training_run_windows(tracker: Tracker) -> list[dict]:
@@ -114,7 +120,7 @@ def training_runs(tracker: Tracker, key: str | None = None, run_ids: list[str] |
         run_ids: these runs only (each must exist and be a training run; it may be in another experiment).
         exp_names: runs whose ``dvc.exp_name`` tag (or run name) is one of these DVC experiment names.
     Returns:
-        Dicts with the fields of :class:`onegpu.equivalence.RunRecord` (run_id, name, params, tags,
+        Dicts with the fields of :class:`onegpu.compare.RunRecord` (run_id, name, params, tags,
         metrics = last values, series = per-step histories of :data:`STEP_SERIES`, start_time in ms,
         status), oldest first.
     Raises:
@@ -134,14 +140,7 @@ def training_runs_named(tracker: Tracker, prefix: str) -> list[dict]:
     """The training runs whose run name (the DVC experiment name) starts with ``prefix``, with full
     per-step histories, as :func:`training_runs` returns them (oldest first)."""
     escaped = prefix.replace("'", "\\'")
-    runs, token = [], None
-    while True:
-        page = tracker.client.search_runs([tracker.experiment_id], max_results=1000, page_token=token,
-                                          filter_string=f"{TRAINING} AND attributes.run_name LIKE '{escaped}%'")
-        runs.extend(page)
-        token = page.token
-        if not token:
-            break
+    runs = _search(tracker, f"{TRAINING} AND attributes.run_name LIKE '{escaped}%'")
     runs.sort(key=lambda r: (r.info.start_time or 0, r.info.run_id))
     return [_run_record(tracker, r) for r in runs]
 

@@ -207,6 +207,11 @@ class RunHandle:
     def log_figure(self, figure, artifact_file: str) -> None:
         self.client.log_figure(self.run_id, figure, artifact_file)
 
+    def log_table(self, data: dict[str, list], artifact_file: str) -> None:
+        """A table (column name -> equal-length list of values) as MLflow's table artifact
+        (``MlflowClient.log_table``: a ``.json`` file the UI shows in its evaluation view)."""
+        self.client.log_table(self.run_id, data=data, artifact_file=artifact_file)
+
     def log_dataset(self, df, name: str, source: str, context: str, targets: str | None = None) -> None:
         """Record a pandas DataFrame as an MLflow dataset input (schema, digest, source) of the run."""
         import warnings

@@ -3,6 +3,8 @@
 A write the store cannot take *now* (:func:`is_outage`) is appended to ``<spool_dir>/<run_id>.jsonl``
 and training goes on; the spool is replayed, in order, before that run's next write
 (:class:`SpoolingWriter`) and by ``onegpu sync`` (:func:`replay_all`).
+
+Ours because MLflow has no offline mode: during an outage its client retries, then raises, and the write is lost.
 """
 from __future__ import annotations
 

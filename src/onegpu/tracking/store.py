@@ -109,6 +109,9 @@ class Tracker:
     def log_figure(self, run_id: str, figure, artifact_file: str) -> None:
         self.run(run_id).log_figure(figure, artifact_file)
 
+    def log_table(self, run_id: str, data: dict[str, list], artifact_file: str) -> None:
+        self.run(run_id).log_table(data, artifact_file)
+
     def log_dataset(self, run_id: str, df, name: str, source: str, context: str, targets: str | None = None) -> None:
         self.run(run_id).log_dataset(df, name, source, context, targets)
 

@@ -7,6 +7,9 @@ the store (and, during an outage, for the client's retries). Here the training t
 list and, every ``flush_every`` records, hands the batch to a queue; one writer thread takes batches in
 order and writes each through the run's :class:`~onegpu.tracking.spool.SpoolingWriter` (so an outage
 spools them, as any write). Every step lands, in the order logged.
+
+Why not MLflow's own asynchronous logging (``log_batch(..., synchronous=False)``): its queue thread records
+a failed batch's exception and drops the batch, where an outage here must spool it for ``onegpu sync``.
 """
 from __future__ import annotations
 

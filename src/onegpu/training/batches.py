@@ -5,7 +5,9 @@ Shared by both backends, the ``auto`` finder, ``onegpu estimate`` and evaluation
 from __future__ import annotations
 
 # Columns the model consumes; prepare's other columns (text, length) are dropped before training.
-MODEL_COLUMNS = ("input_ids", "attention_mask", "token_type_ids", "labels")
+# Instruction data brings its own ``labels`` (-100 where the loss is masked); packed rows ``seq_lengths``.
+MODEL_COLUMNS = ("input_ids", "attention_mask", "token_type_ids", "labels", "seq_lengths")
+IGNORE_INDEX = -100
 
 
 def model_inputs(dsd, task: str = "sequence-classification"):
@@ -23,9 +25,11 @@ def model_inputs(dsd, task: str = "sequence-classification"):
 
 
 class CausalLMCollator:
-    """Pads a micro-batch to its longest row; ``labels`` = ``input_ids`` with -100 at padding.
+    """Pads a micro-batch to its longest row; ``labels`` = ``input_ids`` with -100 at padding, or the
+    rows' own ``labels`` (instruction data: -100 on masked tokens) padded with -100.
 
-    Unlike ``DataCollatorForLanguageModeling``, it never masks a real EOS token when pad == EOS.
+    Padding is masked by position (the attention mask), never by token id, so a real EOS token stays a
+    target when pad == EOS (``DataCollatorForLanguageModeling`` with ``mlm=False`` masks every pad id).
     Labels are unshifted: the loss shifts them (:func:`onegpu.training.loss.causal_lm_loss`).
     """
 
@@ -33,19 +37,80 @@ class CausalLMCollator:
         self.tokenizer = tokenizer
 
     def __call__(self, features: list[dict]) -> dict:
+        import torch
+        own = [f["labels"] for f in features] if "labels" in features[0] else None
+        if own is not None:
+            features = [{k: v for k, v in f.items() if k != "labels"} for f in features]
         batch = self.tokenizer.pad(features, return_tensors="pt")
-        labels = batch["input_ids"].clone()
-        labels[batch["attention_mask"] == 0] = -100
+        if own is None:
+            labels = batch["input_ids"].clone()
+            labels[batch["attention_mask"] == 0] = IGNORE_INDEX
+        else:
+            labels = torch.full_like(batch["input_ids"], IGNORE_INDEX)
+            width = labels.shape[1]
+            for i, row in enumerate(own):
+                at = slice(0, len(row)) if self.tokenizer.padding_side == "right" else slice(width - len(row), width)
+                labels[i, at] = torch.as_tensor(row)
         batch["labels"] = labels
         return batch
 
 
-def collator_for(task: str, tokenizer):
-    """The micro-batch collator for ``task`` (padding per micro-batch)."""
+class PaddingFreeCollator:
+    """TRL's padding-free batch (``DataCollatorForLanguageModeling(padding_free=True)``): the micro-batch's
+    rows concatenated into one row of ``input_ids``, ``labels`` and ``position_ids`` that restart at 0 for
+    each sequence, no attention mask and no padding.
+
+    transformers then builds a block-diagonal causal mask from the position ids (``masking_utils.
+    find_packed_sequence_indices``, SDPA and eager; flash_attention_2 runs varlen), so no token attends
+    across a sequence boundary; each sequence's first label is -100, so no prediction crosses one either
+    (the last token of a sequence does not predict the next sequence's first). Packed rows
+    (``seq_lengths``, :func:`onegpu.data.packing.pack`) restart their positions at each of their sequences.
+    Labels: the rows' own, or ``input_ids``. Output tensors are ``(1, total tokens)`` int64.
+    """
+
+    def __call__(self, features: list[dict]) -> dict:
+        import torch
+        ids, labels, positions = [], [], []
+        for f in features:
+            row = torch.as_tensor(f["input_ids"], dtype=torch.long)
+            ids.append(row)
+            labels.append(torch.as_tensor(f.get("labels", f["input_ids"]), dtype=torch.long))
+            lengths = f.get("seq_lengths") or [len(row)]
+            positions.extend(torch.arange(n, dtype=torch.long) for n in lengths)
+        batch = {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None],
+                 "position_ids": torch.cat(positions)[None]}
+        batch["labels"][batch["position_ids"] == 0] = IGNORE_INDEX
+        return batch
+
+
+def collator_for(task: str, tokenizer, padding_free: bool = False):
+    """The micro-batch collator for ``task``: padding per micro-batch, or (causal LM, ``padding_free``)
+    one flattened row per micro-batch (:class:`PaddingFreeCollator`)."""
     if task == "causal-lm":
-        return CausalLMCollator(tokenizer)
+        return PaddingFreeCollator() if padding_free else CausalLMCollator(tokenizer)
     from transformers import DataCollatorWithPadding
     return DataCollatorWithPadding(tokenizer)
+
+
+def flattened(cfg) -> bool:
+    """Whether training batches are flattened rows: ``data.padding_free``, or ``data.packing`` (packed rows
+    are always collated padding-free, as TRL does for its best-fit-decreasing packing)."""
+    return cfg.model.task == "causal-lm" and (cfg.data.padding_free or cfg.data.packing)
+
+
+def train_collator(cfg, tokenizer):
+    """The training collator the config asks for (:func:`collator_for`, :func:`flattened`)."""
+    return collator_for(cfg.model.task, tokenizer, flattened(cfg))
+
+
+def train_set(dsd, cfg):
+    """The training rows as the backends iterate them: :func:`model_inputs` of ``dsd['train']``, packed
+    into rows of ``data.max_length`` under ``data.packing`` (:func:`onegpu.data.packing.pack`)."""
+    rows = model_inputs(dsd, cfg.model.task)["train"]
+    if cfg.model.task == "causal-lm" and cfg.data.packing:
+        from onegpu.data import packing
+        rows = packing.pack(rows, cfg.data.max_length, cfg.train.seed)
+    return rows
 
 
 def probe_batch(train_ds, collator, micro_batch: int) -> dict:
@@ -58,10 +123,13 @@ def probe_batch(train_ds, collator, micro_batch: int) -> dict:
     return collator([train_ds[i] for i in range(n)])
 
 
-def training_rows(dsd, task: str):
-    """``dsd['train']`` reduced to the model's columns, with the ``length`` column kept when prepare wrote
-    one (the ``auto`` finder and the estimate pick the longest rows by it)."""
-    rows = model_inputs(dsd, task)["train"]
+def training_rows(dsd, task: str, cfg=None):
+    """``dsd['train']`` reduced to the model's columns (with ``cfg``: :func:`train_set`, packed rows under
+    ``data.packing``), with the ``length`` column kept when prepare wrote one (the ``auto`` finder and
+    the estimate pick the longest rows by it; packed rows are measured by their ``input_ids``)."""
+    rows = model_inputs(dsd, task)["train"] if cfg is None else train_set(dsd, cfg)
+    if cfg is not None and cfg.model.task == "causal-lm" and cfg.data.packing:
+        return rows
     if "length" in dsd["train"].column_names:
         rows = rows.add_column("length", dsd["train"]["length"])
     return rows

@@ -49,8 +49,7 @@ def enable(model, train) -> None:
         return
     k = train.gradient_checkpointing_kwargs
     layers = check_supported(model, train)
-    if getattr(getattr(model, "config", None), "use_cache", None):
-        model.config.use_cache = False
+    models.no_kv_cache(model)
     if hasattr(model, "enable_input_require_grads"):  # as transformers does when it checkpoints
         model.enable_input_require_grads()
     for i, layer in enumerate(layers):

@@ -81,18 +81,6 @@ def check_world(num_processes: int) -> None:
                           "`onegpu train` without a launcher (it launches itself)")
 
 
-def check_processes(num_processes: int, cuda: bool, gpus: int) -> None:
-    """``train.num_processes`` against the machine: at most one process per visible GPU; any number
-    on a CPU (gloo).
-
-    Raises:
-        ConfigError: more processes than GPUs.
-    """
-    if cuda and num_processes > gpus:
-        raise ConfigError(f"params.yaml: train.num_processes: {num_processes} processes need {num_processes} "
-                          f"GPUs (one each) and {gpus} is/are visible; set train.num_processes to at most {gpus}")
-
-
 def launch(num_processes: int, argv: list[str]) -> None:
     """Run ``python -m onegpu <argv>`` in ``num_processes`` processes under ``torch.distributed.run``
     (standalone rendezvous on a free local port) and wait for them.

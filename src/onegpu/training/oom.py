@@ -8,21 +8,47 @@ piece's loss is divided by the whole step's item count, so any split of the step
 from __future__ import annotations
 
 
-def pieces(inputs: dict, split: int) -> list[dict]:
-    """``inputs`` (one collated micro-batch) cut along the row dimension into ``min(split, rows)`` pieces;
-    tensors without that leading dimension are passed whole."""
+def _flat(inputs: dict) -> bool:
+    """A padding-free micro-batch: one row of sequences told apart by ``position_ids``."""
+    return "position_ids" in inputs and "attention_mask" not in inputs and int(inputs["input_ids"].shape[0]) == 1
+
+
+def rows(inputs: dict) -> int:
+    """Examples in one collated micro-batch: its rows, or the sequences of a padding-free row (one host
+    sync; called only on an out-of-memory error or by a test's injector)."""
+    if _flat(inputs):
+        return int(inputs["position_ids"].eq(0).sum())
+    return int(inputs["input_ids"].shape[0])
+
+
+def _flat_pieces(inputs: dict, pieces: int) -> list[dict]:
+    """A padding-free row cut between sequences into ``min(pieces, sequences)`` pieces of whole sequences."""
+    import torch
+    width = int(inputs["input_ids"].shape[1])
+    starts = inputs["position_ids"][0].eq(0).nonzero().flatten().tolist() + [width]
+    groups = torch.arange(len(starts) - 1).tensor_split(min(pieces, len(starts) - 1))
+    return [{k: v[:, starts[int(g[0])]:starts[int(g[-1]) + 1]] if hasattr(v, "shape") and v.dim() == 2 else v
+             for k, v in inputs.items()} for g in groups if len(g)]
+
+
+def cut(inputs: dict, pieces: int) -> list[dict]:
+    """``inputs`` (one collated micro-batch) cut along the row dimension into ``min(pieces, rows)`` pieces
+    (a padding-free row between its sequences); tensors without that leading dimension are passed whole."""
     import torch
     rows = int(inputs["input_ids"].shape[0])
-    if split == 1:
+    if pieces == 1:
         return [inputs]
+    if _flat(inputs):
+        return _flat_pieces(inputs, pieces)
     return [{k: v[idx] if hasattr(v, "shape") and v.dim() > 0 and v.shape[0] == rows else v
-             for k, v in inputs.items()} for idx in torch.arange(rows).tensor_split(min(split, rows))]
+             for k, v in inputs.items()} for idx in torch.arange(rows).tensor_split(min(pieces, rows))]
 
 
-def recover(error, model, micro: int, split: int, accum: int, step: int, enabled: bool,
+def recover(error, model, micro: int, pieces: int, accum: int, step: int, enabled: bool,
             events: list[dict]) -> int:
-    """After out-of-memory ``error`` at optimizer step ``step`` (micro-batch ``micro`` rows cut in ``split``
-    pieces, ``accum`` accumulation): drop the gradients, free cached memory and return the next split.
+    """After out-of-memory ``error`` at optimizer step ``step`` (micro-batch ``micro`` rows cut in ``pieces``
+    pieces, ``accum`` accumulation): drop the gradients, free cached memory and return the next number
+    of pieces per micro-batch (twice as many).
     The event (``step``, ``old`` and ``new`` split as "m x a", ``micro_batch``) is appended to ``events``
     and printed.
 
@@ -36,23 +62,23 @@ def recover(error, model, micro: int, split: int, accum: int, step: int, enabled
     from onegpu.errors import UserError
     if not enabled:
         raise error
-    if split * 2 > micro:
-        raise UserError(f"out of memory at optimizer step {step} even with micro-batch {max(1, micro // split)}: "
+    if pieces * 2 > micro:
+        raise UserError(f"out of memory at optimizer step {step} even with micro-batch {max(1, micro // pieces)}: "
                         "no smaller split is left; lower data.max_length, turn train.gradient_checkpointing on, "
                         "or use a smaller model") from error
     model.zero_grad(set_to_none=True)
     gc.collect()
     measure.empty_cache()
-    old, new = (micro // split, accum * split), (micro // (split * 2), accum * split * 2)
+    old, new = (micro // pieces, accum * pieces), (micro // (pieces * 2), accum * pieces * 2)
     events.append({"step": step, "old": f"{old[0]} x {old[1]}", "new": f"{new[0]} x {new[1]}",
                    "micro_batch": new[0]})
     print(f"out of memory at optimizer step {step}: redoing the step with micro-batch {new[0]} x {new[1]} "
           f"accumulation (was {old[0]} x {old[1]}); same effective batch, same result", flush=True)
-    return split * 2
+    return pieces * 2
 
 
-def injected(injector, step: int, rows: int) -> None:
-    """Tests: raise an injected out-of-memory error when ``injector(step, rows)`` says so."""
-    if injector is not None and injector(step, rows):
+def injected(injector, step: int, piece: dict) -> None:
+    """Tests: raise an injected out-of-memory error when ``injector(step, examples in piece)`` says so."""
+    if injector is not None and injector(step, rows(piece)):
         import torch
-        raise torch.OutOfMemoryError(f"injected out-of-memory (step {step}, {rows} rows)")
+        raise torch.OutOfMemoryError(f"injected out-of-memory (step {step}, {rows(piece)} rows)")

@@ -1,4 +1,5 @@
-"""Per-optimizer-step measurement, backend-neutral: time, memory, samples and tokens, plus the backend's loss.
+"""Per-optimizer-step measurement, backend-neutral: time, memory, samples and tokens, plus the backend's loss;
+the terminal's progress line per step and closing line per run.
 
 Host-device syncs: one per optimizer step (to time the step and read its token count), none per
 micro-batch. Metrics go to a ``sink(metrics: dict, step: int)`` (the stage passes a batched MLflow
@@ -13,6 +14,7 @@ from typing import Callable
 
 from onegpu import measure
 from onegpu.errors import UserError
+from onegpu.formatting import duration, gib, mib
 
 
 class TrainingDiverged(UserError):
@@ -37,31 +39,41 @@ class BatchCounter:
 
     def __init__(self) -> None:
         self.samples = 0
-        self._counts = None  # device tensor: (tokens, targets, sum of squared non-padding lengths)
+        # device tensor: (tokens, targets, sum of squared non-padding lengths, sequences in flattened rows)
+        self._counts = None
 
     def add(self, inputs: dict) -> None:
+        """Count one micro-batch (on its device). A padding-free row (``position_ids``, no attention mask,
+        :class:`onegpu.training.batches.PaddingFreeCollator`) holds one example per position 0, and
+        ``sum(2 p + 1)`` over its positions is the sum of its sequences' squared lengths."""
         import torch
 
         from onegpu.training.loss import count_items
         ids = inputs["input_ids"]
-        self.samples += int(ids.shape[0])
-        mask = inputs.get("attention_mask")
-        lengths = mask.sum(dim=-1) if mask is not None else torch.full(
-            (ids.shape[0],), ids.shape[-1], device=ids.device)
+        mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
+        flat = mask is None and positions is not None
+        if flat:
+            positions = positions.to(torch.int64)
+            lengths = torch.full((ids.shape[0],), ids.shape[-1], device=ids.device, dtype=torch.int64)
+            squares, sequences = (2 * positions + 1).sum(), positions.eq(0).sum()
+        else:
+            self.samples += int(ids.shape[0])
+            lengths = (mask.sum(dim=-1) if mask is not None else torch.full(
+                (ids.shape[0],), ids.shape[-1], device=ids.device)).to(torch.int64)
+            squares, sequences = (lengths * lengths).sum(), torch.zeros((), dtype=torch.int64, device=ids.device)
         labels = inputs.get("labels")
         if labels is None:
             targets = torch.tensor(ids.shape[0], device=ids.device)
         else:
             targets = count_items(labels, "causal-lm" if labels.dim() > 1 else "sequence-classification")
-        lengths = lengths.to(torch.int64)
-        n = torch.stack([lengths.sum(), targets.to(lengths.device, torch.int64), (lengths * lengths).sum()])
+        n = torch.stack([lengths.sum(), targets.to(lengths.device, torch.int64), squares, sequences])
         self._counts = n if self._counts is None else self._counts + n
 
     def take_all(self) -> tuple[int, int, int, int]:
         """(examples, non-padding tokens, loss targets, sum of squared non-padding lengths) since the
         last take; one host sync."""
-        counts = self._counts.tolist() if self._counts is not None else [0, 0, 0]
-        s = self.samples
+        counts = self._counts.tolist() if self._counts is not None else [0, 0, 0, 0]
+        s = self.samples + int(counts[3])
         self.samples, self._counts = 0, None
         return s, int(counts[0]), int(counts[1]), int(counts[2])
 
@@ -112,7 +124,7 @@ class StepRecorder:
 
     def restore(self, point) -> None:
         """Continue from a checkpoint: its step rows, memory breakdown and out-of-memory events
-        (``point``: a :class:`onegpu.training.checkpoint.ResumePoint`)."""
+        (``point``: a :class:`onegpu.training.resume.ResumePoint`)."""
         self.rows = list(point.rows)
         self.breakdown.update(point.breakdown)
         self.events.extend(point.events)
@@ -200,6 +212,18 @@ class StepRecorder:
         }
 
 
+def steady_samples_per_second(rows) -> float | None:
+    """Steady-state throughput, examples per second: over optimizer steps 2..N (step 1 holds warm-up:
+    compilation, allocator growth, the activation probe), the steps' examples over their wall time.
+
+    ``rows``: the recorder's rows (``step``, ``samples``, ``step_time_s``), or rows of the same keys
+    rebuilt from the logged ``step_examples`` and ``step_time_s`` series. None when no step after the
+    first has a time."""
+    keep = [r for r in rows if r["step"] >= 2]
+    total = sum(r["step_time_s"] for r in keep)
+    return sum(r["samples"] for r in keep) / total if total > 0 else None
+
+
 def _whole_step(dt: float, samples: int, tokens: int, targets: int, tokens_sq: int, peak: int, device) -> dict:
     """The step's row over all processes (one all-gather under several; this process's values alone).
 
@@ -238,10 +262,35 @@ def progress_line(step: int, total: int, rows: list[dict], device) -> str:
     Time left: mean step time of the rows so far x steps to go.
     """
     row = rows[-1]
-    mem = row.get("mem_peak_bytes", 0) / 2**30
     where = "allocated" if measure.is_cuda(device) else "RSS"
     mean = sum(r["step_time_s"] for r in rows) / len(rows)
     left = max(total - step, 0) * mean
-    left_text = f"{left / 60:.1f} min left" if left >= 120 else f"{left:.0f} s left"
     return (f"step {step}/{total} | loss {row['loss']:.4f} | {row.get('samples_per_second', 0):.1f} samples/s | "
-            f"{row['step_time_s']:.2f} s/step | peak {mem:.2f} GiB {where} | {left_text}")
+            f"{row['step_time_s']:.2f} s/step | peak {gib(row.get('mem_peak_bytes', 0))} {where} | "
+            f"{duration(left)} left")
+
+
+def closing_line(summary: dict, layout, device: str, budget: int | None, run_id: str) -> str:
+    """The train stage's last line: optimizer steps, the batch layout (a :class:`onegpu.config.Resolved`),
+    ``train_loss``, time, peak memory (:func:`peak_text`), device and MLflow run, from the recorder's
+    ``summary`` (:meth:`StepRecorder.summary`); ``budget``: the ``auto`` budget in bytes, or None."""
+    r = layout
+    return (f"train: {summary.get('train_steps', 0)} optimizer steps of {r.effective_batch_size} examples "
+            f"({r.per_device_train_batch_size} x {r.gradient_accumulation_steps}"
+            f"{f' x {r.world_size} processes' if r.world_size > 1 else ''}), "
+            f"train_loss {summary.get('train_loss', float('nan')):.4f}, {summary.get('train_runtime', 0):.1f} s, "
+            f"{peak_text(summary.get('train_mem_peak_bytes', 0), device, budget)} "
+            f"on {measure.device_name(device)}; MLflow run {run_id}")
+
+
+def peak_text(peak: int, device: str, budget: int | None) -> str:
+    """The peak memory for the closing line, saying what it measures. On a CPU it is the process RSS,
+    which holds the Python runtime, the libraries and the data besides the training state, so it
+    exceeds an ``auto`` budget (which covers the probed training state only)."""
+    if measure.is_cuda(device):
+        return f"peak {mib(peak)} allocated"
+    text = f"peak {mib(peak)} process RSS"
+    if budget is not None:
+        text += (f" (the auto budget, {gib(budget)}, covers the probed training state only; RSS "
+                 "also holds the Python runtime, libraries and data)")
+    return text

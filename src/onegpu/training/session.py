@@ -6,7 +6,8 @@ layout (computed once; for ``auto`` without a checkpoint it is left to the finde
 model) and the equivalence key. :func:`run` opens the MLflow run, builds the model, trains with the
 backend named by ``train.backend`` (:mod:`onegpu.training.backends.base`), logs what the recorder
 measured, and hands the result to the caller's ``save`` inside the run's guard (an error there fails
-the run). :func:`fit` is the training alone (bench's untracked arms).
+the run). :func:`train` is the training alone, :func:`fit` the same with the host allocator set
+(bench's untracked arms).
 
 The run ends SCHEDULED, not FINISHED: the configuration's run is finished once evaluate has logged into it.
 """
@@ -21,10 +22,11 @@ from pathlib import Path
 from typing import Callable
 
 from onegpu import measure, models, paths
-from onegpu.config import Config, Resolved, flatten, resolve
+from onegpu.config import Config, DeviceFacts, Resolved, check_device, flatten, resolve, with_layout
 from onegpu.equivalence import equivalence_key, resolved_params, run_config_hash
 from onegpu.errors import ConfigError, DataError, ModelError
-from onegpu.training.checkpoint import ResumePoint
+from onegpu.formatting import gib
+from onegpu.training.resume import ResumePoint, tidy_other_checkpoints
 
 _BUDGET_CPU = ("; on a CPU the budget covers the training state: params, grads, optimizer states and "
                "activations, not the whole process")
@@ -97,70 +99,36 @@ def load_stats() -> dict:
     return paths.read_json(paths.STATS)
 
 
-def device_for(cfg: Config) -> str:
-    """The device to train on, after checking the precision flags against it.
-
-    Under a multi-process launch each process trains on its own GPU, ``cuda:LOCAL_RANK``.
-    Raises:
-        ConfigError: more ``train.num_processes`` than GPUs; fp16 without CUDA, or bf16 on a GPU without bf16 support; see :func:`check_kernels`.
-    """
-    import torch
-    from onegpu.training import distributed
-    cuda = measure.cuda_available()
-    distributed.check_processes(cfg.train.num_processes, cuda, torch.cuda.device_count() if cuda else 0)
-    if cfg.train.fp16 and not cuda:
-        raise ConfigError("params.yaml: train.fp16: fp16 mixed precision needs a CUDA GPU and none is "
-                          "visible; use bf16 (CPU autocast) or neither")
-    if cfg.train.bf16 and cuda and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"params.yaml: train.bf16: {torch.cuda.get_device_name(0)} has no bf16 support; "
-                          "use fp16 or neither")
-    check_kernels(cfg, cuda)
-    return f"cuda:{distributed.local_rank()}" if cuda else measure.default_device()
+def check_flattened(cfg: Config) -> None:
+    """Raises ConfigError, before any work, when ``data.padding_free`` or ``data.packing`` asks for rows
+    of several sequences and the model cannot keep them apart (:func:`onegpu.models.packed_sequences_problem`)."""
+    from onegpu.training.batches import flattened
+    if not flattened(cfg):
+        return
+    key = "data.packing" if cfg.data.packing else "data.padding_free"
+    problem = models.packed_sequences_problem(models.resolve_model_path(cfg.model.name_or_path),
+                                              cfg.model.attn_implementation)
+    if problem:
+        raise ConfigError(f"params.yaml: {key}: {problem}; set {key}: false")
 
 
-def check_kernels(cfg: Config, cuda: bool) -> None:
-    """Optional packages and hardware of ``train.optim``, ``model.attn_implementation`` and ``train.tf32``.
-
-    ``tf32`` is a no-op without CUDA (CPU matmuls stay fp32), so it passes there.
-    Raises:
-        ConfigError: ``adamw_bnb_8bit`` without bitsandbytes or CUDA; ``flash_attention_2`` without the
-            ``flash_attn`` package or CUDA; ``tf32`` on a CUDA GPU older than Ampere.
-    """
-    import importlib.util
-    t = cfg.train
-    if t.optim == "adamw_bnb_8bit":
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise ConfigError("params.yaml: train.optim: adamw_bnb_8bit needs the bitsandbytes package, which is "
-                              "not installed (pip install bitsandbytes); or use adamw_torch, adamw_torch_fused "
-                              "or adafactor")
-        if not cuda:
-            raise ConfigError("params.yaml: train.optim: adamw_bnb_8bit (bitsandbytes) needs a CUDA GPU and none is "
-                              "visible; use adamw_torch, adamw_torch_fused or adafactor")
-    if cfg.model.attn_implementation == "flash_attention_2":
-        if importlib.util.find_spec("flash_attn") is None:
-            raise ConfigError("params.yaml: model.attn_implementation: flash_attention_2 needs the flash_attn "
-                              "package, which is not installed; use sdpa, eager or null")
-        if not cuda:
-            raise ConfigError("params.yaml: model.attn_implementation: flash_attention_2 needs a CUDA GPU and none "
-                              "is visible; use sdpa, eager or null")
-    if t.tf32 and cuda:
-        from transformers.utils import is_torch_tf32_available
-        if not is_torch_tf32_available():
-            import torch
-            raise ConfigError(f"params.yaml: train.tf32: {torch.cuda.get_device_name(0)} has no TF32 (needs an "
-                              "Ampere or newer GPU); set train.tf32: false")
-
-
-def plan(cfg: Config, stats: dict | None = None) -> TrainPlan:
+def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = None) -> TrainPlan:
     """The :class:`TrainPlan` for ``cfg`` on the prepared data ``stats`` (None: read data/stats.json after
     the device checks, so a bad precision flag is named before missing data); fails before any work.
 
+    ``facts``: the machine (None: :func:`onegpu.measure.device_facts`). The device is ``cuda:LOCAL_RANK``
+    with CUDA (each process of a multi-process launch on its own GPU), else ``cpu``.
     Raises:
-        ConfigError: see :func:`device_for`; ``auto`` on a CPU without ``train.memory_budget_gib``.
+        ConfigError: a combination this machine cannot run (:func:`onegpu.config.check_device`); ``auto``
+            on a CPU without ``train.memory_budget_gib``.
         DataError: ``stats`` is None and prepare has not run.
     """
-    from onegpu.training.checkpoint import latest_checkpoint
-    device = device_for(cfg)
+    from onegpu.training import distributed
+    from onegpu.training.resume import latest_checkpoint
+    facts = measure.device_facts() if facts is None else facts
+    check_device(cfg, facts)
+    check_flattened(cfg)  # the model's side: can it keep a flattened row's sequences apart?
+    device = f"cuda:{distributed.local_rank()}" if facts.cuda else "cpu"
     stats = load_stats() if stats is None else stats
     auto = cfg.train.per_device_train_batch_size == "auto"
     budget = None
@@ -177,8 +145,11 @@ def plan(cfg: Config, stats: dict | None = None) -> TrainPlan:
                      equivalence_key(cfg, layout, stats["fingerprint"]))
 
 
-def build_model(cfg: Config, stats: dict):
+def build_model(cfg: Config, stats: dict, tokenizer=None):
     """``(model, tokenizer)`` as configured, seeded with ``train.seed`` (the new head's init draws from it).
+
+    ``stats``: needs ``labels`` (a classifier's classes); ``tokenizer``: None loads the model's (or
+    prepare's, for a model built from config).
 
     With ``model.lora`` the model is a ``peft.PeftModel`` (:func:`onegpu.lora.apply`).
     Raises:
@@ -189,7 +160,8 @@ def build_model(cfg: Config, stats: dict):
     from transformers import set_seed
     path = models.resolve_model_path(cfg.model.name_or_path)
     task = cfg.model.task
-    tokenizer = models.load_tokenizer(str(paths.TOKENIZER) if path is None else path, task)
+    if tokenizer is None:
+        tokenizer = models.load_tokenizer(str(paths.TOKENIZER) if path is None else path, task)
     set_seed(cfg.train.seed)
     if task == "causal-lm":
         model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout,
@@ -210,27 +182,34 @@ def build_model(cfg: Config, stats: dict):
 
 def fit(plan: TrainPlan, model, tokenizer, dsd, sink: Callable[[dict, int], None], run_id: str = "",
         checkpoints: bool = True):
+    """The host allocator set (``train.cpu_allocator``, :mod:`onegpu.training.host_allocator`), then
+    :func:`train` (bench's untracked arms; :func:`run` sets the allocator itself, to tag the run with it)."""
+    from onegpu.training import host_allocator
+    host_allocator.apply(plan.cfg.train.cpu_allocator, plan.device)  # before the first step allocates
+    return train(plan, model, tokenizer, dsd, sink, run_id, checkpoints)
+
+
+def train(plan: TrainPlan, model, tokenizer, dsd, sink: Callable[[dict, int], None], run_id: str = "",
+          checkpoints: bool = True):
     """Train with the configured backend; returns ``(model, StepRecorder)``.
 
     ``checkpoints``: as the stage does it, resumable (checkpoints every ``train.save_steps`` and on
     Ctrl-C/SIGTERM, a clean stop, into ``plan.checkpoint_dir``; ``plan.resume`` continued); False trains
     without either (benchmarks).
-    The host allocator is set first (``train.cpu_allocator``, :mod:`onegpu.training.host_allocator`).
     Raises:
         onegpu.training.interrupt.Interrupted: a stop was requested (after the checkpoint is saved).
     """
-    from onegpu.training import host_allocator
     from onegpu.training.backends import base
     from onegpu.training.interrupt import GracefulStop
-    host_allocator.apply(plan.cfg.train.cpu_allocator, plan.device)  # before the first step allocates
     backend = base.get(plan.cfg.train.backend)
+    cfg = with_layout(plan.cfg, plan.resolved)
     if not checkpoints:
-        return backend.train(model, tokenizer, dsd, plan.cfg, plan.resolved, sink=sink)
+        return backend.train(base.TrainRequest(model, tokenizer, dsd, cfg, sink))
     stop = GracefulStop()
     meta = {"run_id": run_id, "micro_batch": plan.resolved.per_device_train_batch_size}
     with stop:
-        return backend.train(model, tokenizer, dsd, plan.cfg, plan.resolved, sink=sink,
-                             checkpoint_dir=plan.checkpoint_dir, stop=stop, resume=plan.resume, checkpoint_meta=meta)
+        return backend.train(base.TrainRequest(model, tokenizer, dsd, cfg, sink, checkpoint_dir=plan.checkpoint_dir,
+                                               stop=stop, resume=plan.resume, checkpoint_meta=meta))
 
 
 def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | None = None,
@@ -265,7 +244,7 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
         tracker.set_tags(run_id, {"cpu_allocator": host_allocator.apply(plan.cfg.train.cpu_allocator, plan.device)})
         with tracker.system_metrics(run_id):
             t0 = time.perf_counter()
-            model, steps = fit(plan, model, tokenizer, dsd, sink, run_id)
+            model, steps = train(plan, model, tokenizer, dsd, sink, run_id)
             train_s = time.perf_counter() - t0
         summary = _log_results(plan, tracker, run_id, buffer, model, steps)
         result = TrainResult(model, tokenizer, steps, summary, plan, run_id, tracker.experiment_id,
@@ -275,7 +254,8 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
     from onegpu.training import distributed
     if distributed.is_main():  # one process tidies the checkpoints (the others write no MLflow either)
         shutil.rmtree(plan.checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
-        _other_checkpoints(tracker, plan.checkpoint_dir, plan.key, plan.cfg, plan.fingerprint, finished=True)
+        tidy_other_checkpoints(plan.checkpoint_dir, plan.key, flatten(plan.cfg.to_dict()), plan.fingerprint,
+                               tracker.find_run, finished=True)
     return result
 
 
@@ -288,7 +268,8 @@ def _start_run(plan: TrainPlan, tracker) -> str:
     from onegpu import tracking
     tags = {**tracking.run_context_tags(), "stage": "train", "equivalence_key": plan.key,
             "device": measure.device_name(plan.device), "data.fingerprint": plan.fingerprint}
-    _other_checkpoints(tracker, plan.checkpoint_dir, plan.key, plan.cfg, plan.fingerprint, announce=True)
+    tidy_other_checkpoints(plan.checkpoint_dir, plan.key, flatten(plan.cfg.to_dict()), plan.fingerprint,
+                           tracker.find_run, announce=True)
     resume = plan.resume
     if resume:
         tags["onegpu.resumed_from"] = resume.run_id or ""
@@ -318,17 +299,18 @@ def _with_layout(plan: TrainPlan, model, tokenizer, dsd, tracker, run_id: str) -
 def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: str) -> int:
     """Run the ``auto`` finder (:mod:`onegpu.autobatch`); print and log its probes."""
     from onegpu import autobatch
-    from onegpu.training.batches import collator_for, training_rows
+    from onegpu.training.batches import train_collator, training_rows
     from onegpu.training.loss import loss_for
     cfg, device, budget = plan.cfg, plan.device, plan.budget
     task = cfg.model.task
     model.to(device)
+    models.no_kv_cache(model)  # as training runs it
     if cfg.train.gradient_checkpointing:
         from onegpu.training import checkpointing
         checkpointing.enable(model, cfg.train)
     world = cfg.train.num_processes
     micro, probes = autobatch.find_micro_batch(
-        model, training_rows(dsd, task), collator_for(task, tokenizer), loss_for(task),
+        model, training_rows(dsd, task, cfg), train_collator(cfg, tokenizer), loss_for(task),
         cfg.train.effective_batch_size, budget, cfg.train.optim, device, world_size=world,
         mixed_precision=cfg.train.mixed_precision)  # probe under the training's autocast
     from onegpu.training import distributed
@@ -337,7 +319,7 @@ def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: s
     procs = f" x {world} processes" if world > 1 else ""
     distributed.print_main(
         f"auto micro-batch: {micro} x {cfg.train.effective_batch_size // (micro * world)} accumulation{procs} = "
-        f"{cfg.train.effective_batch_size} (budget {budget / 2**30:.2f} GiB, longest training rows"
+        f"{cfg.train.effective_batch_size} (budget {gib(budget)}, longest training rows"
         f"{_BUDGET_CPU if not measure.is_cuda(device) else ''})\n{table}")
     tracker.log_dict(run_id, {"budget_bytes": budget, "probes": [p.as_row() for p in probes]},
                      "auto_micro_batch.json")
@@ -357,8 +339,12 @@ def _log_results(plan: TrainPlan, tracker, run_id: str, buffer, model, steps) ->
                                   "oom_retry.final_split": steps.events[-1]["new"]})
     summary = steps.summary()
     summary.update(steps.memory())
-    speed, speed_params, speed_tags = _speed(model, summary, plan.cfg, plan.device,
-                                             measure.device_name(plan.device), steps.tokens_sq())
+    from onegpu import flops
+    speed, speed_params, speed_tags = flops.speed_metrics(
+        model, summary, plan.cfg.train.num_processes, plan.cfg.train.mixed_precision, plan.device,
+        measure.device_name(plan.device), steps.tokens_sq())
+    if "train_mfu.unknown_reason" in speed_tags:
+        print(f"train: {speed_tags['train_mfu.unknown_reason']}")
     summary.update(speed)
     tracker.log_params(run_id, speed_params)
     tracker.set_tags(run_id, {**speed_tags, **_step_tags(steps, plan.resolved.effective_batch_size)})
@@ -366,52 +352,6 @@ def _log_results(plan: TrainPlan, tracker, run_id: str, buffer, model, steps) ->
                                  if k not in ("train_steps", "train_samples", "train_tokens")},
                         step=0)  # step 0, like eval_*: MLflow draws a bar, not a lone dot
     return summary
-
-
-def closing_line(result: TrainResult) -> str:
-    """The stage's last line: steps, layout, loss, time, peak memory (:func:`_peak_text`), device, run."""
-    s, r, p = result.summary, result.plan.resolved, result.plan
-    return (f"train: {s.get('train_steps', 0)} optimizer steps of {r.effective_batch_size} examples "
-            f"({r.per_device_train_batch_size} x {r.gradient_accumulation_steps}"
-            f"{f' x {r.world_size} processes' if r.world_size > 1 else ''}), "
-            f"train_loss {s.get('train_loss', float('nan')):.4f}, {s.get('train_runtime', 0):.1f} s, "
-            f"{_peak_text(s.get('train_mem_peak_bytes', 0), p.device, p.budget)} "
-            f"on {measure.device_name(p.device)}; MLflow run {result.run_id}")
-
-
-def _peak_text(peak: int, device: str, budget: int | None) -> str:
-    """The peak memory for the closing line, saying what it measures. On a CPU it is the process RSS,
-    which holds the Python runtime, the libraries and the data besides the training state, so it
-    exceeds an ``auto`` budget (which covers the probed training state only)."""
-    if measure.is_cuda(device):
-        return f"peak {peak / 2**20:.0f} MiB allocated"
-    text = f"peak {peak / 2**20:.0f} MiB process RSS"
-    if budget is not None:
-        text += (f" (the auto budget, {budget / 2**30:.2f} GiB, covers the probed training state only; RSS "
-                 "also holds the Python runtime, libraries and data)")
-    return text
-
-
-def _other_checkpoints(tracker, ckpt_dir, key: str, cfg: Config, fingerprint: str, announce: bool = False,
-                       finished: bool = False) -> None:
-    """Say which checkpoints of other configurations this run does not use (``announce``) and prune those
-    nothing can resume: at the start the ones whose run is deleted or finished, after a finished training
-    also the stopped runs of the same equivalence key. The rule: :func:`onegpu.training.checkpoint.
-    review_other_checkpoints`. Never stops training: a store or disk error skips it."""
-    from onegpu.training.checkpoint import review_other_checkpoints
-    try:
-        items = review_other_checkpoints(ckpt_dir, key, flatten(cfg.to_dict()), fingerprint, tracker.find_run)
-    except Exception:
-        return
-    for item in items:
-        if item["action"] == "prune" or (finished and item["action"] == "superseded"):
-            shutil.rmtree(item["folder"], ignore_errors=True)
-            msg = item["message"] if item["action"] == "prune" else (
-                f"removed the checkpoint of stopped MLflow run {item['run_id']} at optimizer step {item['step']} "
-                f"({item['folder']}): this run finished the same training (equivalence key {key})")
-            print(f"train: {msg}", flush=True)
-        elif announce and item["message"]:
-            print(f"train: {item['message']}", flush=True)
 
 
 @contextlib.contextmanager
@@ -424,6 +364,8 @@ def _flushed(buffer):
             buffer.flush()
         except Exception:
             pass
+
+
 def _step_tags(steps, effective_batch: int) -> dict:
     """Tags from the recorder: ``onegpu.machine``, the training window (``onegpu.train_start_ms`` and
     ``onegpu.train_end_ms``, milliseconds since the epoch, first step's start to last step's end in this
@@ -443,37 +385,5 @@ def _step_tags(steps, effective_batch: int) -> dict:
             print(f"train: optimizer step {p['step']} saw {p['examples']} of {effective_batch} examples "
                   "(the epoch's last rows); its loss is the mean over those")
     return out
-
-
-def _speed(model, summary: dict, cfg: Config, device: str, device_name: str,
-           tokens_sq: int | None = None) -> tuple[dict, dict, dict]:
-    """``train_flops_per_second`` (model FLOPs, :mod:`onegpu.flops`; all processes together) and
-    ``train_mfu`` against the device's peak in the matmul dtype (x ``train.num_processes`` devices);
-    ``model_flops_per_token`` and ``device_peak_flops`` with them.
-
-    Returns ``(metrics, params, tags)``: params name the peak's source and, for a measured peak, its
-    cache file; with no trustworthy peak ``train_mfu`` is left out and the tag
-    ``train_mfu.unknown_reason`` says why."""
-    from onegpu import flops
-    if not summary.get("train_samples") or not summary.get("train_runtime"):
-        return {}, {}, {}
-    total = flops.train_flops(model, summary["train_samples"], summary["train_tokens"],
-                              tokens_sq)
-    achieved = total / summary["train_runtime"]  # over all processes (their examples are summed)
-    # MFU per device: under train.num_processes each process has its own device of the same peak.
-    m = flops.mfu(achieved / cfg.train.num_processes, device_name, flops.matmul_dtype(cfg.train.mixed_precision),
-                  device)
-    metrics = {"train_flops_per_second": achieved, "model_flops_per_token": total / summary["train_tokens"],
-               "device_peak_flops": m["peak"]}
-    params = {"device_peak_flops.source": m["source"]}
-    if m["source"] == "measured":
-        params["device_peak_flops.cache"] = flops.display_path(flops.cache_file())
-    tags = {}
-    if m["mfu"] is None:
-        tags["train_mfu.unknown_reason"] = m["unknown_reason"]
-        print(f"train: {m['unknown_reason']}")
-    else:
-        metrics["train_mfu"] = m["mfu"]
-    return metrics, params, tags
 
 

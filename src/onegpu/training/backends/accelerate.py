@@ -25,13 +25,13 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
 
 from onegpu import measure
-from onegpu.config import Config, Resolved
+from onegpu.config import Config
 from onegpu.training import checkpointing, distributed, oom
-from onegpu.training.batches import collator_for, model_inputs, probe_batch
-from onegpu.training.checkpoint import ResumePoint, load_loop_state, load_rng, save_loop_state
+from onegpu.training.batches import probe_batch, train_collator, train_set
+from onegpu.training.backends.base import TrainRequest
+from onegpu.training.resume import load_loop_state, load_rng, save_loop_state
 from onegpu.training.interrupt import Interrupted
 from onegpu.training.loss import count_items, loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
@@ -83,7 +83,7 @@ def make_optimizer(model, cfg: Config):
     raise ValueError(f"train.optim={t.optim!r} is not supported by the accelerate backend")
 
 
-def schedule(len_dataloader: int, cfg: Config, resolved: Resolved) -> tuple[int, int, int]:
+def schedule(len_dataloader: int, cfg: Config) -> tuple[int, int, int]:
     """(optimizer steps in all, optimizer steps per epoch, epochs to iterate), as Trainer counts them.
 
     Source: ``Trainer.set_initial_training_values``. ``len_dataloader`` = micro-batches per epoch (the last
@@ -91,17 +91,16 @@ def schedule(len_dataloader: int, cfg: Config, resolved: Resolved) -> tuple[int,
     ``ceil(len_dataloader / accumulation)`` steps. ``max_steps > 0`` wins over ``num_train_epochs``
     (the last epoch is cut short); otherwise ``ceil(num_train_epochs * steps per epoch)`` steps.
     """
-    accum = resolved.gradient_accumulation_steps
-    per_epoch = max(math.ceil(len_dataloader / accum), 1)
     t = cfg.train
+    per_epoch = max(math.ceil(len_dataloader / t.gradient_accumulation_steps), 1)
     if t.max_steps > 0:
         return t.max_steps, per_epoch, math.ceil(t.max_steps / per_epoch)
     return math.ceil(t.num_train_epochs * per_epoch), per_epoch, math.ceil(t.num_train_epochs)
 
 
-def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, loss_fn, split: int,
+def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, loss_fn, pieces: int,
                       oom_injector, step: int):
-    """Forward and backward over one optimizer step's micro-batches, each cut into ``split`` pieces.
+    """Forward and backward over one optimizer step's micro-batches, each cut into ``pieces`` pieces.
 
     Returns this rank's share of the step's loss (a 0-d tensor on the device, not synced): the sum of
     the pieces' losses, each already divided by the step's item count over all ranks ``num_items``.
@@ -112,13 +111,13 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
         torch.OutOfMemoryError: a piece did not fit (or ``oom_injector`` said so).
     """
     import torch
-    pieces = [p for inputs in micro_batches for p in oom.pieces(inputs, split)]
+    parts = [p for inputs in micro_batches for p in oom.cut(inputs, pieces)]
     step_loss = torch.zeros((), device=accelerator.device)
     scale = accelerator.num_processes
-    for i, piece in enumerate(pieces):
-        last = i == len(pieces) - 1
+    for i, piece in enumerate(parts):
+        last = i == len(parts) - 1
         accelerator.sync_gradients = last  # as Trainer sets it; the optimizer steps only when True
-        oom.injected(oom_injector, step, int(piece["input_ids"].shape[0]))
+        oom.injected(oom_injector, step, piece)
         features = {k: v for k, v in piece.items() if k != "labels"}
         with contextlib.nullcontext() if last else accelerator.no_sync(model):
             loss = loss_fn(model(**features), piece["labels"], num_items)  # this piece's share of the mean
@@ -143,7 +142,7 @@ class _Loop:
     plateau: bool
 
 
-def _build(model, tokenizer, dsd, cfg: Config, resolved: Resolved) -> _Loop:
+def _build(req: TrainRequest) -> _Loop:
     """Accelerator, data loader, model set-up, optimizer and scheduler, as Trainer builds them."""
     from datetime import timedelta
 
@@ -153,6 +152,7 @@ def _build(model, tokenizer, dsd, cfg: Config, resolved: Resolved) -> _Loop:
     from torch.utils.data import DataLoader, RandomSampler
     from transformers import get_scheduler
     from transformers.trainer_utils import align_special_tokens, seed_worker
+    model, cfg = req.model, req.cfg
     t = cfg.train
     # Data order as Trainer's: a RandomSampler that Accelerate replaces by its SeedableRandomSampler,
     # reseeded with data_seed + epoch at each epoch (transformers' AcceleratorConfig has
@@ -173,10 +173,10 @@ def _build(model, tokenizer, dsd, cfg: Config, resolved: Resolved) -> _Loop:
         cpu=not cuda, mixed_precision=t.mixed_precision, dynamo_plugin=dynamo,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=distributed.TIMEOUT_S))],
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=t.seed))
-    train_set = model_inputs(dsd, cfg.model.task)["train"]
-    collator = collator_for(cfg.model.task, tokenizer)
+    rows = train_set(req.dsd, cfg)
+    collator = train_collator(cfg, req.tokenizer)
     loader = DataLoader(
-        train_set, batch_size=resolved.per_device_train_batch_size, sampler=RandomSampler(train_set),
+        rows, batch_size=t.per_device_train_batch_size, sampler=RandomSampler(rows),
         drop_last=False, collate_fn=collator, num_workers=t.dataloader_num_workers,
         pin_memory=cuda if t.dataloader_pin_memory is None else t.dataloader_pin_memory,
         worker_init_fn=partial(seed_worker, num_workers=t.dataloader_num_workers,
@@ -187,16 +187,16 @@ def _build(model, tokenizer, dsd, cfg: Config, resolved: Resolved) -> _Loop:
         model.config.use_cache = False
     if t.gradient_checkpointing:
         checkpointing.enable(model, t)
-    align_special_tokens(model, tokenizer)
+    align_special_tokens(model, req.tokenizer)
     optimizer = make_optimizer(model, cfg)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     # The scheduler is not prepared (neither is Trainer's): Accelerate would step it once per process.
-    total_steps, steps_per_epoch, epochs = schedule(len(loader), cfg, resolved)
+    total_steps, steps_per_epoch, epochs = schedule(len(loader), cfg)
     warmup = math.ceil(total_steps * t.warmup_ratio)  # TrainingArguments.get_warmup_steps for a ratio < 1
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=warmup,
                               num_training_steps=total_steps)
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)  # stepped by eval only
-    return _Loop(accelerator, model, optimizer, scheduler, loader, train_set, collator, total_steps,
+    return _Loop(accelerator, model, optimizer, scheduler, loader, rows, collator, total_steps,
                  steps_per_epoch, epochs, plateau)
 
 
@@ -233,26 +233,24 @@ def _epoch_steps(lp: _Loop, epoch: int, skip: int, accum: int):
         yield list(itertools.islice(batches, n))
 
 
-def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
-          sink: Callable[[dict, int], None], checkpoint_dir=None, stop=None,
-          resume: ResumePoint | None = None, checkpoint_meta: dict | None = None,
-          oom_injector=None) -> tuple[object, StepRecorder]:
-    """Fine-tune ``model`` on ``dsd['train']`` in a plain Accelerate loop; the contract is
+def train(req: TrainRequest) -> tuple[object, StepRecorder]:
+    """Fine-tune ``req.model`` on ``req.dsd['train']`` in a plain Accelerate loop; the contract is
     :class:`onegpu.training.backends.base.Backend`.
 
-    Checkpoints are :func:`onegpu.training.checkpoint.save_loop_state`'s. Out-of-memory recovery
+    Checkpoints are :func:`onegpu.training.resume.save_loop_state`'s. Out-of-memory recovery
     (``train.oom_retry``): :mod:`onegpu.training.oom`, as the ``trainer`` backend. The returned model is
     unwrapped from Accelerate; the recorder's rows are one per optimizer step (loss = the step's exact
     mean loss, grad_norm = total L2 norm before clipping, learning_rate = the rate that step used).
     """
     from transformers import set_seed
-    set_seed(cfg.train.seed)  # Trainer.__init__ seeds again after the model is built (dropout draws from here)
-    lp = _build(model, tokenizer, dsd, cfg, resolved)
-    recorder = StepRecorder(sink, lp.accelerator.device, BatchCounter())
-    micro, accum = resolved.per_device_train_batch_size, resolved.gradient_accumulation_steps
-    procs = f" x {resolved.world_size} processes" if resolved.world_size > 1 else ""
+    cfg, t, resume = req.cfg, req.cfg.train, req.resume
+    set_seed(t.seed)  # Trainer.__init__ seeds again after the model is built (dropout draws from here)
+    lp = _build(req)
+    recorder = StepRecorder(req.sink, lp.accelerator.device, BatchCounter())
+    micro, accum, world = t.per_device_train_batch_size, t.gradient_accumulation_steps, t.num_processes
+    procs = f" x {world} processes" if world > 1 else ""
     distributed.print_main(
-          f"accelerate: {lp.total_steps} optimizer steps of {resolved.effective_batch_size} examples "
+          f"accelerate: {lp.total_steps} optimizer steps of {micro * accum * world} examples "
           f"({micro} x {accum}{procs}), {len(lp.train_set)} examples, {lp.epochs} epoch(s), {lp.accelerator.device}, "
           f"mixed precision {lp.accelerator.mixed_precision}")
     start = 0
@@ -267,16 +265,17 @@ def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
     recorder.probe_activations(_plain(lp), {k: v.to(lp.accelerator.device) for k, v in probe.items()},
                                loss_for(cfg.model.task))
     recorder.start()
-    _run(lp, cfg, accum, recorder, start, resume, checkpoint_dir, stop, checkpoint_meta, oom_injector)
+    _run(lp, req, recorder, start)
     return lp.accelerator.unwrap_model(lp.model, keep_fp32_wrapper=False, keep_torch_compile=False), recorder
 
 
-def _run(lp: _Loop, cfg: Config, accum: int, recorder: StepRecorder, start: int, resume, checkpoint_dir, stop,
-         checkpoint_meta, oom_injector) -> None:
+def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> None:
     """The optimizer steps from ``start`` to the end: one host sync per step (loss, grad norm, counts)."""
     import torch
+    cfg, resume = req.cfg, req.resume
     t, device, loss_fn = cfg.train, lp.accelerator.device, loss_for(cfg.model.task)
-    step, split = start, 1  # split: pieces per micro-batch after out-of-memory recoveries
+    accum = t.gradient_accumulation_steps
+    step, pieces = start, 1  # pieces per micro-batch (more after out-of-memory recoveries)
     first_epoch, first_update = divmod(start, lp.steps_per_epoch)
     for epoch in range(first_epoch, lp.epochs):
         for micro_batches in _epoch_steps(lp, epoch, first_update if epoch == first_epoch else 0, accum):
@@ -290,12 +289,12 @@ def _run(lp: _Loop, cfg: Config, accum: int, recorder: StepRecorder, start: int,
             while True:  # more than once only after an out-of-memory error (train.oom_retry)
                 try:
                     step_loss = _forward_backward(lp.accelerator, lp.model, micro_batches, num_items, loss_fn,
-                                                  split, oom_injector, step + 1)
+                                                  pieces, req.oom_injector, step + 1)
                     break
                 except torch.OutOfMemoryError as e:
-                    rows = max(int(b["input_ids"].shape[0]) for b in micro_batches)
-                    split = oom.recover(e, lp.model, rows, split, accum, step + 1, t.oom_retry, recorder.events)
-            for inputs in micro_batches:  # counted once, whatever the split
+                    rows = max(oom.rows(b) for b in micro_batches)
+                    pieces = oom.recover(e, lp.model, rows, pieces, accum, step + 1, t.oom_retry, recorder.events)
+            for inputs in micro_batches:  # counted once, however many pieces
                 recorder.counter.add(inputs)
             grad_norm, lr = _optimizer_step(lp, cfg, recorder)
             step += 1
@@ -307,19 +306,18 @@ def _run(lp: _Loop, cfg: Config, accum: int, recorder: StepRecorder, start: int,
             recorder.log(step, loss_value, norm_value, float(lr))
             if t.torch_empty_cache_steps and step % t.torch_empty_cache_steps == 0:
                 measure.empty_cache()
-            _after_step(lp, cfg, recorder, step, checkpoint_dir, stop, checkpoint_meta)
+            _after_step(lp, req, recorder, step)
             if step >= lp.total_steps:
                 return
 
 
-def _after_step(lp: _Loop, cfg: Config, recorder: StepRecorder, step: int, checkpoint_dir, stop,
-                checkpoint_meta) -> None:
+def _after_step(lp: _Loop, req: TrainRequest, recorder: StepRecorder, step: int) -> None:
     """Progress line, checkpoint (every ``train.save_steps`` and on a requested stop) and the stop itself.
 
     Raises:
         Interrupted: a stop was requested (after the checkpoint is saved).
     """
-    t = cfg.train
+    t, stop, checkpoint_dir = req.cfg.train, req.stop, req.checkpoint_dir
     if step % t.logging_steps == 0 or step == lp.total_steps:
         distributed.print_main(progress_line(step, lp.total_steps, recorder.rows, lp.accelerator.device))
     requested = stop is not None and stop.requested is not None
@@ -329,7 +327,7 @@ def _after_step(lp: _Loop, cfg: Config, recorder: StepRecorder, step: int, check
     if checkpoint_dir and (stopping or (t.save_steps and step % t.save_steps == 0 and step < lp.total_steps)):
         if lp.accelerator.is_main_process:  # one writer; the ranks' weights and optimizer states are equal
             save_loop_state(checkpoint_dir, step, _plain(lp), lp.optimizer, lp.scheduler,
-                            recorder, checkpoint_meta or {})
+                            recorder, req.checkpoint_meta or {})
         lp.accelerator.wait_for_everyone()
     if stopping:
         raise Interrupted(stop.requested or 15, step)  # 15: SIGTERM, another rank's stop

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from typing import Callable
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 
 from onegpu import measure
-from onegpu.config import Config, Resolved
+from onegpu.config import Config
 from onegpu.training import checkpointing, distributed, oom
-from onegpu.training.batches import collator_for, model_inputs, probe_batch
-from onegpu.training.checkpoint import ResumePoint, write_state
+from onegpu.training.batches import probe_batch, train_collator, train_set
+from onegpu.training.backends.base import TrainRequest
+from onegpu.training.resume import write_state
 from onegpu.training.loss import count_items, loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
 
@@ -43,8 +43,9 @@ SAME_NAME = ("learning_rate", "num_train_epochs", "max_steps", "lr_scheduler_typ
              "max_grad_norm", "seed", "bf16", "fp16", "dataloader_num_workers")
 
 
-def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> TrainingArguments:
-    """``TrainingArguments`` from ``cfg.train`` under HF's own names.
+def training_arguments(cfg: Config, output_dir: str) -> TrainingArguments:
+    """``TrainingArguments`` from ``cfg.train`` (its batch layout in use, :class:`~onegpu.training.backends.
+    base.TrainRequest`) under HF's own names.
 
     Fixed by onegpu: ``logging_steps=1`` (every optimizer step is logged to MLflow; ``train.logging_steps``
     only paces the terminal), ``report_to="none"`` (onegpu logs to MLflow itself), checkpoints only
@@ -66,8 +67,8 @@ def training_arguments(cfg: Config, resolved: Resolved, output_dir: str) -> Trai
     cuda = measure.cuda_available()
     return TrainingArguments(
         output_dir=output_dir,
-        per_device_train_batch_size=resolved.per_device_train_batch_size,
-        gradient_accumulation_steps=resolved.gradient_accumulation_steps,
+        per_device_train_batch_size=t.per_device_train_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
         # blocks attention/mlp (or an older transformers): onegpu checkpoints itself (train()), Trainer nothing
         **({"activation_checkpointing": trainer_checkpoints(t),
             "activation_checkpointing_kwargs": checkpointing.hf_kwargs(t) if trainer_checkpoints(t) else None}
@@ -120,7 +121,7 @@ class ExactLossTrainer(Trainer):
         self.oom_retry = oom_retry
         self.oom_injector = oom_injector  # tests: (step, rows) -> True raises an injected OOM
         self.oom_events: list[dict] = []
-        self.split = 1
+        self.pieces = 1  # pieces per micro-batch (more after out-of-memory recoveries)
         self._step_inputs: list = []
         self._inputs_step = -1
 
@@ -165,15 +166,15 @@ class ExactLossTrainer(Trainer):
                     self.counter = counter
 
     def _pieces_step(self, model, inputs, num_items_in_batch):
-        if self.split == 1 and self.oom_injector is None:
+        if self.pieces == 1 and self.oom_injector is None:
             return super().training_step(model, inputs, num_items_in_batch)
         total = None
-        pieces = oom.pieces(inputs, self.split)
-        for i, piece in enumerate(pieces):
-            oom.injected(self.oom_injector, self.state.global_step + 1, int(piece["input_ids"].shape[0]))
+        parts = oom.cut(inputs, self.pieces)
+        for i, piece in enumerate(parts):
+            oom.injected(self.oom_injector, self.state.global_step + 1, piece)
             # Under several processes only the last piece may all-reduce (if Trainer syncs this
             # micro-batch at all): every rank then syncs once, however it split its micro-batches.
-            with self._no_sync(model) if i < len(pieces) - 1 else contextlib.nullcontext():
+            with self._no_sync(model) if i < len(parts) - 1 else contextlib.nullcontext():
                 loss = super().training_step(model, piece, num_items_in_batch)
             total = loss if total is None else total + loss
         return total
@@ -183,7 +184,7 @@ class ExactLossTrainer(Trainer):
         return self.accelerator.no_sync(model) if self.args.world_size > 1 else contextlib.nullcontext()
 
     def _recover(self, model, inputs, error) -> None:
-        self.split = oom.recover(error, model, int(inputs["input_ids"].shape[0]), self.split,
+        self.pieces = oom.recover(error, model, oom.rows(inputs), self.pieces,
                                  self.args.gradient_accumulation_steps, self.state.global_step + 1,
                                  self.oom_retry, self.oom_events)
 
@@ -282,43 +283,41 @@ class StopCallback(TrainerCallback):
             control.should_training_stop = True
 
 
-def train(model, tokenizer, dsd, cfg: Config, resolved: Resolved,
-          sink: Callable[[dict, int], None], checkpoint_dir=None, stop=None,
-          resume: ResumePoint | None = None, checkpoint_meta: dict | None = None,
-          oom_injector=None) -> tuple[object, StepRecorder]:
-    """Fine-tune ``model`` on ``dsd['train']`` with HF ``Trainer``; the contract is
+def train(req: TrainRequest) -> tuple[object, StepRecorder]:
+    """Fine-tune ``req.model`` on ``req.dsd['train']`` with HF ``Trainer``; the contract is
     :class:`onegpu.training.backends.base.Backend`.
 
     Checkpoints are Trainer's format (safetensors weights; optimizer, scheduler and RNG states loaded with
     ``weights_only=True``) plus onegpu's state file, written every ``train.save_steps`` steps and when
-    ``stop`` is requested.
+    ``req.stop`` is requested.
     """
     from onegpu.training.interrupt import Interrupted
+    cfg, t, task, stop, resume = req.cfg, req.cfg.train, req.cfg.model.task, req.stop, req.resume
     counter = BatchCounter()
-    scratch = None if checkpoint_dir else tempfile.TemporaryDirectory(prefix="onegpu-trainer-")
-    out = str(checkpoint_dir) if checkpoint_dir else scratch.name  # scratch: removed when training ends
-    args = training_arguments(cfg, resolved, out)
-    if cfg.train.gradient_checkpointing and not trainer_checkpoints(cfg.train):
-        checkpointing.enable(model, cfg.train)  # Trainer's own checkpointing is off (args)
-    train_ds = model_inputs(dsd, cfg.model.task)["train"]
-    collator = collator_for(cfg.model.task, tokenizer)
+    scratch = None if req.checkpoint_dir else tempfile.TemporaryDirectory(prefix="onegpu-trainer-")
+    out = str(req.checkpoint_dir) if req.checkpoint_dir else scratch.name  # scratch: removed when training ends
+    args = training_arguments(cfg, out)
+    if t.gradient_checkpointing and not trainer_checkpoints(t):
+        checkpointing.enable(req.model, t)  # Trainer's own checkpointing is off (args)
+    train_ds = train_set(req.dsd, cfg)
+    collator = train_collator(cfg, req.tokenizer)
     trainer = ExactLossTrainer(
-        model=model, args=args, train_dataset=train_ds, data_collator=collator, processing_class=tokenizer,
-        counter=counter, task=cfg.model.task, oom_retry=cfg.train.oom_retry, oom_injector=oom_injector)
-    steps = StepRecorder(sink, args.device, counter)
+        model=req.model, args=args, train_dataset=train_ds, data_collator=collator, processing_class=req.tokenizer,
+        counter=counter, task=task, oom_retry=t.oom_retry, oom_injector=req.oom_injector)
+    steps = StepRecorder(req.sink, args.device, counter)
     steps.events = trainer.oom_events
     if resume is not None:
         steps.restore(resume)
-    if checkpoint_dir:
-        trainer.add_callback(CheckpointState(steps, checkpoint_meta or {}))
+    if req.checkpoint_dir:
+        trainer.add_callback(CheckpointState(steps, req.checkpoint_meta or {}))
     if stop is not None:
         trainer.add_callback(StopCallback(stop))
-    if cfg.train.torch_empty_cache_steps:
-        trainer.add_callback(EmptyCache(cfg.train.torch_empty_cache_steps))
-    trainer.add_callback(StepMetrics(steps, probe=(probe_batch(train_ds, collator, resolved.per_device_train_batch_size),
-                                                   loss_for(cfg.model.task))))
+    if t.torch_empty_cache_steps:
+        trainer.add_callback(EmptyCache(t.torch_empty_cache_steps))
+    trainer.add_callback(StepMetrics(steps, probe=(probe_batch(train_ds, collator, t.per_device_train_batch_size),
+                                                   loss_for(task))))
     trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(Progress(steps, cfg.train.logging_steps))
+    trainer.add_callback(Progress(steps, t.logging_steps))
     try:
         trainer.train(resume_from_checkpoint=resume.path if resume else None)
     finally:

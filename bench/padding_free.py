@@ -1,0 +1,140 @@
+"""Padding-free batches against padded ones on the SFT example: tokens/s and memory, paired in one process.
+
+The data and model of ``make sft`` (docs/sft.md): BBC articles -> headlines with the packaged
+SmolLM2-135M-Instruct, LoRA r=8, completion-only loss, ``data.max_length`` tokens, as prepare tokenizes
+them (nothing is written). Arms ``padded`` and ``padding_free`` take the same optimizer steps (same
+examples per micro-batch and step, accelerate backend) and alternate ABAB... for ``--reps`` rotations in
+one process. Per arm: non-padding tokens/s over optimizer steps 2..N (median of the rotations), the
+activations saved for one micro-batch (``mem_activation_bytes``: where padding costs memory), the
+process's peak RSS during the arm, and the first step's loss (the two arms' must agree: same training).
+Printed first: the share of padding the padded micro-batches held (micro-batches of the seeded order).
+Results go to ``bench/results/padding_free.{md,json}``; the machine's load average is printed with them.
+
+Run: ``python -m bench.padding_free`` (``--max-length 512`` for longer rows, more of them shorter than the cap).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _cfg(args, padding_free: bool):
+    from onegpu.config import from_container
+    return from_container({
+        "data": {"source": "bbcnews-headlines", "max_length": args.max_length, "max_train_samples": args.rows,
+                 "max_eval_samples": 16, "padding_free": padding_free},
+        "model": {"task": "causal-lm", "name_or_path": "packaged:SmolLM2-135M-Instruct", "dropout": 0.0,
+                  "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": None}},
+        "train": {"backend": "accelerate", "per_device_train_batch_size": args.micro,
+                  "gradient_accumulation_steps": args.accum, "max_steps": args.steps, "learning_rate": 3e-4,
+                  "logging_steps": 10**6, "seed": 42}}, source="bench")
+
+
+def _data(args):
+    """The SFT example's rows as prepare tokenizes them, and its tokenizer."""
+    from onegpu import models
+    from onegpu.data import pipeline
+    cfg = _cfg(args, False)
+    path = models.resolve_model_path(cfg.model.name_or_path)
+    dsd, tok, stats, _ = pipeline.prepare(cfg, "prompt-completion", lambda texts: models.load_tokenizer(path, "causal-lm"))
+    return dsd, tok, path, stats
+
+
+def padding_share(lengths: list[int], micro: int, seed: int) -> float:
+    """Share of padding tokens in micro-batches of ``micro`` rows of a seeded shuffle, each padded to its longest."""
+    import random
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    real = padded = 0
+    for i in range(0, len(order), micro):
+        chunk = [lengths[j] for j in order[i:i + micro]]
+        real += sum(chunk)
+        padded += max(chunk) * len(chunk)
+    return 1 - real / padded
+
+
+def arm(args, dsd, tok, path, padding_free: bool) -> dict:
+    """One training of ``--steps`` optimizer steps; its steady tokens/s, activation bytes and peak RSS."""
+    from onegpu import lora, models
+    from onegpu.training.backends import accelerate
+    from onegpu.training.backends.base import TrainRequest
+    cfg = _cfg(args, padding_free)
+    import transformers
+    transformers.set_seed(cfg.train.seed)
+    model = models.build_causal_lm(path, tok, cfg.model, cfg.data.max_length, 0.0)
+    model = lora.apply(model, cfg.model.lora_adapters, "causal-lm")
+    start = time.perf_counter()
+    _, steps = accelerate.train(TrainRequest(model, tok, dsd, cfg, sink=lambda m, s: None))
+    rows = steps.rows
+    steady = rows[1:] or rows
+    return {"tokens_per_second": sum(r["tokens"] for r in steady) / sum(r["step_time_s"] for r in steady),
+            "samples_per_second": sum(r["samples"] for r in steady) / sum(r["step_time_s"] for r in steady),
+            "mem_activation_bytes": steps.breakdown.get("mem_activation_bytes"),
+            "peak_rss_bytes": max(r["mem_peak_bytes"] for r in rows), "first_loss": rows[0]["loss"],
+            "losses": [r["loss"] for r in rows], "wall_s": time.perf_counter() - start}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=2, help="rotations of the two arms (default 2)")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per arm (default 4)")
+    p.add_argument("--rows", type=int, default=64, help="training rows (default 64)")
+    p.add_argument("--micro", type=int, default=8, help="micro-batch (default 8, as make sft)")
+    p.add_argument("--accum", type=int, default=1, help="accumulation (default 1)")
+    p.add_argument("--max-length", type=int, default=128, help="data.max_length (default 128, as make sft)")
+    p.add_argument("--out", default=str(RESULTS / "padding_free"), help="results path without suffix")
+    args = p.parse_args()
+    from onegpu import models
+    models.go_offline()
+    from datasets.utils.logging import disable_progress_bar
+    disable_progress_bar()
+    dsd, tok, path, stats = _data(args)
+    share = padding_share(dsd["train"]["length"], args.micro, 42)
+    print(f"data: {len(dsd['train'])} training rows, max_length {args.max_length}, lengths p50 "
+          f"{stats['splits']['train']['length_p50']:.0f} / p90 {stats['splits']['train']['length_p90']:.0f}; "
+          f"padding in micro-batches of {args.micro}: {share:.1%} of the padded tokens")
+    runs = {"padded": [], "padding_free": []}
+    load = [os.getloadavg()[0]]
+    for rep in range(args.reps):
+        for name in ("padded", "padding_free"):
+            runs[name].append(arm(args, dsd, tok, path, name == "padding_free"))
+            load.append(os.getloadavg()[0])
+            r = runs[name][-1]
+            print(f"rotation {rep + 1}/{args.reps} {name}: {r['tokens_per_second']:.0f} tokens/s, activations "
+                  f"{r['mem_activation_bytes'] / 2**20:.0f} MiB, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB, "
+                  f"step-1 loss {r['first_loss']:.6f}", flush=True)
+    _report(args, runs, share, stats, load)
+
+
+def _report(args, runs: dict, share: float, stats: dict, load: list[float]) -> None:
+    med = {k: statistics.median(r["tokens_per_second"] for r in v) for k, v in runs.items()}
+    act = {k: v[0]["mem_activation_bytes"] for k, v in runs.items()}
+    rss = {k: max(r["peak_rss_bytes"] for r in v) for k, v in runs.items()}
+    same = max(abs(a - b) / abs(b) for ra, rb in zip(runs["padding_free"], runs["padded"])
+               for a, b in zip(ra["losses"], rb["losses"]))
+    lines = [f"# Padding-free against padded: the SFT example ({len(runs['padded'])} rotations, {args.steps} steps "
+             f"of {args.micro} x {args.accum}, max_length {args.max_length})", "",
+             f"Padding in the padded micro-batches: {share:.1%} of their tokens. Largest relative difference of the "
+             f"per-step losses between the arms: {same:.1e}. Load average during the runs: "
+             f"{min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores.", "",
+             "| arm | tokens/s (median) | vs padded | activations, one micro-batch (MiB) | peak RSS (MiB) |",
+             "| --- | --- | --- | --- | --- |"]
+    for k in ("padded", "padding_free"):
+        lines.append(f"| {k} | {med[k]:.0f} | {med[k] / med['padded']:.2f}x | {act[k] / 2**20:.0f} | {rss[k] / 2**20:.0f} |")
+    text = "\n".join(lines)
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "padding_share": share, "runs": runs,
+                                                    "load_average": load, "max_rel_loss_diff": same}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Why two runs of one equivalence key can differ step by step: the likely causes found in their params
+and tags, one small function per cause (:data:`CAUSES`).
+
+A cause function takes ``(run, reference)`` (:class:`~onegpu.compare.records.RunRecord`) and returns the
+sentences it finds (none when it does not apply); :func:`likely_causes` lists them in :data:`CAUSES`'
+order. To add a cause: write one such function, add it to :data:`CAUSES`, and add a pair of records that
+shows it to ``tests/unit/compare/test_causes.py``. No MLflow here.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from onegpu.compare.records import RunRecord, _float, _int
+
+# Knobs outside the equivalence key (or, for train.optim, values it treats as one) that change the kernels
+# or precision of the same mathematics: (param, value when not logged, why the losses can move).
+KERNEL_KNOBS = (
+    ("train.tf32", "false", "TF32 matmuls round their inputs to 10 mantissa bits on Ampere+ GPUs "
+                            "(no effect on CPU)"),
+    ("model.attn_implementation", "none", "another attention kernel sums in another order"),
+    ("train.torch_compile", "false", "compiled, fused kernels sum in another order"),
+    ("train.torch_compile_mode", "none", "other compiled kernels sum in another order"),
+    ("train.optim", "adamw_torch", "the fused AdamW kernel rounds the same update differently"),
+    ("train.dataloader_pin_memory", "none", "page-locked host memory; no arithmetic changes, unlikely alone"),
+    ("train.torch_empty_cache_steps", "none", "allocator cache only; no arithmetic changes, unlikely alone"),
+    ("train.cpu_allocator", "system", "host allocator only; no arithmetic changes, unlikely alone"),
+)
+
+# Knobs whose kernels draw dropout masks differently (SDPA's fused dropout, inductor's generated RNG code).
+DROPOUT_KERNEL_KNOBS = ("model.attn_implementation", "train.torch_compile")
+
+# The phrase every dropout cause starts with (``onegpu tradeoffs`` reads it: other masks only).
+DROPOUT = "dropout"
+
+
+def _dropout(r: RunRecord) -> float:
+    # The model's largest dropout probability (tag set by the train stage); else the params override.
+    v = _float(r.tags.get("model.dropout_max"))
+    return v if v is not None else (_float(r.params.get("model.dropout")) or 0.0)
+
+
+def _param(r: RunRecord, key: str, default: str) -> str:
+    """A logged param in lower case (``None``/``null`` as ``none``), ``default`` when the run lacks it."""
+    v = str(r.params.get(key, default)).strip().lower()
+    return "none" if v in ("none", "null", "") else v
+
+
+def _micro_batches(run: RunRecord, reference: RunRecord) -> str:
+    return f"{run.micro_batch} vs {reference.micro_batch}"
+
+
+def dropout_with_another_split(run: RunRecord, reference: RunRecord) -> Iterable[str]:
+    """Dropout on and another micro-batch: each split draws other masks."""
+    p = max(_dropout(run), _dropout(reference))
+    if p > 0 and run.micro_batch != reference.micro_batch:
+        yield (f"{DROPOUT} (p up to {p:g}) with a different micro-batch ({_micro_batches(run, reference)}): each "
+               "split draws different dropout masks, so the runs agree only in expectation "
+               "(set model.dropout: 0 to compare exactly)")
+
+
+def dropout_with_another_kernel(run: RunRecord, reference: RunRecord) -> Iterable[str]:
+    """Dropout on and another attention or compiled kernel (:data:`DROPOUT_KERNEL_KNOBS`): other masks."""
+    p = max(_dropout(run), _dropout(reference))
+    kernels = [k for k in DROPOUT_KERNEL_KNOBS if _param(run, k, "none") != _param(reference, k, "none")]
+    if p > 0 and kernels:
+        yield (f"{DROPOUT} (p up to {p:g}) with another kernel ({', '.join(kernels)} differs): it draws its "
+               "dropout masks from the random generator in another way, so the runs agree only in "
+               "expectation (set model.dropout: 0 to compare exactly)")
+
+
+def batchnorm_with_another_split(run: RunRecord, reference: RunRecord) -> Iterable[str]:
+    """BatchNorm layers and another micro-batch: statistics per micro-batch."""
+    bn = max(_int(run.tags.get("model.batchnorm_layers")) or 0,
+             _int(reference.tags.get("model.batchnorm_layers")) or 0)
+    if bn > 0 and run.micro_batch != reference.micro_batch:
+        yield (f"{bn} BatchNorm layer(s) with a different micro-batch ({_micro_batches(run, reference)}): mean "
+               "and variance are computed per micro-batch, so the forward pass itself differs")
+
+
+def mixed_precision(run: RunRecord, reference: RunRecord) -> Iterable[str]:
+    """bf16 or fp16 on either side: rounded activations."""
+    mixed = sorted({r.precision for r in (run, reference) if r.precision not in ("fp32", "tf32")})
+    if mixed:
+        yield (f"mixed precision ({', '.join(mixed)}): activations are rounded to "
+               f"{'/'.join(mixed)}, and a different summation order rounds differently")
+
+
+def gpu_kernels(run: RunRecord, reference: RunRecord) -> Iterable[str]:
+    """A GPU on either side (device tag not ``cpu``): non-deterministic reductions."""
+    gpus = sorted({r.tags.get("device", "") for r in (run, reference)
+                   if r.tags.get("device") and r.tags.get("device", "").lower() != "cpu"})
+    if gpus:
+        yield (f"non-deterministic GPU kernels ({', '.join(gpus)}): atomic adds in reductions and "
+               "kernel choice by shape make sums differ between runs")
+
+
+def kernel_knobs(run: RunRecord, reference: RunRecord) -> Iterable[str]:
+    """Each knob of :data:`KERNEL_KNOBS` whose value differs."""
+    for knob, default, why in KERNEL_KNOBS:
+        a, b = _param(run, knob, default), _param(reference, knob, default)
+        if a != b:
+            yield f"{knob} differs ({a} vs {b}): {why}"
+
+
+def another_backend(run: RunRecord, reference: RunRecord) -> Iterable[str]:
+    rb, fb = run.params.get("train.backend"), reference.params.get("train.backend")
+    if rb and fb and rb != fb:
+        yield f"a different backend ({rb} vs {fb}): the training loops order the work differently"
+
+
+def another_device(run: RunRecord, reference: RunRecord) -> Iterable[str]:
+    rd, fd = run.tags.get("device"), reference.tags.get("device")
+    if rd and fd and rd != fd:
+        yield f"a different device ({rd} vs {fd})"
+
+
+def other_code(run: RunRecord, reference: RunRecord) -> Iterable[str]:
+    rc, fc = run.tags.get("mlflow.source.git.commit"), reference.tags.get("mlflow.source.git.commit")
+    if rc and fc and rc != fc and "none" not in (rc, fc):
+        yield f"different code (commit {rc[:8]} vs {fc[:8]})"
+
+
+# Every cause, in the order the report lists them.
+CAUSES: tuple[Callable[[RunRecord, RunRecord], Iterable[str]], ...] = (
+    dropout_with_another_split, dropout_with_another_kernel, batchnorm_with_another_split, mixed_precision,
+    gpu_kernels, kernel_knobs, another_backend, another_device, other_code,
+)
+
+
+def likely_causes(run: RunRecord, reference: RunRecord) -> list[str]:
+    """Params and tags of a pair that explain why their losses can differ step by step: the sentences of
+    every function in :data:`CAUSES`, in that order."""
+    return [sentence for cause in CAUSES for sentence in cause(run, reference)]

@@ -1,0 +1,130 @@
+"""The runs of one ``equivalence_key`` together: the reference of each group, every other run compared
+with it (:mod:`onegpu.compare.verdict`), runs whose training overlapped in time on one machine, and the
+groups of a whole comparison. No MLflow here."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from onegpu.compare.records import RunRecord
+from onegpu.compare.summary import summarize
+from onegpu.compare.verdict import DIVERGED, EQUIVALENT, RunComparison, compare_run
+
+
+@dataclass
+class GroupComparison:
+    """The runs that share one ``equivalence_key``; ``rows[0]`` is the reference."""
+    key: str
+    reference: RunRecord
+    rows: list[RunComparison]
+    summary: str = ""
+
+    @property
+    def runs(self) -> list[RunRecord]:
+        return [r.run for r in self.rows]
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.rows)
+
+
+@dataclass
+class Comparison:
+    """Every group, most recently started first, and the runs left out (no ``equivalence_key`` tag)."""
+    groups: list[GroupComparison]
+    skipped: list[RunRecord] = field(default_factory=list)
+
+    @property
+    def keys(self) -> list[str]:
+        return [g.key for g in self.groups]
+
+    @property
+    def run_ids(self) -> list[str]:
+        return [r.run_id for g in self.groups for r in g.runs]
+
+    def counts(self) -> dict[str, int]:
+        """The comparison run's metrics: runs, groups, equivalent and diverged runs."""
+        return {"compare_runs": len(self.run_ids), "compare_groups": len(self.groups),
+                "compare_equivalent": sum(g.count(EQUIVALENT) for g in self.groups),
+                "compare_diverged": sum(g.count(DIVERGED) for g in self.groups)}
+
+
+def group_by_key(runs: list[RunRecord]) -> tuple[dict[str, list[RunRecord]], list[RunRecord]]:
+    """``({equivalence_key: runs}, runs without a key)``; keys in first-seen order."""
+    groups: dict[str, list[RunRecord]] = {}
+    skipped = []
+    for r in runs:
+        if r.key is None:
+            skipped.append(r)
+        else:
+            groups.setdefault(r.key, []).append(r)
+    return groups, skipped
+
+
+def choose_reference(runs: list[RunRecord]) -> RunRecord:
+    """The run the others are compared with: the largest micro-batch (the fewest accumulated
+    micro-batches, the plainest computation of the effective batch); on a tie, checkpointing off; then
+    the earliest start. Runs with a per-step loss are preferred over runs without one.
+    """
+    if not runs:
+        raise ValueError("choose_reference needs at least one run")
+    with_loss = [r for r in runs if r.series.get("loss")] or runs
+    return min(with_loss, key=lambda r: (-(r.micro_batch or 0), r.checkpointing, r.start_time, r.run_id))
+
+
+def _machine(r: RunRecord) -> str | None:
+    return r.tags.get("onegpu.machine") or None
+
+
+def find_overlaps(runs: list[RunRecord], others: list[RunRecord] = (),
+                  min_overlap_ms: int = 1000) -> dict[str, list[str]]:
+    """For each of ``runs``: the labels of runs (among ``runs`` and ``others``) whose training windows
+    (:attr:`RunRecord.train_window`) overlapped its own by more than ``min_overlap_ms`` on the same
+    machine (tag ``onegpu.machine``; runs without it are taken to share the machine). Runs of unknown
+    window are never flagged. Returns ``{run_id: [label, ...]}`` for the runs that overlapped.
+    """
+    pool = {r.run_id: r for r in [*runs, *others]}
+    out: dict[str, list[str]] = {}
+    for r in runs:
+        w = r.train_window
+        if w is None:
+            continue
+        for o in pool.values():
+            if o.run_id == r.run_id or o.train_window is None:
+                continue
+            if _machine(r) and _machine(o) and _machine(r) != _machine(o):
+                continue
+            ow = o.train_window
+            if min(w[1], ow[1]) - max(w[0], ow[0]) > min_overlap_ms:
+                out.setdefault(r.run_id, []).append(o.label)
+    return out
+
+
+def _sort_key(r: RunRecord):
+    return (-(r.micro_batch or 0), r.accumulation or 0, r.checkpointing, r.start_time)
+
+
+def compare_group(key: str, runs: list[RunRecord], overlaps: dict[str, list[str]] | None = None) -> GroupComparison:
+    """Compare every run of one ``equivalence_key`` with the group's reference (:func:`choose_reference`);
+    ``overlaps`` (:func:`find_overlaps`) marks runs whose speed and memory are not comparable."""
+    ref = choose_reference(runs)
+    others = sorted((r for r in runs if r is not ref), key=_sort_key)
+    rows = [compare_run(ref, ref)] + [compare_run(r, ref) for r in others]
+    for c in rows:
+        c.overlaps = list((overlaps or {}).get(c.run.run_id, []))
+        if c.overlaps:
+            c.notes.append(f"trained at the same time as {', '.join(c.overlaps)} on the same machine: its "
+                           "speed and memory are not comparable (train one at a time for timing, e.g. "
+                           "`dvc queue start -j 1`)")
+    g = GroupComparison(key=key, reference=ref, rows=rows)
+    g.summary = summarize(g)
+    return g
+
+
+def compare(runs: list[RunRecord], others: list[RunRecord] = ()) -> Comparison:
+    """Group ``runs`` by ``equivalence_key`` and compare each group. Groups with something to compare
+    (two runs or more) come first, then single runs; within each, the most recently started first.
+    ``others``: further training runs (not compared) whose windows count for :func:`find_overlaps`."""
+    groups, skipped = group_by_key(runs)
+    overlaps = find_overlaps(runs, others)
+    out = [compare_group(k, rs, overlaps) for k, rs in groups.items()]
+    out.sort(key=lambda g: (len(g.rows) < 2, -max(r.start_time for r in g.runs)))
+    return Comparison(groups=out, skipped=skipped)

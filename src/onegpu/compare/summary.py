@@ -1,0 +1,63 @@
+"""A few sentences on one group of runs: how many match the reference, the first divergence and its
+likely causes, and the cheapest equivalent run in memory and the fastest in samples per second."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from onegpu.compare.verdict import DIVERGED, EQUIVALENT, INCOMPLETE, NO_DATA
+from onegpu.formatting import mib
+
+if TYPE_CHECKING:
+    from onegpu.compare.groups import GroupComparison
+
+
+def summarize(g: "GroupComparison") -> str:
+    """A few sentences on one group: how many runs match the reference, the first divergence and its
+    likely causes, and the cheapest equivalent run in memory and the fastest in samples per second."""
+    ref = g.reference
+    n = len(g.rows)
+    head = f"{n} run{'s' if n != 1 else ''}; reference {ref.label} ({ref.split}, {ref.precision})."
+    partial = sorted({p["step"] for c in g.rows for p in c.run.partial_steps})
+    if partial:
+        head += (f" Step{'s' if len(partial) > 1 else ''} {', '.join(map(str, partial))} saw fewer examples "
+                 "than the effective batch (an epoch's short last step).")
+    if n == 1:
+        micro, eff = ref.micro_batch, ref.effective_batch
+        other = next((m for m in ((micro or 0) // 2, (micro or 0) * 2) if m and eff and eff % m == 0), None)
+        how = (f"`dvc exp run -S train.per_device_train_batch_size={other} "
+               f"-S train.gradient_accumulation_steps={eff // other}`" if other else "another split")
+        return head + f" Nothing to compare yet: train the same configuration as {how}, or with " \
+                      f"`train.gradient_checkpointing` {'off' if ref.checkpointing else 'on'}."
+    others = g.rows[1:]
+    parts = [head]
+    eq = [c for c in others if c.status == EQUIVALENT]
+    div = [c for c in others if c.status == DIVERGED]
+    if eq:
+        parts.append(f"{len(eq)} of {len(others)} equivalent to it step by step "
+                     f"(loss within {eq[0].tolerance.rtol:g} and grad_norm within "
+                     f"{eq[0].grad_norm_tolerance.rtol:g} relative in {eq[0].precision}).")
+    if div:
+        first = min(div, key=lambda c: c.first_divergent_step)
+        causes = sorted({cause.split(":")[0] for d in div for cause in d.causes})
+        parts.append(f"{len(div)} diverged, the first at step {first.first_divergent_step} ({first.run.label})"
+                     + (f"; likely causes: {'; '.join(causes)}." if causes else
+                        "; no cause found in params or tags (check data order, seed and code)."))
+    rest = [c for c in others if c.status in (INCOMPLETE, NO_DATA)]
+    if rest:
+        parts.append(f"{len(rest)} not comparable over all steps ({', '.join(c.run.label for c in rest)}).")
+    overlapped = [c for c in g.rows if not c.cost_comparable]
+    if overlapped:
+        parts.append(f"Speed and memory not comparable for {', '.join(c.run.label for c in overlapped)}: "
+                     "trained at the same time as other runs on one machine.")
+    candidates = [c for c in [g.rows[0]] + eq if c.cost_comparable]
+    mem = [c for c in candidates if c.run.peak_memory_bytes is not None]
+    fast = [c for c in candidates if c.run.samples_per_second is not None]
+    if len(candidates) > 1 and mem and fast:
+        lo = min(mem, key=lambda c: c.run.peak_memory_bytes)
+        hi = max(fast, key=lambda c: c.run.samples_per_second)
+        parts.append(f"Among the equivalent runs, the least memory: {lo.run.split} "
+                     f"({mib(lo.run.peak_memory_bytes, missing='?')}, {lo.run.samples_per_second:.1f} samples/s); "
+                     f"the fastest: {hi.run.split} ({hi.run.samples_per_second:.1f} samples/s, "
+                     f"{mib(hi.run.peak_memory_bytes, missing='?')}).")
+    return " ".join(parts)
+

@@ -1,0 +1,161 @@
+"""Instruction rows as token ids with their loss mask: the chat template, the answer-only losses, truncation.
+
+**Rendering.** Where the tokenizer has a chat template, a prompt-completion row is rendered as TRL does
+(``trl.data_utils.apply_chat_template``): the prompt (a string becomes one user turn) with the generation
+prompt, and prompt + completion (a string becomes one assistant turn); the completion is what follows the
+two renderings' common prefix. Without a template the row is a plain join: ``prompt`` (+ ``"\\n"`` when it
+does not end in whitespace) then ``completion`` + the EOS token. ``messages`` rows need a template.
+
+**Token ids.** The prompt and the completion text are tokenized separately and concatenated, so a
+training sequence starts with exactly the ids the model gets at generation time for that prompt.
+
+**The loss mask** (labels = ids, -100 where masked; :mod:`onegpu.training.loss` shifts them):
+``data.completion_only_loss`` (null = on for prompt-completion rows) masks the prompt; the completion,
+its end-of-turn token (here pad = eos = ``<|im_end|>``) included, stays a target: masking is by position,
+never by token id. ``data.assistant_only_loss`` keeps only the assistant turns of ``messages`` rows, found
+by rendering the conversation turn by turn (the template's own ``{% generation %}`` markers are not
+needed, SmolLM2's template has none); a template that does not render a conversation as the
+concatenation of its turns is refused.
+
+**Truncation** to ``data.max_length`` cuts the prompt, never the answer: the last prompt message's text is
+shortened (by tokens, from its end) until the whole sequence fits. A row whose completion does not fit
+even with an empty prompt is dropped and counted (``completion_too_long``). ``messages`` rows are cut at
+``data.max_length`` from the end (TRL's ``keep_start``); one left with no target token is dropped and
+counted (``no_target_after_truncation``).
+"""
+from __future__ import annotations
+
+from onegpu.data import formats
+from onegpu.errors import DataError
+
+IGNORE_INDEX = -100
+
+
+def has_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def render(tokenizer, prompt, completion) -> tuple[str, str]:
+    """``(prompt text, completion text)`` as the model sees them (see the module docstring).
+
+    Raises:
+        DataError: conversational cells and a tokenizer without a chat template.
+    """
+    if has_template(tokenizer):
+        p = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        c = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+        alone = tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(p + c, tokenize=False)
+        cut = _common_prefix(alone, full)  # TRL's rule: the completion starts where the two renderings part
+        return full[:cut], full[cut:]
+    if isinstance(prompt, list) or isinstance(completion, list):
+        raise DataError("the data has conversational (role/content) cells but the tokenizer has no chat template: "
+                        "use a model whose tokenizer has one (e.g. packaged:SmolLM2-135M-Instruct), or plain strings")
+    sep = "" if not prompt or prompt[-1].isspace() else "\n"
+    return prompt + sep, completion + (tokenizer.eos_token or "")
+
+
+def _shortened(prompt, tokenizer, over: int):
+    """``prompt`` with its last message's text (or the string itself) ``over`` tokens shorter; None when
+    nothing is left to cut."""
+    text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+    ids = _ids(tokenizer, text)
+    if not ids:
+        return None
+    cut = tokenizer.decode(ids[:max(len(ids) - over, 0)])
+    return prompt[:-1] + [{**prompt[-1], "content": cut}] if isinstance(prompt, list) else cut
+
+
+def prompt_completion(tokenizer, prompt, completion, max_length: int,
+                      completion_only: bool) -> dict | None:
+    """One prompt-completion row as ``input_ids``, ``labels``, ``prompt_length`` (tokens before the
+    completion) and ``truncated`` (the prompt was cut), at most ``max_length`` tokens; None when the
+    completion does not fit even with an empty prompt (see the module docstring)."""
+    truncated = False
+    for _ in range(8):  # each round cuts what is still over; decoding and re-encoding may shift a token
+        p_text, c_text = render(tokenizer, prompt, completion)
+        p_ids, c_ids = _ids(tokenizer, p_text), _ids(tokenizer, c_text)
+        over = len(p_ids) + len(c_ids) - max_length
+        if over <= 0:
+            ids = p_ids + c_ids
+            labels = [IGNORE_INDEX] * len(p_ids) + c_ids if completion_only else list(ids)
+            return {"input_ids": ids, "labels": labels, "prompt_length": len(p_ids), "truncated": truncated}
+        prompt = _shortened(prompt, tokenizer, over)
+        truncated = True
+        if prompt is None:
+            return None
+    return None
+
+
+def _turn_ids(tokenizer, messages: list[dict], generation_prompt: bool = False) -> list[int]:
+    if not messages:
+        return []
+    return _ids(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False,
+                                                         add_generation_prompt=generation_prompt))
+
+
+def messages(tokenizer, msgs: list[dict], max_length: int, assistant_only: bool) -> dict | None:
+    """One ``messages`` row as ``input_ids``, ``labels`` (all tokens, or the assistant turns only),
+    ``prompt_length`` (tokens before the last assistant turn's text) and ``truncated``; None when
+    truncation to ``max_length`` leaves no target token.
+
+    Raises:
+        DataError: the tokenizer has no chat template; the template does not render the conversation as
+            its turns one after another (assistant turns cannot be found).
+    """
+    if not has_template(tokenizer):
+        raise DataError("the data is messages (role/content turns) but the tokenizer has no chat template: use a "
+                        "model whose tokenizer has one (e.g. packaged:SmolLM2-135M-Instruct) or prompt-completion data")
+    ids = _turn_ids(tokenizer, msgs)
+    mask = [0 if assistant_only else 1] * len(ids)
+    last_start = 0
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        start, upto = len(_turn_ids(tokenizer, msgs[:i], True)), _turn_ids(tokenizer, msgs[:i + 1])
+        if ids[:len(upto)] != upto:
+            raise DataError("data.assistant_only_loss: the chat template does not render a conversation as its "
+                            "turns one after another, so the assistant turns cannot be found; set it to false")
+        if assistant_only:
+            mask[start:len(upto)] = [1] * (len(upto) - start)
+        last_start = start
+    truncated = len(ids) > max_length
+    ids, mask = ids[:max_length], mask[:max_length]
+    if 1 not in mask[1:]:  # the first token is never a target (nothing predicts it)
+        return None
+    labels = [t if k else IGNORE_INDEX for t, k in zip(ids, mask)]
+    return {"input_ids": ids, "labels": labels, "prompt_length": min(last_start, len(ids)), "truncated": truncated}
+
+
+def reference(row: dict) -> str:
+    """The answer a generation is scored against: the completion's text, or the last assistant turn's."""
+    if "messages" in row:
+        answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        return answers[-1] if answers else ""
+    c = row["completion"]
+    return " ".join(m["content"] for m in c) if isinstance(c, list) else c
+
+
+def tokenize_row(tokenizer, row: dict, max_length: int, completion_only: bool, assistant_only: bool) -> dict | None:
+    """:func:`prompt_completion` or :func:`messages` for ``row`` (a dict of :mod:`onegpu.data.instructions`)."""
+    if "messages" in row:
+        return messages(tokenizer, row["messages"], max_length, assistant_only)
+    return prompt_completion(tokenizer, row["prompt"], row["completion"], max_length, completion_only)
+
+
+def completion_only(cfg_value, fmt: str) -> bool:
+    """``data.completion_only_loss`` resolved: null = on for prompt-completion data (TRL's default)."""
+    return fmt == formats.PROMPT_COMPLETION if cfg_value is None else bool(cfg_value)

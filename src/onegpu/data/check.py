@@ -1,0 +1,101 @@
+"""The data's form checked first, before any heavy import, any MLflow run or any output: one function,
+:func:`check_input`, that the pipeline's first stage calls (and prepare again).
+
+It reads only the header of a CSV, the first record of a JSON Lines file or the schema of a Parquet file
+(standard library; pyarrow's footer reader for Parquet), so a file without its label column, instruction
+data without a completion, or a ``messages`` cell that is no list of messages fails in well under a second
+with one line, instead of after prepare has loaded its libraries and opened a run. What only the whole
+file shows (a bad cell on row 900) is found by prepare's reading, which also runs before its run opens.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from onegpu.config import PACKAGED_HEADLINES, Config
+from onegpu.data import formats
+from onegpu.data.sources import check_source, source_kind
+from onegpu.errors import DataError
+
+
+def _header(path: Path) -> tuple[list[str], dict | None]:
+    """The column names of ``path`` and its first record where the format gives one cheaply (JSON Lines).
+
+    Raises:
+        DataError: an empty file, a CSV without a header line, a first JSON line that is not an object.
+    """
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+        try:
+            return list(pq.read_schema(path).names), None
+        except Exception as e:  # pyarrow's ArrowInvalid and friends: not a Parquet file
+            raise DataError(f"data.source={str(path)!r}: cannot read it as Parquet: "
+                            f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
+    with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
+        if suffix == ".jsonl":
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"data.source={str(path)!r}: cannot parse line {n} as JSON: {e.msg} "
+                                        f"(column {e.colno})") from None
+                    if not isinstance(rec, dict):
+                        raise DataError(f"data.source={str(path)!r}: line {n} is a JSON {type(rec).__name__}; "
+                                        "each line must be an object")
+                    return list(rec), rec
+            raise DataError(f"data.source={str(path)!r}: the file holds no JSON line")
+        row = next(csv.reader(f), None)
+    if not row:
+        raise DataError(f"data.source={str(path)!r}: the file is empty (a CSV needs a header line)")
+    return row, None
+
+
+def _table_format(cfg: Config, path: Path) -> str:
+    """The format of table ``path`` for ``cfg``'s task; raises DataError for missing columns."""
+    d, task = cfg.data, cfg.model.task
+    columns, first = _header(path)
+    fmt = formats.detect(columns) if task == "causal-lm" else formats.TEXT
+    listed = ", ".join(map(str, columns))
+    if fmt == formats.TEXT:
+        needed = [("data.text_column", d.text_column)] + (
+            [("data.label_column", d.label_column)] if task == "sequence-classification" else [])
+        for key, col in needed:
+            if col not in columns and first is None:  # JSON Lines: a later line may hold it (prepare decides)
+                hint = (" (instruction data needs a completion column next to prompt)"
+                        if "prompt" in columns and task == "causal-lm" else "")
+                raise DataError(f"{key}={col!r} is not a column of {path} (columns: {listed}){hint}")
+    if first is not None and fmt == formats.MESSAGES:
+        msgs = formats.messages_cell(first["messages"], "line 1", str(path))
+        formats.check_roles(msgs, "line 1", str(path), d.assistant_only_loss)
+    return fmt
+
+
+def check_input(cfg: Config) -> str:
+    """Check ``data.source`` and its columns against the task and the loss keys; return its format
+    (:data:`~onegpu.data.formats.TEXT`, ``PROMPT_COMPLETION`` or ``MESSAGES``).
+
+    Raises:
+        DataError: the source is missing or of the wrong kind (:func:`~onegpu.data.sources.check_source`);
+            a column the task needs is missing; a first ``messages`` cell that is not a list of role/content
+            (or has no assistant turn under ``data.assistant_only_loss``); ``data.completion_only_loss: true``
+            on data without completions; ``data.assistant_only_loss: true`` on data without ``messages``.
+    """
+    d = cfg.data
+    check_source(d)
+    kind = source_kind(d.source)
+    if d.source == PACKAGED_HEADLINES:
+        fmt = formats.PROMPT_COMPLETION
+    elif kind in ("package", "directory"):
+        fmt = formats.TEXT
+    else:
+        fmt = _table_format(cfg, Path(d.source).expanduser())
+    if d.completion_only_loss and fmt != formats.PROMPT_COMPLETION:
+        raise DataError(f"data.completion_only_loss is true, but data.source={d.source!r} is {fmt} data: it needs "
+                        "prompt and completion columns (set it to null or false)")
+    if d.assistant_only_loss and fmt != formats.MESSAGES:
+        raise DataError(f"data.assistant_only_loss is true, but data.source={d.source!r} is {fmt} data: it needs "
+                        "a messages column of role/content turns (set it to false)")
+    return fmt

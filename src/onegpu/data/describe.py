@@ -1,0 +1,60 @@
+"""What prepare wrote, described: the content fingerprint and the stats (rows, lengths, drops)."""
+from __future__ import annotations
+
+import hashlib
+
+from onegpu.data.splits import SPLITS
+
+
+def fingerprint(dsd) -> str:
+    """SHA-256 (first 16 hex digits) over every split's texts and labels, in order."""
+    h = hashlib.sha256()
+    for s in SPLITS:
+        for t, l in zip(dsd[s]["text"], dsd[s]["label"]):
+            h.update(f"{s}\t{l}\t{t}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def stats(dsd, *, rows_read: int, dropped: dict[str, int], undecodable: int, max_length: int) -> dict:
+    """Rows per split and label, token-length percentiles per split, and what was dropped.
+
+    ``rows_dropped`` holds the rows dropped per reason (:func:`deduplicate`); ``rows_kept`` = rows read
+    minus all of them, before the splits' caps (``data.max_*_samples``). ``duplicates_removed`` repeats
+    ``rows_dropped["duplicate"]``. Token lengths are counted after truncation to ``max_length``;
+    ``truncated_share`` is the share of rows that hit the limit.
+    """
+    import numpy as np
+    names = dsd["train"].features["label"].names
+    out: dict = {"rows_read": rows_read, "rows_kept": rows_read - sum(dropped.values()),
+                 "rows_dropped": dict(dropped), "duplicates_removed": dropped.get("duplicate", 0),
+                 "undecodable_files": undecodable,
+                 "labels": names, "max_length": max_length, "fingerprint": fingerprint(dsd), "splits": {}}
+    for s in SPLITS:
+        lengths = np.asarray(dsd[s]["length"])
+        lab = np.bincount(np.asarray(dsd[s]["label"]), minlength=len(names))
+        out["splits"][s] = {
+            "rows": int(len(dsd[s])),
+            "rows_per_label": {n: int(c) for n, c in zip(names, lab)},
+            "tokens": int(lengths.sum()),
+            "length_p50": float(np.percentile(lengths, 50)),
+            "length_p90": float(np.percentile(lengths, 90)),
+            "length_p99": float(np.percentile(lengths, 99)),
+            "length_max": int(lengths.max()),
+            "truncated_share": float((lengths >= max_length).mean()),
+        }
+    return out
+
+
+def metrics(stats: dict, undecodable: int) -> dict:
+    """prepare's MLflow metrics from :func:`stats`: row counts, drops by reason, prompts truncated, and per
+    split the rows, tokens, length percentiles and truncated share."""
+    dropped = stats["rows_dropped"]
+    metrics = {"rows_read": stats["rows_read"], "rows_kept": stats["rows_kept"],
+               **{f"rows_dropped_{r}": n for r, n in dropped.items()},
+               "duplicates_removed": dropped["duplicate"], "undecodable_files": undecodable,
+               "prompts_truncated": stats.get("prompts_truncated", 0)}
+    for s, st in stats["splits"].items():
+        metrics.update({f"rows_{s}": st["rows"], f"tokens_{s}": st["tokens"],
+                        f"length_p50_{s}": st["length_p50"], f"length_p90_{s}": st["length_p90"],
+                        f"truncated_share_{s}": st["truncated_share"]})
+    return metrics

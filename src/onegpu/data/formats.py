@@ -1,0 +1,71 @@
+"""Which kind of data a source holds, from its columns, as TRL decides it (standard library only).
+
+TRL's dataset types (``trl.data_utils``, SFTTrainer): a ``messages`` column (a list of ``{role, content}``
+per row: conversational language modelling), ``prompt`` + ``completion`` columns (prompt-completion; a cell
+may be a string or, conversational, a list of messages), else plain text in the text column. onegpu
+reads them the same way; its own copy of ``trl.data_utils.is_conversational`` exists because importing
+``trl.data_utils`` loads transformers and torch (4 s here), and this check must answer before any heavy
+import (:func:`onegpu.data.check.check_input`).
+"""
+from __future__ import annotations
+
+import json
+
+from onegpu.errors import DataError
+
+TEXT, PROMPT_COMPLETION, MESSAGES = "text", "prompt-completion", "messages"
+ROLES = ("system", "user", "assistant", "tool")
+# Why a row of instruction data is not used (counted per reason, as DROP_REASONS for text).
+SFT_DROP_REASONS = {PROMPT_COMPLETION: ("empty_prompt", "empty_completion", "duplicate", "completion_too_long"),
+                    MESSAGES: ("empty_messages", "duplicate", "no_target_after_truncation")}
+
+
+def detect(columns) -> str:
+    """:data:`MESSAGES` when a ``messages`` column exists, :data:`PROMPT_COMPLETION` for ``prompt`` and
+    ``completion`` columns, else :data:`TEXT` (TRL's order)."""
+    cols = set(columns)
+    if "messages" in cols:
+        return MESSAGES
+    if {"prompt", "completion"} <= cols:
+        return PROMPT_COMPLETION
+    return TEXT
+
+
+def is_conversational(value) -> bool:
+    """TRL's test (``trl.data_utils.is_conversational``) on one cell: a list whose first item is a dict
+    with a ``role`` key."""
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
+
+
+def messages_cell(value, where: str, source: str, column: str = "messages") -> list[dict]:
+    """``value`` as a list of ``{"role": str, "content": str}``; a JSON string (a CSV cell) is parsed first.
+
+    Raises:
+        DataError: one line naming ``where`` (e.g. ``row 12``): not a list of role/content objects, or a
+            role outside :data:`ROLES`.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise DataError(f"data.source={source!r}: {where}: the {column} cell is not JSON; it must be a list "
+                            'of {"role": ..., "content": ...} objects') from None
+    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
+        raise DataError(f"data.source={source!r}: {where}: the {column} cell is a {type(value).__name__}, not a "
+                        'list of {"role": ..., "content": ...} objects')
+    for i, m in enumerate(value):
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"data.source={source!r}: {where}: {column}[{i}] has keys {sorted(m)}; each message "
+                            "needs a string role and a string content")
+        if m["role"] not in ROLES:
+            raise DataError(f"data.source={source!r}: {where}: {column}[{i}] has role {m['role']!r}; roles are "
+                            f"{', '.join(ROLES)}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def check_roles(messages: list[dict], where: str, source: str, assistant_only: bool) -> None:
+    """Raises DataError when ``assistant_only`` (``data.assistant_only_loss``) and the conversation has no
+    assistant turn: its loss would have no target."""
+    if assistant_only and not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"data.source={source!r}: {where} has no assistant turn, so under data.assistant_only_loss "
+                        "it has no token to learn from; add the assistant's answer or drop the row")

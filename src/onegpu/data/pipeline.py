@@ -1,0 +1,58 @@
+"""Prepare's work on the data, apart from writing and logging: read, de-duplicate, split, tokenize."""
+from __future__ import annotations
+
+from typing import Callable
+
+from onegpu.config import Config
+from onegpu.data import formats, instructions, sources
+from onegpu.data.describe import stats
+from onegpu.data.splits import deduplicate, split
+from onegpu.data.tokens import tokenize, tokenize_instructions
+from onegpu.errors import DataError
+
+
+def drop_summary(dropped: dict[str, int]) -> str:
+    """``"3 dropped (empty text 1, empty label 1, duplicate 1)"``, or ``"0 dropped"``."""
+    parts = [f"{r.replace('_', ' ')} {n}" for r, n in dropped.items() if n]
+    return f"{sum(dropped.values())} dropped" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def prepare(cfg: Config, fmt: str, make_tokenizer: Callable):
+    """Read, de-duplicate, split and tokenize ``data.source`` (text rows, or instruction rows with their
+    loss masks), without MLflow or writing anything.
+
+    Args:
+        fmt: the data's format (:func:`onegpu.data.check.check_input`).
+        make_tokenizer: ``train texts -> tokenizer`` (the model's, or one trained on the texts).
+    Returns:
+        ``(dsd, tokenizer, stats, raw)``: the tokenized ``DatasetDict``, the tokenizer, the stats
+        (:func:`onegpu.data.describe.stats` plus ``format`` and ``prompts_truncated``), what was read.
+    Raises:
+        DataError: data that cannot be used (see the readers, the splits and tokenization).
+    """
+    task = cfg.model.task
+    sft = fmt != formats.TEXT
+    raw = instructions.read(cfg.data) if sft else sources.read(cfg.data, task)
+    if sft:
+        rows, labels, dropped = instructions.deduplicate(raw)
+        texts = [instructions.key(r) for r in rows]
+        n_read = len(raw.rows)
+    else:
+        texts, labels, dropped = deduplicate(raw)
+        n_read = len(raw.texts)
+    if not texts:
+        raise DataError(f"data.source={cfg.data.source!r}: no row has a non-blank text in data.text_column="
+                        f"{cfg.data.text_column!r} and a label in data.label_column={cfg.data.label_column!r} "
+                        f"({n_read} rows read, {drop_summary(dropped)})")
+    dsd = split(texts, labels, cfg.data, task)
+    tokenizer = make_tokenizer(dsd["train"]["text"])
+    truncated = 0
+    if sft:
+        dsd, too_long, truncated = tokenize_instructions(dsd, tokenizer, cfg.data, fmt)
+        dropped[formats.SFT_DROP_REASONS[fmt][-1]] += too_long
+    else:
+        dsd = tokenize(dsd, tokenizer, cfg.data.max_length, task)
+    described = stats(dsd, rows_read=n_read, dropped=dropped, undecodable=raw.undecodable,
+                       max_length=cfg.data.max_length)
+    described.update(format=fmt, prompts_truncated=truncated)
+    return dsd, tokenizer, described, raw

@@ -1,0 +1,98 @@
+"""De-duplication (every dropped row counted under one reason) and the seeded, stratified splits."""
+from __future__ import annotations
+
+from onegpu.config import DataConfig
+from onegpu.errors import DataError
+
+SPLITS = ("train", "validation", "test")
+# Why a row read from the source is not used, in the order they are tested (a row counts once).
+DROP_REASONS = ("empty_text", "empty_label", "duplicate")
+
+
+def deduplicate(raw: RawData) -> tuple[list[str], list[str], dict[str, int]]:
+    """Drop rows with an empty text, then rows with an empty label, then exact repeats of a text
+    (the first kept), in that order; each dropped row counts under one reason.
+
+    Returns:
+        texts, labels kept (in source order), and ``{reason: rows}`` for every reason in
+        :data:`DROP_REASONS` (zeros included); kept + sum(dropped) == rows read.
+    """
+    seen: set[str] = set()
+    texts, labels = [], []
+    dropped = dict.fromkeys(DROP_REASONS, 0)
+    for t, lab in zip(raw.texts, raw.labels):
+        reason = "empty_text" if not t else "empty_label" if not lab else "duplicate" if t in seen else None
+        if reason:
+            dropped[reason] += 1
+            continue
+        seen.add(t)
+        texts.append(t)
+        labels.append(lab)
+    return texts, labels, dropped
+
+
+def split(texts: list[str], labels: list[str], cfg: DataConfig, task: str = "sequence-classification"):
+    """Seeded train/validation/test split with ``datasets``, stratified by label, then the caps.
+
+    Causal LM accepts a single label (then the split is not stratified).
+
+    Returns:
+        ``datasets.DatasetDict`` with splits train/validation/test, columns ``text`` (str) and
+        ``label`` (``ClassLabel`` over the sorted label names).
+    Raises:
+        DataError: fewer than two labels, or a label with too few rows to appear in every split.
+    """
+    from datasets import ClassLabel, Dataset, DatasetDict
+    if not texts:
+        raise DataError(f"data.source={cfg.source!r}: no row has a non-blank text in data.text_column="
+                        f"{cfg.text_column!r}")
+    names = sorted(set(labels))
+    if len(names) < 2 and task == "sequence-classification":
+        raise DataError(f"the data has a single label ({names[0]!r}) in data.label_column={cfg.label_column!r}; "
+                        "classification needs at least two")
+    counts = {n: labels.count(n) for n in names}
+    few = {n: c for n, c in counts.items() if c < 3}
+    if few:
+        raise DataError(f"labels with fewer than 3 rows cannot appear in train, validation and test: {few}")
+    ds = Dataset.from_dict({"text": texts, "label": labels}).cast_column("label", ClassLabel(names=names))
+    held = cfg.validation_size + cfg.test_size
+    strat = "label" if len(names) > 1 else None
+    try:
+        first = ds.train_test_split(test_size=held, stratify_by_column=strat, seed=cfg.seed)
+        second = first["test"].train_test_split(test_size=cfg.test_size / held, stratify_by_column=strat,
+                                                seed=cfg.seed)
+        out = DatasetDict(train=first["train"], validation=second["train"], test=second["test"])
+        if cfg.max_train_samples and cfg.max_train_samples < len(out["train"]):
+            out["train"] = _stratified_head(out["train"], cfg.max_train_samples, cfg.seed)
+        if cfg.max_eval_samples:
+            for s in ("validation", "test"):
+                if cfg.max_eval_samples < len(out[s]):
+                    out[s] = _stratified_head(out[s], cfg.max_eval_samples, cfg.seed)
+    except ValueError as e:  # datasets/sklearn: a split too small for the number of labels
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"cannot split {len(texts)} rows with {len(names)} labels stratified into train, "
+                        f"validation and test (data.validation_size={cfg.validation_size}, "
+                        f"data.test_size={cfg.test_size}, data.max_train_samples={cfg.max_train_samples}, "
+                        f"data.max_eval_samples={cfg.max_eval_samples}): {first_line}") from None
+    if task == "sequence-classification":
+        _check_train_has_every_label(out, names, cfg)
+    return out
+
+
+def _check_train_has_every_label(dsd, names: list[str], cfg: DataConfig) -> None:
+    """Raises DataError when a label is in validation or test but not in train: the model would be
+    scored on a class it never saw (typically ``data.max_train_samples`` below the number of labels)."""
+    in_train = set(dsd["train"]["label"])
+    held_out = set(dsd["validation"]["label"]) | set(dsd["test"]["label"])
+    missing = sorted(names[i] for i in held_out - in_train)
+    if missing:
+        cap = (f"data.max_train_samples={cfg.max_train_samples} keeps {len(dsd['train'])} training rows for "
+               f"{len(names)} labels; raise it" if cfg.max_train_samples else "add rows for them")
+        raise DataError(f"labels {missing} are in the validation/test split but not in train, so the model "
+                        f"would be scored on classes it never saw: {cap}")
+
+
+def _stratified_head(ds, n: int, seed: int):
+    if n < ds.features["label"].num_classes or ds.features["label"].num_classes < 2:
+        return ds.shuffle(seed=seed).select(range(n))
+    return ds.train_test_split(train_size=n, stratify_by_column="label", seed=seed)["train"]

@@ -1,0 +1,217 @@
+"""The plan of ``onegpu tradeoffs``: the baseline (the user's params) and one DVC experiment per knob of
+the single-GPU guide, each as the ``-S`` overrides of a ``dvc exp run``.
+
+One small function per knob (:data:`KNOBS`, in the guide's order): ``(cfg, facts) -> [Variant, ...]``, or
+a string saying why the knob does not apply to these params on this machine. To add a knob: write such
+a function, add it to :data:`KNOBS` under the name ``--knobs`` takes, add what the guide says of it to
+:data:`onegpu.tradeoffs.report.GUIDE`, and add a case to ``tests/unit/tradeoffs/test_knobs.py`` (its
+variant validates and its equivalence key is the one ``expect`` promises).
+
+The guide: "Methods and tools for efficient training on a single GPU", Hugging Face transformers docs
+(perf_train_gpu_one). This module imports only the standard library and :mod:`onegpu.errors`
+(``onegpu --help`` lists the knobs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from onegpu.errors import UserError
+
+if TYPE_CHECKING:
+    from onegpu.config import Config, DeviceFacts
+
+# What the equivalence key says of a variant before it runs.
+SAME = "same"            # same key: the same mathematics (split, recompute, kernel)
+PRECISION = "precision"  # the same mathematics in lower precision: compared within its tolerance
+DIFFERENT = "different"  # another training (optimizer, LoRA): another key
+
+# LoRA settings of the LoRA row when the user's params train the whole model (peft's usual starting point).
+LORA_ROW = (("model.lora.r", "8"),)
+LORA_MAPPING = "{r: 8, alpha: 16, dropout: 0.0, target_modules: null}"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One experiment of the table.
+
+    Attributes:
+        name: suffix of the DVC experiment name and the row's label (``baseline``, ``split-16x1``, ``bf16``).
+        knob: which of :data:`KNOBS` it measures (``baseline`` for the baseline, ``recommended``).
+        overrides: ``("section.key", "value")`` pairs, as ``dvc exp run -S section.key=value`` takes them.
+        expect: :data:`SAME`, :data:`PRECISION` or :data:`DIFFERENT`: what the equivalence key predicts.
+        what: the change in words, for the table.
+    """
+    name: str
+    knob: str
+    overrides: tuple[tuple[str, str], ...]
+    expect: str
+    what: str
+
+    @property
+    def set_args(self) -> list[str]:
+        """``["-S", "key=value", ...]`` for ``dvc exp run``."""
+        return [a for k, v in self.overrides for a in ("-S", f"{k}={v}")]
+
+    @property
+    def set_text(self) -> str:
+        """The overrides as one could paste them after ``dvc exp run``: ``-S 'key=value' ...``."""
+        return " ".join(f"-S '{k}={v}'" for k, v in self.overrides)
+
+
+def _yaml(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def _toggle(name: str, knob: str, key: str, on: bool, expect: str, what: str) -> Variant:
+    """The variant that sets boolean ``key`` to ``on``, named ``name`` (on) or ``no-<name>`` (off)."""
+    return Variant(name if on else f"no-{name}", knob, ((key, _yaml(on)),), expect, f"{what} {'on' if on else 'off'}")
+
+
+def split(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+    """Another split of the same effective batch: twice the micro-batch (half the accumulation), else half."""
+    micro, accum = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
+    if micro == "auto":
+        return "the micro-batch is `auto` (the finder picks the largest that fits)"
+    if accum % 2 == 0:
+        m, a, how = int(micro) * 2, accum // 2, "a larger micro-batch, fewer accumulated micro-batches"
+    elif int(micro) % 2 == 0:
+        m, a, how = int(micro) // 2, accum * 2, "a smaller micro-batch, more accumulated micro-batches"
+    else:
+        return f"{micro} x {accum} has no other split by 2"
+    return [Variant(f"split-{m}x{a}", "split", (("train.per_device_train_batch_size", str(m)),
+                                               ("train.gradient_accumulation_steps", str(a))),
+                    SAME, f"micro-batch {m} x accumulation {a}: {how}")]
+
+
+def checkpointing(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+    """Activation checkpointing the other way."""
+    return [_toggle("checkpointing", "checkpointing", "train.gradient_checkpointing",
+                    not cfg.train.gradient_checkpointing, SAME, "activation checkpointing")]
+
+
+def precision(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+    """fp32 when the params use mixed precision; else bf16, or fp16 on a GPU without bf16."""
+    t = cfg.train
+    if t.bf16 or t.fp16:
+        return [Variant("fp32", "precision", (("train.bf16" if t.bf16 else "train.fp16", "false"),), PRECISION,
+                        "fp32 (mixed precision off)")]
+    if facts.cuda and not facts.bf16:
+        return [Variant("fp16", "precision", (("train.fp16", "true"),), PRECISION,
+                        "fp16 mixed precision with a gradient scaler (this GPU has no bf16)")]
+    return [Variant("bf16", "precision", (("train.bf16", "true"),), PRECISION, "bf16 mixed precision (autocast)")]
+
+
+def tf32(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+    """TF32 matmuls the other way (CUDA, fp32 matmuls only)."""
+    if not facts.cuda:
+        return "a no-op on CPU (TF32 is a CUDA matmul mode)"
+    if cfg.train.bf16 or cfg.train.fp16:
+        return "the matmuls already run in mixed precision"
+    return [_toggle("tf32", "tf32", "train.tf32", not cfg.train.tf32, PRECISION, "TF32 matmuls")]
+
+
+def optimizer(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+    """The other AdamW kernel (the same update), Adafactor (or AdamW), and 8-bit AdamW on CUDA."""
+    optim, out = cfg.train.optim, []
+    if optim in ("adamw_torch", "adamw_torch_fused"):
+        other = "adamw_torch" if optim == "adamw_torch_fused" else "adamw_torch_fused"
+        out.append(Variant(other, "optimizer", (("train.optim", other),), SAME,
+                           f"the {'for-each' if other == 'adamw_torch' else 'fused'} AdamW kernel (the same update)"))
+    other = "adafactor" if optim != "adafactor" else "adamw_torch"
+    out.append(Variant(other, "optimizer", (("train.optim", other),), DIFFERENT,
+                       "Adafactor (factored second moments, less optimizer memory)" if other == "adafactor"
+                       else "AdamW"))
+    if facts.cuda and "bitsandbytes" in facts.packages and optim != "adamw_bnb_8bit":
+        out.append(Variant("adamw_bnb_8bit", "optimizer", (("train.optim", "adamw_bnb_8bit"),), DIFFERENT,
+                           "8-bit AdamW states (bitsandbytes)"))
+    return out
+
+
+def attention(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+    """eager attention, or SDPA when the params ask for eager."""
+    attn = cfg.model.attn_implementation
+    other = "eager" if attn in (None, "sdpa", "flash_attention_2") else "sdpa"
+    return [Variant(f"attn-{other}", "attention", (("model.attn_implementation", other),), SAME,
+                    f"the {other} attention kernel" + (" (the model's own default: null)" if attn is None else ""))]
+
+
+def torch_compile(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+    """torch.compile the other way."""
+    return [_toggle("compile", "compile", "train.torch_compile", not cfg.train.torch_compile, SAME,
+                    "torch.compile (inductor)")]
+
+
+def allocator(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+    """The other host allocator setting (a CPU training only)."""
+    if facts.cuda:
+        return "train.cpu_allocator only matters when training on a CPU"
+    other = "system" if cfg.train.cpu_allocator == "caching" else "caching"
+    return [Variant(f"cpu-allocator-{other}", "allocator", (("train.cpu_allocator", other),), SAME,
+                    "glibc's own malloc settings (freed memory goes back to the kernel)" if other == "system"
+                    else "the caching host allocator (freed memory is reused)")]
+
+
+def lora(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+    """LoRA adapters instead of full fine-tuning, or the other way: the dotted ``-S model.lora.r`` when
+    params.yaml has the mapping (``r: 0`` = off), else the whole mapping (DVC cannot set a dotted key in null)."""
+    if cfg.model.lora_adapters is None:
+        return [Variant("lora", "lora", LORA_ROW if cfg.model.lora is not None else (("model.lora", LORA_MAPPING),),
+                        DIFFERENT, "LoRA adapters r=8 (alpha, dropout, targets from your params) "
+                                   "instead of every weight")]
+    return [Variant("full-finetuning", "lora", (("model.lora.r", "0"),), DIFFERENT,
+                    "full fine-tuning instead of LoRA")]
+
+
+# The knob names (`--knobs` takes these), in the guide's order, and the function of each.
+KNOBS: dict[str, Callable[["Config", "DeviceFacts"], "list[Variant] | str"]] = {
+    "split": split, "checkpointing": checkpointing, "precision": precision, "tf32": tf32,
+    "optimizer": optimizer, "attention": attention, "compile": torch_compile, "allocator": allocator, "lora": lora,
+}
+
+
+def plan(cfg: "Config", facts: "DeviceFacts", knobs: tuple[str, ...] = tuple(KNOBS)) -> tuple[list[Variant], list[str]]:
+    """The baseline and the variants of each of ``knobs`` that applies.
+
+    Args:
+        cfg: the user's params (the baseline).
+        facts: the machine (:func:`onegpu.measure.device_facts`): TF32, fp16 and the 8-bit optimizer
+            apply only with CUDA, bf16 needs a GPU that has it, 8-bit AdamW needs bitsandbytes.
+        knobs: the subset to plan (names of :data:`KNOBS`).
+    Returns:
+        ``(variants, skipped)``: the baseline first, then the variants in the guide's order; ``skipped``
+        says for each left-out knob why (``"<knob>: <why>"``).
+    """
+    out, skipped = [Variant("baseline", "baseline", (), SAME, "your params.yaml")], []
+    for name, knob in KNOBS.items():
+        if name in knobs:
+            got = knob(cfg, facts)
+            if isinstance(got, str):
+                skipped.append(f"{name}: {got}")
+            else:
+                out.extend(got)
+    return out, skipped
+
+
+def with_overrides(variants: list[Variant], common: list[tuple[str, str]]) -> list[Variant]:
+    """Every variant with ``common`` (``tradeoffs -S key=value``) before its own overrides (its own win
+    on the same key: ``dvc exp run -S`` applies them in order)."""
+    if not common:
+        return variants
+    return [Variant(v.name, v.knob, (*tuple(common), *v.overrides), v.expect, v.what) for v in variants]
+
+
+def parse_knobs(text: str | None) -> tuple[str, ...]:
+    """``--knobs split,precision,...`` as a tuple of :data:`KNOBS` names (None: all of them).
+
+    Raises:
+        UserError: an unknown name or an empty list.
+    """
+    if text is None:
+        return tuple(KNOBS)
+    knobs = tuple(k.strip() for k in text.split(",") if k.strip())
+    bad = [k for k in knobs if k not in KNOBS]
+    if bad or not knobs:
+        raise UserError(f"--knobs {text!r}: {'unknown ' + ', '.join(bad) if bad else 'empty'}; choose from "
+                        f"{','.join(KNOBS)}")
+    return knobs

@@ -1,0 +1,148 @@
+"""``onegpu tradeoffs``' measurements: each variant's training run against the baseline's.
+
+Per row (:func:`measure_row`): steady-state samples per second (optimizer steps 2..N, the recorder's
+definition: :func:`onegpu.training.recorder.steady_samples_per_second`), peak memory (the CUDA allocator
+peak on a GPU; on CPU the breakdown params + grads + optimizer states + one micro-batch's activations,
+since the process RSS hides activation savings), time to the baseline's eval loss, and the verdict:
+same training, same within a precision's tolerance, or a different training (:mod:`onegpu.compare`
+decides). Pure logic on plain records: no DVC, MLflow or torch here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from onegpu.compare import DIVERGED, EQUIVALENT, REFERENCE, RunComparison, RunRecord, compare_run
+from onegpu.compare.causes import DROPOUT
+from onegpu.tradeoffs.knobs import PRECISION, Variant
+from onegpu.training.recorder import steady_samples_per_second as steady_throughput
+
+# Verdicts shown in the table.
+SAME_TRAINING = "same training"
+DIFFERENT_TRAINING = "different training"
+# The same mathematics but other dropout masks (another split or kernel draws them differently): the
+# runs agree in expectation, as two dropout seeds do; exact with model.dropout: 0.
+IN_EXPECTATION = "same in expectation (other dropout masks)"
+
+# A step after the first slower than this many times the median step is named in the report's notes.
+SLOW_STEP = 5.0
+
+
+def steady_samples_per_second(r: RunRecord) -> float | None:
+    """Examples per second over optimizer steps 2..N (:func:`onegpu.training.recorder.
+    steady_samples_per_second` on the run's ``step_examples`` and ``step_time_s`` series); the whole
+    run's ``train_samples_per_second`` when the run has a single step or no per-step series."""
+    examples = dict(r.series.get("step_examples", []))
+    rows = [{"step": s, "samples": examples[s], "step_time_s": t}
+            for s, t in r.series.get("step_time_s", []) if s in examples]
+    v = steady_throughput(rows)
+    return v if v is not None else r.metrics.get("train_samples_per_second")
+
+
+BREAKDOWN = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes", "mem_activation_bytes")
+
+
+def memory_bytes(r: RunRecord) -> tuple[float | None, str]:
+    """``(bytes, what)``: on a GPU the CUDA allocator peak (``train_mem_peak_bytes``); on CPU the sum of
+    the breakdown params + grads + optimizer states + one micro-batch's saved activations + autocast's
+    weight copies (bytes; the process RSS peak hides what checkpointing and precision save)."""
+    if r.tags.get("device", "cpu").lower() != "cpu":
+        return r.peak_memory_bytes, "allocator peak"
+    parts = [r.metrics.get(k) for k in BREAKDOWN]
+    if any(p is None for p in parts):
+        return None, "breakdown"
+    # + bf16/fp16 autocast's weight copies (real memory; runs logged before the split counted them as activations)
+    return float(sum(parts) + r.metrics.get("mem_autocast_weights_bytes", 0.0)), "breakdown"
+
+
+@dataclass
+class Row:
+    """One variant measured against the baseline (ratios > 1: faster / more memory)."""
+    variant: Variant
+    run: RunRecord | None
+    samples_per_second: float | None = None
+    speedup: float | None = None
+    memory_bytes: float | None = None
+    memory_ratio: float | None = None
+    memory_kind: str = ""
+    first_step_s: float | None = None
+    train_runtime_s: float | None = None
+    eval_loss: float | None = None
+    time_to_eval_loss_s: float | None = None
+    verdict: str = "not run"
+    # fit for the recommendation: same key and within fp32 (or tf32) tolerance, or apart only by dropout masks
+    same_training: bool = False
+    comparison: RunComparison | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _reached(loss: float | None, target: float | None, rtol: float, atol: float) -> bool:
+    """``loss`` at most ``target``, or within the tolerance of it (``numpy.isclose``, reference ``target``)."""
+    return loss is not None and target is not None and bool(
+        loss <= target or np.isclose(loss, target, rtol=rtol, atol=atol))
+
+
+def _verdict(v: Variant, c: RunComparison, same_key: bool) -> tuple[str, bool]:
+    """The verdict text of a compared run and whether it keeps the same training (exactly, within
+    tf32's tolerance, or up to dropout masks: :data:`IN_EXPECTATION`)."""
+    where = f" at step {c.first_divergent_step}" if c.first_divergent_step else ""
+    if not same_key and v.expect != PRECISION:  # another optimizer, LoRA: another key
+        return DIFFERENT_TRAINING, False
+    if c.status == EQUIVALENT:
+        if same_key and c.precision in ("fp32", "tf32"):
+            return (SAME_TRAINING if c.precision == "fp32" else "same within tf32 tolerance"), True
+        return f"same within {c.precision} tolerance", False
+    if not same_key:
+        return f"differs beyond {c.precision} tolerance{where}", False
+    if c.status == DIVERGED and any(x.startswith(DROPOUT) for x in c.causes):
+        return IN_EXPECTATION, True
+    if c.status == DIVERGED:
+        return f"diverged{where}" + (f": {c.causes[0]}" if c.causes else ""), False
+    return c.verdict, False  # incomplete or no data
+
+
+def measure_row(v: Variant, run: RunRecord | None, baseline: RunRecord | None) -> Row:
+    """Measure ``run`` (the variant's training run, None when it has not run) against ``baseline``."""
+    row = Row(variant=v, run=run)
+    if run is None:
+        return row
+    row.samples_per_second = steady_samples_per_second(run)
+    row.memory_bytes, row.memory_kind = memory_bytes(run)
+    times = dict(run.series.get("step_time_s", []))
+    row.first_step_s = times.get(1)
+    later = sorted(v for s, v in times.items() if s >= 2)
+    if later:
+        typical = later[len(later) // 2]
+        slow = [(s, v) for s, v in sorted(times.items()) if s >= 2 and v > SLOW_STEP * typical]
+        if slow:  # torch.compile recompiling for a new shape (an epoch's short last step), a stall
+            row.notes.append("optimizer step " + ", ".join(f"{s} took {v:.1f} s" for s, v in slow)
+                             + f" against a median {typical:.2f} s (torch.compile recompiles for each new batch "
+                               "shape; otherwise a one-off stall); its samples/s count them")
+    row.train_runtime_s = run.metrics.get("train_runtime")
+    row.eval_loss = run.metrics.get("eval_loss")
+    if baseline is None:
+        return row
+    base_sps = steady_samples_per_second(baseline)
+    base_mem, _ = memory_bytes(baseline)
+    row.speedup = row.samples_per_second / base_sps if row.samples_per_second and base_sps else None
+    row.memory_ratio = row.memory_bytes / base_mem if row.memory_bytes and base_mem else None
+    c = compare_run(run, baseline)
+    row.comparison = c
+    if run is baseline or c.status == REFERENCE:
+        row.verdict, row.same_training = "baseline", True
+    else:
+        row.verdict, row.same_training = _verdict(v, c, run.key is not None and run.key == baseline.key)
+        row.notes.extend(c.notes)
+    # Time to the baseline's eval loss: the training time when the run's final eval loss is at least as
+    # good (within its precision's tolerance); eval loss is measured once, after training.
+    tol = c.tolerance
+    if _reached(row.eval_loss, baseline.metrics.get("eval_loss"), tol.rtol, tol.atol):
+        row.time_to_eval_loss_s = row.train_runtime_s
+    return row
+
+
+def measure_rows(variants: list[Variant], runs: dict[str, RunRecord]) -> list[Row]:
+    """One :class:`Row` per variant; ``runs`` maps a variant name to its training run (absent: not run)."""
+    baseline = runs.get("baseline")
+    return [measure_row(v, runs.get(v.name), baseline) for v in variants]

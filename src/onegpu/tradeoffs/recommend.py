@@ -1,0 +1,68 @@
+"""``onegpu tradeoffs``' recommendation: the fastest configuration that keeps the same training and fits
+the memory budget, combined from the knobs that were measurably faster on their own. Pure logic."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from onegpu.tradeoffs.knobs import DIFFERENT, SAME, Variant
+from onegpu.tradeoffs.measurement import Row
+
+# A variant counts as faster only when its steady-state samples/s beat the baseline's by this share:
+# identical runs on a small shared CPU differ by several percent (bench/README.md, "Reading these numbers").
+MIN_GAIN = 0.05
+
+
+@dataclass
+class Recommendation:
+    """The fastest same-training configuration that fits the budget.
+
+    Attributes:
+        variant: the combined variant (its overrides), or None when the user's params are already the
+            fastest measured same-training configuration.
+        parts: the rows whose knobs it combines.
+        left_out: ``(row name, reason)`` for the same-training rows not taken.
+        budget_bytes: the memory budget it was checked against (None: no budget).
+    """
+    variant: Variant | None
+    parts: list[Row]
+    left_out: list[tuple[str, str]]
+    budget_bytes: float | None
+
+
+def recommend(rows: list[Row], budget_bytes: float | None, min_gain: float | None = None) -> Recommendation:
+    """Combine the knobs whose runs kept the same training (fp32 tolerance; TF32 within its own; other
+    dropout masks only: :data:`IN_EXPECTATION`),
+    fit ``budget_bytes`` (compared with :attr:`Row.memory_bytes`; None = no budget) and were at least
+    ``min_gain`` faster than the baseline in steady-state samples/s. One knob's variant stands for
+    itself; several are merged into a ``recommended`` variant (their overrides together), which must be
+    measured once more: knobs do not multiply exactly. ``min_gain`` None: :data:`MIN_GAIN`."""
+    min_gain = MIN_GAIN if min_gain is None else min_gain
+    parts, left_out = [], []
+    for r in rows:
+        if r.variant.knob in ("baseline", "recommended") or r.variant.expect == DIFFERENT:
+            continue  # a different training is never a candidate
+        if r.run is None:
+            left_out.append((r.variant.name, "not run"))
+        elif not r.same_training:
+            left_out.append((r.variant.name, r.verdict))
+        elif budget_bytes is not None and (r.memory_bytes is None or r.memory_bytes > budget_bytes):
+            left_out.append((r.variant.name, "over the memory budget"))
+        elif r.speedup is None or r.speedup < 1 + min_gain:
+            left_out.append((r.variant.name, "not faster" if r.speedup is None or r.speedup < 1
+                             else f"{(r.speedup - 1) * 100:.0f}% faster: within run-to-run noise"))
+        else:
+            parts.append(r)
+    # One row per knob: the faster one when a knob has two rows (e.g. fused and for-each AdamW).
+    best: dict[str, Row] = {}
+    for r in parts:
+        if r.variant.knob not in best or r.speedup > best[r.variant.knob].speedup:
+            best[r.variant.knob] = r
+    parts = sorted(best.values(), key=lambda r: -r.speedup)
+    if not parts:
+        return Recommendation(None, [], left_out, budget_bytes)
+    if len(parts) == 1:
+        return Recommendation(parts[0].variant, parts, left_out, budget_bytes)
+    overrides = tuple(dict.fromkeys(o for r in parts for o in r.variant.overrides))  # shared -S once
+    what = " + ".join(r.variant.name for r in parts)
+    return Recommendation(Variant("recommended", "recommended", overrides, SAME, what), parts, left_out,
+                          budget_bytes)

@@ -1,0 +1,181 @@
+"""``onegpu tradeoffs``' report: the measured table as Markdown, plain text and a PNG (rows from
+:mod:`onegpu.tradeoffs.measurement`). No MLflow or DVC here."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from onegpu.compare.plots import pyplot
+from onegpu.formatting import gib, markdown_table, mib, num, ratio, text_table
+from onegpu.tradeoffs.measurement import DIFFERENT_TRAINING, SAME_TRAINING, Row
+from onegpu.tradeoffs.recommend import MIN_GAIN, Recommendation
+
+REPORT_FILE = "tradeoffs.md"
+PLOT_FILE = "tradeoffs.png"
+
+# What the Hugging Face guide's table says of each knob ("GPU" page of the transformers docs,
+# https://huggingface.co/docs/transformers/perf_train_gpu_one, and PEFT from its earlier "Methods and tools
+# for efficient training on a single GPU" table): (training speed, memory usage).
+GUIDE = {
+    "split": ("batch size: yes / yes; gradient accumulation: no / yes"),
+    "checkpointing": "no / yes",
+    "precision": "yes / depends",
+    "tf32": "yes / depends (mixed precision)",
+    "optimizer": "yes / yes",
+    "attention": "SDPA: yes / yes",
+    "compile": "yes / no",
+    "allocator": "not in the guide (PyTorch's CPU tuning guide: an allocator that reuses memory)",
+    "lora": "PEFT: no / yes",
+}
+
+
+def _time_to_loss(r: Row) -> str:
+    if r.run is None or r.variant.knob == "baseline":
+        return num(r.time_to_eval_loss_s)
+    if r.time_to_eval_loss_s is not None:
+        return num(r.time_to_eval_loss_s)
+    return "not reached" if r.eval_loss is not None else "no eval loss"
+
+
+def combined_row(measured: Row | None) -> list[Row]:
+    """The combined recommendation's own row, when it ran (a single knob's row is in the table already)."""
+    return [measured] if measured and measured.run and measured.variant.knob == "recommended" else []
+
+
+def ratios(rows: list[Row], measured: Row | None) -> dict[str, float]:
+    """The MLflow metrics of the tradeoffs run: ``speedup/<row>``, ``memory_ratio/<row>`` and
+    ``recommended_speedup`` (the recommendation's measured speed-up)."""
+    out = {f"speedup/{r.variant.name}": r.speedup for r in rows if r.speedup is not None}
+    out.update({f"memory_ratio/{r.variant.name}": r.memory_ratio for r in rows if r.memory_ratio is not None})
+    if measured is not None and measured.speedup is not None:
+        out["recommended_speedup"] = measured.speedup
+    return out
+
+
+def _cells(r: Row) -> list[str]:
+    v = r.variant
+    if r.run is None:
+        return [v.name, v.what, GUIDE.get(v.knob, ""), "", "", "", "", "", "", "", "", "not run"]
+    return [v.name, v.what, GUIDE.get(v.knob, ""), num(r.samples_per_second, ".2f"), ratio(r.speedup),
+            num(r.first_step_s, ".2f"), mib(r.memory_bytes, unit=False), ratio(r.memory_ratio),
+            num(r.train_runtime_s), num(r.eval_loss, ".4f"), _time_to_loss(r), r.verdict]
+
+
+HEAD = ["row", "change", "the guide says (speed / memory)", "samples/s (steps 2..N)", "vs baseline",
+        "step 1 (s)", "memory (MiB)", "vs baseline", "train time (s)", "eval loss",
+        "time to baseline's eval loss (s)", "verdict"]
+
+
+def recommendation_lines(rec: Recommendation, measured: Row | None) -> list[str]:
+    """The closing paragraph: the fastest same-training configuration that fits the budget, the ``-S``
+    arguments that apply it, and its measured speed-up and verdict (``measured``: its run against the
+    baseline, None when not run yet)."""
+    budget = ("no memory budget set (train.memory_budget_gib: null)" if rec.budget_bytes is None
+              else f"memory budget {gib(rec.budget_bytes)}")
+    out = []
+    if rec.variant is None:
+        out.append(f"**Recommendation:** keep your params. No knob that keeps the same training was at least "
+                   f"{MIN_GAIN:.0%} faster within the {budget}.")
+    else:
+        out.append(f"**Recommendation** (the fastest configuration measured that keeps the same training, "
+                   f"{budget}): `dvc exp run {rec.variant.set_text}`")
+        if measured is None or measured.run is None:
+            out.append(f"Not measured yet as a whole ({rec.variant.what}); each part alone: "
+                       + ", ".join(f"{r.variant.name} {ratio(r.speedup)}" for r in rec.parts) + ".")
+        else:
+            out.append(f"Measured: {ratio(measured.speedup)} the baseline's samples/s "
+                       f"({num(measured.samples_per_second, '.2f')} vs "
+                       f"{num(measured.samples_per_second / measured.speedup if measured.speedup else None, '.2f')}),"
+                       f" memory {ratio(measured.memory_ratio)}, verdict against the baseline: "
+                       f"**{measured.verdict}**.")
+    if rec.left_out:
+        out.append("Not taken: " + "; ".join(f"{name} ({why})" for name, why in rec.left_out) + ".")
+    return out
+
+
+def markdown(rows: list[Row], rec: Recommendation, measured: Row | None, title: str,
+             image: str | None = PLOT_FILE, skipped: list[str] = ()) -> str:
+    """The whole report: a header naming the device, the table, notes and the recommendation."""
+    base = next((r for r in rows if r.variant.knob == "baseline"), None)
+    device = base.run.tags.get("device", "?") if base and base.run else "?"
+    kind = next((r.memory_kind for r in rows if r.memory_kind), "")
+    lines = [f"# {title}", "",
+             f"Device: {device}. One DVC experiment per row, trained one at a time; each row changes one "
+             "knob of the baseline (your params). samples/s over optimizer steps 2..N (step 1 holds warm-up "
+             "and compilation: its time is its own column). Memory: "
+             + ("the CUDA allocator peak." if kind == "allocator peak" else
+                "params + grads + optimizer states + one micro-batch's saved activations (bytes; on CPU the "
+                "process RSS hides what checkpointing and precision save).")
+             + " Verdict: the run's per-step loss and gradient norm against the baseline's "
+             f"(`onegpu compare`'s tolerances): {SAME_TRAINING}, same within a precision's tolerance, or "
+             f"{DIFFERENT_TRAINING} (another optimizer or LoRA: another equivalence key). Eval loss is measured "
+             "once, after training: a row reaches the baseline's eval loss when its own is at least as low.",
+             ""]
+    if image:
+        lines += [f"![speed and memory per knob]({image})", ""]
+    lines += markdown_table(HEAD, [_cells(r) for r in rows + combined_row(measured)]).splitlines()
+    lines.append("")
+    measured_rows = [r for r in rows if r.run is not None and r.variant.knob != "baseline"]
+    shared = set.intersection(*(set(r.notes) for r in measured_rows)) if measured_rows else set()
+    notes = [f"- every row: {n}" for n in sorted(shared)] if len(measured_rows) > 1 else []
+    notes += [f"- {r.variant.name}: {n}" for r in rows for n in r.notes if n not in shared or len(measured_rows) < 2]
+    if skipped:
+        notes += [f"- not measured: {s}" for s in skipped]
+    if notes:
+        lines += notes + [""]
+    lines += recommendation_lines(rec, measured)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def terminal(rows: list[Row], rec: Recommendation, measured: Row | None, width: int = 100) -> str:
+    """A compact plain-text table (row, samples/s ratio, memory ratio, train time, verdict) and the
+    recommendation, wrapped at ``width``."""
+    head = ("row", "samples/s", "vs base", "memory MiB", "vs base", "train s", "verdict")
+    body = [(r.variant.name, num(r.samples_per_second, ".2f"), ratio(r.speedup), mib(r.memory_bytes, unit=False),
+             ratio(r.memory_ratio), num(r.train_runtime_s), r.verdict)
+            for r in rows + combined_row(measured)]
+    out = text_table(head, body, right=(1, 2, 3, 4, 5))
+    for para in recommendation_lines(rec, measured):
+        out += textwrap.wrap(para.replace("**", ""), width, initial_indent="  ", subsequent_indent="  ")
+    return "\n".join(out) + "\n"
+
+
+def figure(rows: list[Row], title: str):
+    """Two horizontal bar charts, one bar per measured row: samples/s and memory relative to the
+    baseline (1.0 = the baseline; a dashed line marks it). Bars of rows that keep the same training are
+    filled, others hatched. Returns the matplotlib Figure."""
+    plt = pyplot()
+    measured = [r for r in rows if r.run is not None and r.speedup is not None]
+    names = [r.variant.name for r in measured][::-1]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.8), sharey=True)
+    for ax, attr, label in ((axes[0], "speedup", "samples/s vs baseline (higher: faster)"),
+                            (axes[1], "memory_ratio", "memory vs baseline (lower: less)")):
+        vals = [getattr(r, attr) or 0.0 for r in measured][::-1]
+        same = [r.same_training for r in measured][::-1]
+        bars = ax.barh(names, vals, color=["tab:blue" if s else "tab:orange" for s in same])
+        for b, s in zip(bars, same):
+            if not s:
+                b.set_hatch("//")
+        for b, v in zip(bars, vals):
+            ax.text(b.get_width(), b.get_y() + b.get_height() / 2, f" {v:.2f}", va="center", fontsize=8)
+        ax.axvline(1.0, color="k", linestyle="--", linewidth=1)
+        ax.set_xlabel(label)
+        ax.set_xlim(0, max(vals + [1.0]) * 1.2)
+    fig.suptitle(f"{title}\nfilled: same training (exactly or up to dropout masks); hatched: within a precision's tolerance or a different "
+                 "training", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def write(rows: list[Row], rec: Recommendation, measured: Row | None, out_dir: str | Path, title: str,
+          skipped: list[str] = ()) -> list[Path]:
+    """Write ``tradeoffs.md`` and ``tradeoffs.png`` into ``out_dir`` (created if missing); return both paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig = figure(rows + combined_row(measured), title)
+    png = out / PLOT_FILE
+    fig.savefig(png, dpi=110)
+    pyplot().close(fig)
+    md = out / REPORT_FILE
+    md.write_text(markdown(rows, rec, measured, title, PLOT_FILE, skipped), encoding="utf-8")
+    return [md, png]

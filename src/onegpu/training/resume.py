@@ -1,0 +1,226 @@
+"""Resuming a stopped training: finding the newest resumable checkpoint and onegpu's state file inside it.
+
+Each backend writes ``<checkpoint_dir>/checkpoint-N/`` in its own format (HF Trainer's, or the
+Accelerate loop's: :func:`save_loop_state` / :func:`load_loop_state`); both add ``onegpu_state.json``
+last, so a folder without it is a checkpoint that was cut off and is never resumed. Weights are
+safetensors; optimizer and scheduler states load with ``torch.load(weights_only=True)``; RNG states
+that are not tensors (Python's, NumPy's) are JSON.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+
+from onegpu import measure
+
+STATE_FILE = "onegpu_state.json"
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A complete checkpoint to continue from, with onegpu's state as ``onegpu_state.json`` holds it.
+
+    ``path``: the ``checkpoint-N`` folder; ``step``: optimizer steps done (N); ``rows``: the step rows
+    recorded so far (:class:`onegpu.training.recorder.StepRecorder`); ``breakdown``: the memory breakdown
+    (bytes); ``events``: out-of-memory recoveries; ``run_id``: the MLflow run that wrote it (None when
+    unknown); ``micro_batch``: the micro-batch it was trained with (None when not recorded).
+    """
+    path: str
+    step: int
+    rows: list = field(default_factory=list)
+    breakdown: dict = field(default_factory=dict)
+    events: list = field(default_factory=list)
+    run_id: str | None = None
+    micro_batch: int | None = None
+
+    @classmethod
+    def from_state(cls, path: str, state: dict) -> "ResumePoint":
+        """From a folder and its parsed ``onegpu_state.json`` (keys as :func:`write_state` writes them)."""
+        micro = state.get("micro_batch")
+        return cls(path=path, step=int(state["step"]), rows=list(state.get("rows", [])),
+                   breakdown=dict(state.get("breakdown", {})), events=list(state.get("events", [])),
+                   run_id=state.get("run_id") or None, micro_batch=int(micro) if micro else None)
+
+
+def latest_checkpoint(checkpoint_dir) -> ResumePoint | None:
+    """The newest complete ``checkpoint-N`` under ``checkpoint_dir`` as a :class:`ResumePoint`; None when
+    there is none."""
+    found = []
+    for d in glob.glob(os.path.join(str(checkpoint_dir), "checkpoint-*")):
+        try:
+            found.append((int(d.rsplit("-", 1)[1]), d))
+        except ValueError:
+            continue
+    for _, d in sorted(found, reverse=True):
+        state = os.path.join(d, STATE_FILE)
+        if os.path.isfile(state):
+            with open(state) as f:
+                return ResumePoint.from_state(d, json.load(f))
+    return None
+
+
+def write_state(checkpoint: str, step: int, recorder, meta: dict) -> None:
+    """Write ``onegpu_state.json`` into ``checkpoint`` (atomically): the last file of a checkpoint."""
+    from onegpu.paths import write_json_atomic
+    write_json_atomic(os.path.join(checkpoint, STATE_FILE), {
+        "step": step, "rows": recorder.rows, "breakdown": recorder.breakdown, "events": recorder.events, **meta})
+
+
+def save_loop_state(checkpoint_dir, step: int, model, optimizer, scheduler, recorder, meta: dict) -> str:
+    """The Accelerate loop's checkpoint after optimizer step ``step``; older ones are removed."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_model
+    d = os.path.join(str(checkpoint_dir), f"checkpoint-{step}")
+    os.makedirs(d, exist_ok=True)
+    save_model(model, os.path.join(d, "model.safetensors"))  # handles tied weights
+    torch.save(optimizer.state_dict(), os.path.join(d, "optimizer.pt"))
+    torch.save(scheduler.state_dict(), os.path.join(d, "scheduler.pt"))
+    rng = {"cpu": torch.get_rng_state()}
+    if measure.cuda_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, os.path.join(d, "rng_state.pt"))
+    np_state = np.random.get_state()
+    with open(os.path.join(d, "rng_state.json"), "w") as f:
+        json.dump({"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+                   "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}, f)
+    write_state(d, step, recorder, meta)
+    for old in glob.glob(os.path.join(str(checkpoint_dir), "checkpoint-*")):
+        if old != d:
+            shutil.rmtree(old, ignore_errors=True)
+    return d
+
+
+def load_loop_state(checkpoint: str, model, optimizer, scheduler) -> None:
+    """Restore weights, optimizer and scheduler that :func:`save_loop_state` wrote (RNG: :func:`load_rng`)."""
+    import torch
+    from safetensors.torch import load_model
+    load_model(model, os.path.join(checkpoint, "model.safetensors"))
+    optimizer.load_state_dict(torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True))
+    scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+
+
+def load_rng(checkpoint: str) -> None:
+    """Restore the torch, CUDA, Python and NumPy RNG states. Call right before the next optimizer step:
+    anything that draws in between (a DataLoader iterator draws its base seed) would shift dropout."""
+    import numpy as np
+    import torch
+    rng = torch.load(os.path.join(checkpoint, "rng_state.pt"), weights_only=True)
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and measure.cuda_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    with open(os.path.join(checkpoint, "rng_state.json")) as f:
+        other = json.load(f)
+    random.setstate((other["python"][0], tuple(other["python"][1]), other["python"][2]))
+    n = other["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), *n[2:]))
+
+
+def review_other_checkpoints(own_dir, key: str, params: dict, fingerprint: str, get_run) -> list[dict]:
+    """What to do with the checkpoints of *other* training configurations, found next to ``own_dir``
+    (``.onegpu/checkpoints/<config hash>/``, one folder per configuration).
+
+    A checkpoint is resumed only by a run of exactly its configuration, so a run with another split, seed
+    or learning rate starts afresh and never uses it. The rule, from the MLflow run named in the newest
+    complete checkpoint of each folder (``get_run(run_id)``: the run, or None when it is not in the store):
+
+    - ``in use``: that run, or the run that resumed it (tag ``onegpu.resumed_by``), is RUNNING: kept.
+    - ``prune`` now: the run is deleted in MLflow, or it FINISHED or is SCHEDULED (a finished training removes its own
+      checkpoints; what is left cannot be resumed into anything).
+    - ``superseded``: the run was stopped (KILLED/FAILED) and has this run's ``equivalence_key``: this
+      run trains the same thing with another split. Said at the start; pruned when this run finishes.
+    - ``kept``: stopped, another equivalence key (or the run is not in this store): it can still save
+      work for a rerun of that configuration. Said at the start; kept until its run is deleted in MLflow
+      or a run of its equivalence key finishes.
+    Folders with no complete checkpoint are left alone (a run may be writing its first one).
+
+    Args:
+        own_dir: this configuration's folder (never judged).
+        key: this run's equivalence key; params: this run's params (``config.flatten``), to name what
+            differs; fingerprint: this run's data fingerprint.
+        get_run: run id -> MLflow run (``.info.status``, ``.info.lifecycle_stage``, ``.data.tags``,
+            ``.data.params``) or None.
+    Returns:
+        One dict per other folder with a complete checkpoint: ``folder``, ``step``, ``run_id``, ``action``
+        (one of the four above) and ``message`` (one line for the terminal; empty for ``in use``).
+    """
+    from pathlib import Path
+    own = Path(own_dir).resolve()
+    out = []
+    for folder in sorted(Path(own_dir).parent.glob("*")):
+        if not folder.is_dir() or folder.resolve() == own:
+            continue
+        found = latest_checkpoint(folder)
+        if found is not None:
+            out.append(_judge(folder, found, key, params, fingerprint, get_run))
+    return out
+
+
+def tidy_other_checkpoints(own_dir, key: str, params: dict, fingerprint: str, get_run, announce: bool = False,
+                           finished: bool = False) -> None:
+    """Say which checkpoints of other configurations this run does not use (``announce``, one printed
+    line each) and remove those nothing can resume: at the start the ones whose run is deleted or
+    finished, after a finished training (``finished``) also the stopped runs of the same equivalence key.
+    The rule and the arguments: :func:`review_other_checkpoints`. Never stops training: a store or disk
+    error skips it."""
+    try:
+        items = review_other_checkpoints(own_dir, key, params, fingerprint, get_run)
+    except Exception:
+        return
+    for item in items:
+        if item["action"] == "prune" or (finished and item["action"] == "superseded"):
+            shutil.rmtree(item["folder"], ignore_errors=True)
+            msg = item["message"] if item["action"] == "prune" else (
+                f"removed the checkpoint of stopped MLflow run {item['run_id']} at optimizer step {item['step']} "
+                f"({item['folder']}): this run finished the same training (equivalence key {key})")
+            print(f"train: {msg}", flush=True)
+        elif announce and item["message"]:
+            print(f"train: {item['message']}", flush=True)
+
+
+def _judge(folder, found: ResumePoint, key: str, params: dict, fingerprint: str, get_run) -> dict:
+    """One item of :func:`review_other_checkpoints` for ``folder`` and its newest complete checkpoint."""
+    step, run_id = found.step, found.run_id or ""
+    run = get_run(run_id) if run_id else None
+    item = {"folder": folder, "step": step, "run_id": run_id}
+    what = f"the checkpoint of stopped MLflow run {run_id} at optimizer step {step} ({folder})"
+    if run is None:
+        return {**item, "action": "kept", "message": (
+            f"{what} is for another configuration and was not used; its run is not in "
+            "this store; kept (delete the folder to drop it)")}
+    tags = run.data.tags
+    successor = tags.get("onegpu.resumed_by")
+    succ = get_run(successor) if successor else None
+    if run.info.status == "RUNNING" or (succ is not None and succ.info.status == "RUNNING"):
+        return {**item, "action": "in use", "message": ""}
+    if run.info.lifecycle_stage == "deleted" or run.info.status in ("FINISHED", "SCHEDULED"):
+        why = "its run is deleted in MLflow" if run.info.lifecycle_stage == "deleted" else "its run finished"
+        return {**item, "action": "prune",
+                "message": f"removed {what.replace('stopped ', '')}: {why}, nothing can resume it"}
+    differs = _differences(run.data.params, params, tags.get("data.fingerprint"), fingerprint)
+    if tags.get("equivalence_key") == key:
+        return {**item, "action": "superseded", "message": (
+            f"{what} is for another configuration ({differs}) and was not used; this run trains the same "
+            "(equivalence key) and removes it when it finishes")}
+    return {**item, "action": "kept", "message": (
+        f"{what} is for another configuration ({differs}) and was not used; kept for a rerun of "
+        "that configuration (delete its MLflow run, or the folder, to drop it)")}
+
+
+# Params that do not enter onegpu.equivalence.run_config_hash: never why a checkpoint was not used.
+_NOT_IN_HASH = ("tracking.", "evaluate.", "train.logging_steps", "train.save_steps")
+
+
+def _differences(theirs: dict, ours: dict, their_data: str | None, our_data: str, most: int = 3) -> str:
+    """``key there -> here`` for the first ``most`` params that differ (what a reader needs to see why)."""
+    diff = [f"{k} {theirs[k]} there, {ours[k]} here" for k in sorted(ours)
+            if k in theirs and str(ours[k]) != theirs[k] and not k.startswith(_NOT_IN_HASH)]
+    if their_data and their_data != our_data:
+        diff.insert(0, "other data")
+    if not diff:
+        return "a setting that is not a logged param differs"
+    return "; ".join(diff[:most]) + (f"; {len(diff) - most} more" if len(diff) > most else "")

@@ -1,0 +1,63 @@
+"""The likely causes of a divergence, from params and tags (onegpu.compare.causes)."""
+from __future__ import annotations
+
+import pytest
+
+from onegpu import compare as eq
+from tests.unit.compare.records import _with, drifted, record
+
+
+def test_dropout_cause_only_when_the_split_differs():
+    ref = record("ref", 64, 1, dropout=0.1)
+    split = eq.compare_run(record("split", 4, 16, dropout=0.1, loss=drifted(1)), ref)
+    assert any(c.startswith("dropout") and "different dropout masks" in c for c in split.causes)
+    # Same micro-batch, checkpointing on: the same masks (checkpointing restores the RNG state).
+    ckpt = eq.compare_run(record("ckpt", 64, 1, ckpt=True, dropout=0.1), ref)
+    assert not any("dropout" in c for c in ckpt.causes)
+    # Another attention kernel or torch.compile draws other masks too (same split).
+    for knob, value in (("model.attn_implementation", "eager"), ("train.torch_compile", "True")):
+        other = record("kernel", 64, 1, dropout=0.1, loss=drifted(1))
+        other.params[knob] = value
+        c = eq.compare_run(other, ref)
+        assert any(x.startswith("dropout") and f"({knob} differs)" in x for x in c.causes), c.causes
+    # No dropout at all: no dropout cause, whatever the split.
+    plain = eq.compare_run(record("split0", 4, 16), record("ref0", 64, 1))
+    assert not any("dropout" in c for c in plain.causes)
+
+
+def test_batchnorm_cause_with_a_different_micro_batch():
+    ref = record("ref", 64, 1, batchnorm=3)
+    c = eq.compare_run(record("split", 8, 8, batchnorm=3, loss=drifted(1)), ref)
+    assert c.verdict == "diverged at step 1"
+    assert any("BatchNorm" in x and "per micro-batch" in x for x in c.causes)
+    same = eq.compare_run(record("ckpt", 64, 1, ckpt=True, batchnorm=3), ref)
+    assert not any("BatchNorm" in x for x in same.causes)
+
+
+def test_other_causes_mixed_precision_gpu_backend():
+    ref = record("ref", 64, 1, bf16=True, device="NVIDIA H200")
+    c = eq.compare_run(record("acc", 4, 16, bf16=True, device="NVIDIA H200", backend="accelerate"), ref)
+    text = " | ".join(c.causes)
+    assert "mixed precision (bf16)" in text
+    assert "non-deterministic GPU kernels (NVIDIA H200)" in text
+    assert "a different backend (accelerate vs trainer)" in text
+
+
+@pytest.mark.parametrize("param,value,named", [
+    ("train.tf32", True, "train.tf32 differs (true vs false)"),
+    ("model.attn_implementation", "eager", "model.attn_implementation differs (eager vs none)"),
+    ("train.torch_compile", True, "train.torch_compile differs (true vs false)"),
+    ("train.optim", "adamw_torch_fused", "train.optim differs (adamw_torch_fused vs adamw_torch)"),
+    ("train.torch_empty_cache_steps", 4, "train.torch_empty_cache_steps differs (4 vs none)"),
+])
+def test_compare_names_the_knob_that_differs_when_runs_diverge(param, value, named):
+    ref = _with(record("ref", 64, 1), **{"train.optim": "adamw_torch", "train.tf32": False,
+                                         "model.attn_implementation": None, "train.torch_compile": False,
+                                         "train.torch_empty_cache_steps": None})
+    run = _with(record("k", 64, 1, loss=drifted(3)), **{param: value})
+    c = eq.compare_run(run, ref)
+    assert c.verdict == "diverged at step 3"
+    assert any(cause.startswith(named) for cause in c.causes), c.causes
+    # the same knob on both sides (or a run logged before the knob existed, read as the default) is no cause
+    same = eq.compare_run(_with(record("s", 64, 1, loss=drifted(3)), **{"train.optim": "adamw_torch"}), ref)
+    assert not any(param in cause for cause in same.causes), same.causes

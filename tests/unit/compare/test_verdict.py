@@ -1,0 +1,76 @@
+"""One run against its reference per optimizer step (onegpu.compare.verdict): differences, verdicts, notes."""
+from __future__ import annotations
+
+import pytest
+
+from onegpu import compare as eq
+from tests.unit.compare.records import STEPS, _loss, drifted, record
+
+
+def test_identical_series_are_equivalent():
+    ref = record("ref", 64, 1)
+    other = record("split", 4, 16, start=1)
+    c = eq.compare_run(other, ref)
+    assert c.status == eq.EQUIVALENT and c.verdict == "equivalent"
+    assert c.loss.max_abs == 0 and c.loss.max_rel == 0 and c.loss.common_steps == STEPS
+    assert c.first_divergent_step is None and not c.step_mismatch
+    assert c.causes == []  # fp32 on CPU, no dropout, same backend
+
+
+def test_rounding_noise_is_equivalent_in_fp32():
+    ref = record("ref", 64, 1)
+    other = record("split", 4, 16, loss=[(s, _loss(s) * (1 + 3e-6)) for s in range(1, STEPS + 1)])
+    c = eq.compare_run(other, ref)
+    assert c.verdict == "equivalent"
+    assert 0 < c.loss.max_rel < 1e-5
+
+
+def test_drift_past_tolerance_at_step_3_diverges_at_step_3():
+    ref = record("ref", 64, 1)
+    other = record("split", 4, 16, loss=drifted(3))
+    c = eq.compare_run(other, ref)
+    assert c.status == eq.DIVERGED
+    assert c.verdict == "diverged at step 3"
+    assert c.first_divergent_step == 3
+    assert c.loss.max_rel == pytest.approx(1e-2, rel=1e-6)
+    assert c.loss.max_abs == pytest.approx(max(abs(v - _loss(s)) for s, v in drifted(3)))
+
+
+def test_step_mismatch_and_missing_series():
+    ref = record("ref", 64, 1)
+    short = eq.compare_run(record("short", 4, 16, loss=[(s, _loss(s)) for s in range(1, 5)]), ref)
+    assert short.status == eq.INCOMPLETE and short.step_mismatch
+    assert "4 vs 8 steps" in short.verdict
+    nothing = record("nothing", 4, 16)
+    nothing.series = {}
+    assert eq.compare_run(nothing, ref).status == eq.NO_DATA
+
+
+def test_nan_on_one_side_diverges():
+    loss = [(s, float("nan") if s == 4 else _loss(s)) for s in range(1, STEPS + 1)]
+    assert eq.compare_run(record("nan", 4, 16, loss=loss), record("ref", 64, 1)).verdict == "diverged at step 4"
+
+
+def test_grad_norm_beyond_its_tolerance_diverges_even_when_the_loss_agrees():
+    ref = record("ref", 64, 1)
+    other = record("split", 4, 16)
+    other.series["grad_norm"] = [(s, (2.0 / s) * (1 + (1e-2 if s >= 4 else 1e-7))) for s in range(1, STEPS + 1)]
+    c = eq.compare_run(other, ref)
+    assert c.loss.max_abs == 0
+    assert c.status == eq.DIVERGED and c.verdict == "diverged at step 4 (grad_norm)"
+    assert c.first_divergent_metric == "grad_norm" and c.grad_norm.max_rel == pytest.approx(1e-2, rel=1e-6)
+    # Rounding-size differences in the norm (well within fp32's 1e-3) stay equivalent.
+    other.series["grad_norm"] = [(s, (2.0 / s) * (1 + 5e-5)) for s in range(1, STEPS + 1)]
+    assert eq.compare_run(other, ref).verdict == "equivalent"
+
+
+def test_a_short_last_step_is_noted():
+    import json
+    ref = record("ref", 16, 1)
+    ref.tags["onegpu.partial_steps"] = json.dumps([{"step": 7, "examples": 4, "effective_batch": 16}])
+    other = record("split", 4, 4)
+    other.series["step_examples"] = [(s, 4 if s == 7 else 16) for s in range(1, STEPS + 1)]
+    cmp = eq.compare([ref, other])
+    rows = cmp.groups[0].rows
+    assert all(any("optimizer step 7 saw 4 of 16 examples" in n for n in c.notes) for c in rows)
+    assert "Step 7 saw fewer examples than the effective batch" in cmp.groups[0].summary

@@ -1,0 +1,149 @@
+"""``onegpu estimate`` per knob against what a real short training run measures.
+
+For each knob (bf16 on CPU, eager and SDPA attention, Adafactor, LoRA, activation checkpointing) the
+estimate's params, grads, optimizer states and activations of one micro-batch must be within 15% of the
+run's logged ``mem_*_bytes`` (the ``accelerate`` backend, and bf16 also on ``trainer``; one optimizer
+step). Rows all have the same length (truncated at ``max_length``), so the estimate's longest-row probe
+and the run's first-rows probe see the same padded shape. Tiny 2-layer BERT of ``tests/unit/tiny.py``.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onegpu import autobatch, lora  # noqa: E402
+from onegpu.config import from_container  # noqa: E402
+from onegpu.training import checkpointing  # noqa: E402
+from onegpu.training.batches import collator_for, model_inputs  # noqa: E402
+from onegpu.training.loss import classification_loss  # noqa: E402
+from tests.unit.tiny import WORDS, tiny_bert, tokenizer  # noqa: E402
+
+MICRO = 4
+KEYS = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes", "mem_activation_bytes",
+        "mem_autocast_weights_bytes")
+KNOBS = {
+    "fp32": {},
+    "bf16": {"train": {"bf16": True}},
+    "bf16-trainer": {"train": {"bf16": True, "backend": "trainer"}},  # Trainer's own autocast path
+    "eager": {"model": {"attn_implementation": "eager"}},
+    "sdpa": {"model": {"attn_implementation": "sdpa"}},
+    "adafactor": {"train": {"optim": "adafactor"}},
+    "lora": {"model": {"lora": {"r": 4, "alpha": 8, "target_modules": ["query", "value"]}}},
+    "checkpointing": {"train": {"gradient_checkpointing": True}},
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    """Accelerate keeps one process-wide state whose ``mixed_precision`` cannot change once set; a bf16
+    run after an fp32 one (or the other way round) in one pytest process needs it reset."""
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _uniform_rows(n: int = 8):
+    """``n`` texts of 40+ words, all truncated to 32 tokens: one padded length for every probe."""
+    from datasets import ClassLabel, Dataset, DatasetDict
+
+    from onegpu.data import tokenize
+    texts = [" ".join((WORDS * 3)[i:i + 40]) for i in range(n)]
+    ds = Dataset.from_dict({"text": texts, "label": [i % 3 for i in range(n)]}).cast_column(
+        "label", ClassLabel(names=["business", "entertainment", "sport"]))
+    dsd = tokenize(DatasetDict(train=ds), tokenizer(), max_length=32)
+    assert set(dsd["train"]["length"]) == {32}
+    return dsd
+
+
+def _cfg(knob: str):
+    over = KNOBS[knob]
+    return from_container({
+        "model": {"dropout": 0.0, **over.get("model", {})},
+        "train": {"backend": "accelerate", "per_device_train_batch_size": MICRO, "gradient_accumulation_steps": 1,
+                  "max_steps": 1, "learning_rate": 1e-3, "seed": 7, "logging_steps": 100, **over.get("train", {})}},
+        source="test")
+
+
+def _model(cfg):
+    """The model as the estimate stage and the train stage build it: attention kernel, then LoRA."""
+    model = tiny_bert(cfg.model.attn_implementation)
+    if cfg.model.lora is not None:
+        model = lora.apply(model, cfg.model.lora, cfg.model.task, cfg.train.gradient_checkpointing)
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def estimated_and_measured(knob: str) -> tuple[dict, dict]:
+    """(the estimate for one micro-batch of ``MICRO`` rows, the run's memory breakdown), bytes."""
+    cfg = _cfg(knob)
+    dsd = _uniform_rows()
+    rows = model_inputs(dsd)["train"].add_column("length", dsd["train"]["length"])
+    est = autobatch.estimate(_model(cfg), rows, collator_for("sequence-classification", tokenizer()),
+                             classification_loss, [MICRO], cfg.train.optim, cfg.train.gradient_checkpointing,
+                             lambda m: checkpointing.enable(m, cfg.train), mixed_precision=cfg.train.mixed_precision)
+    row = est["rows"][0]
+    predicted = {**est["states"], "mem_activation_bytes":
+                 row["activations_checkpointed" if cfg.train.gradient_checkpointing else "activations"],
+                 "mem_autocast_weights_bytes": est["autocast_weights"]}
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    from onegpu.training.backends import base
+    backend = importlib.import_module(base.REGISTRY[cfg.train.backend])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, steps = backend.train(base.TrainRequest(_model(cfg), tokenizer(), dsd, cfg, sink=lambda m, s: None))
+    return predicted, {k: steps.breakdown[k] for k in KEYS}
+
+
+@pytest.mark.parametrize("knob", list(KNOBS))
+def test_estimate_is_within_15_percent_of_the_measured_breakdown(knob):
+    predicted, measured = estimated_and_measured(knob)
+    for k in KEYS:
+        assert predicted[k] == pytest.approx(measured[k], rel=0.15), (k, predicted, measured)
+
+
+def test_estimate_sees_what_each_knob_changes():
+    """The knobs move the measured figures, and the estimate moves the same way: bf16 autocast saves
+    2-byte activations, eager attention keeps the attention probabilities SDPA does not, Adafactor keeps
+    factored moments, LoRA keeps grads and states for the adapters and head only, checkpointing keeps
+    the layer inputs only."""
+    est = {k: estimated_and_measured(k)[0] for k in KNOBS}
+    got = {k: estimated_and_measured(k)[1] for k in KNOBS}
+    for figures in (est, got):
+        act = {k: v["mem_activation_bytes"] for k, v in figures.items()}
+        assert act["bf16"] < 0.8 * act["fp32"] and act["checkpointing"] < 0.5 * act["fp32"], act
+        assert act["eager"] > act["sdpa"] == act["fp32"], act  # tiny_bert's default kernel is SDPA
+        assert figures["adafactor"]["mem_optimizer_bytes"] < 0.2 * figures["fp32"]["mem_optimizer_bytes"]
+        assert figures["lora"]["mem_grads_bytes"] < 0.2 * figures["fp32"]["mem_grads_bytes"]
+        # bf16 autocast's 2-byte weight copies: their own line, 0 in fp32
+        assert figures["fp32"]["mem_autocast_weights_bytes"] == 0 < figures["bf16"]["mem_autocast_weights_bytes"]
+    # The eager-minus-SDPA difference (the attention probabilities) is itself predicted within 15%.
+    diff = lambda f: f["eager"]["mem_activation_bytes"] - f["sdpa"]["mem_activation_bytes"]  # noqa: E731
+    assert diff(est) == pytest.approx(diff(got), rel=0.15), (diff(est), diff(got))
+
+
+def test_estimate_stage_says_which_precision_and_attention_it_estimated_for(monkeypatch, capsys):
+    """The stage runs the probes under the configured autocast and names precision, attention kernel,
+    optimizer and LoRA in its header (model building and data reading replaced by the tiny ones)."""
+    from onegpu import models
+    from onegpu.stages import estimate as stage
+    dsd = _uniform_rows()
+    monkeypatch.setattr(stage, "_rows", lambda cfg, path: (dsd, tokenizer(), "test rows"))
+    monkeypatch.setattr(models, "build_classifier", lambda path, labels, dropout, attn: tiny_bert(attn))
+    cfg = from_container({"model": {"attn_implementation": "eager", "lora": {"r": 4, "target_modules": ["query"]}},
+                          "train": {"bf16": True, "optim": "adafactor"}}, source="test")
+    est = stage.run(cfg, [MICRO])
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "precision bf16 autocast, attention eager, optimizer adafactor, LoRA r=4" in head, head
+    fp32 = stage.run(from_container({"model": {"attn_implementation": "eager", "lora": {"r": 4, "target_modules":
+                                                                                        ["query"]}},
+                                     "train": {"optim": "adafactor"}}, source="test"), [MICRO])
+    assert "precision fp32, attention eager" in capsys.readouterr().out.splitlines()[0]
+    assert est["rows"][0]["activations"] < 0.8 * fp32["rows"][0]["activations"]

@@ -1,0 +1,33 @@
+"""The code's shape rules (ARCHITECTURE.md): no function over 60 lines in src/ and bench/, stage
+modules thin (load -> call -> write, at most 80 lines). Lines are counted from ``def`` to the
+function's last line, docstring included."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_FUNCTION, MAX_STAGE = 60, 80
+# Stage modules another change is rewriting (SFT data and generation); they shrink there.
+STAGES_IN_FLIGHT = {"prepare.py", "evaluate.py"}
+
+
+def _long_functions(root: Path) -> list[str]:
+    out = []
+    for f in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION:
+                    out.append(f"{f.relative_to(REPO)}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def test_no_function_is_over_60_lines():
+    assert _long_functions(REPO / "src") + _long_functions(REPO / "bench") == []
+
+
+def test_stage_modules_are_thin():
+    long = {p.name: len(p.read_text().splitlines()) for p in (REPO / "src/onegpu/stages").glob("*.py")
+            if p.name not in STAGES_IN_FLIGHT}
+    assert {name: n for name, n in long.items() if n > MAX_STAGE} == {}

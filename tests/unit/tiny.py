@@ -1,0 +1,66 @@
+"""Tiny training fixtures shared by the unit tests: the packaged MiniLM tokenizer, a small 3-label
+dataset of texts of different lengths, a 2-layer BERT classifier built from config, and a stop that
+"arrives" during optimizer step 2. Not a test module."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from onegpu import models
+from onegpu.config import PACKAGED_MODEL
+
+LOSS_TOL, NORM_TOL = 1e-5, 1e-4
+WORDS = ("market shares rose after the bank cut rates while the minister spoke about growth and the team "
+         "won the final match in extra time as the crowd sang and a new film opened to good reviews").split()
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(models.resolve_model_path(PACKAGED_MODEL))
+
+
+@functools.lru_cache(maxsize=None)
+def dataset(n: int):
+    """``n`` texts of 2..25 words (micro-batches pad to different lengths), 3 labels, tokenized as prepare
+    does (``onegpu.data.tokenize``: unpadded, ``label`` a ClassLabel)."""
+    from datasets import ClassLabel, Dataset, DatasetDict
+
+    from onegpu.data import tokenize
+    texts = [" ".join((WORDS * 2)[(5 * i) % len(WORDS):][: 2 + (7 * i) % 24]) for i in range(n)]
+    labels = [["business", "sport", "entertainment"][(i * 2) % 3] for i in range(n)]
+    ds = Dataset.from_dict({"text": texts, "label": labels}).cast_column(
+        "label", ClassLabel(names=["business", "entertainment", "sport"]))
+    return tokenize(DatasetDict(train=ds), tokenizer(), max_length=32)
+
+
+def interrupt_at_step_2(train, ckpt):
+    """``train(sink, checkpoint_dir=, stop=, checkpoint_meta=)`` stopped by a signal that "arrives"
+    during optimizer step 2 (a GracefulStop stand-in); it must raise Interrupted. Returns the losses the
+    sink saw and the checkpoint left in ``ckpt`` (None if none)."""
+    from onegpu.training.resume import latest_checkpoint
+    from onegpu.training.interrupt import Interrupted
+
+    class Stop:
+        requested = None
+    stop, first = Stop(), []
+
+    def sink(m, s):
+        first.append(m["loss"])
+        if s == 2:
+            stop.requested = 2
+    with pytest.raises(Interrupted):
+        train(sink, checkpoint_dir=ckpt, stop=stop, checkpoint_meta={"run_id": "r1"})
+    return first, latest_checkpoint(ckpt)
+
+
+def tiny_bert(attn: str | None = None):
+    from transformers import BertConfig, BertForSequenceClassification
+    import torch
+    torch.manual_seed(0)
+    config = BertConfig(**({} if attn is None else {"attn_implementation": attn}),vocab_size=tokenizer().vocab_size, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64, num_labels=3,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        pad_token_id=tokenizer().pad_token_id)
+    return BertForSequenceClassification(config)

@@ -1,0 +1,68 @@
+"""One tradeoffs batch (onegpu.tradeoffs.batch): its kept plan, its rows validated before anything is
+queued, and which run stands for each row."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from onegpu import config
+from onegpu.compare import RunRecord
+from onegpu.errors import UserError
+from onegpu.tradeoffs import batch, knobs
+from tests import defaults
+
+
+def test_a_kept_plan_gives_back_its_variants_and_the_latest_is_the_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    with pytest.raises(UserError, match="no tradeoffs batch queued in this project yet"):
+        batch.load_plan(None)
+    variants, skipped = knobs.plan(config.from_container(defaults.params()), config.DeviceFacts())
+    batch.save("0101-000000", variants[:2], skipped, {"overrides": ["model.dropout=0"]})
+    batch.save("0101-000001", variants, skipped, {})
+    import os
+    os.utime(tmp_path / ".onegpu" / "tradeoffs" / "0101-000000.json", (1, 1))  # the older file
+    assert batch.load_plan(None)["batch"] == "0101-000001"
+    kept = batch.load_plan("tradeoffs-0101-000000")  # the experiment-name prefix is accepted
+    assert batch.variants_of(kept) == variants[:2] and kept["overrides"] == ["model.dropout=0"]
+    assert kept["skipped"] == skipped
+    with pytest.raises(UserError, match="no tradeoffs batch '0202-000000' .*0101-000000, 0101-000001"):
+        batch.load_plan("0202-000000")
+
+
+def test_a_row_whose_params_do_not_validate_stops_the_batch_naming_the_row(tmp_path):
+    raw = defaults.params()
+    raw["train"]["fp16"] = True
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(raw))
+    cfg = config.from_container(raw)
+    with pytest.raises(UserError, match="row baseline \\(-S 'train.bf16=true'\\) does not validate: .*choose at most one"):
+        batch.plan(cfg, str(params), ("split",), ["train.bf16=true"], config.DeviceFacts())
+    variants, _ = batch.plan(cfg, str(params), ("split",), ["model.dropout=0"], config.DeviceFacts())
+    assert [v.overrides[0] for v in variants] == [("model.dropout", "0")] * 2
+
+
+def test_each_row_is_its_latest_finished_run():
+    def rec(name, status="FINISHED", done=True, run_id=None):
+        return RunRecord(run_id=run_id or name, name=f"tradeoffs-1-{name}", status=status,
+                         metrics={"train_runtime": 1.0} if done else {})
+    runs = batch.finished_runs([rec("baseline", run_id="old"), rec("baseline", run_id="new"),
+                                rec("bf16", status="FAILED"), rec("split-16x1", done=False)], "tradeoffs-1-")
+    assert {k: r.run_id for k, r in runs.items()} == {"baseline": "new"}
+
+
+@pytest.mark.parametrize("differs", [True, False])
+def test_start_says_when_the_baseline_params_differ_from_git(monkeypatch, capsys, fresh_root, differs):
+    """A workspace `dvc exp run -S` (the README's `auto` example) leaves its values in params.yaml; the
+    baseline is then that file, and the command says so."""
+    from pathlib import Path
+
+    from onegpu import paths
+    monkeypatch.setattr(batch.queue, "queue", lambda prefix, variants: None)
+    monkeypatch.setattr(paths, "params_differ_from_head", lambda params: differs)
+    defaults.write_params(Path.cwd())
+    cfg = config.from_container(defaults.params())
+    batch.start(cfg, "params.yaml", ("split",), [], True, config.DeviceFacts(cuda=False, gpus=0, bf16=True,
+                                                                               packages=frozenset()))
+    out = capsys.readouterr().out
+    assert ("note: params.yaml differs from git's HEAD (`git diff params.yaml`): the baseline is the file "
+            "as it is" in out) == differs, out

@@ -1,0 +1,123 @@
+"""The plan of onegpu tradeoffs: one small function per knob (onegpu.tradeoffs.knobs), parse_knobs, --help."""
+from __future__ import annotations
+
+import pytest
+
+from onegpu import config
+from onegpu.equivalence import equivalence_key
+from onegpu.errors import UserError
+from onegpu.tradeoffs import knobs
+from onegpu.tradeoffs.knobs import parse_knobs
+from tests import defaults
+
+CPU = config.DeviceFacts()
+
+
+def _cfg(**train) -> config.Config:
+    raw = defaults.params()
+    raw["train"].update(train)
+    return config.from_container(raw)
+
+
+def _names(variants):
+    return [v.name for v in variants]
+
+
+def test_plan_on_cpu_for_the_defaults():
+    variants, skipped = knobs.plan(_cfg(), CPU)
+    assert _names(variants) == ["baseline", "split-16x1", "checkpointing", "bf16", "adamw_torch_fused", "adafactor",
+                                "attn-eager", "compile", "cpu-allocator-system", "lora"]
+    by = {v.name: v for v in variants}
+    assert by["split-16x1"].set_args == ["-S", "train.per_device_train_batch_size=16",
+                                         "-S", "train.gradient_accumulation_steps=1"]
+    assert by["baseline"].set_args == []
+    assert by["lora"].set_args == ["-S", "model.lora.r=8"]  # the dotted form a user types
+    assert [s.split(":")[0] for s in skipped] == ["tf32"]  # a no-op on CPU
+
+
+def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
+    variants, skipped = knobs.plan(_cfg(), config.DeviceFacts(cuda=True, gpus=1, bf16=False, packages=frozenset({"bitsandbytes"})))
+    names = _names(variants)
+    assert "fp16" in names and "bf16" not in names  # a GPU without bf16
+    assert "tf32" in names and "adamw_bnb_8bit" in names and "cpu-allocator-system" not in names
+    assert [s.split(":")[0] for s in skipped] == ["allocator"]  # host memory is not the tensors' on a GPU
+
+
+def test_plan_turns_off_what_is_on_and_splits_the_other_way():
+    variants, skipped = knobs.plan(_cfg(gradient_checkpointing=True, bf16=True, torch_compile=True,
+                                            per_device_train_batch_size=8, gradient_accumulation_steps=1), CPU)
+    names = _names(variants)
+    assert {"no-checkpointing", "fp32", "no-compile", "split-4x2"} <= set(names)
+    variants, _ = knobs.plan(_cfg(cpu_allocator="system"), CPU, knobs=("allocator",))
+    assert [v.overrides for v in variants] == [(), (("train.cpu_allocator", "caching"),)]
+    variants, skipped = knobs.plan(_cfg(per_device_train_batch_size=3, gradient_accumulation_steps=3), CPU,
+                                       knobs=("split",))
+    assert _names(variants) == ["baseline"] and "no other split" in skipped[0]
+
+
+def test_plan_knobs_subset():
+    variants, _ = knobs.plan(_cfg(), CPU, knobs=("precision", "lora"))
+    assert _names(variants) == ["baseline", "bf16", "lora"]
+
+
+def test_every_variant_validates_and_its_key_matches_what_it_expects():
+    """The plan's promise ("same training" rows share the baseline's equivalence key, the others do
+    not) is what the train stage will compute from the -S overrides."""
+    raw = defaults.params()
+    base = config.from_container(raw)
+    base_key = equivalence_key(base, config.resolve(base), "fp")
+    variants, _ = knobs.plan(base, config.DeviceFacts(cuda=True, gpus=1, bf16=True, packages=frozenset({"bitsandbytes"})))
+    for v in variants:
+        r = defaults.params()
+        for k, val in v.overrides:
+            config.apply_override(r, f"{k}={val}")
+        cfg = config.from_container(r)
+        key = equivalence_key(cfg, config.resolve(cfg), "fp")
+        if v.expect == knobs.SAME:
+            assert key == base_key, v.name
+        else:
+            assert key != base_key or v.knob == "tf32", v.name  # tf32: same key, looser tolerance
+    lora = config.from_container({**defaults.params(), "model": {**defaults.params()["model"],
+                                                                  "lora": {"r": 8, "alpha": 16}}})
+    r = defaults.params()
+    for k, val in knobs.LORA_ROW:
+        config.apply_override(r, f"{k}={val}")
+    assert config.from_container(r).model.lora_adapters == lora.model.lora
+    # params whose model.lora is null (DVC cannot set model.lora.r there): the row gives the whole mapping
+    r = defaults.params()
+    r["model"]["lora"] = None
+    (row,) = [v for v in knobs.plan(config.from_container(r), CPU)[0] if v.knob == "lora"]
+    assert row.overrides == (("model.lora", knobs.LORA_MAPPING),)
+    config.apply_override(r, f"model.lora={knobs.LORA_MAPPING}")
+    assert config.from_container(r).model.lora_adapters == lora.model.lora
+
+
+def test_parse_knobs():
+    assert parse_knobs(None) == tuple(knobs.KNOBS)
+    assert parse_knobs("split, lora") == ("split", "lora")
+    with pytest.raises(UserError, match="unknown foo; choose from split,checkpointing"):
+        parse_knobs("split,foo")
+    with pytest.raises(UserError, match="empty"):
+        parse_knobs(",")
+
+
+def test_cli_help_lists_the_knobs_without_importing_a_heavy_library():
+    import subprocess
+    import sys
+    code = ("import sys, contextlib, io; from onegpu import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    try: cli.main(['tradeoffs', '--help'])\n"
+            "    except SystemExit: pass\n"
+            "print(out.getvalue()); print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'torch', 'transformers', 'mlflow', 'numpy', 'omegaconf', 'dvc'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert ",".join(knobs.KNOBS) in "".join(out.split())  # argparse wraps (and cuts) the help text
+    assert out.strip().endswith("[]")  # nothing heavy imported to print --help
+
+
+def test_common_overrides_go_first_in_every_variant():
+    variants, _ = knobs.plan(_cfg(), CPU, knobs=("split",))
+    out = knobs.with_overrides(variants, [("model.dropout", "0")])
+    assert [v.overrides for v in out] == [
+        (("model.dropout", "0"),),
+        (("model.dropout", "0"), ("train.per_device_train_batch_size", "16"), ("train.gradient_accumulation_steps", "1"))]

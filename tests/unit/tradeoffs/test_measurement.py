@@ -1,0 +1,81 @@
+"""Each variant's run against the baseline (onegpu.tradeoffs.measurement): steady samples/s, memory, verdicts."""
+from __future__ import annotations
+
+import pytest
+
+from onegpu.tradeoffs import knobs, measurement, recommend, report as tradeoffs_report
+from tests.unit.tradeoffs.runs import BASE, STEPS, _run, _variant
+
+
+def test_speed_excludes_step_one_and_memory_is_the_breakdown_on_cpu():
+    base = _run("baseline")
+    fast = _run("split", step_time=0.5, first=30.0, mem=(100, 100, 200, 100))  # slow first step (compile)
+    row = measurement.measure_row(_variant("split", "split"), fast, base)
+    assert row.samples_per_second == pytest.approx(32.0)  # 16 examples / 0.5 s, steps 2..6
+    assert row.speedup == pytest.approx(2.0)
+    assert row.first_step_s == 30.0
+    assert row.memory_bytes == 500 * 2**20 and row.memory_kind == "breakdown"
+    assert row.memory_ratio == pytest.approx(500 / 450)
+    assert row.verdict == measurement.SAME_TRAINING and row.same_training
+    assert row.time_to_eval_loss_s == row.train_runtime_s  # same eval loss: reached
+    assert row.notes == []
+    recompiled = _run("compile", step_time=0.5, first=30.0)
+    recompiled.series["step_time_s"][-1] = (STEPS, 20.0)  # the last step recompiles for its new shape
+    row = measurement.measure_row(_variant("compile", "compile"), recompiled, base)
+    assert row.notes == [f"optimizer step {STEPS} took 20.0 s against a median 0.50 s (torch.compile recompiles "
+                         "for each new batch shape; otherwise a one-off stall); its samples/s count them"]
+
+
+def test_memory_on_gpu_is_the_allocator_peak():
+    run = _run("b", device="NVIDIA H200", peak=3e9)
+    assert measurement.memory_bytes(run) == (3e9, "allocator peak")
+
+
+def test_verdicts_precision_different_and_diverged():
+    base = _run("baseline")
+    bf16 = _run("bf16", key="k2", loss_scale=1.004, params={"train.bf16": "true"})
+    row = measurement.measure_row(_variant("bf16", "precision", knobs.PRECISION), bf16, base)
+    assert row.verdict == "same within bf16 tolerance" and not row.same_training
+    far = _run("bf16", key="k2", loss_scale=1.5, params={"train.bf16": "true"})
+    row = measurement.measure_row(_variant("bf16", "precision", knobs.PRECISION), far, base)
+    assert row.verdict == "differs beyond bf16 tolerance at step 1"
+    ada = _run("adafactor", key="k3", loss_scale=1.0, eval_loss=1.2)
+    row = measurement.measure_row(_variant("adafactor", "optimizer", knobs.DIFFERENT), ada, base)
+    assert row.verdict == measurement.DIFFERENT_TRAINING  # another key, even with equal losses
+    assert row.time_to_eval_loss_s is None  # 1.2 > 1.0: not reached
+    assert tradeoffs_report._time_to_loss(row) == "not reached"
+    better = _run("lora", key="k4", eval_loss=0.9)
+    assert measurement.measure_row(_variant("lora", "lora", knobs.DIFFERENT), better, base).time_to_eval_loss_s \
+        == better.metrics["train_runtime"]
+    eager = _run("attn-eager", loss_scale=1.01, params={"model.attn_implementation": "eager"})
+    row = measurement.measure_row(_variant("attn-eager", "attention"), eager, base)
+    assert row.verdict.startswith("diverged at step 1: model.attn_implementation differs")
+    assert not row.same_training
+
+
+def test_dropout_masks_alone_make_a_row_same_in_expectation_and_a_candidate():
+    """With dropout, another split (or attention kernel, or torch.compile) draws other masks: the losses
+    differ at step 1, yet the training is the same in distribution; such a row is labelled and may be
+    recommended. Without dropout the same difference is a divergence."""
+    drop = {"model.dropout_max": "0.1"}
+    base = _run("baseline")
+    base.tags.update(drop)
+    split = _run("split-16x1", step_time=0.5, loss_scale=1.01,
+                 params={"train.per_device_train_batch_size": "16", "train.gradient_accumulation_steps": "1"})
+    split.tags.update(drop)
+    v = _variant("split-16x1", "split", overrides=(("model.dropout", "0.1"), ("train.per_device_train_batch_size", "16")))
+    row = measurement.measure_row(v, split, base)
+    assert row.verdict == measurement.IN_EXPECTATION and row.same_training
+    attn = _run("attn-eager", step_time=0.8, loss_scale=1.01, params={"model.attn_implementation": "eager"})
+    attn.tags.update(drop)
+    va = _variant("attn-eager", "attention", overrides=(("model.dropout", "0.1"), ("model.attn_implementation", "eager")))
+    arow = measurement.measure_row(va, attn, base)
+    assert arow.verdict == measurement.IN_EXPECTATION
+    rec = recommend.recommend([measurement.measure_row(BASE, base, base), row, arow], None)
+    # the shared -S (model.dropout) once, then each knob's own
+    assert rec.variant.overrides == (("model.dropout", "0.1"), ("train.per_device_train_batch_size", "16"),
+                                     ("model.attn_implementation", "eager"))
+    nodrop = _run("split-16x1", step_time=0.5, loss_scale=1.01,
+                  params={"train.per_device_train_batch_size": "16", "train.gradient_accumulation_steps": "1"})
+    row = measurement.measure_row(v, nodrop, _run("baseline"))
+    assert row.verdict.startswith("diverged at step 1") and not row.same_training

@@ -1,0 +1,294 @@
+"""Data-parallel pieces on a CPU: two gloo processes (``torch.multiprocessing.spawn``) running the
+accelerate backend's forward/backward of one optimizer step, and the launch helpers' checks.
+
+Real runs through ``onegpu train`` under torch.distributed.run: tests/integration/test_data_parallel.py.
+"""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from onegpu.errors import ConfigError
+from onegpu.training import distributed
+
+torch = pytest.importorskip("torch")
+
+# Each rank's two micro-batches (features, labels); -100 = an ignored label, so the ranks hold different
+# numbers of items (5 and 3) and a per-rank mean would weight them unequally.
+DATA = {
+    0: [([[1.0, 0.0, 2.0, 1.0], [0.5, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 3.0]], [0, 2, 1]),
+        ([[2.0, 1.0, 0.0, 0.5], [1.0, 1.0, 1.0, 1.0]], [1, 0])],
+    1: [([[0.0, 2.0, 2.0, 0.0], [3.0, 0.0, 0.0, 1.0], [1.0, 0.5, 0.5, 0.0]], [2, -100, -100]),
+        ([[0.0, 0.0, 0.0, 1.0], [2.0, 2.0, 0.0, 0.0]], [0, 1])],
+}
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, input_ids):
+        return {"logits": self.lin(input_ids)}
+
+
+def _micro_batches(rank: int) -> list[dict]:
+    return [{"input_ids": torch.tensor(x), "labels": torch.tensor(y)} for x, y in DATA[rank]]
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    import os
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from accelerate import Accelerator
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from onegpu.training.backends.accelerate import _forward_backward
+    from onegpu.training.loss import classification_loss, count_items
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(_Linear())
+    calls = []
+
+    def counting_allreduce(state, bucket):  # the gradient all-reduce, counted
+        calls.append(1)
+        return allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, counting_allreduce)
+    batches = _micro_batches(rank)
+    num_items = distributed.sum_over_ranks(sum(count_items(b["labels"], "sequence-classification")
+                                               for b in batches))
+    share = _forward_backward(accelerator, model, batches, num_items, classification_loss, 1, None, 1)
+    loss = distributed.sum_over_ranks(share.detach().clone())
+    grads = [p.grad.tolist() for p in model.parameters()]
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump({"allreduce_calls": len(calls), "loss": loss.item(), "grads": grads,
+                   "num_items": int(num_items)}, f)
+
+
+def _trainer_worker(rank: int, port: int, out_dir: str, inject_rank: int) -> None:
+    """The trainer backend on rank ``rank`` of 2 (tiny BERT of tests/unit/tiny.py, 2 steps of 4 x 2 x 2); rank
+    ``inject_rank`` runs out of memory (injected) in step 1's last micro-batch and re-splits alone."""
+    import os
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    distributed.TIMEOUT_S = 60  # a desynchronised all-reduce fails the test in a minute, not ten
+    from tests.unit import tiny as tb
+
+    from onegpu.config import from_container
+    from onegpu.training.backends import hf_trainer
+    from onegpu.training.backends.base import TrainRequest
+    cfg = from_container({"model": {"dropout": 0.0}, "train": {
+        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 2, "num_processes": 2,
+        "learning_rate": 1e-3, "seed": 7, "logging_steps": 1}}, source="test")
+    calls = []
+
+    def injector(step: int, rows: int) -> bool:
+        calls.append((step, rows))
+        return rank == inject_rank and step == 1 and rows == 4 and len(calls) == 2
+
+    model, steps = hf_trainer.train(TrainRequest(tb.tiny_bert(), tb.tokenizer(), tb.dataset(32), cfg,
+                                                 sink=lambda m, s: None, oom_injector=injector))
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump({"loss": [r["loss"] for r in steps.rows], "grad_norm": [r["grad_norm"] for r in steps.rows],
+                   "events": steps.events}, f)
+
+
+def _spawn(worker, tmp_path, *args) -> list[dict]:
+    import torch.multiprocessing as mp
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    mp.spawn(worker, args=(_free_port(), str(tmp_path), *args), nprocs=2, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_an_out_of_memory_retry_on_one_rank_keeps_the_ranks_in_step_and_the_losses(tmp_path):
+    plain = _spawn(_trainer_worker, tmp_path / "plain", -1)
+    retried = _spawn(_trainer_worker, tmp_path / "retried", 1)
+    assert [len(r["events"]) for r in retried] == [0, 1]  # rank 1 alone re-split its micro-batches
+    for a, b in zip(plain, retried):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert plain[0]["loss"] == plain[1]["loss"]  # every rank logs the whole step's loss
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_ranks_all_reduce_once_per_step_and_give_the_one_process_gradient(tmp_path):
+    import torch.multiprocessing as mp
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # no_sync on the first micro-batch: one all-reduce (one bucket) for the step's two micro-batches.
+    assert [r["allreduce_calls"] for r in ranks] == [1, 1]
+    assert [r["num_items"] for r in ranks] == [8, 8]  # 5 + 3 items, summed over the ranks
+    # One process over all four micro-batches: the mean over the 8 items, and its gradient.
+    model = _Linear()
+    x = torch.cat([torch.tensor(b[0]) for r in (0, 1) for b in DATA[r]])
+    y = torch.cat([torch.tensor(b[1]) for r in (0, 1) for b in DATA[r]])
+    loss = torch.nn.functional.cross_entropy(model(x)["logits"], y, ignore_index=-100)
+    loss.backward()
+    expected = [p.grad.tolist() for p in model.parameters()]
+    for r in ranks:
+        assert r["loss"] == pytest.approx(loss.item(), rel=1e-6)
+        for got, want in zip(r["grads"], expected):
+            assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-7), (got, want)
+
+
+def test_outside_a_launch_the_helpers_are_one_process(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert (distributed.world_size(), distributed.rank(), distributed.launched(), distributed.is_main()) == \
+        (1, 0, False, True)
+    t = torch.tensor(3)
+    assert distributed.sum_over_ranks(t) is t and int(t) == 3
+    assert distributed.gather_over_ranks([1.0, 2.0], "cpu") == [[1.0, 2.0]]
+
+
+def test_a_launch_of_another_size_than_num_processes_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="train.num_processes is 4 but this launch has 2 processes"):
+        distributed.check_world(4)
+    distributed.check_world(2)
+
+
+def test_null_tracker_writes_nothing():
+    t = distributed.NullTracker()
+    run_id = t.start_run("x", {})
+    with t.guard(run_id, finish="SCHEDULED"), t.system_metrics(run_id):
+        t.log_params(run_id, {"a": 1})
+        t.set_tags(run_id, {"b": "c"})
+        t.metric_buffer(run_id).add({"loss": 1.0}, 1)
+    with pytest.raises(AttributeError):
+        t.connect  # noqa: B018  (only the writing calls are no-ops)
+
+
+def _failing_torchrun(rank_noted: int | None, status_before: str, tracker, monkeypatch):
+    """``torch.distributed.run.run`` replaced by one whose rank 0 started ``run`` (announce_run) and whose
+    processes then failed: rank 0 by a lost peer, rank ``rank_noted`` first with its own error."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def fake_run(args):
+        import os
+        from pathlib import Path
+        os.environ["RANK"] = "0"
+        run_id = tracker.start_run("ddp", {"stage": "train"})
+        distributed.announce_run(run_id, "ddp-exp")
+        if status_before != "RUNNING":
+            tracker.end_run(run_id, status_before)
+        folder = Path(os.environ[distributed.LAUNCH_DIR_ENV])
+        if rank_noted is not None:
+            (folder / f"failed-{rank_noted}.json").write_text(json.dumps(
+                {"rank": rank_noted, "time": 1.0, "error": "RuntimeError: rank one broke"}))
+        (folder / "failed-0.json").write_text(json.dumps({"rank": 0, "time": 2.0, "error": "lost peer"}))
+        failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=1, error_file="") for r in (0, 1)}
+        raise ChildFailedError("onegpu", failures)
+
+    monkeypatch.setattr(torchrun, "run", fake_run)
+    monkeypatch.delenv("RANK", raising=False)
+
+
+@pytest.mark.parametrize("status_before", ["RUNNING", "FAILED"])
+def test_a_failed_rank_ends_the_run_failed_naming_the_rank(fresh_root, monkeypatch, status_before):
+    from onegpu import tracking
+    tracker = tracking.connect("ddp-exp")
+    _failing_torchrun(1, status_before, tracker, monkeypatch)
+    with pytest.raises(distributed.RankFailed, match=r"rank 1 of 2 failed \(RuntimeError: rank one broke\)"):
+        distributed.launch(2, ["train"])
+    from mlflow import MlflowClient
+    c = MlflowClient(tracker.uri)
+    (r,) = c.search_runs([tracker.experiment_id])
+    assert r.info.status == "FAILED"
+    assert r.data.tags["error.rank"] == "1"
+    assert "rank 1 of 2 failed (RuntimeError: rank one broke)" in r.data.tags["error.message"]
+    assert distributed.LAUNCH_DIR_ENV not in __import__("os").environ
+
+
+def test_a_stopped_run_stays_killed_when_a_rank_fails(fresh_root, monkeypatch):
+    from mlflow import MlflowClient
+
+    from onegpu import tracking
+    tracker = tracking.connect("ddp-exp")
+    _failing_torchrun(None, "KILLED", tracker, monkeypatch)
+    with pytest.raises(distributed.RankFailed, match="rank 0 of 2 failed"):
+        distributed.launch(2, ["train"])
+    (r,) = MlflowClient(tracker.uri).search_runs([tracker.experiment_id])
+    assert r.info.status == "KILLED" and r.data.tags["error.rank"] == "0"
+
+
+def test_processes_all_stopped_by_a_signal_are_an_interrupt_not_a_failure(fresh_root, monkeypatch):
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def fake_run(args):
+        raise ChildFailedError("onegpu", {r: ProcessFailure(local_rank=r, pid=1, exitcode=code, error_file="")
+                                          for r, code in ((0, 130), (1, -15))})
+
+    monkeypatch.setattr(torchrun, "run", fake_run)
+    with pytest.raises(KeyboardInterrupt, match="every training process stopped on a signal"):
+        distributed.launch(2, ["train"])
+
+
+def _torchrun_with(failures: dict[int, tuple[int, int]], notes: dict[int, str], tracker, monkeypatch):
+    """``torch.distributed.run.run`` replaced by one whose rank 0 started a run and whose processes then
+    ended: ``failures`` = rank -> (exit code, seconds after the first failure), ``notes`` = rank -> the
+    error that process noted itself (a SIGKILLed process notes nothing)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def fake_run(args):
+        import os
+        from pathlib import Path
+        os.environ["RANK"] = "0"
+        distributed.announce_run(tracker.start_run("ddp", {"stage": "train"}), "ddp-exp")
+        folder = Path(os.environ[distributed.LAUNCH_DIR_ENV])
+        for r, error in notes.items():
+            (folder / f"failed-{r}.json").write_text(json.dumps({"rank": r, "time": 5.0 + r, "error": error}))
+        out = {}
+        for r, (code, after) in failures.items():
+            out[r] = ProcessFailure(local_rank=r, pid=100 + r, exitcode=code, error_file="")
+            out[r].timestamp = 1_000 + after
+        raise ChildFailedError("onegpu", out)
+
+    monkeypatch.setattr(torchrun, "run", fake_run)
+    monkeypatch.delenv("RANK", raising=False)
+
+
+LOST_PEER = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+
+
+@pytest.mark.parametrize("signal_name, code", [("SIGKILL", -9), ("SIGSEGV", -11)])
+def test_a_rank_killed_by_a_signal_is_named_not_the_survivor(fresh_root, monkeypatch, signal_name, code):
+    """Rank 1 killed outright (nothing noted); rank 0 then fails on the lost peer and notes that: the run
+    names rank 1 and the signal, and for SIGKILL the out-of-memory killer."""
+    from mlflow import MlflowClient
+
+    from onegpu import tracking
+    tracker = tracking.connect("ddp-exp")
+    _torchrun_with({0: (1, 0), 1: (code, 0)}, {0: LOST_PEER}, tracker, monkeypatch)
+    with pytest.raises(distributed.RankFailed) as e:
+        distributed.launch(2, ["train"])
+    message = str(e.value)
+    assert message.startswith(f"training process rank 1 of 2 was killed by signal {signal_name}"), message
+    assert ("out-of-memory killer" in message) == (signal_name == "SIGKILL"), message
+    assert "Connection closed by peer" not in message
+    (r,) = MlflowClient(tracker.uri).search_runs([tracker.experiment_id])
+    assert r.info.status == "FAILED"
+    assert (r.data.tags["error.rank"], r.data.tags["error.exitcode"]) == ("1", str(code))
+    assert r.data.tags["error.message"] == message
+
+
+def test_a_sigkill_torchrun_sent_after_its_grace_does_not_hide_the_first_error(fresh_root, monkeypatch):
+    """Rank 1 raised first; rank 0, stuck, was SIGKILLed by torchrun 30 s into stopping it: rank 1's
+    error is the cause."""
+    from onegpu import tracking
+    tracker = tracking.connect("ddp-exp")
+    _torchrun_with({1: (1, 0), 0: (-9, 31)}, {1: "ValueError: bad batch"}, tracker, monkeypatch)
+    with pytest.raises(distributed.RankFailed, match=r"^training process rank 1 of 2 failed \(ValueError: bad batch\)"):
+        distributed.launch(2, ["train"])
