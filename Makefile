@@ -48,11 +48,16 @@ sft: install
 	PYTHONUNBUFFERED=1 $(BIN)/dvc exp run -n sft-smollm2-headlines $(SFT) 2>&1 | { grep --line-buffered -v -E '$(DVC_HINTS)' || true; } | cat -s
 	$(BIN)/onegpu summary
 
+# pytest-xdist: one worker per core (at most 4; PyTorch threads split between them), each test file on
+# one worker in file order, the heaviest files first (tests/conftest.py, tests/README.md).
+# PYTEST_ARGS="-n 0" runs serially; any pytest option goes there (e.g. -x, -k name, --durations=20).
+PYTEST_XDIST := -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+PYTEST_ARGS  ?=
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 test-quick: install
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest $(PYTEST_XDIST) -m "not slow" $(PYTEST_ARGS)
 
 # Re-pin requirements.lock to what the venv has now (torch stays unpinned: it is per machine).
 lock: install

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.integration.conftest import BIN, dvc, make_project, run, runs, wait_for_queue
+from tests.integration.conftest import BIN, dvc, run, runs, wait_for_queue
 from tests.tables import row
 
 pytestmark = pytest.mark.slow
@@ -17,8 +17,8 @@ def _training_runs(project, prefix):
             if r.data.tags.get("stage") == "train" and (r.info.run_name or "").startswith(prefix)}
 
 
-def test_queue_only_then_report(tmp_path):
-    project = make_project(tmp_path / "p")
+def test_queue_only_then_report(tmp_path, prepared):
+    project = prepared(tmp_path / "p")
     out = run([str(BIN / "onegpu"), "tradeoffs", "--queue-only", "--knobs", "precision,allocator",
                "-S", "train.max_steps=2"], project).stdout
     assert "queued tradeoffs-" in out and "next: dvc queue start -j 1" in out
@@ -53,13 +53,13 @@ def test_queue_only_then_report(tmp_path):
     assert "Queued" not in dvc(project, "queue", "status").stdout
 
 
-def test_full_run_with_the_combined_recommendation(tmp_path, monkeypatch):
+def test_full_run_with_the_combined_recommendation(tmp_path, monkeypatch, prepared):
     """Every same-training knob counts as faster (MIN_GAIN -1): the split and checkpointing rows are
     combined, queued and measured as `recommended`, which must be the same training as the baseline."""
     from onegpu import config
     from onegpu.stages import tradeoffs as stage
     from onegpu.tradeoffs import measurement as tradeoffs, recommend
-    project = make_project(tmp_path / "p")
+    project = prepared(tmp_path / "p")
     monkeypatch.chdir(project)
     monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     monkeypatch.setattr(recommend, "MIN_GAIN", -1.0)
