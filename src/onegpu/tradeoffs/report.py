@@ -26,6 +26,8 @@ GUIDE = {
     "compile": "yes / no",
     "allocator": "not in the guide (PyTorch's CPU tuning guide: an allocator that reuses memory)",
     "lora": "PEFT: no / yes",
+    "padding_free": "not in the guide (TRL's padding_free: no compute or memory on padding)",
+    "packing": "not in the guide (TRL's packing: no padding, other examples per step)",
 }
 
 
