@@ -8,6 +8,7 @@ from __future__ import annotations
 from onegpu import paths
 from onegpu.errors import DataError
 from onegpu.formatting import gib
+from onegpu.outside_load import METRIC
 
 NEXT = """Next:
   onegpu ui          the MLflow UI: every run's per-step loss, memory and speed (link printed)
@@ -39,7 +40,8 @@ def text(cfg=None) -> str:
                       f"ROUGE-L {ev[k]:.3f}" if k == "eval_rouge_l" else f"{k.removeprefix('eval_')} {ev[k]:.4f}"
                       for k in ("eval_accuracy", "eval_rouge_l", "eval_perplexity", "eval_loss") if k in ev)
     train = [f"loss {tr['train_loss']:.4f}" if "train_loss" in tr else None,
-             f"{tr['train_samples_per_second']:.1f} samples/s" if "train_samples_per_second" in tr else None,
+             f"{tr['train_samples_per_second']:.1f} samples/s{' (under outside load)' if METRIC in tr else ''}"
+             if "train_samples_per_second" in tr else None,
              f"peak {gib(tr['train_mem_peak_bytes'])}" if "train_mem_peak_bytes" in tr else None]
     if cfg is not None:
         t = cfg.train
@@ -47,7 +49,17 @@ def text(cfg=None) -> str:
                      if t.per_device_train_batch_size == "auto" else
                      f"{t.per_device_train_batch_size} x {t.gradient_accumulation_steps} per optimizer step")
     return (f"onegpu: done. Headline (metrics/*.json; every figure and per-step series in MLflow run {run}):\n"
-            f"  test:  {test}\n  train: {' | '.join(x for x in train if x)}\n{_generations()}{NEXT}")
+            f"  test:  {test}\n  train: {' | '.join(x for x in train if x)}\n{_load_note(tr)}{_generations()}{NEXT}")
+
+
+def _load_note(tr: dict) -> str:
+    """A caution under the train line when the run trained under outside load (``train_outside_cpu_load``
+    in metrics/train.json, written only then), or ''."""
+    busy = tr.get(METRIC)
+    if busy is None:
+        return ""
+    return (f"  measured under outside load: other processes kept {busy:.2f} CPUs busy while it trained, so "
+            "its samples/s is not the cost of its settings alone (train again on a quiet machine to time it)\n")
 
 
 def _generations(shown: int = 3) -> str:

@@ -34,13 +34,14 @@ from onegpu.equivalence.key import (KEY_TAG, RESOLVED_ACCUMULATION, RESOLVED_EFF
 from onegpu.errors import UserError
 
 VIEW_KEY = "onegpu-training-runs"  # the saved view's key: tag mlflow.sharedViewState.<VIEW_KEY>
-EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
-# Columns of the runs table, in this order (those no training run has are left out).
-VIEW_METRICS = ("loss", "eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity",
-                "train_mem_peak_bytes", "train_samples_per_second", "train_runtime")
+EXPERIMENT_KIND = tracking.EXPERIMENT_KIND  # set on a new experiment too (tracking.store); here for older ones
+# Columns of the runs table, in this order (metrics no training run has are left out). Memory and speed
+# come as the train stage's tags in people's units (training.session.TABLE_TAGS: "1.46 GiB",
+# "2.53 samples/s", "71% of 2 CPUs"): MLflow prints the metrics raw (1572425728, nine-digit floats).
+VIEW_METRICS = ("loss", "eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity", "train_runtime")
 VIEW_PARAMS = (RESOLVED_MICRO_BATCH, RESOLVED_ACCUMULATION, RESOLVED_EFFECTIVE_BATCH,
                "train.gradient_checkpointing", "train.backend")
-VIEW_TAGS = (KEY_TAG,)
+VIEW_TAGS = ("onegpu.config", "peak_memory", "speed", "outside_load", KEY_TAG)
 TRAINING_FILTER = "tags.stage = 'train'"
 
 

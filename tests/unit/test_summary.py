@@ -44,3 +44,18 @@ def test_summary_before_any_run_says_what_to_run(tmp_path, monkeypatch, capsys):
     assert cli.main(["summary"]) == 2
     assert capsys.readouterr().err.strip() == ("onegpu summary: error: metrics/train.json is missing: run the "
                                                "pipeline first (make run, or dvc repro)")
+
+
+def test_summary_marks_the_speed_of_a_run_trained_under_outside_load(tmp_path, monkeypatch):
+    """Issue 20 item 3: metrics/train.json carries train_outside_cpu_load only when the run trained
+    under outside load; the summary marks the speed and says what the figure means."""
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path, "metrics/train.json", {"train_loss": 1.0, "train_samples_per_second": 2.5,
+                                            "train_outside_cpu_load": 1.42})
+    _write(tmp_path, "metrics/eval.json", {"eval_loss": 0.5})
+    lines = summary.text().splitlines()
+    assert lines[2] == "  train: loss 1.0000 | 2.5 samples/s (under outside load)"
+    assert lines[3].startswith("  measured under outside load: other processes kept 1.42 CPUs busy while it "
+                               "trained, so its samples/s is not the cost of its settings alone")
+    _write(tmp_path, "metrics/train.json", {"train_loss": 1.0, "train_samples_per_second": 2.5})
+    assert "outside load" not in summary.text()

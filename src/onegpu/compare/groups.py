@@ -114,6 +114,9 @@ def compare_group(key: str, runs: list[RunRecord], overlaps: dict[str, list[str]
             c.notes.append(f"trained at the same time as {', '.join(c.overlaps)} on the same machine: its "
                            "speed and memory are not comparable (train one at a time for timing, e.g. "
                            "`dvc queue start -j 1`)")
+        if c.run.under_load:
+            c.notes.append(f"trained under outside load ({c.run.under_load}): its speed is not the cost of "
+                           "its split alone (train it again on a quiet machine to time it)")
     g = GroupComparison(key=key, reference=ref, rows=rows)
     g.summary = summarize(g)
     return g

@@ -142,14 +142,15 @@ def memory_figure(comparison: Comparison):
             x, y = c.run.samples_per_second, c.run.peak_memory_bytes
             if x is None or y is None:
                 continue
-            alone = c.cost_comparable  # overlapped runs: hollow marker, "(overlapped)" in the label
+            alone = c.speed_comparable  # overlapped or under outside load: hollow marker, the reason in the label
             overlapped = overlapped or not alone
             ax.scatter([x], [y / MiB], color=color if alone else "none", marker=STATUS_MARKERS.get(c.status, "d"),
                        s=180 if c.is_reference else 70, edgecolors="black" if alone else color,
                        linewidths=0.5 if alone else 1.5, zorder=3, alpha=0.85)
             # Runs at the same point share one label instead of printing over each other.
             labels_at.setdefault((round(x, 3), round(y / MiB, 1)), []).append(
-                c.run.split + ("" if alone else " (overlapped: not comparable)"))
+                c.run.split + ("" if alone else " (overlapped: not comparable)" if c.overlaps else
+                               " (under outside load: speed not comparable)"))
             if c.status not in statuses:
                 statuses.append(c.status)
             shown = True
@@ -162,7 +163,8 @@ def memory_figure(comparison: Comparison):
                        markeredgecolor="black", markersize=9, label=st) for st in statuses]
     if overlapped:
         handles.append(Line2D([], [], linestyle="none", marker="o", markerfacecolor="none", markeredgecolor="grey",
-                              markersize=9, label="hollow: trained alongside another run (speed, memory not comparable)"))
+                              markersize=9, label="hollow: trained alongside another run or under outside load "
+                              "(speed not comparable)"))
     if not labels_at:
         ax.text(0.5, 0.5, "no run has both peak memory and throughput", ha="center", va="center",
                 transform=ax.transAxes)

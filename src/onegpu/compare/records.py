@@ -7,6 +7,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from onegpu import outside_load
 from onegpu.equivalence.key import (KEY_TAG, RESOLVED_ACCUMULATION, RESOLVED_EFFECTIVE_BATCH,
                                     RESOLVED_MICRO_BATCH)
 from onegpu.errors import UserError
@@ -68,6 +69,19 @@ class RunRecord:
         if a is not None and b is not None:
             return a, b
         return tuple(self.window) if self.window else None
+
+    @property
+    def outside_load(self) -> dict | None:
+        """What other processes took of the machine while it trained (the ``onegpu.outside_load`` tag,
+        :mod:`onegpu.outside_load`); None for runs from before the tag."""
+        return outside_load.parse(self.tags.get(outside_load.TAG))
+
+    @property
+    def under_load(self) -> str:
+        """The outside load in words when the run trained under it (:func:`onegpu.outside_load.describe`),
+        else ''."""
+        info = self.outside_load
+        return outside_load.describe(info) if outside_load.under_load(info) else ""
 
     @property
     def partial_steps(self) -> list[dict]:

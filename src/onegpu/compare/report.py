@@ -43,7 +43,9 @@ earliest). Memory and speed columns are the price of each split: peak memory dur
 allocator peak, or process RSS peak on CPU), samples per second and seconds per optimizer step, and
 both relative to the reference. They compare only runs that trained alone: a value marked
 {mark} comes from a run whose training overlapped in time with another run's on the same machine
-(e.g. `dvc queue start -j 2`), so the runs shared the cores and its speed and memory are not comparable.
+(e.g. `dvc queue start -j 2`), so the runs shared the cores and its speed and memory are not comparable,
+or, on its speed only, from a run that trained under outside load: other processes took at least a
+tenth of the CPUs (or used the GPU) over its training window (tag `onegpu.outside_load`).
 """
 
 OVERLAP_MARK = "*"
@@ -61,6 +63,13 @@ def tolerance_table() -> str:
 
 def _cost(text: str, comparable: bool) -> str:
     return text if comparable or text == "-" else text + OVERLAP_MARK
+
+
+def _not_comparable(rows) -> list[str]:
+    """Why each run's marked costs are not comparable: ``<run> trained at the same time as ...`` and
+    ``<run> trained under outside load (<the figures>)``."""
+    out = [f"{c.run.label} trained at the same time as {', '.join(c.overlaps)}" for c in rows if c.overlaps]
+    return out + [f"{c.run.label} trained under outside load ({c.run.under_load})" for c in rows if c.run.under_load]
 
 
 def _eval_columns(g: GroupComparison) -> list[str]:
@@ -86,16 +95,16 @@ def _group_table(g: GroupComparison) -> list[str]:
             cells += [sci(c.loss.max_abs), sci(c.loss.max_rel), sci(c.grad_norm.max_abs),
                       sci(c.grad_norm.max_rel), *[signed(c.eval_deltas.get(m)) for m in evals]]
         ok = c.cost_comparable and g.rows[0].cost_comparable  # a ratio needs both runs alone
+        fast = c.speed_comparable and g.rows[0].speed_comparable
         cells += [_cost(mib(r.peak_memory_bytes, unit=False), c.cost_comparable), _cost(ratio(c.memory_ratio), ok),
-                  _cost(num(r.samples_per_second), c.cost_comparable), _cost(ratio(c.throughput_ratio), ok),
-                  _cost(num(r.mean_step_time_s, ".3f"), c.cost_comparable)]
+                  _cost(num(r.samples_per_second), c.speed_comparable), _cost(ratio(c.throughput_ratio), fast),
+                  _cost(num(r.mean_step_time_s, ".3f"), c.speed_comparable)]
         rows.append(cells)
     lines = markdown_table(head, rows).splitlines()
-    flagged = [c for c in g.rows if not c.cost_comparable]
+    flagged = _not_comparable(g.rows)
     if flagged:
-        lines += ["", f"{OVERLAP_MARK} not comparable: "
-                  + "; ".join(f"{c.run.label} trained at the same time as {', '.join(c.overlaps)}" for c in flagged)
-                  + ". Time splits one run at a time (`dvc queue start -j 1`)."]
+        lines += ["", f"{OVERLAP_MARK} not comparable: " + "; ".join(flagged)
+                  + ". Time splits one run at a time (`dvc queue start -j 1`) on a quiet machine."]
     return lines
 
 
@@ -170,15 +179,15 @@ def terminal_table(comparison: Comparison, summaries: bool = True, width: int = 
             rows.append((r.label, f"{r.micro_batch} x {r.accumulation}", "yes" if r.checkpointing else "no",
                          c.verdict, "-" if c.is_reference else sci(c.loss.max_abs),
                          _cost(mib(r.peak_memory_bytes, unit=False), c.cost_comparable),
-                         _cost(num(r.samples_per_second), c.cost_comparable)))
+                         _cost(num(r.samples_per_second), c.speed_comparable)))
         out.append(f"group {i} key {g.key} ({len(g.rows)} run{'s' if len(g.rows) != 1 else ''}, "
                    f"{g.count(EQUIVALENT)} equivalent, {g.count(DIVERGED)} diverged)")
         out += text_table(head, rows, right=(4, 5, 6))
-        flagged = [c for c in g.rows if not c.cost_comparable]
+        flagged = _not_comparable(g.rows)
         if flagged:
-            out += textwrap.wrap(f"{OVERLAP_MARK} not comparable (trained at the same time as other runs): "
-                                 + ", ".join(c.run.label for c in flagged) + "; time one run at a time "
-                                 "(dvc queue start -j 1)", width, initial_indent="  ", subsequent_indent="  ")
+            out += textwrap.wrap(f"{OVERLAP_MARK} not comparable: " + "; ".join(flagged) + "; time one run at a "
+                                 "time (dvc queue start -j 1) on a quiet machine", width, initial_indent="  ",
+                                 subsequent_indent="  ")
         if summaries:
             out += textwrap.wrap(g.summary, width, initial_indent="  ", subsequent_indent="  ")
         out.append("")

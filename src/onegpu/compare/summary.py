@@ -49,15 +49,28 @@ def summarize(g: "GroupComparison") -> str:
     if overlapped:
         parts.append(f"Speed and memory not comparable for {', '.join(c.run.label for c in overlapped)}: "
                      "trained at the same time as other runs on one machine.")
-    candidates = [c for c in [g.rows[0]] + eq if c.cost_comparable]
+    loaded = [c for c in g.rows if c.cost_comparable and c.run.under_load]
+    if loaded:
+        parts.append("Speed not comparable for " + "; ".join(f"{c.run.label} (under outside load: {c.run.under_load})"
+                                                             for c in loaded) + ".")
+    parts.append(_cheapest([c for c in [g.rows[0]] + eq if c.cost_comparable]))
+    return " ".join(p for p in parts if p)
+
+
+def _cheapest(candidates: list) -> str:
+    """The least-memory and the fastest of ``candidates`` (the reference and its equivalent runs that
+    trained alone), in one sentence; the fastest only among runs timed without outside load. '' for
+    fewer than two candidates."""
     mem = [c for c in candidates if c.run.peak_memory_bytes is not None]
-    fast = [c for c in candidates if c.run.samples_per_second is not None]
-    if len(candidates) > 1 and mem and fast:
-        lo = min(mem, key=lambda c: c.run.peak_memory_bytes)
-        hi = max(fast, key=lambda c: c.run.samples_per_second)
-        parts.append(f"Among the equivalent runs, the least memory: {lo.run.split} "
-                     f"({mib(lo.run.peak_memory_bytes, missing='?')}, {lo.run.samples_per_second:.1f} samples/s); "
-                     f"the fastest: {hi.run.split} ({hi.run.samples_per_second:.1f} samples/s, "
-                     f"{mib(hi.run.peak_memory_bytes, missing='?')}).")
-    return " ".join(parts)
+    fast = [c for c in candidates if c.speed_comparable and c.run.samples_per_second is not None]
+    if len(candidates) < 2 or not mem or not fast:
+        return ""
+    lo = min(mem, key=lambda c: c.run.peak_memory_bytes)
+    speed = f"{lo.run.samples_per_second:.1f} samples/s" + ("" if lo.speed_comparable else " under outside load")
+    text = f"Among the equivalent runs, the least memory: {lo.run.split} ({mib(lo.run.peak_memory_bytes, missing='?')}, {speed})"
+    if len(fast) < 2:
+        return text + "; no fastest: the others' speeds were measured under outside load."
+    hi = max(fast, key=lambda c: c.run.samples_per_second)
+    return text + (f"; the fastest: {hi.run.split} ({hi.run.samples_per_second:.1f} samples/s, "
+                   f"{mib(hi.run.peak_memory_bytes, missing='?')}).")
 

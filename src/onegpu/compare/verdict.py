@@ -79,6 +79,13 @@ class RunComparison:
         return not self.overlaps
 
     @property
+    def speed_comparable(self) -> bool:
+        """False when the training overlapped another run's, or ran under outside load (other processes
+        took a tenth of the CPUs or used the GPU: :attr:`RunRecord.under_load`). Its memory, the
+        process's own, stays comparable under outside load."""
+        return self.cost_comparable and not self.run.under_load
+
+    @property
     def is_reference(self) -> bool:
         return self.status == REFERENCE
 

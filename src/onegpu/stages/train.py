@@ -10,13 +10,14 @@ from __future__ import annotations
 import shutil
 import sys
 
-from onegpu import paths, tracking
+from onegpu import outside_load, paths, tracking
 from onegpu.config import Config
 from onegpu.training import distributed, recorder, session
 
 # metrics/train.json (`dvc exp show`, `dvc metrics diff`): these headline figures only, so a sweep's
 # table fits a terminal next to the params that vary. Everything else (runtime, memory breakdown, FLOP/s,
-# MFU, the split `auto` chose as resolved.* params, per-step series) is in the MLflow run.
+# MFU, the split `auto` chose as resolved.* params, per-step series) is in the MLflow run. A run trained
+# under outside load also gets train_outside_cpu_load (CPUs other processes kept busy; onegpu.outside_load).
 HEADLINE = ("train_loss", "train_samples_per_second", "train_mem_peak_bytes")
 # plots/train_steps.csv: one row per optimizer step (the DVC plot of the loss curve).
 STEP_COLUMNS = ["step", "loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second",
@@ -56,8 +57,10 @@ def _write_outputs(result: session.TrainResult) -> None:
         result.tokenizer.save_pretrained(tmp)
     paths.write_csv_atomic(paths.STEP_PLOT, STEP_COLUMNS,
                            ([r.get(c, "") for c in STEP_COLUMNS] for r in result.steps.rows))
-    summary = result.summary
-    paths.write_json_atomic(paths.TRAIN_METRICS, {k: summary[k] for k in HEADLINE if k in summary})
+    headline = {k: result.summary[k] for k in HEADLINE if k in result.summary}
+    if outside_load.under_load(result.outside_load):  # a caution beside the speed, only when there is one
+        headline[outside_load.METRIC] = result.outside_load["cpu_busy"]
+    paths.write_json_atomic(paths.TRAIN_METRICS, headline)
     paths.write_json_atomic(paths.RUN_FILE, tracking.run_record(result.run_id, result.experiment_id, result.plan.key,
                                                                 paths.tracking_uri(), tracking.run_name()))
 

@@ -18,11 +18,11 @@ from onegpu.tracking.query import (STEP_SERIES, log_comparison, metric_histories
 from onegpu.tracking.runs import (KILLED_REASON, TRUNCATED_PARAMS, WRITER_HOST, WRITER_PID, WRITER_STARTED,
                                   RunHandle, git_commit, run_context_tags, run_name, writer_gone, writer_tags)
 from onegpu.tracking.spool import Spool, SpoolingWriter, is_outage
-from onegpu.tracking.store import Tracker, connect, deleted_experiment_message, open_existing, sync
+from onegpu.tracking.store import EXPERIMENT_KIND, Tracker, connect, deleted_experiment_message, open_existing, sync
 from onegpu.tracking.uri import check_reachable, redact
 from onegpu.tracking.writer import MetricBuffer
 
-__all__ = ["REPRODUCED_BY", "REPRODUCES_RUN_ID", "open_evaluation_run", "run_record", "STEP_SERIES", "KILLED_REASON", "TRUNCATED_PARAMS", "WRITER_HOST", "WRITER_PID", "WRITER_STARTED",
+__all__ = ["EXPERIMENT_KIND", "REPRODUCED_BY", "REPRODUCES_RUN_ID", "open_evaluation_run", "run_record", "STEP_SERIES", "KILLED_REASON", "TRUNCATED_PARAMS", "WRITER_HOST", "WRITER_PID", "WRITER_STARTED",
            "MetricBuffer", "RunHandle", "Spool", "SpoolingWriter", "Tracker", "check_reachable", "connect",
            "deleted_experiment_message", "git_commit", "is_outage", "log_comparison", "metric_histories",
            "open_existing", "redact", "run_context_tags", "run_name", "step_window", "sync",

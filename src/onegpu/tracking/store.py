@@ -157,8 +157,13 @@ def _experiment_id(client, uri: str, name: str, alternative: str) -> str | None:
     return None if exp is None else exp.experiment_id
 
 
+# MLflow 3's UI opens an experiment of no kind on its GenAI pages; this tag (its "Machine learning" kind,
+# the value its UI names CUSTOM_MODEL_DEVELOPMENT) opens it on the training runs.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
 def _create_experiment(client, uri: str, name: str, location: str | None) -> str:
-    """Create experiment ``name`` and return its id; when another process created it since the look-up
+    """Create experiment ``name``, of MLflow's machine-learning kind (:data:`EXPERIMENT_KIND`), and return its id; when another process created it since the look-up
     (the file lock covers one project root only: clones sharing a tracking server race here), its id.
 
     Raises:
@@ -167,7 +172,7 @@ def _create_experiment(client, uri: str, name: str, location: str | None) -> str
     """
     from mlflow.exceptions import MlflowException
     try:
-        return client.create_experiment(name, artifact_location=location)
+        return client.create_experiment(name, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise

@@ -12,6 +12,16 @@ from onegpu.tradeoffs.measurement import Row
 MIN_GAIN = 0.05
 
 
+def load_reason(row: Row, baseline: Row | None = None) -> str:
+    """Why ``row``'s speed-up is no measurement of its knob: its run, or the baseline's, trained under
+    outside load (:attr:`onegpu.compare.RunRecord.under_load`, with the figures); '' when neither did."""
+    if row.run is not None and row.run.under_load:
+        return f"speed measured under outside load: {row.run.under_load}"
+    if baseline is not None and baseline is not row and baseline.run is not None and baseline.run.under_load:
+        return f"the baseline's speed measured under outside load: {baseline.run.under_load}"
+    return ""
+
+
 @dataclass
 class Recommendation:
     """The fastest same-training configuration that fits the budget.
@@ -38,6 +48,7 @@ def recommend(rows: list[Row], budget_bytes: float | None, min_gain: float | Non
     measured once more: knobs do not multiply exactly. ``min_gain`` None: :data:`MIN_GAIN`."""
     min_gain = MIN_GAIN if min_gain is None else min_gain
     parts, left_out = [], []
+    base = next((r for r in rows if r.variant.knob == "baseline"), None)
     for r in rows:
         if r.variant.knob in ("baseline", "recommended") or r.variant.expect == DIFFERENT:
             continue  # a different training is never a candidate
@@ -47,6 +58,8 @@ def recommend(rows: list[Row], budget_bytes: float | None, min_gain: float | Non
             left_out.append((r.variant.name, r.verdict))
         elif budget_bytes is not None and (r.memory_bytes is None or r.memory_bytes > budget_bytes):
             left_out.append((r.variant.name, "over the memory budget"))
+        elif load_reason(r, base):
+            left_out.append((r.variant.name, load_reason(r, base)))
         elif r.speedup is None or r.speedup < 1 + min_gain:
             left_out.append((r.variant.name, "not faster" if r.speedup is None or r.speedup < 1
                              else f"{(r.speedup - 1) * 100:.0f}% faster: within run-to-run noise"))

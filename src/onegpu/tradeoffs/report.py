@@ -8,7 +8,7 @@ from pathlib import Path
 from onegpu.compare.plots import pyplot
 from onegpu.formatting import gib, markdown_table, mib, num, ratio, text_table
 from onegpu.tradeoffs.measurement import DIFFERENT_TRAINING, SAME_TRAINING, Row
-from onegpu.tradeoffs.recommend import MIN_GAIN, Recommendation
+from onegpu.tradeoffs.recommend import MIN_GAIN, Recommendation, load_reason
 
 REPORT_FILE = "tradeoffs.md"
 PLOT_FILE = "tradeoffs.png"
@@ -121,6 +121,8 @@ def markdown(rows: list[Row], rec: Recommendation, measured: Row | None, title: 
     shared = set.intersection(*(set(r.notes) for r in measured_rows)) if measured_rows else set()
     notes = [f"- every row: {n}" for n in sorted(shared)] if len(measured_rows) > 1 else []
     notes += [f"- {r.variant.name}: {n}" for r in rows for n in r.notes if n not in shared or len(measured_rows) < 2]
+    notes += [f"- {r.variant.name}: {load_reason(r)}; its samples/s is not the knob's cost (not taken as a "
+              "speed gain)" for r in rows if load_reason(r)]
     if skipped:
         notes += [f"- not measured: {s}" for s in skipped]
     if notes:

@@ -21,15 +21,37 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from onegpu import measure, models, paths
-from onegpu.config import Config, DeviceFacts, Resolved, check_device, flatten, resolve, with_layout
+from onegpu import measure, models, outside_load, paths
+from onegpu.config import (Config, DeviceFacts, Resolved, TrainConfig, check_device, flatten, resolve,
+                           with_layout)
 from onegpu.equivalence import equivalence_key, resolved_params, run_config_hash
 from onegpu.errors import ConfigError, DataError, ModelError
-from onegpu.formatting import gib
+from onegpu.formatting import gib, mib
 from onegpu.training.resume import ResumePoint, tidy_other_checkpoints
 
 _BUDGET_CPU = ("; on a CPU the budget covers the training state: params, grads, optimizer states and "
                "activations, not the whole process")
+
+
+CONFIG_TAG = "onegpu.config"  # the run's settings in a few characters (config_name), also on DVC-named runs
+
+
+def config_name(cfg: Config) -> str:
+    """The training settings as a run name: the split (``bs<micro>x<accumulation>``, ``bsauto-eff<N>``
+    for ``auto``, ``x<N>proc`` with several processes), the precision, then the knobs that are on or not
+    at their default: ``ckpt``, ``lora-r<r>``, ``padfree``, ``packing``, ``compile``, another backend or
+    optimizer. E.g. ``bs4x4-fp32-ckpt``, ``bs16x1-bf16-lora-r8-accelerate``. The train stage names a run
+    so when DVC gives no experiment name (``dvc repro``)."""
+    t = cfg.train
+    micro = t.per_device_train_batch_size
+    head = f"bsauto-eff{t.effective_batch_size}" if micro == "auto" else f"bs{micro}x{t.gradient_accumulation_steps}"
+    parts = [head + (f"x{t.num_processes}proc" if t.num_processes > 1 else ""),
+             "bf16" if t.bf16 else "fp16" if t.fp16 else "tf32" if t.tf32 else "fp32"]
+    lora = cfg.model.lora_adapters
+    knobs = {"ckpt": t.gradient_checkpointing, f"lora-r{lora.r if lora else 0}": lora is not None,
+             "padfree": cfg.data.padding_free, "packing": cfg.data.packing, "compile": t.torch_compile,
+             t.backend: t.backend != TrainConfig.backend, t.optim: t.optim != TrainConfig.optim}
+    return "-".join(parts + [name for name, on in knobs.items() if on])
 
 
 @dataclass(frozen=True)
@@ -61,7 +83,8 @@ class TrainResult:
     """A finished training: the model and tokenizer to save, the step recorder (``steps.rows``), the
     summary metrics logged to the run, the plan with its final layout, the MLflow run and experiment ids,
     ``saved_config`` (model config values to put back before saving, e.g. ``use_cache``) and
-    ``train_s`` (wall seconds inside the backend's ``train``)."""
+    ``train_s`` (wall seconds inside the backend's ``train``) and ``outside_load`` (what other processes
+    took of the machine meanwhile, :mod:`onegpu.outside_load`; None when unmeasured)."""
     model: object
     tokenizer: object
     steps: object
@@ -71,6 +94,7 @@ class TrainResult:
     experiment_id: str
     saved_config: dict
     train_s: float
+    outside_load: dict | None = None
 
 
 def _require_prepared() -> None:
@@ -224,13 +248,16 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
     run_id = _start_run(plan, tracker)
     buffer = tracker.metric_buffer(run_id)
     progress = {"step": 0}
+    rows: list[tuple[int, dict]] = []  # every step the sink got, for the run's figure
+    load = outside_load.Watch(plan.device, _own_tree_root())
 
     def sink(metrics: dict, step: int) -> None:
         progress["step"] = step
+        rows.append((step, metrics))
         buffer.add(metrics, step)
 
     with tracker.guard(run_id, finish="SCHEDULED", context=lambda: {"error.step": str(progress["step"] + 1)}), \
-            _flushed(buffer):
+            _flushed(buffer), _closing_record(tracker, run_id, rows, load, config_name(plan.cfg)):
         tracker.log_params(run_id, flatten(plan.cfg.to_dict()))
         model, tokenizer = built or build_model(plan.cfg, plan.stats)
         tracker.set_tags(run_id, models.describe(model))
@@ -243,12 +270,14 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
         from onegpu.training import host_allocator
         tracker.set_tags(run_id, {"cpu_allocator": host_allocator.apply(plan.cfg.train.cpu_allocator, plan.device)})
         with tracker.system_metrics(run_id):
+            load.start()
             t0 = time.perf_counter()
             model, steps = train(plan, model, tokenizer, dsd, sink, run_id)
             train_s = time.perf_counter() - t0
+            load.stop()
         summary = _log_results(plan, tracker, run_id, buffer, model, steps)
         result = TrainResult(model, tokenizer, steps, summary, plan, run_id, tracker.experiment_id,
-                             saved_config, train_s)
+                             saved_config, train_s, load.result)
         if save is not None:
             save(result)
     from onegpu.training import distributed
@@ -274,7 +303,8 @@ def _start_run(plan: TrainPlan, tracker) -> str:
     if resume:
         tags["onegpu.resumed_from"] = resume.run_id or ""
         tags["onegpu.resumed_at_step"] = str(resume.step)
-    run_id = tracker.start_run(tracking.run_name(), tags)
+    tags[CONFIG_TAG] = config_name(plan.cfg)
+    run_id = tracker.start_run(tracking.run_name() or tags[CONFIG_TAG], tags)
     distributed.announce_run(run_id, plan.cfg.tracking.experiment_name)
     if resume:
         print(f"train: resuming from {resume.path} (optimizer step {resume.step} of MLflow run "
@@ -347,7 +377,8 @@ def _log_results(plan: TrainPlan, tracker, run_id: str, buffer, model, steps) ->
         print(f"train: {speed_tags['train_mfu.unknown_reason']}")
     summary.update(speed)
     tracker.log_params(run_id, speed_params)
-    tracker.set_tags(run_id, {**speed_tags, **_step_tags(steps, plan.resolved.effective_batch_size)})
+    tracker.set_tags(run_id, {**speed_tags, **_step_tags(steps, plan.resolved.effective_batch_size),
+                              **table_tags(summary)})
     tracker.log_metrics(run_id, {k: v for k, v in summary.items()
                                  if k not in ("train_steps", "train_samples", "train_tokens")},
                         step=0)  # step 0, like eval_*: MLflow draws a bar, not a lone dot
@@ -387,3 +418,77 @@ def _step_tags(steps, effective_batch: int) -> dict:
     return out
 
 
+
+
+# Tags with the run's costs in people's units, for MLflow's runs table (it prints metrics as raw numbers:
+# 1572425728 bytes, nine-digit floats): peak_memory, speed and outside_load.
+TABLE_TAGS = ("peak_memory", "speed", "outside_load")
+
+
+def table_tags(summary: dict, load: dict | None = None) -> dict[str, str]:
+    """``peak_memory`` (``train_mem_peak_bytes`` in MiB/GiB), ``speed`` (``train_samples_per_second``,
+    e.g. ``2.53 samples/s``) from the summary, and ``outside_load`` (other processes' share of the CPUs,
+    e.g. ``71% of 2 CPUs``) from ``load``; each only when measured."""
+    out = {}
+    if summary.get("train_mem_peak_bytes") is not None:
+        out["peak_memory"] = gib(summary["train_mem_peak_bytes"]) if summary["train_mem_peak_bytes"] >= 2**30 \
+            else mib(summary["train_mem_peak_bytes"])
+    if summary.get("train_samples_per_second") is not None:
+        out["speed"] = f"{summary['train_samples_per_second']:.2f} samples/s"
+    if load is not None and load.get("share") is not None:
+        out["outside_load"] = f"{load['share']:.0%} of {load['cpus']} CPUs" + (
+            f" + {load['gpu_processes']} GPU process(es)" if load.get("gpu_processes") else "")
+    return out
+
+
+def _own_tree_root() -> int:
+    """The pid whose process tree is this training's own: the launcher under a multi-process launch (its
+    ranks are its children), else this process."""
+    import os
+
+    from onegpu.training import distributed
+    return os.getppid() if distributed.launched() else os.getpid()
+
+
+@contextlib.contextmanager
+def _closing_record(tracker, run_id: str, rows: list, load: "outside_load.Watch", title: str):
+    """On the way out, finished or not (rank 0 only): the outside load over the training window as the
+    tag ``onegpu.outside_load`` and the metric ``train_outside_cpu_load`` (a line printed when the run
+    was under load), and the run's figure (:mod:`onegpu.training.figure`) of the steps measured.
+    Nothing here may hide the training's own error."""
+    from onegpu.training import distributed
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        if distributed.is_main():
+            try:
+                _log_closing(tracker, run_id, rows, load.stop(), failed, title)
+            except Exception as e:  # a figure that cannot be drawn costs the figure only
+                print(f"train: the run's figure or outside load was not logged ({type(e).__name__}: {e})")
+
+
+def _log_closing(tracker, run_id: str, rows: list, load: dict | None, failed: bool, title: str) -> None:
+    import json
+
+    from onegpu.training import figure
+    note = []
+    if load is not None:
+        tracker.set_tags(run_id, {outside_load.TAG: json.dumps(load), **table_tags({}, load)})
+        tracker.log_metrics(run_id, {outside_load.METRIC: load["cpu_busy"]}, step=0)
+        if outside_load.under_load(load):
+            text = outside_load.describe(load)
+            print(f"train: measured under outside load: {text} while it trained; its speed is not the "
+                  "cost of its settings alone (train again on a quiet machine to time it)")
+            note.append(f"under outside load: {text}")
+    steps = len({s for s, _ in rows})
+    if failed:
+        note.insert(0, f"stopped or failed after {steps} logged optimizer step{'s' if steps != 1 else ''}")
+    fig = figure.plot_steps(rows, f"{title} (MLflow run {run_id[:8]}): {steps} optimizer steps", "; ".join(note))
+    try:
+        tracker.log_figure(run_id, fig, figure.FIGURE)
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(fig)
+    tracker.set_tags(run_id, {figure.NOTE_TAG: figure.description(run_id, "; ".join(note))})

@@ -75,3 +75,72 @@ def test_the_auto_finder_probes_under_the_trainings_precision(tmp_path, monkeypa
     plan = session.plan(_cfg(**AUTO, bf16=True), STATS)
     micro = session._find_micro_batch(torch.nn.Linear(2, 2), tokenizer, dsd, plan, Tracker(), "run")
     assert micro == 4 and seen["mixed_precision"] == "bf16"
+
+
+def _tiny_run(root, tokenizer, dsd, fail_at: int | None = None, **train):
+    """session.run of a 2-layer BERT on the 32-row dsd into ``root``'s store; ``fail_at``: the sink raises
+    at that optimizer step (a failing training). Returns (run id, MlflowClient)."""
+    from onegpu import tracking
+    from tests.unit.tiny import tiny_bert
+    cfg = _cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=3, **train)
+    plan = session.plan(cfg, {"fingerprint": "f" * 16, "labels": dsd["train"].features["label"].names})
+    tracker = tracking.connect("test", root=root)
+    if fail_at is not None:
+        real = tracker.metric_buffer
+
+        def failing_buffer(run_id, *a, **kw):
+            buffer = real(run_id, *a, **kw)
+            add = buffer.add
+
+            def add_then_fail(metrics, step):
+                add(metrics, step)
+                if step == fail_at:
+                    raise RuntimeError("boom")
+            buffer.add = add_then_fail
+            return buffer
+        tracker.metric_buffer = failing_buffer
+        with pytest.raises(RuntimeError, match="boom"):
+            session.run(plan, tracker, dsd, built=(tiny_bert(), tokenizer))
+        return tracker.client.search_runs([tracker.experiment_id])[0].info.run_id, tracker.client
+    return session.run(plan, tracker, dsd, built=(tiny_bert(), tokenizer)).run_id, tracker.client
+
+
+def test_a_training_run_logs_its_outside_load_its_figure_and_a_name_from_its_params(fresh_root, tokenizer, dsd):
+    """Issue 20 items 3 and 8: the run carries what other processes took of the machine while it trained
+    (tag onegpu.outside_load, metric train_outside_cpu_load), a PNG of loss/grad_norm/memory/speed per step,
+    and, outside a DVC experiment, a name from its settings instead of MLflow's random one."""
+    from onegpu import outside_load
+    from onegpu.training import figure
+    run_id, client = _tiny_run(fresh_root, tokenizer, dsd, gradient_checkpointing=True)
+    run = client.get_run(run_id)
+    info = outside_load.parse(run.data.tags[outside_load.TAG])
+    assert info["cpus"] >= 1 and info["cpu_busy"] >= 0 and info["window_s"] > 0
+    assert run.data.metrics[outside_load.METRIC] == info["cpu_busy"]
+    assert run.info.run_name == "bs4x2-fp32-ckpt" == run.data.tags[session.CONFIG_TAG]
+    png = [a.path for a in client.list_artifacts(run_id)]
+    assert figure.FIGURE in png
+    # the run page's description shows the figure; the runs table gets memory and speed in people's units
+    assert run.data.tags["mlflow.note.content"].startswith(f"![loss, grad_norm, memory and speed per optimizer "
+                                                          f"step](get-artifact?path={figure.FIGURE}&run_uuid={run_id})")
+    assert run.data.tags["peak_memory"].endswith(("MiB", "GiB"))
+    assert run.data.tags["speed"] == f"{run.data.metrics['train_samples_per_second']:.2f} samples/s"
+    assert run.data.tags["outside_load"] == f"{info['share']:.0%} of {info['cpus']} CPUs"
+    # a new experiment is MLflow's machine-learning kind, so its UI opens on the training runs
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_a_failed_training_still_logs_the_figure_of_the_steps_it_measured(fresh_root, tokenizer, dsd):
+    from onegpu import outside_load
+    from onegpu.training import figure
+    run_id, client = _tiny_run(fresh_root, tokenizer, dsd, fail_at=2)
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert figure.FIGURE in [a.path for a in client.list_artifacts(run_id)]
+    assert outside_load.TAG in run.data.tags
+
+
+def test_config_name_names_the_split_the_precision_and_the_knobs_that_are_on():
+    assert session.config_name(_cfg(per_device_train_batch_size=4, gradient_accumulation_steps=4)) == "bs4x4-fp32"
+    assert session.config_name(_cfg(**AUTO, bf16=True, backend="accelerate")) == "bsauto-eff8-bf16-accelerate"
+    lora = from_container({"model": {"lora": {"r": 8}}, "train": {"optim": "adafactor"}}, source="test")
+    assert session.config_name(lora) == "bs8x1-fp32-lora-r8-adafactor"
