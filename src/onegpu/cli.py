@@ -106,7 +106,22 @@ def _tradeoffs(sub) -> None:
     tr.add_argument("--batch", metavar="ID", help="with --report: the batch (default: the latest)")
     tr.add_argument("--no-combine", action="store_true",
                     help="do not run the combination of the faster knobs (report the parts only)")
+    tr.add_argument("--steps", type=_positive, default=None, metavar="N",
+                    help="the probe window: optimizer steps per row, the baseline too, whatever the job's length "
+                         "(default: 10); rows stop after train (no evaluate)")
+    tr.add_argument("--full", action="store_true",
+                    help="train the whole job in every row and evaluate it (time to the baseline's eval loss)")
+    tr.add_argument("--repeats", type=_positive, default=None, metavar="R",
+                    help="runs of each row, in interleaved rounds; a knob is recommended only when its gain "
+                         "is clear of the spread of its repeats and the baseline's (default: 3)")
     _out(tr)
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a positive integer."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
 
 
 def _summary(sub) -> None:
@@ -145,9 +160,13 @@ def main(argv: list[str] | None = None) -> int:
             print(summary.text(cfg))
         elif args.command == "tradeoffs":
             from onegpu.stages import tradeoffs
+            from onegpu.tradeoffs.batch import PROBE_STEPS, REPEATS
+            if args.full and args.steps:
+                raise UserError("--steps and --full exclude each other: a probe window of N steps, or the whole job")
             tradeoffs.run(cfg, args.params, parse_knobs(args.knobs), queue_only=args.queue_only, report_only=args.report,
                           batch=args.batch, combine=not args.no_combine, out_dir=args.out,
-                          overrides=args.overrides)
+                          overrides=args.overrides, steps=None if args.full else (args.steps or PROBE_STEPS),
+                          repeats=args.repeats or REPEATS)
         elif args.command == "compare":
             from onegpu.stages import compare
             compare.run(args.experiment or cfg.tracking.experiment_name, key=args.key, run_ids=args.runs,
