@@ -93,10 +93,11 @@ PROBE_STEPS = 10
 REPEATS = 3
 
 
-def probe_overrides(steps: int | None) -> list[str]:
-    """The ``-S`` of the probe window (every row, the baseline too, trains ``steps`` optimizer steps; the
-    learning-rate schedule then spans those steps); none for ``--full`` (``steps`` None)."""
-    return [] if steps is None else [f"train.max_steps={steps}"]
+def window_args(steps: int | None) -> list[str]:
+    """The ``-S`` of the probe window, put before each row's own (every row, the baseline too, trains
+    ``steps`` optimizer steps; the learning-rate schedule then spans those steps); none for ``--full``
+    (``steps`` None). Not a row's override: a recommendation never carries it."""
+    return [] if steps is None else ["-S", f"train.max_steps={steps}"]
 
 
 def order(variants: list[Variant], repeats: int) -> list[Variant]:
@@ -125,8 +126,10 @@ def start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str]
         UserError: experiments are running from the DVC queue (they would share the machine), a row
             does not validate, or dvc could not queue one.
     """
-    common = probe_overrides(steps) + list(overrides)  # the user's -S win over the window
-    variants, skipped = plan(cfg, params, knobs, common, facts)
+    own = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].strip() == "train.max_steps"]
+    if steps is not None and own and own[-1].strip().lstrip("-").isdigit() and int(own[-1]) > 0:
+        steps = int(own[-1])  # the user's own -S train.max_steps is the window
+    variants, skipped = plan(cfg, params, knobs, list(overrides), facts)
     if not queue_only:
         _check_queue()
     batch = time.strftime("%m%d-%H%M%S")
@@ -141,21 +144,29 @@ def start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str]
     for s in skipped:
         print(f"  not measured: {s}")
     if queue_only:
-        queue.queue(prefix(batch), variants)
+        queue.queue(prefix(batch), variants, [] if steps is None else ["train"], window_args(steps))
         print(f"\nnext: dvc queue start -j 1   (one at a time: timings need the machine alone)\n"
               f"then, when `dvc queue status` shows them done: onegpu tradeoffs --report --batch {batch}")
         return batch, False
-    return batch, run(batch, rows, steps, cfg)
+    return batch, run(batch, rows, steps, params)
 
 
-def run(batch: str, rows: list[Variant], steps: int | None, cfg: Config | None) -> bool:
+def _unchanged(params: str, v: Variant, steps: int | None) -> bool:
+    """``v``'s overrides with the window (``steps``) leave ``params`` as it is (then dvc.lock may hold its
+    train stage already)."""
+    window = [] if steps is None else [f"train.max_steps={steps}"]
+    return load(params, window + [f"{k}={val}" for k, val in v.overrides]) == load(params)
+
+
+def run(batch: str, rows: list[Variant], steps: int | None, params: str | None) -> bool:
     """Run ``rows`` of ``batch`` (:func:`queue.run_rows`) and keep each one's wall time and the ones
-    Ctrl-C stopped in its plan; return whether it was interrupted."""
-    # The baseline's params may be what dvc.lock holds already: --force makes it train again instead of
-    # finding nothing to do (--force re-runs prepare too, so only where needed).
-    same_as_lock = steps is None or cfg is None or cfg.train.max_steps == steps
-    force = {v.name for v in rows if v.knob == "baseline"} if same_as_lock else set()
-    ran, interrupted = queue.run_rows(prefix(batch), rows, [] if steps is None else ["train"], force)
+    Ctrl-C stopped in its plan; return whether it was interrupted. ``params``: the params file (None:
+    no row needs ``--force``)."""
+    # A baseline whose -S change nothing may be what dvc.lock holds already: --force makes it train again
+    # instead of finding nothing to do (--force re-runs prepare too, so only where it is needed).
+    force = {v.name for v in rows if v.knob == "baseline" and params and _unchanged(params, v, steps)}
+    ran, interrupted = queue.run_rows(prefix(batch), rows, [] if steps is None else ["train"], force,
+                                      window=window_args(steps))
     manifest = load_plan(batch)
     manifest.setdefault("wall_s", {}).update({r.name.removeprefix(prefix(batch)): r.seconds for r in ran})
     manifest["stopped"] = manifest.get("stopped", []) + [r.name.removeprefix(prefix(batch)) for r in ran

@@ -37,8 +37,10 @@ def in_queue() -> list[str]:
     return [r[1] if len(r) > 1 else r[0] for r in rows if any(w in ("Queued", "Running") for w in r)]
 
 
-def queue(prefix: str, variants: list[Variant]) -> None:
-    """``dvc exp run --queue`` each variant as experiment ``<prefix><variant name>``.
+def queue(prefix: str, variants: list[Variant], targets: list[str] = (), window: list[str] = ()) -> None:
+    """``dvc exp run --queue`` each variant as experiment ``<prefix><variant name>`` (``targets``: the
+    stages to reproduce, e.g. ``["train"]``; none: the whole pipeline; ``window``: ``-S`` arguments
+    before the variant's own, e.g. the probe window's ``train.max_steps``).
 
     Raises:
         UserError: dvc could not queue one (its last line of output named).
@@ -49,7 +51,7 @@ def queue(prefix: str, variants: list[Variant]) -> None:
         # finding nothing to do. Every other row changes a param of train, so train runs anyway and
         # prepare is reused when it is up to date.
         force = ["--force"] if v.knob == "baseline" else []
-        p = call("exp", "run", "--queue", *force, "--name", name, *v.set_args)
+        p = call("exp", "run", "--queue", *force, "--name", name, *window, *v.set_args, *targets)
         if p.returncode != 0:
             last = (p.stderr.strip() or p.stdout.strip()).splitlines()[-1:] or ["?"]
             raise UserError(f"dvc could not queue experiment {name}: {last[0]}")
@@ -103,10 +105,11 @@ def _raise_interrupt(signum, frame):
 
 
 def run_rows(prefix: str, rows: list[Variant], targets: list[str], force: set[str] = frozenset(),
-             ran: list[Ran] | None = None) -> tuple[list[Ran], bool]:
+             window: list[str] = ()) -> tuple[list[Ran], bool]:
     """Run each of ``rows`` in order, one at a time, as ``dvc exp run --temp --name <prefix><row name>``
     (``targets``: e.g. ``["train"]``: the stages up to train only; ``force``: row names run with
-    ``--force``), printing "row k of M" and the time left before each.
+    ``--force``; ``window``: ``-S`` arguments before each row's own), printing "row k of M" and the time
+    left before each.
 
     ``--temp`` runs in a temporary clone in the foreground: no queue worker, nothing left queued, and
     Ctrl-C (or SIGTERM) stops exactly the experiment this command started.
@@ -114,7 +117,7 @@ def run_rows(prefix: str, rows: list[Variant], targets: list[str], force: set[st
         ``(ran, interrupted)``: the rows that ran or were stopped (in order), and whether the command was
         interrupted (the rows after the stopped one did not start).
     """
-    ran = [] if ran is None else ran
+    ran: list[Ran] = []
     old = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         for k, v in enumerate(rows, 1):
@@ -122,7 +125,7 @@ def run_rows(prefix: str, rows: list[Variant], targets: list[str], force: set[st
             print(f"\nrow {k} of {len(rows)}: {name}  {v.set_text or '(your params)'}  "
                   f"({time_left([r for r in ran if r.returncode is not None], len(rows) - k + 1)})", flush=True)
             cmd = [dvc(), "exp", "run", "--temp", "--name", name, *(["--force"] if v.name in force else []),
-                   *v.set_args, *targets]
+                   *window, *v.set_args, *targets]
             t0 = time.monotonic()
             p = subprocess.Popen(cmd)
             try:

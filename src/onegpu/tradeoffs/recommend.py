@@ -50,7 +50,7 @@ def clear_gain(r: Row, min_gain: float, base_noise: float) -> bool:
     slowest repeat's ratio above the baseline's fastest repeat (``1 + base_noise``): the gain is clear
     of the spread of its own repeats and of the baseline's."""
     low = r.speedup_range[0] if r.speedup_range else r.speedup
-    return r.speedup >= 1 + min_gain and low > 1 + base_noise
+    return r.speedup >= 1 + min_gain and (r.repeats == 1 or low > 1 + base_noise)
 
 
 def confirmed(measured: Row | None, rows: list[Row], min_gain: float | None = None) -> bool:
@@ -88,12 +88,12 @@ def recommend(rows: list[Row], budget_bytes: float | None, min_gain: float | Non
             left_out.append((r.variant.name, r.verdict))
         elif budget_bytes is not None and (r.memory_bytes is None or r.memory_bytes > budget_bytes):
             left_out.append((r.variant.name, "over the memory budget"))
-        elif r.speedup is None or r.speedup < 1:
+        elif r.speedup is None or (r.speedup < 1 and r.speedup < 1 + min_gain):
             left_out.append((r.variant.name, "not faster"))
         elif r.repeats > 1 and not clear_gain(r, min_gain, base_noise):
             left_out.append((r.variant.name, f"no clear difference ({spread(r)}; the baseline's own "
                                              f"spread +{base_noise:.0%})"))
-        elif not clear_gain(r, min_gain, 0.0):
+        elif not clear_gain(r, min_gain, base_noise):
             left_out.append((r.variant.name, f"{(r.speedup - 1) * 100:.0f}% faster: within run-to-run noise"))
         else:
             parts.append(r)

@@ -105,9 +105,11 @@ def recommendation_lines(rec: Recommendation, measured: Row | None, rows: list[R
             out.append(f"Not measured yet as a whole ({rec.variant.what}); each part alone: "
                        + ", ".join(f"{r.variant.name} {ratio(r.speedup)}" for r in rec.parts) + ".")
         else:
+            base = next((r.samples_per_second for r in rows if r.variant.knob == "baseline"), None)
+            if base is None and measured.speedup:
+                base = measured.samples_per_second / measured.speedup
             out.append(f"Measured: {spread(measured)} the baseline's samples/s "
-                       f"({num(measured.samples_per_second, '.2f')} vs "
-                       f"{num(measured.samples_per_second / measured.speedup if measured.speedup else None, '.2f')}),"
+                       f"({num(measured.samples_per_second, '.2f')} vs {num(base, '.2f')}),"
                        f" memory {ratio(measured.memory_ratio)}, verdict against the baseline: "
                        f"**{measured.verdict}**.")
     if rec.left_out:

@@ -60,7 +60,7 @@ def test_start_says_when_the_baseline_params_differ_from_git(monkeypatch, capsys
     from pathlib import Path
 
     from onegpu import paths
-    monkeypatch.setattr(batch.queue, "queue", lambda prefix, variants: None)
+    monkeypatch.setattr(batch.queue, "queue", lambda prefix, variants, targets, window: None)
     monkeypatch.setattr(paths, "params_differ_from_head", lambda params: differs)
     defaults.write_params(Path.cwd())
     cfg = config.from_container(defaults.params())
@@ -71,18 +71,30 @@ def test_start_says_when_the_baseline_params_differ_from_git(monkeypatch, capsys
             "as it is" in out) == differs, out
 
 
-def test_rows_run_in_interleaved_rounds_and_the_probe_window_reaches_every_row(tmp_path):
-    params = tmp_path / "params.yaml"
+def test_rows_run_in_interleaved_rounds_with_the_probe_window_before_their_own_params(tmp_path, monkeypatch, capsys):
+    """The window (-S train.max_steps=N, up to train) reaches every row, the baseline too, but is no
+    row's override: a recommendation never carries it. A user's own -S train.max_steps is the window."""
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
     defaults.write_params(tmp_path)
     cfg = config.from_container(defaults.params())
-    variants, _ = batch.plan(cfg, str(params), ("split", "checkpointing"),
-                             batch.probe_overrides(10) + ["train.max_steps=4"], config.DeviceFacts())
-    # the window first, the user's own -S after it (dvc applies them in order: theirs wins)
-    assert all(v.overrides[:2] == (("train.max_steps", "10"), ("train.max_steps", "4")) for v in variants)
-    assert batch.probe_overrides(None) == []
-    names = [v.name for v in batch.order(variants, 2)]
-    assert names == ["baseline", "split-16x1", "checkpointing", "baseline-r2", "split-16x1-r2",
-                     "checkpointing-r2"], names
+    calls = []
+    monkeypatch.setattr(batch.queue, "run_rows", lambda prefix, rows, targets, force, window: (
+        calls.append(([v.name for v in rows], targets, force, window)) or ([], False)))
+    monkeypatch.setattr(batch.queue, "states", lambda: {})
+    facts = config.DeviceFacts(cuda=False, gpus=0, bf16=True, packages=frozenset())
+    name, interrupted = batch.start(cfg, "params.yaml", ("split", "checkpointing"), [], False, facts, 10, 2)
+    assert not interrupted
+    (names, targets, force, window), = calls
+    assert names == ["baseline", "split-16x1", "checkpointing", "baseline-r2", "split-16x1-r2", "checkpointing-r2"]
+    assert targets == ["train"] and window == ["-S", "train.max_steps=10"] and force == set()
+    kept = batch.load_plan(name)
+    assert kept["steps"] == 10 and kept["repeats"] == 2
+    assert all(("train.max_steps", "10") not in v.overrides for v in batch.variants_of(kept))
+    batch.start(cfg, "params.yaml", ("split",), ["train.max_steps=4"], False, facts, 10, 1)
+    assert calls[-1][3] == ["-S", "train.max_steps=4"]
+    batch.start(cfg, "params.yaml", ("split",), [], False, facts, None, 1)  # --full: whole pipeline, --force
+    assert calls[-1][1:] == ([], {"baseline"}, [])
 
 
 def test_rows_stopped_by_ctrl_c_are_stopped_in_the_report_and_the_wall_times_are_kept(tmp_path, monkeypatch, capsys):
@@ -91,10 +103,10 @@ def test_rows_stopped_by_ctrl_c_are_stopped_in_the_report_and_the_wall_times_are
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
     variants, _ = knobs.plan(config.from_container(defaults.params()), config.DeviceFacts(), ("split", "attention"))
     batch.save("0101-000000", variants, [], {"steps": 10, "repeats": 1})
-    monkeypatch.setattr(batch.queue, "run_rows", lambda prefix, rows, targets, force: (
+    monkeypatch.setattr(batch.queue, "run_rows", lambda prefix, rows, targets, force, window: (
         [batch.queue.Ran(f"{prefix}baseline", 0, 30.0), batch.queue.Ran(f"{prefix}{rows[1].name}", None, 4.0)], True))
     cfg = config.from_container(defaults.params())
-    assert batch.run("0101-000000", variants, 10, cfg) is True
+    assert batch.run("0101-000000", variants, 10, None) is True
     manifest = batch.load_plan(None)
     assert manifest["stopped"] == [variants[1].name] and manifest["wall_s"]["baseline"] == 30.0
     base = RunRecord(run_id="b", name="tradeoffs-0101-000000-baseline", status="SCHEDULED",
