@@ -7,7 +7,7 @@ from pathlib import Path
 
 from onegpu.compare.plots import pyplot
 from onegpu.formatting import gib, markdown_table, mib, num, ratio, text_table
-from onegpu.tradeoffs.measurement import DIFFERENT_TRAINING, FAILED, SAME_TRAINING, Row
+from onegpu.tradeoffs.measurement import DIFFERENT_TRAINING, FAILED, NOT_RUN, SAME_TRAINING, Row
 from onegpu.tradeoffs.recommend import MIN_GAIN, Recommendation, confirmed, spread
 
 REPORT_FILE = "tradeoffs.md"
@@ -98,13 +98,15 @@ def recommendation_lines(rec: Recommendation, measured: Row | None, rows: list[R
         out.append(f"**Recommendation:** keep your params. Together ({rec.variant.what}) the faster knobs "
                    f"measured {spread(measured) if measured.speedup else '-'} the baseline's samples/s, verdict "
                    f"**{measured.verdict}**: no clear difference, so the combination is not recommended.")
+    elif rec.variant.knob == "recommended" and (measured is None or measured.run is None):
+        out.append(f"**No recommendation yet:** the knobs that were clearly faster alone ("
+                   + ", ".join(f"{r.variant.name} {ratio(r.speedup)}" for r in rec.parts) + ") have not been "
+                   f"measured together ({measured.verdict if measured is not None else NOT_RUN}), and knobs do "
+                   f"not multiply exactly; their combination, to measure: `dvc exp run {rec.variant.set_text}`.")
     else:
         out.append(f"**Recommendation** (the fastest configuration measured that keeps the same training"
                    f"{_budget(rec)}): `dvc exp run {rec.variant.set_text}`")
-        if measured is None or measured.run is None:
-            out.append(f"Not measured yet as a whole ({rec.variant.what}); each part alone: "
-                       + ", ".join(f"{r.variant.name} {ratio(r.speedup)}" for r in rec.parts) + ".")
-        else:
+        if measured is not None and measured.run is not None:
             base = next((r.samples_per_second for r in rows if r.variant.knob == "baseline"), None)
             if base is None and measured.speedup:
                 base = measured.samples_per_second / measured.speedup

@@ -77,6 +77,12 @@ def test_a_combination_its_repeats_do_not_confirm_is_not_recommended():
                             "knobs measured 1.04x, 0.98x-1.06x over 3 repeats the baseline's samples/s, verdict "
                             "**same training**: no clear difference"), lines
     assert "dvc exp run" not in lines
+    stopped = batch._combined(rec.variant, runs, 3, {"recommended": "Stopped"})  # Ctrl-C in its first repeat
+    lines = " ".join(tradeoffs_report.recommendation_lines(rec, stopped, rows))
+    assert lines.startswith("**No recommendation yet:** the knobs that were clearly faster alone (split-16x1 "
+                            "1.44x, attn-eager 1.25x) have not been measured together (stopped)"), lines
+    assert " ".join(tradeoffs_report.recommendation_lines(rec, None, rows)).startswith(  # --no-combine
+        "**No recommendation yet:**")
     confirmed = batch._combined(rec.variant, {**runs, **_repeats("recommended", [0.6, 0.66, 0.58])}, 3, {})
     assert "`dvc exp run -S 'train.a=1' -S 'train.b=1'`" in " ".join(
         tradeoffs_report.recommendation_lines(rec, confirmed, rows))
