@@ -87,13 +87,16 @@ def _estimate_and_sync(sub) -> None:
 def _tradeoffs(sub) -> None:
     tr = sub.add_parser("tradeoffs", help="measure the single-GPU guide's knobs on your params: one DVC "
                                           "experiment per knob, a table, the fastest same-training configuration",
-                        description="Queue the baseline (your params) and one DVC experiment per knob (split of "
+                        description="Run the baseline (your params) and one DVC experiment per knob (split of "
                                     "the effective batch, checkpointing, mixed precision, TF32, optimizer, "
-                                    "attention kernel, torch.compile, LoRA), run them one at a time, and "
-                                    "report samples/s and memory against the baseline, time to the "
-                                    "baseline's eval loss, whether each keeps the same training, and the "
-                                    "fastest configuration that does (measured as a whole): OUT/tradeoffs.md, "
-                                    "OUT/tradeoffs.png and an MLflow run (tag stage=tradeoffs).")
+                                    "attention kernel, torch.compile, host allocator, LoRA) one at a time, each "
+                                    "for a probe window of --steps optimizer steps (or --full), --repeats times "
+                                    "in interleaved rounds, and report samples/s (median, min-max) and memory "
+                                    "against the baseline, whether each keeps the same training, and the "
+                                    "fastest configuration that does, clear of the repeats' spread and "
+                                    "confirmed as a whole: OUT/tradeoffs.md, OUT/tradeoffs.png and an MLflow "
+                                    "run (tag stage=tradeoffs). Ctrl-C stops the row running and reports what "
+                                    "was measured.")
     _params(tr)
     tr.add_argument("--knobs", metavar="LIST", help=f"comma-separated subset of {','.join(KNOBS)} "
                                                     "(default: all that apply)")
