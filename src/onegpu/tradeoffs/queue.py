@@ -88,20 +88,30 @@ def time_left(done: list[Ran], left: int) -> str:
     return f"about {s // 60} min {s % 60:02d} s left" if s >= 60 else f"about {s} s left"
 
 
-def _stop(p: subprocess.Popen, grace_s: float = 60.0) -> None:
-    """Stop ``p`` (a ``dvc exp run --temp``): SIGINT (the training saves its state and ends its run
-    KILLED), then SIGKILL after ``grace_s`` or at a second Ctrl-C."""
+def _stop(p: subprocess.Popen, told: bool, grace_s: float = 60.0) -> None:
+    """Stop ``p`` (a ``dvc exp run --temp``; the training in it saves its state and ends its MLflow run
+    KILLED on SIGINT). ``told``: it had the terminal's Ctrl-C too (the whole foreground process group
+    gets it), so give it 10 s to end by itself before a SIGINT of ours; SIGKILL after ``grace_s`` more or
+    at another Ctrl-C."""
     try:
-        if p.poll() is None:
+        try:
+            if not told:
+                raise subprocess.TimeoutExpired(p.args, 0)
+            p.wait(10.0)
+        except subprocess.TimeoutExpired:
             p.send_signal(signal.SIGINT)
-        p.wait(grace_s)
+            p.wait(grace_s)
     except (KeyboardInterrupt, subprocess.TimeoutExpired):
         p.kill()
         p.wait()
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, sent to this process alone: the row's process did not get it."""
+
+
 def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt()
+    raise _Terminated()
 
 
 def run_rows(prefix: str, rows: list[Variant], targets: list[str], force: set[str] = frozenset(),
@@ -130,8 +140,8 @@ def run_rows(prefix: str, rows: list[Variant], targets: list[str], force: set[st
             p = subprocess.Popen(cmd)
             try:
                 rc = p.wait()
-            except KeyboardInterrupt:
-                _stop(p)
+            except KeyboardInterrupt as e:
+                _stop(p, told=not isinstance(e, _Terminated))
                 ran.append(Ran(name, None, time.monotonic() - t0))
                 return ran, True
             ran.append(Ran(name, rc, time.monotonic() - t0))

@@ -14,12 +14,16 @@ class _FakeDvc:
     signals: list[int] = []
 
     def __init__(self, cmd, interrupt_at, clock):
-        self.cmd, self.interrupt, self.clock, self.done = cmd, interrupt_at in cmd[5], clock, False
+        self.cmd, self.interrupt, self.clock, self.done, self.waited = cmd, interrupt_at in cmd[5], clock, False, False
+        self.args = cmd
         _FakeDvc.started.append(cmd)
 
     def wait(self, timeout=None):
-        if self.interrupt and not self.signals:
+        if self.interrupt and not self.waited:
+            self.waited = True
             raise KeyboardInterrupt()
+        if self.interrupt and timeout == 10.0 and not self.signals:  # it does not end at the terminal's Ctrl-C
+            raise queue.subprocess.TimeoutExpired(self.cmd, timeout)
         self.clock[0] += 10.0
         self.done = True
         return 0
@@ -46,7 +50,7 @@ def test_rows_run_one_at_a_time_with_progress_and_ctrl_c_stops_only_its_own_row(
     assert len(_FakeDvc.started) == 3  # compile never started
     assert _FakeDvc.started[0][:7] == [queue.dvc(), "exp", "run", "--temp", "--name", "p-baseline", "--force"]
     assert _FakeDvc.started[1][-3:] == ["-S", "train.x=1", "train"] and "--force" not in _FakeDvc.started[1]
-    assert _FakeDvc.signals == [signal.SIGINT]  # the row running was told to stop (then it ended)
+    assert _FakeDvc.signals == [signal.SIGINT]  # not ended 10 s after Ctrl-C: told once more, then it ended
     out = capsys.readouterr().out
     assert "row 1 of 4: p-baseline  (your params)  (time left: known after the first row)" in out
     assert "row 2 of 4: p-split-16x1  -S 'train.x=1'  (about 30 s left)" in out
