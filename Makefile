@@ -41,18 +41,23 @@ run: install
 # generated headlines. `dvc exp run` leaves these params in params.yaml (git checkout params.yaml to go back).
 SFT := -S data.source=bbcnews-headlines -S model.task=causal-lm -S model.name_or_path=packaged:SmolLM2-135M-Instruct \
        -S model.lora.r=8 -S data.padding_free=true \
-       -S data.max_length=128 -S data.max_train_samples=192 -S data.max_eval_samples=24 \
-       -S train.per_device_train_batch_size=8 -S train.gradient_accumulation_steps=2 -S train.learning_rate=3e-4 \
-       -S train.logging_steps=4 -S evaluate.max_new_tokens=24 -S evaluate.per_device_eval_batch_size=24
+       -S data.max_length=96 -S data.max_train_samples=128 -S data.max_eval_samples=24 \
+       -S train.per_device_train_batch_size=4 -S train.gradient_accumulation_steps=2 -S train.learning_rate=1e-3 \
+       -S train.logging_steps=4 -S evaluate.max_new_tokens=20 -S evaluate.per_device_eval_batch_size=24
 sft: install
 	PYTHONUNBUFFERED=1 $(BIN)/dvc exp run -n sft-smollm2-headlines $(SFT) 2>&1 | { grep --line-buffered -v -E '$(DVC_HINTS)' || true; } | cat -s
 	$(BIN)/onegpu summary
 
+# pytest-xdist: one worker per core (at most 4; PyTorch threads split between them), each test file on
+# one worker in file order, the heaviest files first (tests/conftest.py, tests/README.md).
+# PYTEST_ARGS="-n 0" runs serially; any pytest option goes there (e.g. -x, -k name, --durations=20).
+PYTEST_XDIST := -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+PYTEST_ARGS  ?=
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 test-quick: install
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest $(PYTEST_XDIST) -m "not slow" $(PYTEST_ARGS)
 
 # Re-pin requirements.lock to what the venv has now (torch stays unpinned: it is per machine).
 lock: install

@@ -6,6 +6,18 @@
 - Each test starts in an empty folder of its own, so nothing can pick up the workspace's
   ``params.yaml`` or ``mlflow.db`` through the current directory; MLflow and DVC variables of the
   calling shell are cleared.
+
+Parallel runs (``make test``: pytest-xdist, ``-n auto --dist loadfile``; tests/README.md, "Keeping the
+suite fast"):
+
+- each worker's PyTorch gets its share of the cores (``OMP_NUM_THREADS``, inherited by the stages the
+  integration tests start): two workers of two threads each on two cores stall every parallel op on a
+  descheduled thread (measured: 3.4 s instead of 0.36 s per optimizer step of the tiny project);
+- the tests of one file run on one worker, in file order (``--dist loadfile``), so module fixtures are
+  built once and tests that share their state keep their order. (Not ``loadgroup``: with pytest 9.2 it
+  silently stops grouping, pytest-xdist issue #1386.);
+- the heaviest files start first (integration, then files with ``slow`` tests, then the rest), so no
+  long file is left to run alone at the end.
 """
 from __future__ import annotations
 
@@ -13,6 +25,10 @@ import os
 import tempfile
 
 import pytest
+
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set by pytest-xdist in each worker
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
 
 _CACHE = tempfile.mkdtemp(prefix="onegpu-test-cache-")
 os.environ["XDG_CACHE_HOME"] = _CACHE
@@ -32,18 +48,20 @@ def _isolated_cwd(tmp_path_factory, monkeypatch):
 LABELS = ["a", "b", "c"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tokenizer():
-    """The packaged all-MiniLM-L6-v2 tokenizer (no hub). Module-scoped."""
+    """The packaged all-MiniLM-L6-v2 tokenizer (no hub). Built once per session (per xdist worker): do
+    not change it (add tokens, set a pad token) in a test; load your own for that."""
     from onegpu import models
     models.go_offline()
     return models.load_tokenizer(models.resolve_model_path("packaged:all-MiniLM-L6-v2"), "sequence-classification")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def dsd(tokenizer):
     """32 texts of different lengths (micro-batches pad differently), labels a/b/c, tokenized to at most 32
-    tokens with a ``length`` column; validation and test are 4-row slices. Module-scoped."""
+    tokens with a ``length`` column; validation and test are 4-row slices. Built once per session (per
+    xdist worker); ``Dataset`` methods return new datasets, so tests share it unchanged."""
     from datasets import ClassLabel, Dataset, DatasetDict
     texts = [" ".join(["token"] * (3 + (7 * i) % 29)) + f" {i}" for i in range(32)]
     ds = Dataset.from_dict({"text": texts, "label": [LABELS[i % 3] for i in range(32)]})
@@ -58,6 +76,11 @@ def dsd(tokenizer):
 
 
 def pytest_collection_modifyitems(config, items):
+    _skip_gpu_tests(items)
+    _heaviest_files_first(items)
+
+
+def _skip_gpu_tests(items) -> None:
     """``gpu``-marked tests skip, with the reason, where torch sees no CUDA device."""
     if not any(item.get_closest_marker("gpu") for item in items):
         return
@@ -68,6 +91,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+def _heaviest_files_first(items) -> None:
+    """Whole files, in this order: integration, other files with a ``slow`` test, the rest; the order of
+    the files within each class and of the tests within each file is kept."""
+    rank: dict = {}
+    for item in items:
+        heavy = 0 if "integration" in item.path.parts else 1 if item.get_closest_marker("slow") else 2
+        rank[item.path] = min(rank.get(item.path, 2), heavy)
+    items.sort(key=lambda item: rank[item.path])
 
 
 def pytest_sessionfinish(session, exitstatus):

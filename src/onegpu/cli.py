@@ -87,13 +87,16 @@ def _estimate_and_sync(sub) -> None:
 def _tradeoffs(sub) -> None:
     tr = sub.add_parser("tradeoffs", help="measure the single-GPU guide's knobs on your params: one DVC "
                                           "experiment per knob, a table, the fastest same-training configuration",
-                        description="Queue the baseline (your params) and one DVC experiment per knob (split of "
+                        description="Run the baseline (your params) and one DVC experiment per knob (split of "
                                     "the effective batch, checkpointing, mixed precision, TF32, optimizer, "
-                                    "attention kernel, torch.compile, LoRA), run them one at a time, and "
-                                    "report samples/s and memory against the baseline, time to the "
-                                    "baseline's eval loss, whether each keeps the same training, and the "
-                                    "fastest configuration that does (measured as a whole): OUT/tradeoffs.md, "
-                                    "OUT/tradeoffs.png and an MLflow run (tag stage=tradeoffs).")
+                                    "attention kernel, torch.compile, host allocator, LoRA) one at a time, each "
+                                    "for a probe window of --steps optimizer steps (or --full), --repeats times "
+                                    "in interleaved rounds, and report samples/s (median, min-max) and memory "
+                                    "against the baseline, whether each keeps the same training, and the "
+                                    "fastest configuration that does, clear of the repeats' spread and "
+                                    "confirmed as a whole: OUT/tradeoffs.md, OUT/tradeoffs.png and an MLflow "
+                                    "run (tag stage=tradeoffs). Ctrl-C stops the row running and reports what "
+                                    "was measured.")
     _params(tr)
     tr.add_argument("--knobs", metavar="LIST", help=f"comma-separated subset of {','.join(KNOBS)} "
                                                     "(default: all that apply)")
@@ -106,7 +109,22 @@ def _tradeoffs(sub) -> None:
     tr.add_argument("--batch", metavar="ID", help="with --report: the batch (default: the latest)")
     tr.add_argument("--no-combine", action="store_true",
                     help="do not run the combination of the faster knobs (report the parts only)")
+    tr.add_argument("--steps", type=_positive, default=None, metavar="N",
+                    help="the probe window: optimizer steps per row, the baseline too, whatever the job's length "
+                         "(default: 10); rows stop after train (no evaluate)")
+    tr.add_argument("--full", action="store_true",
+                    help="train the whole job in every row and evaluate it (time to the baseline's eval loss)")
+    tr.add_argument("--repeats", type=_positive, default=None, metavar="R",
+                    help="runs of each row, in interleaved rounds; a knob is recommended only when its gain "
+                         "is clear of the spread of its repeats and the baseline's (default: 3)")
     _out(tr)
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a positive integer."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
 
 
 def _summary(sub) -> None:
@@ -145,9 +163,13 @@ def main(argv: list[str] | None = None) -> int:
             print(summary.text(cfg))
         elif args.command == "tradeoffs":
             from onegpu.stages import tradeoffs
+            from onegpu.tradeoffs.batch import PROBE_STEPS, REPEATS
+            if args.full and args.steps:
+                raise UserError("--steps and --full exclude each other: a probe window of N steps, or the whole job")
             tradeoffs.run(cfg, args.params, parse_knobs(args.knobs), queue_only=args.queue_only, report_only=args.report,
                           batch=args.batch, combine=not args.no_combine, out_dir=args.out,
-                          overrides=args.overrides)
+                          overrides=args.overrides, steps=None if args.full else (args.steps or PROBE_STEPS),
+                          repeats=args.repeats or REPEATS)
         elif args.command == "compare":
             from onegpu.stages import compare
             compare.run(args.experiment or cfg.tracking.experiment_name, key=args.key, run_ids=args.runs,

@@ -146,6 +146,18 @@ def sft_metrics(model, tokenizer, dataset, cfg: Config, device: str) -> tuple[di
     return metrics, table
 
 
+def metrics(model, tokenizer, test, cfg: Config, device: str) -> tuple[dict, dict | None, list[int], list[int]]:
+    """The test split's metrics for the task: ``(metrics, generations table or None, gold, predicted)``
+    (gold and predicted label ids for a classifier; empty for a causal LM). Instruction data (a
+    ``reference`` column) adds generation and ROUGE-L (:func:`sft_metrics`)."""
+    if cfg.model.task == "causal-lm" and "reference" in test.column_names:
+        return (*sft_metrics(model, tokenizer, test, cfg, device), [], [])
+    if cfg.model.task == "causal-lm":
+        return causal_lm_metrics(model, tokenizer, test, cfg, device), None, [], []
+    scores, gold, pred = classifier_metrics(model, tokenizer, test, cfg)
+    return scores, None, gold, pred
+
+
 def generations_text(table: dict, metrics: dict, max_new_tokens: int) -> str:
     """The first :data:`SHOWN` test generations beside their references, for the terminal (``table`` and
     ``metrics``: :func:`sft_metrics`'s)."""
@@ -155,3 +167,17 @@ def generations_text(table: dict, metrics: dict, max_new_tokens: int) -> str:
     for ref, gen, score in list(zip(table["reference"], table["generation"], table["rouge_l"]))[:SHOWN]:
         lines.append(f"  reference:  {ref}\n  generated:  {' '.join(gen.split())}   (ROUGE-L {score:.2f})")
     return "\n".join(lines)
+
+
+def confusion_figure(gold: list[int], pred: list[int], names: list[str]):
+    """The test split's confusion matrix (matplotlib figure; rows actual, columns predicted label)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from sklearn.metrics import ConfusionMatrixDisplay
+    fig, ax = plt.subplots(figsize=(6, 5))
+    ConfusionMatrixDisplay.from_predictions(gold, pred, labels=list(range(len(names))), display_labels=names,
+                                            ax=ax, colorbar=False, xticks_rotation=30)
+    ax.set_title("Test split: actual vs predicted")
+    fig.tight_layout()
+    return fig

@@ -2,9 +2,17 @@
 
 The copy holds the files git knows (tracked, or new and not ignored), committed in a fresh git repo,
 so DVC experiments (which need commits) work as they would in a user's clone.
+
+Cheap patterns (tests/README.md, "Keeping the suite fast"): a test that needs prepared data but does not
+test `prepare` itself takes the ``prepared`` fixture: ``prepared(tmp_path, overrides)`` is a copy of a
+project on which `dvc repro prepare` ran once per session for those params (git history, dvc.lock and
+the DVC cache copied, not re-run). Several assertions on one pipeline run share one run (the module
+fixture ``project``, or one test that checks several things in sequence), not one run each.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -50,6 +58,14 @@ def dvc(project: Path, *args: str, **kw) -> subprocess.CompletedProcess:
     return run([str(BIN / "dvc"), *args], cwd=project, **kw)
 
 
+def tiny_params(overrides: dict | None = None) -> dict:
+    """The committed defaults with TINY, then ``overrides``, applied section by section."""
+    params = defaults.params()  # the committed defaults, whatever `dvc exp run` left in the workspace
+    for section, values in {**TINY, **(overrides or {})}.items():
+        params[section].update(values)
+    return params
+
+
 def make_project(dest: Path, overrides: dict | None = None) -> Path:
     """Copy the repo's files into ``dest``, apply TINY (+ ``overrides``) to the committed params.yaml, git commit."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
@@ -61,14 +77,89 @@ def make_project(dest: Path, overrides: dict | None = None) -> Path:
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / f)
     (dest / "dvc.lock").unlink(missing_ok=True)  # a developer's earlier run
-    params = defaults.params()  # the committed defaults, whatever `dvc exp run` left in the workspace
-    for section, values in {**TINY, **(overrides or {})}.items():
-        params[section].update(values)
-    (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (dest / "params.yaml").write_text(yaml.safe_dump(tiny_params(overrides), sort_keys=False))
     run(["git", "init", "-q", "-b", "main"], dest)
     run(["git", "add", "-A"], dest)
     run(["git", "commit", "-qm", "tiny project"], dest)
     return dest
+
+
+# What a copy leaves out: onegpu's per-project state (locks, spool, checkpoints) and DVC's per-machine state.
+_NOT_COPIED = {".": {".onegpu", "mlflow.db-journal"}, ".dvc": {"tmp"}}
+
+
+def copy_project(src: Path, dest: Path, overrides: dict | None = None) -> Path:
+    """Copy project ``src`` to ``dest`` (an empty or missing folder) as if its commands had run there: git
+    history, dvc.lock, DVC cache and outputs (links kept as links), the MLflow store with its artifact
+    locations moved to ``dest``; not .onegpu or .dvc/tmp. With ``overrides``, params.yaml becomes TINY +
+    ``overrides`` (committed when it changed)."""
+    src, dest = Path(src), Path(dest)
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        return _NOT_COPIED.get(Path(folder).relative_to(src).as_posix(), set()) & set(names)
+    shutil.copytree(src, dest, symlinks=True, ignore=ignore, dirs_exist_ok=True)
+    if (dest / "mlflow.db").is_file():
+        import sqlite3
+        db = sqlite3.connect(dest / "mlflow.db")
+        with db:  # the only columns of MLflow's schema that hold the project's path
+            for table, column in (("experiments", "artifact_location"), ("runs", "artifact_uri")):
+                db.execute(f"UPDATE {table} SET {column} = replace({column}, ?, ?)", (str(src), str(dest)))
+        db.close()
+    if overrides is not None:
+        (dest / "params.yaml").write_text(yaml.safe_dump(tiny_params(overrides), sort_keys=False))
+        if run(["git", "status", "--porcelain"], dest).stdout.strip():
+            run(["git", "commit", "-qam", "test params"], dest)
+    return dest
+
+
+def _prepare_key(params: dict) -> str:
+    """The values of the params dvc.yaml's inputs and prepare stages read, as one string."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    picked = {}
+    for key in (*stages["inputs"]["params"], *stages["prepare"]["params"]):
+        section, _, name = key.partition(".")
+        picked[key] = params.get(section) if not name else (params.get(section) or {}).get(name)
+    return json.dumps(picked, sort_keys=True, default=str)
+
+
+class Prepared:
+    """``prepared(dest, overrides=None)``: a copy (:func:`copy_project`) at ``dest`` of a tiny project with
+    TINY + ``overrides`` on which `dvc repro prepare` ran and was committed (its MLflow store holds the
+    prepare run). The original is built once per session for each value of the params prepare depends on
+    (dvc.yaml), shared by the xdist workers (a file lock), and never changed; ``output(overrides)`` is what
+    its `dvc repro prepare` printed."""
+
+    def __init__(self, shared: Path) -> None:
+        self.shared = shared
+
+    def _base(self, overrides: dict | None) -> Path:
+        from filelock import FileLock
+        key = hashlib.sha256(_prepare_key(tiny_params(overrides)).encode()).hexdigest()[:12]
+        base, log = self.shared / f"prepared-{key}", self.shared / f"prepared-{key}.log"
+        with FileLock(str(base) + ".lock"):
+            if not log.is_file():
+                shutil.rmtree(base, ignore_errors=True)
+                base.mkdir()
+                make_project(base, overrides)
+                out = dvc(base, "repro", "prepare").stdout
+                run(["git", "add", "-A"], base)
+                run(["git", "commit", "-qm", "prepared"], base)
+                log.write_text(out)
+        return base
+
+    def __call__(self, dest: Path, overrides: dict | None = None) -> Path:
+        return copy_project(self._base(overrides), dest, overrides or {})
+
+    def output(self, overrides: dict | None = None) -> str:
+        base = self._base(overrides)
+        return base.with_name(base.name + ".log").read_text()
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory) -> Prepared:
+    """See :class:`Prepared`."""
+    base = tmp_path_factory.getbasetemp()
+    return Prepared(base.parent if "PYTEST_XDIST_WORKER" in os.environ else base)  # one folder for all workers
 
 
 def wait_for_queue(project: Path, timeout: float = 900) -> str:
@@ -98,9 +189,10 @@ def runs(project: Path, experiment: str = "onegpu"):
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory) -> Path:
-    """A tiny project on which `dvc repro` has run once."""
-    p = make_project(tmp_path_factory.mktemp("project"))
+def project(tmp_path_factory, prepared) -> Path:
+    """A tiny project on which `dvc repro` has run once (prepare in ``prepared``'s original, train and
+    evaluate here)."""
+    p = prepared(tmp_path_factory.mktemp("project"))
     result = dvc(p, "repro")
     p.joinpath("repro.log").write_text(result.stdout + result.stderr)
     run(["git", "add", "-A"], p)

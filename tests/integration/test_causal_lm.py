@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from .conftest import dvc, make_project, runs
+from .conftest import dvc, runs
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +20,8 @@ CAUSAL = {
 }
 
 
-def test_causal_lm_from_config_trains_evaluates_and_is_exact_under_accumulation(tmp_path):
-    project = make_project(tmp_path, CAUSAL)
+def test_causal_lm_from_config_trains_evaluates_and_is_exact_under_accumulation(tmp_path, prepared):
+    project = prepared(tmp_path, CAUSAL)  # prepare (the BPE tokenizer) ran once for the session
     dvc(project, "repro")
     assert (project / "data/processed/tokenizer/tokenizer.json").is_file()
     ev = json.loads((project / "metrics/eval.json").read_text())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import BIN, _env, dvc, make_project, run, runs, wait_for_queue
+from .conftest import BIN, _env, dvc, run, runs, wait_for_queue
 
 pytestmark = pytest.mark.slow
 
@@ -36,8 +36,8 @@ def _checkpoints(project: Path) -> list[Path]:
     return list((project / ".onegpu" / "checkpoints").glob("*/checkpoint-*"))
 
 
-def test_no_run_is_left_running_after_stages_interrupts_failures_and_a_parallel_queue(tmp_path):
-    project = make_project(tmp_path)
+def test_no_run_is_left_running_after_stages_interrupts_failures_and_a_parallel_queue(tmp_path, prepared):
+    project = prepared(tmp_path)  # prepared data: `dvc repro train` below trains only
 
     dvc(project, "repro", "train")  # train alone ends its run: SCHEDULED (trained, evaluation to come)
     c, train = _train_runs(project)

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from safetensors.torch import load_file
 
-from .conftest import BIN, _env, make_project, run, runs
+from .conftest import BIN, _env, run, runs
 
 pytestmark = pytest.mark.slow
 
@@ -36,12 +36,11 @@ def _interrupt_after_the_first_step(project) -> None:
     assert "checkpoint saved" in rest and "Traceback" not in rest, rest
 
 
-def test_sigint_checkpoints_and_the_next_run_resumes_to_identical_losses_and_weights(tmp_path):
-    project = make_project(tmp_path, {"train": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
-                                                "max_steps": 10, "logging_steps": 1},
-                                      "model": {"dropout": 0.1}})  # dropout: the RNG state must resume too
+def test_sigint_checkpoints_and_the_next_run_resumes_to_identical_losses_and_weights(tmp_path, prepared):
+    project = prepared(tmp_path, {"train": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                                            "max_steps": 10, "logging_steps": 1},
+                                  "model": {"dropout": 0.1}})  # dropout: the RNG state must resume too
     onegpu = str(BIN / "onegpu")
-    run([onegpu, "prepare"], project)
     run([onegpu, "train"], project)
     reference = _losses(project), load_file(project / "models/model/model.safetensors")
 
@@ -70,16 +69,15 @@ def test_sigint_checkpoints_and_the_next_run_resumes_to_identical_losses_and_wei
     assert steps == list(range(1, 11))  # the resumed run carries the whole curve
 
 
-def test_interrupted_lora_training_resumes_to_identical_losses_and_merged_weights(tmp_path):
+def test_interrupted_lora_training_resumes_to_identical_losses_and_merged_weights(tmp_path, prepared):
     """The same with LoRA adapters (dropout in the model and in the adapters): the checkpoint holds the
     adapters and the trained head (Trainer saves a PeftModel as ``adapter_model.safetensors``), the
     resumed run rebuilds the model, loads them and ends with the uninterrupted run's losses, adapter and
     merged weights."""
-    project = make_project(tmp_path, {"train": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
-                                                "max_steps": 6, "logging_steps": 1, "learning_rate": 1e-3},
-                                      "model": {"dropout": 0.1, "lora": {"r": 4, "alpha": 8, "dropout": 0.1}}})
+    project = prepared(tmp_path, {"train": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                                            "max_steps": 6, "logging_steps": 1, "learning_rate": 1e-3},
+                                  "model": {"dropout": 0.1, "lora": {"r": 4, "alpha": 8, "dropout": 0.1}}})
     onegpu = str(BIN / "onegpu")
-    run([onegpu, "prepare"], project)
     run([onegpu, "train"], project)
     merged = project / "models/model/model.safetensors"
     adapter = project / "models/adapter/adapter_model.safetensors"

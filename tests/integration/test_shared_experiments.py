@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import BIN, _env, dvc, make_project, run, runs
+from tests.integration.conftest import BIN, _env, dvc, run, runs
 
 pytestmark = pytest.mark.slow
 
@@ -52,13 +52,13 @@ def stale_stages(project: Path) -> str:
     return out.replace("Data and pipelines are up to date.", "").strip()
 
 
-def test_an_experiment_pushed_from_one_clone_reproduces_its_eval_metrics_in_another(tmp_path):
+def test_an_experiment_pushed_from_one_clone_reproduces_its_eval_metrics_in_another(tmp_path, prepared):
     origin, storage = tmp_path / "origin.git", tmp_path / "dvc-storage"
     run(["git", "init", "-q", "--bare", "-b", "main", str(origin)], tmp_path)
 
-    # Clone A: the project ships no DVC remote; the team adds one (-d: the default) and commits it.
-    (tmp_path / "a").mkdir()
-    a = make_project(tmp_path / "a")
+    # Clone A (its data prepared and committed): the project ships no DVC remote; the team adds one (-d:
+    # the default) and commits it.
+    a = prepared(tmp_path / "a")
     assert dvc(a, "remote", "list").stdout.strip() == ""
     dvc(a, "remote", "add", "-d", "storage", str(storage))
     run(["git", "add", ".dvc/config"], a)

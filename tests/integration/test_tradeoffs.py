@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.integration.conftest import BIN, dvc, make_project, run, runs, wait_for_queue
+from tests.integration.conftest import BIN, dvc, run, runs, wait_for_queue
 from tests.tables import row
 
 pytestmark = pytest.mark.slow
@@ -17,12 +17,13 @@ def _training_runs(project, prefix):
             if r.data.tags.get("stage") == "train" and (r.info.run_name or "").startswith(prefix)}
 
 
-def test_queue_only_then_report(tmp_path):
-    project = make_project(tmp_path / "p")
+def test_queue_only_then_report(tmp_path, prepared):
+    """Queued probe rows (the user's -S train.max_steps=2 is the window): up to train, no evaluate."""
+    project = prepared(tmp_path / "p")
     out = run([str(BIN / "onegpu"), "tradeoffs", "--queue-only", "--knobs", "precision,allocator",
                "-S", "train.max_steps=2"], project).stdout
     assert "queued tradeoffs-" in out and "next: dvc queue start -j 1" in out
-    batch = out.split("(batch ")[1].split(")")[0]
+    batch = out.split("; batch ")[1].split(")")[0]
     status = dvc(project, "queue", "status").stdout
     assert f"tradeoffs-{batch}-baseline" in status and f"tradeoffs-{batch}-bf16" in status
     dvc(project, "queue", "start", "-j", "1")
@@ -34,9 +35,10 @@ def test_queue_only_then_report(tmp_path):
     trained = _training_runs(project, f"tradeoffs-{batch}-")
     assert sorted(trained) == ["baseline", "bf16", "cpu-allocator-system"]
     c, _, _ = runs(project)
-    for r in trained.values():  # -S reached every experiment, the baseline too
-        assert r.info.status == "FINISHED" and "eval_loss" in r.data.metrics
+    for r in trained.values():  # -S reached every experiment, the baseline too; evaluate did not run
+        assert r.info.status == "SCHEDULED" and "eval_loss" not in r.data.metrics
         assert [m.step for m in c.get_metric_history(r.info.run_id, "loss")] == [1, 2]
+    assert "probe window: each row trains its first 2 optimizer steps" in md
     # The host allocator changes where memory comes from, not one bit of the training.
     base, system = trained["baseline"], trained["cpu-allocator-system"]
     assert base.data.tags["cpu_allocator"].startswith("caching (glibc mallopt")
@@ -44,7 +46,6 @@ def test_queue_only_then_report(tmp_path):
     for key in ("loss", "grad_norm"):
         assert ([m.value for m in c.get_metric_history(base.info.run_id, key)]
                 == [m.value for m in c.get_metric_history(system.info.run_id, key)]), key
-    assert base.data.metrics["eval_loss"] == system.data.metrics["eval_loss"]
     assert row(md, "cpu-allocator-system")
     # Bad input: one line, exit 2, nothing queued.
     p = run([str(BIN / "onegpu"), "tradeoffs", "--knobs", "split,turbo"], project, check=False)
@@ -53,18 +54,20 @@ def test_queue_only_then_report(tmp_path):
     assert "Queued" not in dvc(project, "queue", "status").stdout
 
 
-def test_full_run_with_the_combined_recommendation(tmp_path, monkeypatch):
-    """Every same-training knob counts as faster (MIN_GAIN -1): the split and checkpointing rows are
-    combined, queued and measured as `recommended`, which must be the same training as the baseline."""
+def test_full_rows_and_probe_rows_give_the_same_verdicts(tmp_path, monkeypatch, prepared):
+    """`--full` (the whole job, evaluate too, time to the baseline's eval loss) and the probe window
+    (2 optimizer steps of TINY's 3, up to train) give each row the same verdict. With every same-training
+    knob counted faster (MIN_GAIN -1), the full batch combines split and checkpointing and measures
+    them together as `recommended`, which must be the same training as the baseline."""
     from onegpu import config
     from onegpu.stages import tradeoffs as stage
     from onegpu.tradeoffs import measurement as tradeoffs, recommend
-    project = make_project(tmp_path / "p")
+    project = prepared(tmp_path / "p")
     monkeypatch.chdir(project)
     monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     monkeypatch.setattr(recommend, "MIN_GAIN", -1.0)
     cfg = config.load("params.yaml")
-    rows = stage.run(cfg, "params.yaml", ("split", "checkpointing", "lora"))
+    rows = stage.run(cfg, "params.yaml", ("split", "checkpointing", "lora"), steps=None, repeats=1)
     names = [r.variant.name for r in rows]
     assert names == ["baseline", "split-8x1", "checkpointing", "lora", "recommended"]
     by = {r.variant.name: r for r in rows}
@@ -81,12 +84,20 @@ def test_full_run_with_the_combined_recommendation(tmp_path, monkeypatch):
     # Every row's per-step loss is in MLflow for all optimizer steps; LoRA's memory breakdown is smaller.
     for r in rows:
         assert [s for s, _ in r.run.series["loss"]] == [1, 2, 3], r.variant.name
+        assert "eval_loss" in r.run.metrics
     assert by["lora"].memory_ratio < 0.5
     md = (project / "reports" / "tradeoffs.md").read_text()
     assert row(md, "recommended") and "verdict against the baseline: **same training**" in md
+    assert "The whole job: each row trains the job to its end and evaluates it (`--full`)." in md
     c, exp, all_runs = runs(project)
     report_runs = [r for r in all_runs if r.data.tags.get("stage") == "tradeoffs"]
     assert len(report_runs) == 1
     rr = report_runs[0]
     assert {a.path for a in c.list_artifacts(rr.info.run_id)} == {"tradeoffs.md", "tradeoffs.png"}
     assert rr.data.metrics["recommended_speedup"] == pytest.approx(rec.speedup)
+    probe = [r for r in stage.run(cfg, "params.yaml", ("split", "checkpointing", "lora"), steps=2, repeats=1,
+                                  combine=False) if r.variant.knob != "recommended"]
+    assert {r.variant.name: r.verdict for r in probe} == {n: by[n].verdict for n in names[:-1]}
+    for r in probe:
+        assert [s for s, _ in r.run.series["loss"]] == [1, 2] and "eval_loss" not in r.run.metrics, r.variant.name
+    assert "Incomplete" not in (project / "reports" / "tradeoffs.md").read_text()

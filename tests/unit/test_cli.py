@@ -127,3 +127,25 @@ def test_no_params_note_when_the_file_is_as_committed_or_in_dvcs_temp_clone(tmp_
     _like_a_failed_dvc_exp_run(clone / "params.yaml")
     line = _assert_one_error_line(_onegpu(["train"], cwd=clone), "train")
     assert "learning_rat" in line and "differs from git's HEAD" not in line
+
+
+@pytest.mark.parametrize("args, steps, repeats", [([], 10, 3), (["--steps", "4", "--repeats", "2"], 4, 2),
+                                                  (["--full", "--repeats", "1"], None, 1)])
+def test_tradeoffs_window_and_repeats_reach_the_stage(tmp_path, monkeypatch, args, steps, repeats):
+    """--steps N (the probe window; default 10), --full (None: the whole job), --repeats R (default 3)."""
+    from onegpu import cli
+    from onegpu.stages import tradeoffs
+    defaults.write_params(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    got = {}
+    monkeypatch.setattr(tradeoffs, "run", lambda cfg, params, knobs, **kw: got.update(kw))
+    assert cli.main(["tradeoffs", *args]) == 0
+    assert (got["steps"], got["repeats"]) == (steps, repeats)
+
+
+def test_tradeoffs_steps_and_full_exclude_each_other(tmp_path, monkeypatch, capsys):
+    from onegpu import cli
+    defaults.write_params(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["tradeoffs", "--steps", "4", "--full"]) == 2
+    assert "--steps and --full exclude each other" in capsys.readouterr().err

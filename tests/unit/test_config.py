@@ -134,6 +134,9 @@ BAD = [
     ("padding-free-not-bool", {"data.padding_free": "sometimes"}, "data.padding_free", ["true or false"]),
     ("completion-only-not-bool", {"data.completion_only_loss": "maybe"}, "data.completion_only_loss",
      ["true, false or null"]),
+    ("assistant-only-classifier", {"data.assistant_only_loss": True}, "data.assistant_only_loss", ["causal-lm only"]),
+    ("packing-not-bool", {"data.packing": "sometimes"}, "data.packing", ["true or false"]),
+    ("assistant-only-not-bool", {"data.assistant_only_loss": "maybe"}, "data.assistant_only_loss", ["true or false"]),
     ("max-new-tokens-0", {"evaluate.max_new_tokens": 0}, "evaluate.max_new_tokens", ["from 1 to 4096"]),
     ("source-parquet-typo", {"data.source": "d.parqet"}, "data.source", [".parquet"]),
 ]

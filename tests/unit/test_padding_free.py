@@ -4,7 +4,7 @@ length, completion-only loss.
 
 Per optimizer step, loss and grad_norm, fp32, dropout 0, within 1e-5 relative: 8 x 1 = 2 x 4 = 1 x 8 on both
 backends; padding-free = padded (SDPA and eager, both backends); each example's loss inside a flattened row
-equals its loss alone; a stopped and resumed padding-free run equals the uninterrupted one.
+equals its loss alone; a stopped and resumed padding-free run equals the uninterrupted one (both backends).
 """
 from __future__ import annotations
 
@@ -206,31 +206,40 @@ def test_packed_rows_keep_their_examples_apart():
     assert flat == pytest.approx(alone, rel=REL)
 
 
-def test_padding_free_stop_and_resume_gives_the_uninterrupted_steps(tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+def test_padding_free_stop_and_resume_gives_the_uninterrupted_steps(tmp_path, monkeypatch, backend):
+    import importlib
+
     from tests.unit import tiny as tb
 
-    from onegpu.training.backends import accelerate as accel
-    from onegpu.training.backends.base import TrainRequest
+    from onegpu.training.backends import base
     monkeypatch.chdir(tmp_path)
-    cfg = config("accelerate", 2, 2, padding_free=True, max_steps=4)
+    cfg = config(backend, 2, 2, padding_free=True, max_steps=4)
+    module = importlib.import_module(base.REGISTRY[backend])
 
     def run(sink, **kw):
-        return accel.train(TrainRequest(tiny_llama(), tokenizer(), dataset(), cfg, sink, **kw))
+        return module.train(base.TrainRequest(tiny_llama(), tokenizer(), dataset(), cfg, sink, **kw))
     ref = []
     run(lambda m, s: ref.append((m["loss"], m["grad_norm"])))
     first, resume = tb.interrupt_at_step_2(run, tmp_path / "ckpt")
-    assert resume is not None and resume.step == 2
+    # Trainer hands the step's loss to the sink after its step-end callbacks: it stops one step later.
+    assert resume is not None and resume.step == (2 if backend == "accelerate" else 3)
     rest = []
     run(lambda m, s: rest.append((m["loss"], m["grad_norm"])), checkpoint_dir=tmp_path / "ckpt", resume=resume)
-    assert first == pytest.approx([x for x, _ in ref[:2]], rel=REL)
-    assert [x for pair in rest for x in pair] == pytest.approx([x for pair in ref[2:] for x in pair], rel=REL)
+    assert len(ref) == 4 and len(rest) == 4 - resume.step
+    assert first[:resume.step] == pytest.approx([x for x, _ in ref[:resume.step]], rel=REL)
+    assert [x for pair in rest for x in pair] == pytest.approx([x for pair in ref[resume.step:] for x in pair],
+                                                               rel=REL)
 
 
-def test_a_model_that_builds_its_own_mask_is_refused_for_padding_free(monkeypatch):
+@pytest.mark.parametrize("key", ["padding_free", "packing"])
+def test_a_model_that_builds_its_own_mask_is_refused_for_padding_free(monkeypatch, tmp_path, key):
     """The refusal reads the modeling code: a Llama whose code did not use transformers' create_causal_mask
-    (sequences of one row would attend to each other) is named, with the key to switch off."""
+    (sequences of one row would attend to each other) is named, with the key to switch off; the train
+    stage's plan refuses it before it reads the prepared data (none here) or builds anything."""
     import inspect
 
+    from onegpu import config as cfgmod
     from onegpu import models
     from onegpu.errors import ConfigError
     from onegpu.training import session
@@ -238,10 +247,14 @@ def test_a_model_that_builds_its_own_mask_is_refused_for_padding_free(monkeypatc
     real = inspect.getsource
     monkeypatch.setattr(inspect, "getsource", lambda m: real(m).replace("create_causal_mask", "own_mask"))
     assert "builds its attention mask itself" in models.packed_sequences_problem(None, "sdpa")
-    cfg = config("accelerate", 2, 2, padding_free=True)
-    with pytest.raises(ConfigError, match=r"data.padding_free: GPT2LMHeadModel builds its attention mask itself.*"
-                                          r"set data.padding_free: false"):
+    cfg = config("accelerate", 2, 2, padding_free=key == "padding_free")
+    cfg.data.packing = key == "packing"
+    message = rf"^params.yaml: data.{key}: GPT2LMHeadModel builds its attention mask itself.*set data.{key}: false$"
+    with pytest.raises(ConfigError, match=message):
         session.check_flattened(cfg)
+    monkeypatch.chdir(tmp_path)  # no data/stats.json: the refusal comes first
+    with pytest.raises(ConfigError, match=message):
+        session.plan(cfg, facts=cfgmod.DeviceFacts())
 
 
 def test_the_first_micro_batch_holds_one_row_for_each_example_padding_free():

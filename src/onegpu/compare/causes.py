@@ -26,6 +26,26 @@ KERNEL_KNOBS = (
     ("train.cpu_allocator", "system", "host allocator only; no arithmetic changes, unlikely alone"),
 )
 
+# Instruction-data knobs (issue 21; TRL's names): (param, value when not logged, what a difference means).
+# Only data.padding_free is outside the equivalence key; the others are in it when on, so runs that differ
+# in them never share a group (``onegpu tradeoffs`` compares them with its baseline all the same).
+SFT_KNOBS = (
+    ("data.padding_free", "false",
+     "the same training (outside the equivalence key, compared within the fp32 tolerance): the same examples "
+     "in the same micro-batches and steps, flattened into one row per micro-batch with position_ids, so a "
+     "divergence beyond the tolerance means attention crossed a sequence boundary or a kernel summed in "
+     "another order"),
+    ("data.packing", "false",
+     "its own equivalence key: packing fills rows of data.max_length with several examples, so other "
+     "examples share each micro-batch and step and the effective batch counts packed rows, not examples; "
+     "compare packed runs with packed runs"),
+    ("data.completion_only_loss", "none",
+     "a different training: the loss is over other tokens (the completion only, or prompt and completion; "
+     "null: on for prompt-completion data)"),
+    ("data.assistant_only_loss", "false",
+     "a different training: the loss is over other tokens (the assistant turns only, or every token)"),
+)
+
 # Knobs whose kernels draw dropout masks differently (SDPA's fused dropout, inductor's generated RNG code).
 DROPOUT_KERNEL_KNOBS = ("model.attn_implementation", "train.torch_compile")
 
@@ -102,6 +122,14 @@ def kernel_knobs(run: RunRecord, reference: RunRecord) -> Iterable[str]:
             yield f"{knob} differs ({a} vs {b}): {why}"
 
 
+def instruction_data(run: RunRecord, reference: RunRecord) -> Iterable[str]:
+    """Each knob of :data:`SFT_KNOBS` whose value differs, with what the difference means."""
+    for knob, default, meaning in SFT_KNOBS:
+        a, b = _param(run, knob, default), _param(reference, knob, default)
+        if a != b:
+            yield f"{knob} differs ({a} vs {b}): {meaning}"
+
+
 def another_backend(run: RunRecord, reference: RunRecord) -> Iterable[str]:
     rb, fb = run.params.get("train.backend"), reference.params.get("train.backend")
     if rb and fb and rb != fb:
@@ -122,8 +150,8 @@ def other_code(run: RunRecord, reference: RunRecord) -> Iterable[str]:
 
 # Every cause, in the order the report lists them.
 CAUSES: tuple[Callable[[RunRecord, RunRecord], Iterable[str]], ...] = (
-    dropout_with_another_split, dropout_with_another_kernel, batchnorm_with_another_split, mixed_precision,
-    gpu_kernels, kernel_knobs, another_backend, another_device, other_code,
+    instruction_data, dropout_with_another_split, dropout_with_another_kernel, batchnorm_with_another_split,
+    mixed_precision, gpu_kernels, kernel_knobs, another_backend, another_device, other_code,
 )
 
 

@@ -1,4 +1,4 @@
-"""Prepare's work on the data, apart from writing and logging: read, de-duplicate, split, tokenize."""
+"""Prepare's work on the data, apart from MLflow: read, de-duplicate, split, tokenize, write."""
 from __future__ import annotations
 
 from typing import Callable
@@ -56,3 +56,23 @@ def prepare(cfg: Config, fmt: str, make_tokenizer: Callable):
                        max_length=cfg.data.max_length)
     described.update(format=fmt, prompts_truncated=truncated)
     return dsd, tokenizer, described, raw
+
+
+def tokenizer_maker(cfg: Config) -> Callable:
+    """The tokenizer maker for :func:`prepare`: the model's, or (causal LM from
+    config) a BPE tokenizer trained on the training texts."""
+    from onegpu import models
+    if cfg.model.name_or_path is None:
+        return lambda texts: models.train_bpe_tokenizer(texts, cfg.model.vocab_size)
+    return lambda texts: models.load_tokenizer(models.resolve_model_path(cfg.model.name_or_path), cfg.model.task)
+
+
+def write(dsd, own_tokenizer, stats: dict) -> None:
+    """data/processed (with the tokenizer prepare trained, if any) and data/stats.json, each atomically:
+    no half-written output for DVC to cache."""
+    from onegpu import paths
+    with paths.atomic_dir(paths.PROCESSED) as tmp:
+        dsd.save_to_disk(str(tmp))
+        if own_tokenizer is not None:
+            own_tokenizer.save_pretrained(str(tmp / paths.TOKENIZER.name))
+    paths.write_json_atomic(paths.STATS, stats)

@@ -38,20 +38,12 @@ def run(cfg: Config) -> dict:
             tracker.set_tags(run_id, {"device": measure.device_name(device)})
         measure.reset_peak(device)
         with tracker.system_metrics(run_id, resume=True):
-            table = None
-            if task == "causal-lm" and "reference" in test.column_names:  # instruction data
-                metrics, table = evaluation.sft_metrics(model, tokenizer, test, cfg, device)
-                gold = pred = []
-            elif task == "causal-lm":
-                metrics = evaluation.causal_lm_metrics(model, tokenizer, test, cfg, device)
-                gold = pred = []
-            else:
-                metrics, gold, pred = evaluation.classifier_metrics(model, tokenizer, test, cfg)
+            metrics, table, gold, pred = evaluation.metrics(model, tokenizer, test, cfg, device)
         metrics["eval_mem_peak_bytes"] = measure.peak_bytes(device)
         tracker.log_metrics(run_id, metrics)
         names = test.features["label"].names
         if gold:
-            tracker.log_figure(run_id, _confusion_figure(gold, pred, names), "confusion_matrix.png")
+            tracker.log_figure(run_id, evaluation.confusion_figure(gold, pred, names), "confusion_matrix.png")
         if table is not None:
             tracker.log_table(run_id, table, "generations.json")
         paths.write_json_atomic(paths.EVAL_METRICS, {k: metrics[k] for k in HEADLINE if k in metrics})
@@ -72,19 +64,6 @@ def run(cfg: Config) -> dict:
         print(f"evaluate: accuracy {metrics['eval_accuracy']:.4f}, f1_macro {metrics['eval_f1_macro']:.4f}, "
               f"loss {metrics['eval_loss']:.4f} on {metrics['eval_rows']} test rows; MLflow run {run_id} finished")
     return metrics
-
-
-def _confusion_figure(gold, pred, names):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from sklearn.metrics import ConfusionMatrixDisplay
-    fig, ax = plt.subplots(figsize=(6, 5))
-    ConfusionMatrixDisplay.from_predictions(gold, pred, labels=list(range(len(names))), display_labels=names,
-                                            ax=ax, colorbar=False, xticks_rotation=30)
-    ax.set_title("Test split: actual vs predicted")
-    fig.tight_layout()
-    return fig
 
 
 def _write_predictions(gold, pred, names) -> None:

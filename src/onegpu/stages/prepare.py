@@ -29,7 +29,7 @@ def run(cfg: Config) -> dict:
     models.resolve_model_path(cfg.model.name_or_path)  # a missing model fails now (a packaged one converts once)
     tracking.uri.store_uri(paths.project_root())  # a malformed or unreachable store fails before the work
     # Everything that can refuse the data runs before the run opens: a bad input is not a failed run.
-    dsd, tokenizer, stats, raw = pipeline.prepare(cfg, fmt, _tokenizer(cfg))
+    dsd, tokenizer, stats, raw = pipeline.prepare(cfg, fmt, pipeline.tokenizer_maker(cfg))
     tracker = tracking.connect(cfg.tracking.experiment_name)
     run_id = tracker.start_run(tracking.run_name(), {**tracking.run_context_tags(), "stage": "prepare"})
 
@@ -42,31 +42,13 @@ def run(cfg: Config) -> dict:
     with tracker.guard(run_id, context=lambda: _log_cost(tracker, run_id, cost())):
         sections = {k: v for k, v in cfg.to_dict().items() if k in ("data", "model", "tracking")}
         tracker.log_params(run_id, flatten(sections))
-        _write(dsd, tokenizer if cfg.model.name_or_path is None else None, stats)
+        pipeline.write(dsd, tokenizer if cfg.model.name_or_path is None else None, stats)
         metrics = {**cost(), **data.describe.metrics(stats, raw.undecodable)}
         _log_data(tracker, run_id, cfg, dsd, stats, metrics, raw.source)
     rows = {s: st["rows"] for s, st in stats["splits"].items()}
     print(f"prepare: {stats['rows_read']} rows read ({fmt}), {pipeline.drop_summary(stats['rows_dropped'])}, splits {rows}, "
           f"{metrics['prepare_runtime']:.1f} s -> {paths.PROCESSED}")
     return stats
-
-
-def _tokenizer(cfg: Config):
-    """The tokenizer maker for :func:`onegpu.data.pipeline.prepare`: the model's, or (causal LM from
-    config) a BPE tokenizer trained on the training texts."""
-    if cfg.model.name_or_path is None:
-        return lambda texts: models.train_bpe_tokenizer(texts, cfg.model.vocab_size)
-    return lambda texts: models.load_tokenizer(models.resolve_model_path(cfg.model.name_or_path), cfg.model.task)
-
-
-def _write(dsd, own_tokenizer, stats: dict) -> None:
-    """data/processed (with the tokenizer prepare trained, if any) and data/stats.json, each atomically:
-    no half-written output for DVC to cache."""
-    with paths.atomic_dir(paths.PROCESSED) as tmp:
-        dsd.save_to_disk(str(tmp))
-        if own_tokenizer is not None:
-            own_tokenizer.save_pretrained(str(tmp / paths.TOKENIZER.name))
-    paths.write_json_atomic(paths.STATS, stats)
 
 
 def _log_data(tracker, run_id: str, cfg: Config, dsd, stats: dict, metrics: dict, source: str) -> None:

@@ -19,7 +19,7 @@ from onegpu.errors import ConfigError, UserError
 from onegpu.formatting import GiB
 from onegpu.tradeoffs import queue
 from onegpu.tradeoffs.knobs import Variant, plan as plan_knobs, with_overrides
-from onegpu.tradeoffs.measurement import Row, measure_row, measure_rows
+from onegpu.tradeoffs.measurement import Row, aggregate, measure_row, measure_rows, repeat_name, unmeasured
 from onegpu.tradeoffs.recommend import Recommendation, recommend
 
 PREFIX = "tradeoffs-"
@@ -86,52 +86,115 @@ def plan(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str],
     return variants, skipped
 
 
+# The probe window's default (``--steps``): optimizer steps per row, whatever the job's length. Step 1 holds
+# warm-up (its time is its own column); steps 2..N give samples/s and, against the baseline's, the verdict.
+PROBE_STEPS = 10
+# ``--repeats``' default: each row three times, interleaved, so a spread is measured.
+REPEATS = 3
+
+
+def window_args(steps: int | None) -> list[str]:
+    """The ``-S`` of the probe window, put before each row's own (every row, the baseline too, trains
+    ``steps`` optimizer steps; the learning-rate schedule then spans those steps); none for ``--full``
+    (``steps`` None). Not a row's override: a recommendation never carries it."""
+    return [] if steps is None else ["-S", f"train.max_steps={steps}"]
+
+
+def order(variants: list[Variant], repeats: int) -> list[Variant]:
+    """The rows to run, interleaved: round 1 (baseline, each knob), round 2, ...; repeat ``r`` is named
+    :func:`~onegpu.tradeoffs.measurement.repeat_name` ``(name, r)``: a drift of the machine's speed
+    during the batch then hits every row alike."""
+    return [Variant(repeat_name(v.name, r), v.knob, v.overrides, v.expect, v.what)
+            for r in range(1, repeats + 1) for v in variants]
+
+
+def _check_queue() -> None:
+    running = [n for n, s in queue.states().items() if s == "Running"]
+    if running:
+        raise UserError(f"{len(running)} experiment(s) running from the DVC queue ({', '.join(running[:5])}): "
+                        "they would share the machine and skew the timings; wait for them (dvc queue status) "
+                        "or stop them (dvc queue kill ...)")
+
+
 def start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str], queue_only: bool,
-          facts: DeviceFacts) -> str:
-    """Plan, check the queue, keep the batch's plan, queue its experiments and (unless ``queue_only``)
-    run them one at a time; return the batch id.
+          facts: DeviceFacts, steps: int | None = PROBE_STEPS, repeats: int = REPEATS) -> tuple[str, bool]:
+    """Plan, keep the batch's plan, and queue its experiments (``queue_only``) or run them one at a time
+    in ``repeats`` interleaved rounds (:func:`order`), each row ``steps`` optimizer steps up to the train
+    stage (None: the whole job, evaluate too); return the batch id and whether Ctrl-C stopped it.
 
     Raises:
-        UserError: other experiments are queued (they would run too and share the machine), a row does
-            not validate, or dvc could not queue one.
+        UserError: experiments are running from the DVC queue (they would share the machine), a row
+            does not validate, or dvc could not queue one.
     """
-    variants, skipped = plan(cfg, params, knobs, overrides, facts)
-    others = [] if queue_only else queue.in_queue()
-    if others:
-        raise UserError(f"{len(others)} experiment(s) already in the DVC queue ({', '.join(others[:5])}): "
-                        "they would run with these and skew the timings; run them first "
-                        "(dvc queue start) or remove them (dvc queue remove --queued), or use --queue-only")
+    own = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].strip() == "train.max_steps"]
+    if steps is not None and own and own[-1].strip().lstrip("-").isdigit() and int(own[-1]) > 0:
+        steps = int(own[-1])  # the user's own -S train.max_steps is the window
+    variants, skipped = plan(cfg, params, knobs, list(overrides), facts)
+    if not queue_only:
+        _check_queue()
     batch = time.strftime("%m%d-%H%M%S")
-    save(batch, variants, skipped, {"params": params, "overrides": overrides})
-    print(f"onegpu tradeoffs: {len(variants)} experiments from {params}"
-          + "".join(f" -S {o}" for o in overrides) + f" (batch {batch}):")
+    rows = order(variants, 1 if queue_only else repeats)
+    extra = {"params": params, "overrides": overrides, "steps": steps, "repeats": 1 if queue_only else repeats}
+    save(batch, variants, skipped, extra)
+    window = f"{steps} optimizer steps each, up to train" if steps else "the whole job each, evaluate too"
+    print(f"onegpu tradeoffs: {len(variants)} rows x {extra['repeats']} repeat(s) from {params}"
+          + "".join(f" -S {o}" for o in overrides) + f" ({window}; batch {batch})")
     if paths.params_differ_from_head(params):  # e.g. what a workspace `dvc exp run -S` left there
         print(f"  note: {params} differs from git's HEAD (`git diff {params}`): the baseline is the file as it is")
-    queue.queue(prefix(batch), variants)
     for s in skipped:
         print(f"  not measured: {s}")
     if queue_only:
+        queue.queue(prefix(batch), variants, [] if steps is None else ["train"], window_args(steps))
         print(f"\nnext: dvc queue start -j 1   (one at a time: timings need the machine alone)\n"
               f"then, when `dvc queue status` shows them done: onegpu tradeoffs --report --batch {batch}")
-    else:
-        queue.run_all({f"{prefix(batch)}{v.name}" for v in variants})
-    return batch
+        return batch, False
+    return batch, run(batch, rows, steps, params)
+
+
+def _unchanged(params: str, v: Variant, steps: int | None) -> bool:
+    """``v``'s overrides with the window (``steps``) leave ``params`` as it is (then dvc.lock may hold its
+    train stage already)."""
+    window = [] if steps is None else [f"train.max_steps={steps}"]
+    return load(params, window + [f"{k}={val}" for k, val in v.overrides]) == load(params)
+
+
+def run(batch: str, rows: list[Variant], steps: int | None, params: str | None) -> bool:
+    """Run ``rows`` of ``batch`` (:func:`queue.run_rows`) and keep each one's wall time and the ones
+    Ctrl-C stopped in its plan; return whether it was interrupted. ``params``: the params file (None:
+    no row needs ``--force``)."""
+    # A baseline whose -S change nothing may be what dvc.lock holds already: --force makes it train again
+    # instead of finding nothing to do (--force re-runs prepare too, so only where it is needed).
+    force = {v.name for v in rows if v.knob == "baseline" and params and _unchanged(params, v, steps)}
+    ran, interrupted = queue.run_rows(prefix(batch), rows, [] if steps is None else ["train"], force,
+                                      window=window_args(steps))
+    manifest = load_plan(batch)
+    manifest.setdefault("wall_s", {}).update({r.name.removeprefix(prefix(batch)): r.seconds for r in ran})
+    manifest["stopped"] = manifest.get("stopped", []) + [r.name.removeprefix(prefix(batch)) for r in ran
+                                                         if r.returncode is None]
+    paths.write_json_atomic(_manifest_dir() / f"{batch}.json", manifest)
+    return interrupted
 
 
 def finished_runs(records: list[RunRecord], name_prefix: str) -> dict[str, RunRecord]:
-    """Each row's finished training run by row name (``records`` oldest first, named ``<prefix><row>``);
-    of several runs with one name (a re-run), the latest."""
-    return {r.name.removeprefix(name_prefix): r for r in records
-            if r.status not in ("FAILED", "KILLED") and "train_runtime" in r.metrics}
+    """Each row's training run by row name (``records`` oldest first, named ``<prefix><row>``): of
+    several runs with one name (a re-run), the latest that finished its training, else the latest (a
+    stopped or failed one, which the row then reports as such)."""
+    out: dict[str, RunRecord] = {}
+    for r in records:
+        name = r.name.removeprefix(name_prefix)
+        if unmeasured(r) is None or name not in out or unmeasured(out[name]) is not None:
+            out[name] = r
+    return out
 
 
 @dataclass
 class Measured:
     """A batch measured: one row per variant, the recommendation, and the recommendation's own row (a
-    single knob's row, or the combination's run; None: not run)."""
+    single knob's row, or the combination's runs; None: not run); ``interrupted``: Ctrl-C stopped it."""
     rows: list[Row]
     recommendation: Recommendation
     measured: Row | None
+    interrupted: bool = False
 
     @property
     def combined(self) -> bool:
@@ -150,32 +213,67 @@ def budget_bytes(cfg: Config, facts: DeviceFacts) -> float | None:
     return None
 
 
-def measure(manifest: dict, fetch: Callable[[], dict[str, RunRecord]], budget: float | None,
-            combine: bool, report_only: bool, where: str) -> Measured:
-    """Measure the batch's runs (``fetch()``: :func:`finished_runs` of the store) against its baseline and
-    recommend; with ``combine`` (and not ``report_only``), queue and run the combination first when it
-    has no run yet.
-
-    ``budget``: bytes (None: no budget); ``where``: the MLflow experiment, for the message.
-    Raises:
-        UserError: the baseline has no finished training run.
-    """
+def row_states(manifest: dict, queued: dict[str, str]) -> dict[str, str]:
+    """Each repeat's state by row name where its MLflow run cannot tell: ``Stopped`` (Ctrl-C stopped it,
+    kept in the plan) or its ``dvc queue status`` word (``queued``: by experiment name)."""
     name_prefix = prefix(manifest["batch"])
-    runs = fetch()
-    if "baseline" not in runs:
-        raise UserError(f"no finished training run named {name_prefix}baseline in {where}: see "
-                        f"`dvc queue logs {name_prefix}baseline`"
-                        + (" (or wait for the queue: dvc queue status)" if report_only else ""))
-    rows = measure_rows(variants_of(manifest), runs)
-    out = Measured(rows, recommend(rows, budget), None)
+    out = {k.removeprefix(name_prefix): v for k, v in queued.items() if k.startswith(name_prefix)}
+    out.update({name: "Stopped" for name in manifest.get("stopped", [])})
+    return out
+
+
+PROBE_NOTE = "no eval metrics (evaluate has not run)"
+
+
+def measure(manifest: dict, fetch: Callable[[], dict[str, RunRecord]], budget: float | None,
+            combine: bool, report_only: bool, where: str, queued: dict[str, str] | None = None,
+            interrupted: bool = False) -> Measured:
+    """Measure the batch's runs (``fetch()``: :func:`finished_runs` of the store) against its baseline and
+    recommend; with ``combine`` (and not ``report_only`` or ``interrupted``), run the combination first
+    (its own repeats) when it has no run yet, and keep it only when its repeats confirm the gain.
+
+    ``budget``: bytes (None: no budget); ``where``: the MLflow experiment, for the message; ``queued``:
+    ``dvc queue status`` by experiment name. A batch with a row missing recommends nothing.
+    """
+    name_prefix, repeats = prefix(manifest["batch"]), manifest.get("repeats", 1)
+    runs, states = fetch(), row_states(manifest, queued or {})
+    rows = measure_rows(variants_of(manifest), runs, repeats, states)
+    if manifest.get("steps"):  # probe rows skip evaluate by design
+        for r in rows:
+            r.notes = [n for n in r.notes if n != PROBE_NOTE]
+    out = Measured(rows, recommend(rows, budget), None, interrupted)
     rec = out.recommendation
-    if out.combined and "recommended" not in runs and combine and not report_only:
-        print(f"\n{len(rec.parts)} knobs were faster with the same training: measuring them together "
-              f"({rec.variant.what})")
-        queue.queue(name_prefix, [rec.variant])
-        queue.run_all({f"{name_prefix}{rec.variant.name}"})
+    if out.combined and "recommended" not in runs and combine and not report_only and not interrupted:
+        print(f"\n{len(rec.parts)} knobs were faster with the same training: measuring them together, "
+              f"{repeats} time(s) ({rec.variant.what})")
+        together = order([rec.variant], repeats)
+        out.interrupted = run(manifest["batch"], together, manifest.get("steps"), None)
         runs = fetch()
     if rec.variant is not None:
-        out.measured = (measure_row(rec.variant, runs.get("recommended"), runs["baseline"]) if out.combined
-                        else next(r for r in rows if r.variant.name == rec.variant.name))
+        out.measured = (_combined(rec.variant, runs, repeats, row_states(load_plan(manifest["batch"]), {}))
+                        if out.combined else next(r for r in rows if r.variant.name == rec.variant.name))
+    return out
+
+
+def _combined(v: Variant, runs: dict[str, RunRecord], repeats: int, states: dict[str, str]) -> Row:
+    """The combination's row over its repeats, each against the baseline of the same round."""
+    return aggregate(v, [measure_row(v, runs.get(repeat_name(v.name, r)), runs.get(repeat_name("baseline", r)),
+                                     states.get(repeat_name(v.name, r))) for r in range(1, repeats + 1)])
+
+
+def timing(manifest: dict, runs: dict[str, RunRecord]) -> list[str]:
+    """The rows' cost in words, from the wall time of each ``dvc exp run --temp`` kept in the plan and its
+    run's ``train_runtime``: the whole, and the per-row overhead (DVC's temporary clone, each stage's
+    process start, the model's load and save) that a row pays whatever its window. Empty before any row
+    ran here (a queued batch)."""
+    wall = manifest.get("wall_s", {})
+    if not wall:
+        return []
+    pairs = [(w, runs[n].metrics["train_runtime"]) for n, w in wall.items()
+             if n in runs and "train_runtime" in runs[n].metrics]
+    out = [f"the rows took {sum(wall.values()):.0f} s of wall time ({len(wall)} dvc exp run --temp, one at a time)"]
+    if pairs:
+        over = sorted(w - t for w, t in pairs)
+        out[0] += (f"; per row a median {over[len(over) // 2]:.1f} s (min {over[0]:.1f}, max {over[-1]:.1f}) "
+                   "beyond its training: DVC's temporary clone, each stage's process start, model load and save")
     return out

@@ -163,10 +163,38 @@ def lora(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
                     "full fine-tuning instead of LoRA")]
 
 
+def _causal_lm_only(cfg: "Config") -> str | None:
+    if cfg.model.task != "causal-lm":
+        return (f"causal LM (instruction fine-tuning) only: model.task is {cfg.model.task}, whose rows are "
+                "one label each, nothing to flatten or pack")
+    return None
+
+
+def padding_free(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+    """Padding-free batches the other way (causal LM only): the same examples in the same steps, each
+    micro-batch flattened into one row (no compute on padding); outside the equivalence key."""
+    if (why := _causal_lm_only(cfg)) is not None:
+        return why
+    if cfg.data.packing:
+        return "data.packing is on: packed rows are collated padding-free already"
+    return [_toggle("padding-free", "padding_free", "data.padding_free", not cfg.data.padding_free, SAME,
+                    "padding-free batches (one flattened row per micro-batch, position_ids)")]
+
+
+def packing(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+    """Packing the other way (causal LM only): examples packed into rows of ``data.max_length``, so other
+    examples share each micro-batch and step and a step counts packed rows: another equivalence key."""
+    if (why := _causal_lm_only(cfg)) is not None:
+        return why
+    return [_toggle("packing", "packing", "data.packing", not cfg.data.packing, DIFFERENT,
+                    "packing (examples packed into rows of data.max_length; a step counts rows)")]
+
+
 # The knob names (`--knobs` takes these), in the guide's order, and the function of each.
 KNOBS: dict[str, Callable[["Config", "DeviceFacts"], "list[Variant] | str"]] = {
     "split": split, "checkpointing": checkpointing, "precision": precision, "tf32": tf32,
     "optimizer": optimizer, "attention": attention, "compile": torch_compile, "allocator": allocator, "lora": lora,
+    "padding_free": padding_free, "packing": packing,
 }
 
 

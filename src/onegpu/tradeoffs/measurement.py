@@ -25,6 +25,17 @@ DIFFERENT_TRAINING = "different training"
 # runs agree in expectation, as two dropout seeds do; exact with model.dropout: 0.
 IN_EXPECTATION = "same in expectation (other dropout masks)"
 
+# What a row without a measured run says instead of a verdict. A row counts as measured when its training
+# run finished (FINISHED, or SCHEDULED: trained, not evaluated, as a probe row that skips evaluate).
+NOT_RUN = "not run"
+STOPPED = "stopped"   # ended by Ctrl-C, SIGTERM, `dvc queue kill` / `dvc queue stop --kill` (MLflow: KILLED)
+FAILED = "failed"     # its training raised (MLflow: FAILED)
+RUNNING = "running"   # its training process is still writing steps
+QUEUED = "queued"     # in the DVC queue, not started
+UNMEASURED = (NOT_RUN, STOPPED, FAILED, RUNNING, QUEUED)
+# MLflow run status -> the row's word
+_RUN_STATUS = {"KILLED": STOPPED, "FAILED": FAILED}
+
 # A step after the first slower than this many times the median step is named in the report's notes.
 SLOW_STEP = 5.0
 
@@ -70,7 +81,11 @@ class Row:
     train_runtime_s: float | None = None
     eval_loss: float | None = None
     time_to_eval_loss_s: float | None = None
-    verdict: str = "not run"
+    verdict: str = NOT_RUN
+    # the row's repeats (``--repeats``): how many were measured, and the min-max of their samples/s ratios
+    # to the baseline of their own round (for the baseline: its samples/s over its median)
+    repeats: int = 1
+    speedup_range: tuple[float, float] | None = None
     # fit for the recommendation: same key and within fp32 (or tf32) tolerance, or apart only by dropout masks
     same_training: bool = False
     comparison: RunComparison | None = None
@@ -102,10 +117,27 @@ def _verdict(v: Variant, c: RunComparison, same_key: bool) -> tuple[str, bool]:
     return c.verdict, False  # incomplete or no data
 
 
-def measure_row(v: Variant, run: RunRecord | None, baseline: RunRecord | None) -> Row:
-    """Measure ``run`` (the variant's training run, None when it has not run) against ``baseline``."""
+def unmeasured(run: RunRecord | None, state: str | None = None) -> str | None:
+    """Why ``run`` (a row's latest training run, None: none in the store) is not a measurement, as one of
+    :data:`UNMEASURED`, or None when it is one; ``state``: the row's ``dvc queue status`` word, if any."""
+    if state == "Stopped":  # stopped by this command (Ctrl-C) before or while it trained
+        return STOPPED
+    if run is None:  # DVC's Failed: the task ended before its training opened a run (killed, or a stage failed)
+        return {"Queued": QUEUED, "Running": RUNNING, "Failed": f"{STOPPED} or {FAILED} before training (dvc queue: "
+                "Failed)"}.get(state or "", NOT_RUN)
+    if run.status in _RUN_STATUS:
+        return _RUN_STATUS[run.status]
+    if "train_runtime" not in run.metrics:
+        return RUNNING if run.status == "RUNNING" else STOPPED
+    return None
+
+
+def measure_row(v: Variant, run: RunRecord | None, baseline: RunRecord | None, state: str | None = None) -> Row:
+    """Measure ``run`` (the variant's training run, None when it has not run) against ``baseline``; a run
+    that did not finish its training is no measurement: the row says why (:func:`unmeasured`)."""
     row = Row(variant=v, run=run)
-    if run is None:
+    if (why := unmeasured(run, state)) is not None:
+        row.run, row.verdict = None, why
         return row
     row.samples_per_second = steady_samples_per_second(run)
     row.memory_bytes, row.memory_kind = memory_bytes(run)
@@ -142,7 +174,50 @@ def measure_row(v: Variant, run: RunRecord | None, baseline: RunRecord | None) -
     return row
 
 
-def measure_rows(variants: list[Variant], runs: dict[str, RunRecord]) -> list[Row]:
-    """One :class:`Row` per variant; ``runs`` maps a variant name to its training run (absent: not run)."""
-    baseline = runs.get("baseline")
-    return [measure_row(v, runs.get(v.name), baseline) for v in variants]
+def repeat_name(name: str, r: int) -> str:
+    """Row ``name``'s ``r``-th repeat (1-based): ``name`` itself, then ``name-r2``, ``name-r3``, ..."""
+    return name if r == 1 else f"{name}-r{r}"
+
+
+def aggregate(v: Variant, rows: list[Row]) -> Row:
+    """One row from its repeats (``rows``, each against the baseline of its own round): the medians of
+    samples/s, speed-up, memory and times, the min-max of the speed-ups, the verdict of the first repeat
+    unless another is not the same training (the worst one shows). A row with an unmeasured repeat is
+    unmeasured (the first such repeat's word, e.g. stopped)."""
+    missing = [r for r in rows if r.run is None]
+    if missing:
+        out = Row(variant=v, run=None, verdict=missing[0].verdict)
+        out.notes = [f"{len(rows) - len(missing)} of {len(rows)} repeats measured"] if len(rows) > 1 else []
+        return out
+    if len(rows) == 1:
+        return rows[0]
+    first = rows[0]
+    med = lambda xs: float(np.median(xs)) if xs and None not in xs else None  # noqa: E731
+    out = Row(variant=v, run=first.run, comparison=first.comparison, memory_kind=first.memory_kind,
+              repeats=len(rows))
+    for attr in ("samples_per_second", "speedup", "memory_bytes", "memory_ratio", "first_step_s",
+                 "train_runtime_s", "eval_loss", "time_to_eval_loss_s"):
+        setattr(out, attr, med([getattr(r, attr) for r in rows]))
+    worst = next((r for r in rows if not r.same_training), first)
+    out.verdict, out.same_training = worst.verdict, all(r.same_training for r in rows)
+    ups = [r.speedup for r in rows]
+    if v.knob == "baseline":
+        sps = [r.samples_per_second for r in rows]
+        ups = [x / out.samples_per_second for x in sps] if None not in sps and out.samples_per_second else [None]
+    out.speedup_range = (min(ups), max(ups)) if None not in ups else None
+    out.notes = list(dict.fromkeys(n for r in rows for n in r.notes))
+    return out
+
+
+def measure_rows(variants: list[Variant], runs: dict[str, RunRecord], repeats: int = 1,
+                 states: dict[str, str] | None = None) -> list[Row]:
+    """One :class:`Row` per variant over its ``repeats``: ``runs`` maps a repeat's name
+    (:func:`repeat_name`) to its training run (absent: not run), ``states`` to its DVC queue state;
+    repeat ``r`` of each variant is measured against repeat ``r`` of the baseline (the same round)."""
+    states = states or {}
+    out = []
+    for v in variants:
+        rows = [measure_row(v, runs.get(repeat_name(v.name, r)), runs.get(repeat_name("baseline", r)),
+                            states.get(repeat_name(v.name, r))) for r in range(1, repeats + 1)]
+        out.append(aggregate(v, rows))
+    return out

@@ -1,5 +1,6 @@
-"""The DVC queue driver of ``onegpu tradeoffs``: queue experiments with their ``-S`` overrides, run the
-queue one experiment at a time, wait until named experiments have left it.
+"""The DVC driver of ``onegpu tradeoffs``: run each row as ``dvc exp run --temp`` one at a time (progress,
+time left, Ctrl-C stopping exactly the row it started), or queue them (``--queue-only``) with their ``-S``
+overrides; read the queue's states.
 
 Each step is the ``dvc`` command in a subprocess: ``dvc.api`` shows and saves experiments (``exp_show``,
 ``exp_save``) but neither queues nor runs them; the CLI is also what the printed next commands use.
@@ -7,9 +8,11 @@ Each step is the ``dvc`` command in a subprocess: ``dvc.api`` shows and saves ex
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from onegpu.errors import UserError
@@ -34,19 +37,10 @@ def in_queue() -> list[str]:
     return [r[1] if len(r) > 1 else r[0] for r in rows if any(w in ("Queued", "Running") for w in r)]
 
 
-def wait_for(names: set[str], poll_s: float = 3.0) -> None:
-    """Until none of ``names`` is queued or running. ``dvc exp run --run-all`` can return at once while a
-    queue worker of an earlier call, still alive, runs a task just queued (it found nothing queued)."""
-    said = False
-    while busy := [n for n in in_queue() if n in names]:
-        if not said:
-            print(f"waiting for {', '.join(busy)} (still in the DVC queue)", flush=True)
-            said = True
-        time.sleep(poll_s)
-
-
-def queue(prefix: str, variants: list[Variant]) -> None:
-    """``dvc exp run --queue`` each variant as experiment ``<prefix><variant name>``.
+def queue(prefix: str, variants: list[Variant], targets: list[str] = (), window: list[str] = ()) -> None:
+    """``dvc exp run --queue`` each variant as experiment ``<prefix><variant name>`` (``targets``: the
+    stages to reproduce, e.g. ``["train"]``; none: the whole pipeline; ``window``: ``-S`` arguments
+    before the variant's own, e.g. the probe window's ``train.max_steps``).
 
     Raises:
         UserError: dvc could not queue one (its last line of output named).
@@ -57,17 +51,100 @@ def queue(prefix: str, variants: list[Variant]) -> None:
         # finding nothing to do. Every other row changes a param of train, so train runs anyway and
         # prepare is reused when it is up to date.
         force = ["--force"] if v.knob == "baseline" else []
-        p = call("exp", "run", "--queue", *force, "--name", name, *v.set_args)
+        p = call("exp", "run", "--queue", *force, "--name", name, *window, *v.set_args, *targets)
         if p.returncode != 0:
             last = (p.stderr.strip() or p.stdout.strip()).splitlines()[-1:] or ["?"]
             raise UserError(f"dvc could not queue experiment {name}: {last[0]}")
         print(f"  queued {name}  {v.set_text or '(your params)'}")
 
 
-def run_all(names: set[str]) -> None:
-    """Run every queued experiment, one at a time, following their logs (``dvc exp run --run-all -j 1``),
-    and wait until ``names`` (the experiments this command queued) have left the queue."""
-    print("running the queue one experiment at a time (dvc exp run --run-all -j 1); Ctrl+C stops following "
-          "the logs, the experiments go on (then `onegpu tradeoffs --report`)", flush=True)
-    subprocess.run([dvc(), "exp", "run", "--run-all", "-j", "1"])
-    wait_for(names)
+def states() -> dict[str, str]:
+    """Each experiment of ``dvc queue status`` by name: ``Queued``, ``Running``, ``Failed``, ``Success``
+    (DVC's words; a task stopped with ``dvc queue kill`` or ``dvc queue stop --kill`` shows ``Failed``)."""
+    out = {}
+    for line in call("queue", "status").stdout.splitlines():
+        words = line.split()
+        for w in ("Queued", "Running", "Failed", "Success"):
+            if w in words and len(words) > 1:
+                out[words[1]] = w
+    return out
+
+
+@dataclass
+class Ran:
+    """One row's ``dvc exp run --temp``: its experiment name, exit status (None: stopped by Ctrl-C or
+    SIGTERM before it ended) and wall-clock seconds (clone, stages, training, saving)."""
+    name: str
+    returncode: int | None
+    seconds: float
+
+
+def time_left(done: list[Ran], left: int) -> str:
+    """``"about 3 min 20 s left"`` from the mean wall time of the rows ``done`` times the ``left`` rows
+    (``left`` includes the one about to start); before any row ended, what is not known yet."""
+    if not done:
+        return "time left: known after the first row"
+    s = round(sum(r.seconds for r in done) / len(done) * left)
+    return f"about {s // 60} min {s % 60:02d} s left" if s >= 60 else f"about {s} s left"
+
+
+def _stop(p: subprocess.Popen, told: bool, grace_s: float = 60.0) -> None:
+    """Stop ``p`` (a ``dvc exp run --temp``; the training in it saves its state and ends its MLflow run
+    KILLED on SIGINT). ``told``: it had the terminal's Ctrl-C too (the whole foreground process group
+    gets it), so give it 10 s to end by itself before a SIGINT of ours; SIGKILL after ``grace_s`` more or
+    at another Ctrl-C."""
+    try:
+        try:
+            if not told:
+                raise subprocess.TimeoutExpired(p.args, 0)
+            p.wait(10.0)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGINT)
+            p.wait(grace_s)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        p.kill()
+        p.wait()
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, sent to this process alone: the row's process did not get it."""
+
+
+def _raise_interrupt(signum, frame):
+    raise _Terminated()
+
+
+def run_rows(prefix: str, rows: list[Variant], targets: list[str], force: set[str] = frozenset(),
+             window: list[str] = ()) -> tuple[list[Ran], bool]:
+    """Run each of ``rows`` in order, one at a time, as ``dvc exp run --temp --name <prefix><row name>``
+    (``targets``: e.g. ``["train"]``: the stages up to train only; ``force``: row names run with
+    ``--force``; ``window``: ``-S`` arguments before each row's own), printing "row k of M" and the time
+    left before each.
+
+    ``--temp`` runs in a temporary clone in the foreground: no queue worker, nothing left queued, and
+    Ctrl-C (or SIGTERM) stops exactly the experiment this command started.
+    Returns:
+        ``(ran, interrupted)``: the rows that ran or were stopped (in order), and whether the command was
+        interrupted (the rows after the stopped one did not start).
+    """
+    ran: list[Ran] = []
+    old = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        for k, v in enumerate(rows, 1):
+            name = f"{prefix}{v.name}"
+            print(f"\nrow {k} of {len(rows)}: {name}  {v.set_text or '(your params)'}  "
+                  f"({time_left([r for r in ran if r.returncode is not None], len(rows) - k + 1)})", flush=True)
+            cmd = [dvc(), "exp", "run", "--temp", "--name", name, *(["--force"] if v.name in force else []),
+                   *window, *v.set_args, *targets]
+            t0 = time.monotonic()
+            p = subprocess.Popen(cmd)
+            try:
+                rc = p.wait()
+            except KeyboardInterrupt as e:
+                _stop(p, told=not isinstance(e, _Terminated))
+                ran.append(Ran(name, None, time.monotonic() - t0))
+                return ran, True
+            ran.append(Ran(name, rc, time.monotonic() - t0))
+        return ran, False
+    finally:
+        signal.signal(signal.SIGTERM, old)

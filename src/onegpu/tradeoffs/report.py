@@ -7,8 +7,8 @@ from pathlib import Path
 
 from onegpu.compare.plots import pyplot
 from onegpu.formatting import gib, markdown_table, mib, num, ratio, text_table
-from onegpu.tradeoffs.measurement import DIFFERENT_TRAINING, SAME_TRAINING, Row
-from onegpu.tradeoffs.recommend import MIN_GAIN, Recommendation, load_reason
+from onegpu.tradeoffs.measurement import DIFFERENT_TRAINING, FAILED, NOT_RUN, SAME_TRAINING, Row
+from onegpu.tradeoffs.recommend import MIN_GAIN, Recommendation, confirmed, load_reason, spread
 
 REPORT_FILE = "tradeoffs.md"
 PLOT_FILE = "tradeoffs.png"
@@ -26,6 +26,8 @@ GUIDE = {
     "compile": "yes / no",
     "allocator": "not in the guide (PyTorch's CPU tuning guide: an allocator that reuses memory)",
     "lora": "PEFT: no / yes",
+    "padding_free": "not in the guide (TRL's padding_free: no compute or memory on padding)",
+    "packing": "not in the guide (TRL's packing: no padding, other examples per step)",
 }
 
 
@@ -52,40 +54,66 @@ def ratios(rows: list[Row], measured: Row | None) -> dict[str, float]:
     return out
 
 
+def _spread(r: Row) -> str:
+    """The min-max of a row's repeats (``0.95x-1.08x``), or nothing with one run."""
+    return f"{r.speedup_range[0]:.2f}x-{r.speedup_range[1]:.2f}x" if r.speedup_range and r.repeats > 1 else ""
+
+
 def _cells(r: Row) -> list[str]:
     v = r.variant
     if r.run is None:
-        return [v.name, v.what, GUIDE.get(v.knob, ""), "", "", "", "", "", "", "", "", "not run"]
-    return [v.name, v.what, GUIDE.get(v.knob, ""), num(r.samples_per_second, ".2f"), ratio(r.speedup),
+        return [v.name, v.what, GUIDE.get(v.knob, ""), "", "", "", "", "", "", "", "", "", r.verdict]
+    return [v.name, v.what, GUIDE.get(v.knob, ""), num(r.samples_per_second, ".2f"), ratio(r.speedup), _spread(r),
             num(r.first_step_s, ".2f"), mib(r.memory_bytes, unit=False), ratio(r.memory_ratio),
             num(r.train_runtime_s), num(r.eval_loss, ".4f"), _time_to_loss(r), r.verdict]
 
 
-HEAD = ["row", "change", "the guide says (speed / memory)", "samples/s (steps 2..N)", "vs baseline",
-        "step 1 (s)", "memory (MiB)", "vs baseline", "train time (s)", "eval loss",
+HEAD = ["row", "change", "the guide says (speed / memory)", "samples/s (steps 2..N)", "vs baseline (median)",
+        "min-max of repeats", "step 1 (s)", "memory (MiB)", "vs baseline", "train time (s)", "eval loss",
         "time to baseline's eval loss (s)", "verdict"]
 
 
-def recommendation_lines(rec: Recommendation, measured: Row | None) -> list[str]:
+def _budget(rec: Recommendation) -> str:
+    return "" if rec.budget_bytes is None else f" within the memory budget {gib(rec.budget_bytes)}"
+
+
+def _incomplete(rec: Recommendation, rows: list[Row]) -> list[str]:
+    measured, planned = rec.incomplete
+    missing = [f"{r.variant.name} ({r.verdict})" for r in rows if r.run is None and r.verdict != FAILED]
+    return [f"**Incomplete: {measured} of {planned} rows measured**: no recommendation (it would rest on the "
+            "rows that happened to run). Missing: " + ", ".join(missing) + ". Run the batch again "
+            "(`onegpu tradeoffs`), or, when its rows are still queued, `onegpu tradeoffs --report` after them."]
+
+
+def recommendation_lines(rec: Recommendation, measured: Row | None, rows: list[Row] = ()) -> list[str]:
     """The closing paragraph: the fastest same-training configuration that fits the budget, the ``-S``
     arguments that apply it, and its measured speed-up and verdict (``measured``: its run against the
-    baseline, None when not run yet)."""
-    budget = ("no memory budget set (train.memory_budget_gib: null)" if rec.budget_bytes is None
-              else f"memory budget {gib(rec.budget_bytes)}")
+    baseline, None when not run yet); for an incomplete batch (``rows`` missing) that nothing is
+    recommended; for a combination its own repeats must confirm it."""
+    if rec.incomplete is not None:
+        return _incomplete(rec, list(rows))
     out = []
     if rec.variant is None:
-        out.append(f"**Recommendation:** keep your params. No knob that keeps the same training was at least "
-                   f"{MIN_GAIN:.0%} faster within the {budget}.")
+        out.append(f"**Recommendation:** keep your params. No knob that keeps the same training was clearly "
+                   f"(at least {MIN_GAIN:.0%}, and beyond the repeats' spread) faster{_budget(rec)}.")
+    elif measured is not None and measured.run is not None and not confirmed(measured, list(rows)):
+        out.append(f"**Recommendation:** keep your params. Together ({rec.variant.what}) the faster knobs "
+                   f"measured {spread(measured) if measured.speedup else '-'} the baseline's samples/s, verdict "
+                   f"**{measured.verdict}**: no clear difference, so the combination is not recommended.")
+    elif rec.variant.knob == "recommended" and (measured is None or measured.run is None):
+        out.append(f"**No recommendation yet:** the knobs that were clearly faster alone ("
+                   + ", ".join(f"{r.variant.name} {ratio(r.speedup)}" for r in rec.parts) + ") have not been "
+                   f"measured together ({measured.verdict if measured is not None else NOT_RUN}), and knobs do "
+                   f"not multiply exactly; their combination, to measure: `dvc exp run {rec.variant.set_text}`.")
     else:
-        out.append(f"**Recommendation** (the fastest configuration measured that keeps the same training, "
-                   f"{budget}): `dvc exp run {rec.variant.set_text}`")
-        if measured is None or measured.run is None:
-            out.append(f"Not measured yet as a whole ({rec.variant.what}); each part alone: "
-                       + ", ".join(f"{r.variant.name} {ratio(r.speedup)}" for r in rec.parts) + ".")
-        else:
-            out.append(f"Measured: {ratio(measured.speedup)} the baseline's samples/s "
-                       f"({num(measured.samples_per_second, '.2f')} vs "
-                       f"{num(measured.samples_per_second / measured.speedup if measured.speedup else None, '.2f')}),"
+        out.append(f"**Recommendation** (the fastest configuration measured that keeps the same training"
+                   f"{_budget(rec)}): `dvc exp run {rec.variant.set_text}`")
+        if measured is not None and measured.run is not None:
+            base = next((r.samples_per_second for r in rows if r.variant.knob == "baseline"), None)
+            if base is None and measured.speedup:
+                base = measured.samples_per_second / measured.speedup
+            out.append(f"Measured: {spread(measured)} the baseline's samples/s "
+                       f"({num(measured.samples_per_second, '.2f')} vs {num(base, '.2f')}),"
                        f" memory {ratio(measured.memory_ratio)}, verdict against the baseline: "
                        f"**{measured.verdict}**.")
     if rec.left_out:
@@ -93,9 +121,22 @@ def recommendation_lines(rec: Recommendation, measured: Row | None) -> list[str]
     return out
 
 
+def window_text(steps: int | None, repeats: int) -> str:
+    """The measured window in words, for the report's header."""
+    what = (f"The probe window: each row trains its first {steps} optimizer steps (`train.max_steps={steps}`, "
+            "the baseline too, so the learning-rate schedule spans those steps) up to the train stage; "
+            "evaluate is skipped, so there is no eval loss." if steps else
+            "The whole job: each row trains the job to its end and evaluates it (`--full`).")
+    return what + (f" Each row ran {repeats} times, in interleaved rounds (baseline, each knob; again): "
+                   "the ratio is the median of each repeat against the baseline of its round, with their "
+                   "min-max." if repeats > 1 else " Each row ran once: no spread measured (`--repeats`).")
+
+
 def markdown(rows: list[Row], rec: Recommendation, measured: Row | None, title: str,
-             image: str | None = PLOT_FILE, skipped: list[str] = ()) -> str:
-    """The whole report: a header naming the device, the table, notes and the recommendation."""
+             image: str | None = PLOT_FILE, skipped: list[str] = (), window: str = "",
+             timing: list[str] = ()) -> str:
+    """The whole report: a header naming the device and the measured ``window``, the table, notes (with
+    ``timing``: the rows' wall time and overhead) and the recommendation."""
     base = next((r for r in rows if r.variant.knob == "baseline"), None)
     device = base.run.tags.get("device", "?") if base and base.run else "?"
     kind = next((r.memory_kind for r in rows if r.memory_kind), "")
@@ -109,8 +150,8 @@ def markdown(rows: list[Row], rec: Recommendation, measured: Row | None, title: 
              + " Verdict: the run's per-step loss and gradient norm against the baseline's "
              f"(`onegpu compare`'s tolerances): {SAME_TRAINING}, same within a precision's tolerance, or "
              f"{DIFFERENT_TRAINING} (another optimizer or LoRA: another equivalence key). Eval loss is measured "
-             "once, after training: a row reaches the baseline's eval loss when its own is at least as low.",
-             ""]
+             "once, after training: a row reaches the baseline's eval loss when its own is at least as low."
+             + (f" {window}" if window else ""), ""]
     if image:
         lines += [f"![speed and memory per knob]({image})", ""]
     lines += markdown_table(HEAD, [_cells(r) for r in rows + combined_row(measured)]).splitlines()
@@ -123,21 +164,22 @@ def markdown(rows: list[Row], rec: Recommendation, measured: Row | None, title: 
               "speed gain)" for r in rows if load_reason(r)]
     if skipped:
         notes += [f"- not measured: {s}" for s in skipped]
+    notes += [f"- {t}" for t in timing]
     if notes:
         lines += notes + [""]
-    lines += recommendation_lines(rec, measured)
+    lines += recommendation_lines(rec, measured, rows)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def terminal(rows: list[Row], rec: Recommendation, measured: Row | None, width: int = 100) -> str:
     """A compact plain-text table (row, samples/s ratio, memory ratio, train time, verdict) and the
     recommendation, wrapped at ``width``."""
-    head = ("row", "samples/s", "vs base", "memory MiB", "vs base", "train s", "verdict")
-    body = [(r.variant.name, num(r.samples_per_second, ".2f"), ratio(r.speedup), mib(r.memory_bytes, unit=False),
-             ratio(r.memory_ratio), num(r.train_runtime_s), r.verdict)
+    head = ("row", "samples/s", "vs base", "min-max", "memory MiB", "vs base", "train s", "verdict")
+    body = [(r.variant.name, num(r.samples_per_second, ".2f"), ratio(r.speedup), _spread(r),
+             mib(r.memory_bytes, unit=False), ratio(r.memory_ratio), num(r.train_runtime_s), r.verdict)
             for r in rows + combined_row(measured)]
-    out = text_table(head, body, right=(1, 2, 3, 4, 5))
-    for para in recommendation_lines(rec, measured):
+    out = text_table(head, body, right=(1, 2, 3, 4, 5, 6))
+    for para in recommendation_lines(rec, measured, rows):
         out += textwrap.wrap(para.replace("**", ""), width, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(out) + "\n"
 
@@ -170,7 +212,7 @@ def figure(rows: list[Row], title: str):
 
 
 def write(rows: list[Row], rec: Recommendation, measured: Row | None, out_dir: str | Path, title: str,
-          skipped: list[str] = ()) -> list[Path]:
+          skipped: list[str] = (), window: str = "", timing: list[str] = ()) -> list[Path]:
     """Write ``tradeoffs.md`` and ``tradeoffs.png`` into ``out_dir`` (created if missing); return both paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -179,5 +221,5 @@ def write(rows: list[Row], rec: Recommendation, measured: Row | None, out_dir: s
     fig.savefig(png, dpi=110)
     pyplot().close(fig)
     md = out / REPORT_FILE
-    md.write_text(markdown(rows, rec, measured, title, PLOT_FILE, skipped), encoding="utf-8")
+    md.write_text(markdown(rows, rec, measured, title, PLOT_FILE, skipped, window, timing), encoding="utf-8")
     return [md, png]

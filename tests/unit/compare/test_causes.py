@@ -61,3 +61,31 @@ def test_compare_names_the_knob_that_differs_when_runs_diverge(param, value, nam
     # the same knob on both sides (or a run logged before the knob existed, read as the default) is no cause
     same = eq.compare_run(_with(record("s", 64, 1, loss=drifted(3)), **{"train.optim": "adamw_torch"}), ref)
     assert not any(param in cause for cause in same.causes), same.causes
+
+
+def test_padding_free_is_the_same_training_compared_within_fp32_tolerance():
+    ref = _with(record("padded", 8, 2), **{"data.padding_free": False})
+    # equal losses up to summation order: equivalent at the fp32 tolerance, and padding_free is no cause
+    same = eq.compare_run(_with(record("flat", 8, 2, loss=drifted(99)), **{"data.padding_free": True}), ref)
+    assert (same.verdict, same.precision) == ("equivalent", "fp32")
+    # beyond the tolerance: padding_free is named, as the same training that should not have moved
+    off = eq.compare_run(_with(record("flat", 8, 2, loss=drifted(2)), **{"data.padding_free": True}), ref)
+    assert off.verdict == "diverged at step 2"
+    assert off.causes[0].startswith("data.padding_free differs (true vs false): the same training"), off.causes
+    # a run logged before the knob existed reads as padded: no cause against a padded reference
+    old = eq.compare_run(record("old", 8, 2, loss=drifted(2)), ref)
+    assert not any("padding_free" in c for c in old.causes), old.causes
+
+
+@pytest.mark.parametrize("param,value,default,says", [
+    ("data.packing", True, False, "its own equivalence key"),
+    ("data.completion_only_loss", False, None, "a different training"),
+    ("data.assistant_only_loss", True, False, "a different training"),
+])
+def test_packing_and_loss_masks_are_named_with_what_they_change(param, value, default, says):
+    ref = _with(record("ref", 8, 2), **{param: default})
+    c = eq.compare_run(_with(record("run", 8, 2, loss=drifted(1)), **{param: value}), ref)
+    named = [x for x in c.causes if x.startswith(f"{param} differs")]
+    assert len(named) == 1 and says in named[0], c.causes
+    assert not any(x.startswith(param) for x in eq.compare_run(_with(record("s", 8, 2), **{param: default}),
+                                                                 ref).causes)

@@ -41,13 +41,16 @@ def test_a_row_whose_params_do_not_validate_stops_the_batch_naming_the_row(tmp_p
     assert [v.overrides[0] for v in variants] == [("model.dropout", "0")] * 2
 
 
-def test_each_row_is_its_latest_finished_run():
+def test_each_row_is_its_latest_finished_run_else_its_latest_run():
+    """A stopped or failed run stays its row's run (the row then says so) unless a finished one exists."""
     def rec(name, status="FINISHED", done=True, run_id=None):
         return RunRecord(run_id=run_id or name, name=f"tradeoffs-1-{name}", status=status,
                          metrics={"train_runtime": 1.0} if done else {})
     runs = batch.finished_runs([rec("baseline", run_id="old"), rec("baseline", run_id="new"),
-                                rec("bf16", status="FAILED"), rec("split-16x1", done=False)], "tradeoffs-1-")
-    assert {k: r.run_id for k, r in runs.items()} == {"baseline": "new"}
+                                rec("baseline", status="KILLED", done=False, run_id="stopped-later"),
+                                rec("bf16", status="FAILED"), rec("split-16x1", status="KILLED", done=False)],
+                               "tradeoffs-1-")
+    assert {k: r.run_id for k, r in runs.items()} == {"baseline": "new", "bf16": "bf16", "split-16x1": "split-16x1"}
 
 
 @pytest.mark.parametrize("differs", [True, False])
@@ -57,7 +60,7 @@ def test_start_says_when_the_baseline_params_differ_from_git(monkeypatch, capsys
     from pathlib import Path
 
     from onegpu import paths
-    monkeypatch.setattr(batch.queue, "queue", lambda prefix, variants: None)
+    monkeypatch.setattr(batch.queue, "queue", lambda prefix, variants, targets, window: None)
     monkeypatch.setattr(paths, "params_differ_from_head", lambda params: differs)
     defaults.write_params(Path.cwd())
     cfg = config.from_container(defaults.params())
@@ -66,3 +69,52 @@ def test_start_says_when_the_baseline_params_differ_from_git(monkeypatch, capsys
     out = capsys.readouterr().out
     assert ("note: params.yaml differs from git's HEAD (`git diff params.yaml`): the baseline is the file "
             "as it is" in out) == differs, out
+
+
+def test_rows_run_in_interleaved_rounds_with_the_probe_window_before_their_own_params(tmp_path, monkeypatch, capsys):
+    """The window (-S train.max_steps=N, up to train) reaches every row, the baseline too, but is no
+    row's override: a recommendation never carries it. A user's own -S train.max_steps is the window."""
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    defaults.write_params(tmp_path)
+    cfg = config.from_container(defaults.params())
+    calls = []
+    monkeypatch.setattr(batch.queue, "run_rows", lambda prefix, rows, targets, force, window: (
+        calls.append(([v.name for v in rows], targets, force, window)) or ([], False)))
+    monkeypatch.setattr(batch.queue, "states", lambda: {})
+    facts = config.DeviceFacts(cuda=False, gpus=0, bf16=True, packages=frozenset())
+    name, interrupted = batch.start(cfg, "params.yaml", ("split", "checkpointing"), [], False, facts, 10, 2)
+    assert not interrupted
+    (names, targets, force, window), = calls
+    assert names == ["baseline", "split-16x1", "checkpointing", "baseline-r2", "split-16x1-r2", "checkpointing-r2"]
+    assert targets == ["train"] and window == ["-S", "train.max_steps=10"] and force == set()
+    kept = batch.load_plan(name)
+    assert kept["steps"] == 10 and kept["repeats"] == 2
+    assert all(("train.max_steps", "10") not in v.overrides for v in batch.variants_of(kept))
+    batch.start(cfg, "params.yaml", ("split",), ["train.max_steps=4"], False, facts, 10, 1)
+    assert calls[-1][3] == ["-S", "train.max_steps=4"]
+    batch.start(cfg, "params.yaml", ("split",), [], False, facts, None, 1)  # --full: whole pipeline, --force
+    assert calls[-1][1:] == ([], {"baseline"}, [])
+
+
+def test_rows_stopped_by_ctrl_c_are_stopped_in_the_report_and_the_wall_times_are_kept(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in row 2 of 3: row 2 says stopped (its run never opened), row 3 not run; the batch is
+    incomplete; the plan keeps each row's wall time, and the timing note gives the overhead."""
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    variants, _ = knobs.plan(config.from_container(defaults.params()), config.DeviceFacts(), ("split", "attention"))
+    batch.save("0101-000000", variants, [], {"steps": 10, "repeats": 1})
+    monkeypatch.setattr(batch.queue, "run_rows", lambda prefix, rows, targets, force, window: (
+        [batch.queue.Ran(f"{prefix}baseline", 0, 30.0), batch.queue.Ran(f"{prefix}{rows[1].name}", None, 4.0)], True))
+    cfg = config.from_container(defaults.params())
+    assert batch.run("0101-000000", variants, 10, None) is True
+    manifest = batch.load_plan(None)
+    assert manifest["stopped"] == [variants[1].name] and manifest["wall_s"]["baseline"] == 30.0
+    base = RunRecord(run_id="b", name="tradeoffs-0101-000000-baseline", status="SCHEDULED",
+                     metrics={"train_runtime": 12.0}, series={"loss": [(1, 1.0)], "step_time_s": [(1, 1.0)]})
+    m = batch.measure(manifest, lambda: {"baseline": base}, None, True, False, "here", {}, True)
+    assert [r.verdict for r in m.rows] == ["baseline", "stopped", "not run"] and m.interrupted
+    assert m.recommendation.incomplete == (1, 3) and m.measured is None
+    note = batch.timing(manifest, {"baseline": base})
+    assert note == ["the rows took 34 s of wall time (2 dvc exp run --temp, one at a time); per row a median "
+                    "18.0 s (min 18.0, max 18.0) beyond its training: DVC's temporary clone, each stage's process "
+                    "start, model load and save"]

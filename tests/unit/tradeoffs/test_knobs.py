@@ -32,7 +32,8 @@ def test_plan_on_cpu_for_the_defaults():
                                          "-S", "train.gradient_accumulation_steps=1"]
     assert by["baseline"].set_args == []
     assert by["lora"].set_args == ["-S", "model.lora.r=8"]  # the dotted form a user types
-    assert [s.split(":")[0] for s in skipped] == ["tf32"]  # a no-op on CPU
+    # tf32: a no-op on CPU; padding-free and packing: causal LM only
+    assert [s.split(":")[0] for s in skipped] == ["tf32", "padding_free", "packing"]
 
 
 def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
@@ -40,7 +41,7 @@ def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
     names = _names(variants)
     assert "fp16" in names and "bf16" not in names  # a GPU without bf16
     assert "tf32" in names and "adamw_bnb_8bit" in names and "cpu-allocator-system" not in names
-    assert [s.split(":")[0] for s in skipped] == ["allocator"]  # host memory is not the tensors' on a GPU
+    assert [s.split(":")[0] for s in skipped] == ["allocator", "padding_free", "packing"]  # host memory is not the tensors' on a GPU
 
 
 def test_plan_turns_off_what_is_on_and_splits_the_other_way():
@@ -121,3 +122,32 @@ def test_common_overrides_go_first_in_every_variant():
     assert [v.overrides for v in out] == [
         (("model.dropout", "0"),),
         (("model.dropout", "0"), ("train.per_device_train_batch_size", "16"), ("train.gradient_accumulation_steps", "1"))]
+
+
+def _sft(**data) -> config.Config:
+    raw = defaults.params()
+    raw["model"].update(task="causal-lm", name_or_path=None)
+    raw["data"].update(source="bbcnews-headlines", **data)
+    return config.from_container(raw)
+
+
+def test_padding_free_and_packing_rows_only_for_a_causal_lm_and_their_keys():
+    """Padding-free is the same training (the baseline's key); packing another (its own key); a
+    classifier gets neither row, with the reason."""
+    variants, skipped = knobs.plan(_cfg(), CPU, knobs=("padding_free", "packing"))
+    assert _names(variants) == ["baseline"]
+    assert [s.split(":")[0] for s in skipped] == ["padding_free", "packing"] and "causal LM" in skipped[0]
+    base = _sft()
+    variants, _ = knobs.plan(base, CPU, knobs=("padding_free", "packing"))
+    assert [(v.name, v.overrides, v.expect) for v in variants[1:]] == [
+        ("padding-free", (("data.padding_free", "true"),), knobs.SAME),
+        ("packing", (("data.packing", "true"),), knobs.DIFFERENT)]
+    base_key = equivalence_key(base, config.resolve(base), "fp")
+    for v in variants[1:]:
+        cfg = _sft(**{k.split(".")[1]: val == "true" for k, val in v.overrides})
+        assert (equivalence_key(cfg, config.resolve(cfg), "fp") == base_key) == (v.expect == knobs.SAME), v.name
+    # padding-free on: the row turns it off; packing on: padding-free has no row (packed rows are flat already)
+    assert _names(knobs.plan(_sft(padding_free=True), CPU, knobs=("padding_free",))[0]) == ["baseline",
+                                                                                           "no-padding-free"]
+    _, skipped = knobs.plan(_sft(packing=True), CPU, knobs=("padding_free", "packing"))
+    assert [s.split(":")[0] for s in skipped] == ["padding_free"]
