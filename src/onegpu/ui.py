@@ -82,6 +82,17 @@ def present(tracker: "tracking.Tracker", base: str) -> str:
     return f"{tracker.runs_table_url(base)}?{query}"
 
 
+def latest_run_link(tracker: "tracking.Tracker", base: str) -> str | None:
+    """The page of the newest training run in the model-training view (``<runs table>/<run id>?workflowType=
+    machine_learning``: MLflow's UI otherwise opens a run page in its GenAI view on a first visit), with
+    the run's name; None when the experiment has no training run."""
+    runs = tracker.client.search_runs([tracker.experiment_id], filter_string=TRAINING_FILTER, max_results=1,
+                                      order_by=["attributes.start_time DESC"])
+    if not runs:
+        return None
+    return f"{runs[0].info.run_name}: {tracker.runs_table_url(base)}/{runs[0].info.run_id}?workflowType=machine_learning"
+
+
 # Seconds the MLflow server may take to answer its /health address (a busy 2-core machine needs ~20 s).
 START_TIMEOUT_S = 120.0
 
@@ -199,6 +210,7 @@ def serve(experiment_name: str, host: str = "127.0.0.1", port: int = 5000) -> in
     cmd = _server_command(tracker.uri, host, port)
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     link = present(tracker, base)
+    latest = latest_run_link(tracker, base)
     # Its own session: Ctrl-C and SIGTERM reach only onegpu, which stops the whole server group
     # (mlflow's CLI, uvicorn) quietly; nothing keeps serving the port after onegpu exits.
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -208,7 +220,8 @@ def serve(experiment_name: str, host: str = "127.0.0.1", port: int = 5000) -> in
     try:
         _wait_until_serving(proc, base, log, START_TIMEOUT_S)
         print(f"MLflow UI for experiment {experiment_name!r} (store {tracking.redact(tracker.uri)}):\n"
-              f"  {link}\nCtrl-C stops it.", flush=True)
+              f"  {link}\n" + (f"  the latest training run, {latest}\n" if latest else "") + "Ctrl-C stops it.",
+              flush=True)
         proc.wait()
         raise _stopped(proc, log, "on its own; the link above no longer works")
     except KeyboardInterrupt:

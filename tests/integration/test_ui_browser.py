@@ -44,7 +44,7 @@ def _fill_store(root: Path) -> list[str]:
         buf = tr.metric_buffer(rid)
         rows = [(step, {"loss": loss, "grad_norm": 2.0 / step, "mem_peak_bytes": 2e8, "samples_per_second": 40.0})
                 for step, loss in enumerate((1.5, 1.0, final), start=1)]
-        ROWS_SHOWN[:] = ROWS_SHOWN or rows
+        ROWS_SHOWN[:] = rows  # the last run's: the latest, whose page onegpu ui links
         for step, metrics in rows:
             buf.add(metrics, step)
         buf.flush()
@@ -129,8 +129,11 @@ def test_ui_link_opens_training_runs_with_loss_in_model_training_view(tmp_path, 
             assert column in text, f"column {column} missing"
         assert "bs8x1-fp32" in text and "191 MiB" in text and "40.00 samples/s" in text and "71% of 2 CPUs" in text
 
-        # the run page in the model-training mode (the runs table's links keep it; a fresh profile needs it)
-        run_page = f"{link.split('?')[0]}/{ids[0]}?workflowType=machine_learning"
+        # the latest run's page, in the model-training view, as onegpu ui prints it
+        printed = next((ln for ln in [proc.stdout.readline()] if "the latest training run" in ln), "")
+        assert f"the latest training run, split-2x4: {link.split('?')[0]}/{ids[-1]}?workflowType=machine_learning" \
+            in printed, printed
+        run_page = printed.split(": ", 1)[1].strip()
         shot = tmp_path / "run.png"
         page = load(run_page, screenshot=shot)
         assert "get-artifact?path=training_steps.png" in page.dom, "the run page shows no training figure"
