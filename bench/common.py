@@ -365,38 +365,26 @@ def warm_up(args) -> None:
 
 # -- other load on the machine ----------------------------------------------------------------------
 # A small shared machine runs other work (test suites, builds) now and then; a run that overlaps it is
-# measured again. "Other load" = CPU time of the whole machine (psutil, steal included) minus this
-# process's own CPU time, per second of wall time, in cores.
+# measured again. "Other load" = what the train stage tags as outside load (onegpu.outside_load): the
+# whole machine's busy CPU time (psutil, steal included) less this process tree's, per second of wall
+# time, in cores.
 
 CONTENTION_LIMIT = 0.2
 
 
-def _machine_busy_s() -> float:
-    """Busy CPU seconds of the whole machine so far (psutil: user, nice, system, irq, softirq, steal)."""
-    import psutil
-    t = psutil.cpu_times()
-    return sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
-
-
-def _own_cpu_s() -> float:
-    """CPU time of this process and of its children that were waited for (a run in a subprocess)."""
-    import resource
-    c = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + c.ru_utime + c.ru_stime
-
-
 class OtherLoad:
     """``with OtherLoad() as load: ...`` then ``load.cores``: other processes' CPU use during the block
-    (this process and the children it waited for are not "other")."""
+    (this process and its children are not "other"; :class:`onegpu.outside_load.Watch`)."""
 
     def __enter__(self):
-        self.t0, self.b0, self.p0 = time.perf_counter(), _machine_busy_s(), _own_cpu_s()
+        from onegpu import outside_load
+        self._watch = outside_load.Watch()
+        self._watch.start()
         return self
 
     def __exit__(self, *exc):
-        wall = time.perf_counter() - self.t0
-        busy = _machine_busy_s() - self.b0
-        self.cores = max(0.0, (busy - (_own_cpu_s() - self.p0)) / wall) if wall > 0 else 0.0
+        figures = self._watch.stop()
+        self.cores = figures["cpu_busy"] if figures else 0.0
         return False
 
 

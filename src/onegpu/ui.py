@@ -29,8 +29,6 @@ import urllib.request
 from urllib.parse import urlencode, urlparse
 
 from onegpu import paths, tracking
-from onegpu.equivalence.key import (KEY_TAG, RESOLVED_ACCUMULATION, RESOLVED_EFFECTIVE_BATCH,
-                                    RESOLVED_MICRO_BATCH)
 from onegpu.errors import UserError
 
 VIEW_KEY = "onegpu-training-runs"  # the saved view's key: tag mlflow.sharedViewState.<VIEW_KEY>
@@ -38,10 +36,12 @@ EXPERIMENT_KIND = tracking.EXPERIMENT_KIND  # set on a new experiment too (track
 # Columns of the runs table, in this order (metrics no training run has are left out). Memory and speed
 # come as the train stage's tags in people's units (training.session.TABLE_TAGS: "1.46 GiB",
 # "2.53 samples/s", "71% of 2 CPUs"): MLflow prints the metrics raw (1572425728, nine-digit floats).
-VIEW_METRICS = ("loss", "eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity", "train_runtime")
-VIEW_PARAMS = (RESOLVED_MICRO_BATCH, RESOLVED_ACCUMULATION, RESOLVED_EFFECTIVE_BATCH,
-               "train.gradient_checkpointing", "train.backend")
-VIEW_TAGS = ("onegpu.config", "peak_memory", "speed", "outside_load", KEY_TAG)
+# The split and the knobs that are on are in the tag config ("bs4x4-fp32-ckpt"; with `auto`, the split
+# it chose): one column instead of the five params of the split, checkpointing and backend, so the costs
+# fit beside MLflow's Assistant panel, which opens by itself on a local server's first visit.
+VIEW_METRICS = ("loss", "eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity")
+VIEW_PARAMS = ()
+VIEW_TAGS = ("config", "memory", "outside_load", "speed")  # the UI orders them by name
 TRAINING_FILTER = "tags.stage = 'train'"
 
 
@@ -80,6 +80,17 @@ def present(tracker: "tracking.Tracker", base: str) -> str:
                               json.dumps(training_view(keys or None)))
     query = urlencode({"workflowType": "machine_learning", "viewStateShareKey": VIEW_KEY})
     return f"{tracker.runs_table_url(base)}?{query}"
+
+
+def latest_run_link(tracker: "tracking.Tracker", base: str) -> str | None:
+    """The page of the newest training run in the model-training view (``<runs table>/<run id>?workflowType=
+    machine_learning``: MLflow's UI otherwise opens a run page in its GenAI view on a first visit), with
+    the run's name; None when the experiment has no training run."""
+    runs = tracker.client.search_runs([tracker.experiment_id], filter_string=TRAINING_FILTER, max_results=1,
+                                      order_by=["attributes.start_time DESC"])
+    if not runs:
+        return None
+    return f"{runs[0].info.run_name}: {tracker.runs_table_url(base)}/{runs[0].info.run_id}?workflowType=machine_learning"
 
 
 # Seconds the MLflow server may take to answer its /health address (a busy 2-core machine needs ~20 s).
@@ -199,6 +210,7 @@ def serve(experiment_name: str, host: str = "127.0.0.1", port: int = 5000) -> in
     cmd = _server_command(tracker.uri, host, port)
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     link = present(tracker, base)
+    latest = latest_run_link(tracker, base)
     # Its own session: Ctrl-C and SIGTERM reach only onegpu, which stops the whole server group
     # (mlflow's CLI, uvicorn) quietly; nothing keeps serving the port after onegpu exits.
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -208,7 +220,8 @@ def serve(experiment_name: str, host: str = "127.0.0.1", port: int = 5000) -> in
     try:
         _wait_until_serving(proc, base, log, START_TIMEOUT_S)
         print(f"MLflow UI for experiment {experiment_name!r} (store {tracking.redact(tracker.uri)}):\n"
-              f"  {link}\nCtrl-C stops it.", flush=True)
+              f"  {link}\n" + (f"  the latest training run, {latest}\n" if latest else "") + "Ctrl-C stops it.",
+              flush=True)
         proc.wait()
         raise _stopped(proc, log, "on its own; the link above no longer works")
     except KeyboardInterrupt:

@@ -119,3 +119,19 @@ def test_8bit_adamw_trains_where_bitsandbytes_is_installed(tokenizer, dsd, tmp_p
     monkeypatch.chdir(tmp_path)
     losses = _losses(tokenizer, dsd, 4, 2, backend, optim="adamw_bnb_8bit")
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
+
+
+def test_outside_load_finds_no_other_process_on_a_gpu_this_process_alone_uses():
+    """Issue 20 item 3 on a GPU: this process's own CUDA context is not "another process" (pynvml, where
+    installed; else the count is unknown, None)."""
+    import os
+
+    from onegpu import outside_load
+    torch.ones(1, device="cuda")  # a CUDA context of this process on the device
+    n = outside_load.other_gpu_processes("cuda:0", {os.getpid()})
+    try:
+        import pynvml  # noqa: F401
+    except ImportError:
+        assert n is None
+    else:
+        assert n == 0, f"{n} other processes on a GPU only this test uses"

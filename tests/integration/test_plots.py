@@ -37,7 +37,8 @@ def page(tmp_path_factory) -> Path:
     project = make_project(tmp_path_factory.mktemp("plots"))
     (project / "plots").mkdir()
     (project / "plots/train_steps.csv").write_text(
-        "step,loss,grad_norm\n" + "".join(f"{s},{2.0 - 0.1 * s},{1.0}\n" for s in range(1, 11)))
+        "step,loss,grad_norm,samples_per_second,mem_peak_mib\n"
+        + "".join(f"{s},{2.0 - 0.1 * s},{1.0},{40 + s % 3},{150 + s}\n" for s in range(1, 11)))
     (project / "plots/predictions.csv").write_text("actual,predicted\nsport,sport\nsport,tech\ntech,tech\n")
     dvc(project, "plots", "show")
     return project / "dvc_plots/index.html"
@@ -51,10 +52,10 @@ def test_plots_page_references_no_network_url(page):
     assert remote == [], remote  # DVC's own page loads vega from cdn.jsdelivr.net
     assert "cdn.jsdelivr.net" not in html
     assert refs.inline_scripts == 3  # vega, vega-lite, vega-embed
-    assert html.count("vegaEmbed('#") == 2  # the loss curve and the confusion matrix
+    assert html.count("vegaEmbed('#") == 4  # loss, memory and speed per step, and the confusion matrix
 
 
 def test_plots_page_renders_without_network(page):
     shown = browser.load(page, budget_ms=20000, offline=True)  # a proxy that refuses every connection
     # vega-embed draws each chart into a <canvas class="marks"> inside the plot's div.
-    assert shown.dom.count('class="marks"') == 2, shown.dom[-2000:]
+    assert shown.dom.count('class="marks"') == 4, shown.dom[-2000:]

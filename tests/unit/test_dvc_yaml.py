@@ -71,3 +71,22 @@ def test_stages_that_read_params_named_inputs_depend_on_their_links():
     assert str(inputs.MODEL_LINK) in STAGES["train"]["deps"]
     assert "/inputs/" in (REPO / "data" / ".gitignore").read_text().splitlines()  # machine-specific links
     assert {"data/processed", "models"} <= set(STAGES["evaluate"]["deps"])
+
+
+def test_step_plots_show_loss_memory_and_speed_with_a_dash_pattern_per_experiment():
+    """Issue 20 item 8: `dvc plots diff` of equal runs drew one line for three legend entries (equal
+    values lie on one another; DVC's linear template tells revisions apart by colour only) and had no
+    memory or speed plot. Each step plot is a column train writes, drawn with .dvc/plots/steps.json,
+    whose dash pattern, like the colour, follows the revision."""
+    import json
+
+    from onegpu.stages.train import STEP_COLUMNS
+    plots = yaml.safe_load((REPO / "dvc.yaml").read_text())["plots"]
+    steps = {name: p for d in plots for name, p in d.items() if "plots/train_steps.csv" in (p.get("y") or {})}
+    assert sorted(p["y"]["plots/train_steps.csv"] for p in steps.values()) == ["loss", "mem_peak_mib",
+                                                                              "samples_per_second"]
+    assert all(p["template"] == "steps" and p["y"]["plots/train_steps.csv"] in STEP_COLUMNS for p in steps.values())
+    template = json.loads((REPO / ".dvc/plots/steps.json").read_text())
+    dash = template["encoding"]["strokeDash"]
+    assert dash["field"] == "rev" and len({str(r) for r in dash["scale"]["range"]}) >= 4
+    assert template["encoding"]["color"] == "<DVC_METRIC_COLOR>"  # DVC fills the colour per revision

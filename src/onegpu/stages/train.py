@@ -19,9 +19,9 @@ from onegpu.training import distributed, recorder, session
 # MFU, the split `auto` chose as resolved.* params, per-step series) is in the MLflow run. A run trained
 # under outside load also gets train_outside_cpu_load (CPUs other processes kept busy; onegpu.outside_load).
 HEADLINE = ("train_loss", "train_samples_per_second", "train_mem_peak_bytes")
-# plots/train_steps.csv: one row per optimizer step (the DVC plot of the loss curve).
+# plots/train_steps.csv: one row per optimizer step (dvc.yaml's plots: loss, memory in MiB, speed).
 STEP_COLUMNS = ["step", "loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second",
-                "tokens_per_second", "mem_peak_bytes"]
+                "tokens_per_second", "mem_peak_bytes", "mem_peak_mib"]
 
 
 def run(cfg: Config) -> dict:
@@ -56,7 +56,8 @@ def _write_outputs(result: session.TrainResult) -> None:
         _save_model(model, tmp, result.saved_config)
         result.tokenizer.save_pretrained(tmp)
     paths.write_csv_atomic(paths.STEP_PLOT, STEP_COLUMNS,
-                           ([r.get(c, "") for c in STEP_COLUMNS] for r in result.steps.rows))
+                           ([{**r, "mem_peak_mib": round(r["mem_peak_bytes"] / 2**20, 1)}.get(c, "")
+                             for c in STEP_COLUMNS] for r in result.steps.rows))
     headline = {k: result.summary[k] for k in HEADLINE if k in result.summary}
     if outside_load.under_load(result.outside_load):  # a caution beside the speed, only when there is one
         headline[outside_load.METRIC] = result.outside_load["cpu_busy"]

@@ -7,11 +7,12 @@ matplotlib's Agg backend; no MLflow here.
 from __future__ import annotations
 
 FIGURE = "training_steps.png"
+THUMBNAIL = "training_steps_small.png"  # the same, small enough for the run's description
+FACE = "#fdf6e3"  # the figure's background: light, and a colour MLflow's UI never uses (the UI test finds it)
 NOTE_TAG = "mlflow.note.content"  # the run's description, Markdown, on the top of MLflow's run Overview
 # (metric, panel title, scale of the values, unit); memory in MiB, speed in examples per second.
-PANELS = (("loss", "loss (effective batch)", 1.0, ""), ("grad_norm", "grad_norm (before clipping)", 1.0, ""),
-          ("mem_peak_bytes", "peak memory per step", 1 / 2**20, "MiB"),
-          ("samples_per_second", "speed per step", 1.0, "samples/s"))
+PANELS = (("loss", "loss", 1.0, ""), ("grad_norm", "grad_norm", 1.0, ""),
+          ("mem_peak_bytes", "memory", 1 / 2**20, "MiB"), ("samples_per_second", "speed", 1.0, "samples/s"))
 
 
 def series(rows: list[tuple[int, dict]], metric: str) -> tuple[list[int], list[float]]:
@@ -22,35 +23,60 @@ def series(rows: list[tuple[int, dict]], metric: str) -> tuple[list[int], list[f
     return steps, [float(by_step[s]) for s in steps]
 
 
-def plot_steps(rows: list[tuple[int, dict]], title: str, note: str = ""):
-    """A 2 x 2 matplotlib figure of :data:`PANELS` over the optimizer steps of ``rows``; ``note``: a line
-    under the title (e.g. ``stopped after 3 optimizer steps``, the outside load). Returns the figure
-    (the caller logs and closes it); a panel without values says "not measured"."""
+def _last(metric: str, values: list[float], scale: float, unit: str) -> str:
+    """The panel's headline: first -> last value (loss, grad_norm), the peak (memory) or the mean (speed)."""
+    if not values:
+        return "not measured"
+    if metric == "mem_peak_bytes":
+        return f"peak {max(values) * scale:,.0f} {unit}"
+    if metric == "samples_per_second":
+        return f"mean {sum(values) / len(values):.3g} {unit}"
+    return f"{values[0]:.4g} -> {values[-1]:.4g}"
+
+
+def plot_steps(rows: list[tuple[int, dict]], title: str, note: str = "", thumbnail: bool = False):
+    """A strip of :data:`PANELS` side by side over the optimizer steps of ``rows``, each titled with its
+    headline figure (last loss and grad_norm, peak memory, mean speed), under ``title`` and ``note``
+    (e.g. ``stopped after 3 optimizer steps``, the outside load): 14 x 2.7 inches at 100 dpi.
+    ``thumbnail``: the same curves as sparklines (no axes' numbers), 825 x 78 pixels, without the title:
+    MLflow's run description shows 100 px before "Show more", and an image at its own size
+    (:func:`description`).
+    Returns the figure (the caller logs and closes it); a panel without values says "not measured"."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6.4), sharex=True)
-    for ax, (metric, label, scale, unit) in zip(axes.flat, PANELS):
+    from matplotlib.ticker import MaxNLocator
+    size, dpi, font = ((11, 1.04), 75, 9) if thumbnail else ((14, 2.7), 100, 10)
+    fig, axes = plt.subplots(1, len(PANELS), figsize=size, dpi=dpi, facecolor=FACE)
+    for ax, (metric, label, scale, unit) in zip(axes, PANELS):
         steps, values = series(rows, metric)
         if steps:
             ax.plot(steps, [v * scale for v in values], marker="o" if len(steps) <= 40 else None,
-                    markersize=3, linewidth=1.5)
+                    markersize=3, linewidth=1.8)
         else:
             ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(label, fontsize=10)
-        ax.set_ylabel(unit or metric)
-        ax.grid(alpha=0.3)
-    from matplotlib.ticker import MaxNLocator
-    for ax in axes[1]:
-        ax.set_xlabel("optimizer step")
+        ax.set_title(f"{label}: {_last(metric, values, scale, unit)}", fontsize=font)
+        if not thumbnail:
+            ax.set_xlabel("optimizer step", fontsize=9)
+            ax.set_ylabel(unit or metric, fontsize=9)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.suptitle(title + (f"\n{note}" if note else ""), fontsize=11)
-    fig.tight_layout()
+        ax.tick_params(labelsize=font - 2)
+        if thumbnail:
+            ax.set_xticks([])
+            ax.set_yticks([])
+        ax.grid(alpha=0.3)
+    if not thumbnail:
+        fig.suptitle(title + (f"; {note}" if note else ""), fontsize=10)
+    fig.tight_layout(pad=0.4 if thumbnail else 1.08)
     return fig
 
 
-def description(run_id: str, note: str = "") -> str:
-    """The run's description (Markdown): the figure, through the MLflow server's ``get-artifact`` address
-    relative to the UI's page (so it works on any host and port), then ``note``."""
-    text = f"![loss, grad_norm, memory and speed per optimizer step](get-artifact?path={FIGURE}&run_uuid={run_id})"
-    return text + (f"\n\n{note}" if note else "")
+def description(run_id: str) -> str:
+    """The run's description (MLflow renders it as Markdown, HTML allowed): the figure, through the MLflow
+    server's ``get-artifact`` address relative to the UI's page (any host and port): the thumbnail
+    (78 px high: the description's first 100 px show it whole; MLflow drops an image's size attributes),
+    linked to the full-size figure."""
+    def src(name: str) -> str:
+        return f"get-artifact?path={name}&amp;run_uuid={run_id}"
+    return (f'<a href="{src(FIGURE)}"><img src="{src(THUMBNAIL)}" '
+            'alt="loss, grad_norm, memory and speed per optimizer step"></a>')

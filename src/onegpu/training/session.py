@@ -33,7 +33,7 @@ _BUDGET_CPU = ("; on a CPU the budget covers the training state: params, grads, 
                "activations, not the whole process")
 
 
-CONFIG_TAG = "onegpu.config"  # the run's settings in a few characters (config_name), also on DVC-named runs
+CONFIG_TAG = "config"  # the run's settings in a few characters (config_name), also on DVC-named runs
 
 
 def config_name(cfg: Config) -> str:
@@ -322,6 +322,7 @@ def _with_layout(plan: TrainPlan, model, tokenizer, dsd, tracker, run_id: str) -
     if plan.resolved is None:
         micro = _find_micro_batch(model, tokenizer, dsd, plan, tracker, run_id)
         plan = dataclasses.replace(plan, resolved=resolve(plan.cfg, micro_batch=micro))
+        tracker.set_tags(run_id, {CONFIG_TAG: config_name(with_layout(plan.cfg, plan.resolved)) + "-auto"})
     tracker.log_params(run_id, resolved_params(plan.resolved))
     return plan
 
@@ -421,17 +422,17 @@ def _step_tags(steps, effective_batch: int) -> dict:
 
 
 # Tags with the run's costs in people's units, for MLflow's runs table (it prints metrics as raw numbers:
-# 1572425728 bytes, nine-digit floats): peak_memory, speed and outside_load.
-TABLE_TAGS = ("peak_memory", "speed", "outside_load")
+# 1572425728 bytes, nine-digit floats): memory, speed and outside_load.
+TABLE_TAGS = ("memory", "speed", "outside_load")
 
 
 def table_tags(summary: dict, load: dict | None = None) -> dict[str, str]:
-    """``peak_memory`` (``train_mem_peak_bytes`` in MiB/GiB), ``speed`` (``train_samples_per_second``,
+    """``memory`` (``train_mem_peak_bytes`` in MiB/GiB), ``speed`` (``train_samples_per_second``,
     e.g. ``2.53 samples/s``) from the summary, and ``outside_load`` (other processes' share of the CPUs,
     e.g. ``71% of 2 CPUs``) from ``load``; each only when measured."""
     out = {}
     if summary.get("train_mem_peak_bytes") is not None:
-        out["peak_memory"] = gib(summary["train_mem_peak_bytes"]) if summary["train_mem_peak_bytes"] >= 2**30 \
+        out["memory"] = gib(summary["train_mem_peak_bytes"]) if summary["train_mem_peak_bytes"] >= 2**30 \
             else mib(summary["train_mem_peak_bytes"])
     if summary.get("train_samples_per_second") is not None:
         out["speed"] = f"{summary['train_samples_per_second']:.2f} samples/s"
@@ -485,10 +486,12 @@ def _log_closing(tracker, run_id: str, rows: list, load: dict | None, failed: bo
     steps = len({s for s, _ in rows})
     if failed:
         note.insert(0, f"stopped or failed after {steps} logged optimizer step{'s' if steps != 1 else ''}")
-    fig = figure.plot_steps(rows, f"{title} (MLflow run {run_id[:8]}): {steps} optimizer steps", "; ".join(note))
-    try:
-        tracker.log_figure(run_id, fig, figure.FIGURE)
-    finally:
-        import matplotlib.pyplot as plt
-        plt.close(fig)
-    tracker.set_tags(run_id, {figure.NOTE_TAG: figure.description(run_id, "; ".join(note))})
+    for name, small in ((figure.FIGURE, False), (figure.THUMBNAIL, True)):
+        fig = figure.plot_steps(rows, f"{title} (MLflow run {run_id[:8]}): {steps} optimizer steps", "; ".join(note),
+                                thumbnail=small)
+        try:
+            tracker.log_figure(run_id, fig, name)
+        finally:
+            import matplotlib.pyplot as plt
+            plt.close(fig)
+    tracker.set_tags(run_id, {figure.NOTE_TAG: figure.description(run_id)})

@@ -76,3 +76,18 @@ def test_memory_figure_has_a_legend_entry_for_every_marker_and_labels_equal_poin
         assert len(ax.collections) == 4
     finally:
         plt.close(fig)
+
+
+def test_memory_figure_draws_a_run_trained_under_outside_load_hollow_and_says_why():
+    import json
+    loaded = _run("loaded", KEY_A, 4, 2, sps=30.0, start=2)
+    loaded.tags["onegpu.outside_load"] = json.dumps({"cpu_busy": 1.4, "cpus": 2, "share": 0.7})
+    fig = plots.memory_figure(compare([_run("ref", KEY_A, 8, 1, sps=20.0, start=1), loaded]))
+    try:
+        ax = fig.axes[0]
+        assert "4x2 (under outside load: speed not comparable)" in [t.get_text() for t in ax.texts]
+        assert any("under outside load" in t.get_text() for t in ax.get_legend().get_texts())
+        hollow = [c for c in ax.collections if not c.get_facecolor().any()]
+        assert len(hollow) == 1
+    finally:
+        plt.close(fig)

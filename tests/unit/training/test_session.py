@@ -118,11 +118,12 @@ def test_a_training_run_logs_its_outside_load_its_figure_and_a_name_from_its_par
     assert run.data.metrics[outside_load.METRIC] == info["cpu_busy"]
     assert run.info.run_name == "bs4x2-fp32-ckpt" == run.data.tags[session.CONFIG_TAG]
     png = [a.path for a in client.list_artifacts(run_id)]
-    assert figure.FIGURE in png
+    assert figure.FIGURE in png and figure.THUMBNAIL in png
     # the run page's description shows the figure; the runs table gets memory and speed in people's units
-    assert run.data.tags["mlflow.note.content"].startswith(f"![loss, grad_norm, memory and speed per optimizer "
-                                                          f"step](get-artifact?path={figure.FIGURE}&run_uuid={run_id})")
-    assert run.data.tags["peak_memory"].endswith(("MiB", "GiB"))
+    assert run.data.tags["mlflow.note.content"].startswith(
+        f'<a href="get-artifact?path={figure.FIGURE}&amp;run_uuid={run_id}"><img src="get-artifact?path='
+        f'{figure.THUMBNAIL}&amp;run_uuid={run_id}"')
+    assert run.data.tags["memory"].endswith(("MiB", "GiB"))
     assert run.data.tags["speed"] == f"{run.data.metrics['train_samples_per_second']:.2f} samples/s"
     assert run.data.tags["outside_load"] == f"{info['share']:.0%} of {info['cpus']} CPUs"
     # a new experiment is MLflow's machine-learning kind, so its UI opens on the training runs
