@@ -1,8 +1,11 @@
 """Padding-free batches against padded ones on the SFT example: tokens/s and memory, paired in one process.
 
-The data and model of ``make sft`` (docs/sft.md): BBC articles -> headlines with the packaged
-SmolLM2-135M-Instruct, LoRA r=8, completion-only loss, ``data.max_length`` tokens, as prepare tokenizes
-them (nothing is written). Arms ``padded`` and ``padding_free`` take the same optimizer steps (same
+The model of ``make sft`` (docs/sft.md): the packaged SmolLM2-135M-Instruct, LoRA r=8, completion-only
+loss, on BBC headlines as prepare tokenizes them. ``--prompt lead`` (the default): the prompt is the
+instruction and the article's lead paragraph only (written as a prompt-completion JSON Lines file in a
+temporary folder, the topic as label), whose natural, uneven lengths leave real padding in a padded
+micro-batch; ``--prompt article``: ``make sft``'s own data (the whole article, cut to ``data.max_length``,
+so every row is about as long as the cap and there is almost no padding). Arms ``padded`` and ``padding_free`` take the same optimizer steps (same
 examples per micro-batch and step, accelerate backend) and alternate ABAB... for ``--reps`` rotations in
 one process. Per arm: non-padding tokens/s over optimizer steps 2..N (median of the rotations), the
 activations saved for one micro-batch (``mem_activation_bytes``: where padding costs memory), the
@@ -10,7 +13,7 @@ process's peak RSS during the arm, and the first step's loss (the two arms' must
 Printed first: the share of padding the padded micro-batches held (micro-batches of the seeded order).
 Results go to ``bench/results/padding_free.{md,json}``; the machine's load average is printed with them.
 
-Run: ``python -m bench.padding_free`` (``--max-length 512`` for longer rows, more of them shorter than the cap).
+Run: ``python -m bench.padding_free`` (``--prompt article`` for ``make sft``'s data).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,13 +31,27 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def _cfg(args, padding_free: bool):
     from onegpu.config import from_container
     return from_container({
-        "data": {"source": "bbcnews-headlines", "max_length": args.max_length, "max_train_samples": args.rows,
+        "data": {"source": args.source, "max_length": args.max_length, "max_train_samples": args.rows,
                  "max_eval_samples": 16, "padding_free": padding_free},
         "model": {"task": "causal-lm", "name_or_path": "packaged:SmolLM2-135M-Instruct", "dropout": 0.0,
                   "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": None}},
         "train": {"backend": "accelerate", "per_device_train_batch_size": args.micro,
                   "gradient_accumulation_steps": args.accum, "max_steps": args.steps, "learning_rate": 3e-4,
                   "logging_steps": 10**6, "seed": 42}}, source="bench")
+
+
+def write_leads(folder: Path) -> Path:
+    """The packaged headlines with each prompt cut to the instruction and the article's first paragraph,
+    as ``folder/leads.jsonl`` (prompt, completion, label = topic)."""
+    from onegpu.data import instructions
+    data = instructions.read_headlines()
+    out = folder / "leads.jsonl"
+    with out.open("w") as f:
+        for row, label in zip(data.rows, data.labels):
+            lead = row["prompt"].removeprefix(instructions.HEADLINE_INSTRUCTION).split("\n\n")[0]
+            f.write(json.dumps({"prompt": instructions.HEADLINE_INSTRUCTION + lead if lead else "",
+                                "completion": row["completion"], "label": label}) + "\n")
+    return out
 
 
 def _data(args):
@@ -87,14 +105,22 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=64, help="training rows (default 64)")
     p.add_argument("--micro", type=int, default=8, help="micro-batch (default 8, as make sft)")
     p.add_argument("--accum", type=int, default=1, help="accumulation (default 1)")
-    p.add_argument("--max-length", type=int, default=128, help="data.max_length (default 128, as make sft)")
-    p.add_argument("--out", default=str(RESULTS / "padding_free"), help="results path without suffix")
+    p.add_argument("--max-length", type=int, default=160,
+                   help="data.max_length (default 160: no lead paragraph is cut; make sft: 96)")
+    p.add_argument("--prompt", choices=("lead", "article"), default="lead",
+                   help="the article's lead paragraph (default: uneven lengths) or the whole article (make sft)")
+    p.add_argument("--out", default=None, help="results path without suffix (default: results/padding_free, "
+                                                "results/padding_free-article with --prompt article)")
     args = p.parse_args()
+    args.out = args.out or str(RESULTS / ("padding_free" if args.prompt == "lead" else "padding_free-article"))
     from onegpu import models
     models.go_offline()
     from datasets.utils.logging import disable_progress_bar
     disable_progress_bar()
-    dsd, tok, path, stats = _data(args)
+    with tempfile.TemporaryDirectory(prefix="onegpu-bench-") as tmp:
+        args.source = str(write_leads(Path(tmp))) if args.prompt == "lead" else "bbcnews-headlines"
+        dsd, tok, path, stats = _data(args)
+        args.source = args.prompt  # the results name the data, not the temporary file
     share = padding_share(dsd["train"]["length"], args.micro, 42)
     print(f"data: {len(dsd['train'])} training rows, max_length {args.max_length}, lengths p50 "
           f"{stats['splits']['train']['length_p50']:.0f} / p90 {stats['splits']['train']['length_p90']:.0f}; "
@@ -113,13 +139,17 @@ def main() -> None:
 
 
 def _report(args, runs: dict, share: float, stats: dict, load: list[float]) -> None:
+    from bench.common import machine, machine_line
+    m = machine()
     med = {k: statistics.median(r["tokens_per_second"] for r in v) for k, v in runs.items()}
     act = {k: v[0]["mem_activation_bytes"] for k, v in runs.items()}
     rss = {k: max(r["peak_rss_bytes"] for r in v) for k, v in runs.items()}
     same = max(abs(a - b) / abs(b) for ra, rb in zip(runs["padding_free"], runs["padded"])
                for a, b in zip(ra["losses"], rb["losses"]))
-    lines = [f"# Padding-free against padded: the SFT example ({len(runs['padded'])} rotations, {args.steps} steps "
-             f"of {args.micro} x {args.accum}, max_length {args.max_length})", "",
+    lines = [f"# Padding-free against padded: SmolLM2-135M-Instruct, LoRA r=8, headlines ({len(runs['padded'])} "
+             f"rotations, {args.steps} steps of {args.micro} x {args.accum}, max_length {args.max_length}, prompt "
+             f"{'the lead paragraph' if args.prompt == 'lead' else 'the whole article'})", "",
+             machine_line(m), "",
              f"Padding in the padded micro-batches: {share:.1%} of their tokens. Largest relative difference of the "
              f"per-step losses between the arms: {same:.1e}. Load average during the runs: "
              f"{min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores.", "",
@@ -132,7 +162,7 @@ def _report(args, runs: dict, share: float, stats: dict, load: list[float]) -> N
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "padding_share": share, "runs": runs,
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "machine": m, "padding_share": share, "runs": runs,
                                                     "load_average": load, "max_rel_loss_diff": same}, indent=1))
 
 
