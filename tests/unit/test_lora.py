@@ -229,7 +229,7 @@ def test_train_stage_saves_adapter_and_merged_model_that_evaluate_the_same(tmp_p
     model, steps = _train(cfg, _lora_bert(cfg), tokenizer(), dataset(24))
     result = types.SimpleNamespace(model=model, tokenizer=tokenizer(), steps=steps, summary={"train_loss": 1.0},
                                    run_id="r", experiment_id="e", plan=types.SimpleNamespace(key="k"),
-                                   saved_config={})
+                                   saved_config={}, outside_load=None)
     train_stage._write_outputs(result)
     assert (paths.ADAPTER_DIR / "adapter_config.json").is_file()
     merged, tok = models.load_trained(paths.MODEL_DIR)
@@ -255,7 +255,7 @@ def test_full_fine_tuning_removes_a_stale_adapter(tmp_path, monkeypatch):
     (tmp_path / paths.ADAPTER_DIR / "adapter_config.json").write_text("{}")
     result = types.SimpleNamespace(model=tiny_bert(), tokenizer=tokenizer(), steps=types.SimpleNamespace(rows=[]),
                                    summary={}, run_id="r", experiment_id="e", plan=types.SimpleNamespace(key="k"),
-                                   saved_config={})
+                                   saved_config={}, outside_load=None)
     train_stage._write_outputs(result)
     assert not (tmp_path / paths.ADAPTER_DIR).exists()
     assert (tmp_path / paths.MODEL_DIR / "config.json").is_file()
