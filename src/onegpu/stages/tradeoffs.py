@@ -70,7 +70,7 @@ def run(cfg: Config, params: str = "params.yaml", knobs: tuple[str, ...] = tuple
     print(f"\nreport: {files[0]} (plot {files[1].name}); MLflow run {run_id} ({batches.PREFIX}{batch})")
     if result.interrupted:
         done = sum(1 for r in result.rows if r.run is not None)
-        print(f"onegpu tradeoffs: stopped by Ctrl-C: {done} of {len(result.rows)} rows measured (the report "
+        print(f"onegpu tradeoffs: stopped (Ctrl-C or SIGTERM): {done} of {len(result.rows)} rows measured (the report "
               "above says which); nothing of this batch is left queued or running", flush=True)
         raise KeyboardInterrupt()
     return result.rows + ([result.measured] if result.combined else [])

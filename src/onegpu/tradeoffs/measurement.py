@@ -120,16 +120,16 @@ def _verdict(v: Variant, c: RunComparison, same_key: bool) -> tuple[str, bool]:
 def unmeasured(run: RunRecord | None, state: str | None = None) -> str | None:
     """Why ``run`` (a row's latest training run, None: none in the store) is not a measurement, as one of
     :data:`UNMEASURED`, or None when it is one; ``state``: the row's ``dvc queue status`` word, if any."""
-    if state == "Stopped":  # stopped by this command (Ctrl-C) before or while it trained
+    if run is not None and run.status not in _RUN_STATUS and "train_runtime" in run.metrics:
+        return None  # its training finished (even when the command was stopped after it)
+    if state == "Stopped":  # stopped by this command (Ctrl-C, SIGTERM) before or while it trained
         return STOPPED
     if run is None:  # DVC's Failed: the task ended before its training opened a run (killed, or a stage failed)
         return {"Queued": QUEUED, "Running": RUNNING, "Failed": f"{STOPPED} or {FAILED} before training (dvc queue: "
                 "Failed)"}.get(state or "", NOT_RUN)
     if run.status in _RUN_STATUS:
         return _RUN_STATUS[run.status]
-    if "train_runtime" not in run.metrics:
-        return RUNNING if run.status == "RUNNING" else STOPPED
-    return None
+    return RUNNING if run.status == "RUNNING" else STOPPED  # no train-end summary
 
 
 def measure_row(v: Variant, run: RunRecord | None, baseline: RunRecord | None, state: str | None = None) -> Row:

@@ -141,8 +141,8 @@ def run_rows(prefix: str, rows: list[Variant], targets: list[str], force: set[st
             try:
                 rc = p.wait()
             except KeyboardInterrupt as e:
-                _stop(p, told=not isinstance(e, _Terminated))
-                ran.append(Ran(name, None, time.monotonic() - t0))
+                _stop(p, told=not isinstance(e, _Terminated))  # it may have finished meanwhile: rc 0
+                ran.append(Ran(name, None if p.returncode != 0 else 0, time.monotonic() - t0))
                 return ran, True
             ran.append(Ran(name, rc, time.monotonic() - t0))
         return ran, False

@@ -13,9 +13,11 @@ class _FakeDvc:
     started: list[list[str]] = []
     signals: list[int] = []
 
+    end_rc = 130  # how the interrupted row's dvc ends after our SIGINT (0: it had finished its training)
+
     def __init__(self, cmd, interrupt_at, clock):
         self.cmd, self.interrupt, self.clock, self.done, self.waited = cmd, interrupt_at in cmd[5], clock, False, False
-        self.args = cmd
+        self.args, self.returncode = cmd, None
         _FakeDvc.started.append(cmd)
 
     def wait(self, timeout=None):
@@ -26,7 +28,8 @@ class _FakeDvc:
             raise queue.subprocess.TimeoutExpired(self.cmd, timeout)
         self.clock[0] += 10.0
         self.done = True
-        return 0
+        self.returncode = self.end_rc if self.interrupt else 0
+        return self.returncode
 
     def poll(self):
         return 0 if self.done else None
@@ -62,3 +65,15 @@ def test_time_left_is_the_mean_row_times_the_rows_left():
     done = [queue.Ran("a", 0, 50.0), queue.Ran("b", 0, 70.0)]
     assert queue.time_left(done, 4) == "about 4 min 00 s left"
     assert queue.time_left(done, 0) == "about 0 s left"
+
+
+def test_a_row_that_finishes_while_it_is_being_stopped_counts_as_finished(monkeypatch):
+    """SIGTERM arrived, the row ended 0 within the grace: it is a finished row, the next one never starts."""
+    clock = [0.0]
+    _FakeDvc.started, _FakeDvc.signals, _FakeDvc.end_rc = [], [], 0
+    monkeypatch.setattr(queue.subprocess, "Popen", lambda cmd: _FakeDvc(cmd, "p-baseline", clock))
+    try:
+        ran, interrupted = queue.run_rows("p-", [BASE, _variant("compile", "compile")], ["train"])
+    finally:
+        _FakeDvc.end_rc = 130
+    assert interrupted and [(r.name, r.returncode) for r in ran] == [("p-baseline", 0)]

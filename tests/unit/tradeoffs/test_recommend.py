@@ -110,6 +110,7 @@ def test_a_batch_with_a_row_missing_or_stopped_recommends_nothing():
                 _variant("compile", "compile"), _variant("checkpointing", "checkpointing")]
     rows = measurement.measure_rows(variants, runs, states={"checkpointing": "Stopped"})
     assert [r.verdict for r in rows[2:]] == ["stopped", "not run", "stopped"]
+    assert measurement.unmeasured(_run("x"), "Stopped") is None  # its training ended before the stop: measured
     rec = recommend.recommend(rows, budget_bytes=None)
     assert rec.incomplete == (2, 5) and rec.variant is None and rec.parts == []
     # a failed row is a measured outcome: the batch is complete without it
