@@ -96,9 +96,10 @@ def test_full_rows_and_probe_rows_give_the_same_verdicts(tmp_path, monkeypatch, 
     rr = report_runs[0]
     assert {a.path for a in c.list_artifacts(rr.info.run_id)} == {"tradeoffs.md", "tradeoffs.png"}
     assert rr.data.metrics["recommended_speedup"] == pytest.approx(rec.speedup)
-    probe = [r for r in stage.run(cfg, "params.yaml", ("split", "checkpointing", "lora"), steps=2, repeats=1,
+    # the probe window on one same-training and one different-training knob (the suite's time)
+    probe = [r for r in stage.run(cfg, "params.yaml", ("split", "lora"), steps=2, repeats=1,
                                   combine=False) if r.variant.knob != "recommended"]
-    assert {r.variant.name: r.verdict for r in probe} == {n: by[n].verdict for n in names[:-1]}
+    assert {r.variant.name: r.verdict for r in probe} == {n: by[n].verdict for n in ("baseline", "split-8x1", "lora")}
     for r in probe:
         assert [s for s, _ in r.run.series["loss"]] == [1, 2] and "eval_loss" not in r.run.metrics, r.variant.name
     assert "Incomplete" not in (project / "reports" / "tradeoffs.md").read_text()
