@@ -48,10 +48,12 @@ sft: install
 	PYTHONUNBUFFERED=1 $(BIN)/dvc exp run -n sft-smollm2-headlines $(SFT) 2>&1 | { grep --line-buffered -v -E '$(DVC_HINTS)' || true; } | cat -s
 	$(BIN)/onegpu summary
 
-# pytest-xdist: one worker per core (at most 4; PyTorch threads split between them), each test file on
-# one worker in file order, the heaviest files first (tests/conftest.py, tests/README.md).
-# PYTEST_ARGS="-n 0" runs serially; any pytest option goes there (e.g. -x, -k name, --durations=20).
-PYTEST_XDIST := -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+# pytest-xdist: one worker per core plus one (at most 4; the integration tests wait on subprocesses,
+# DVC and servers much of the time, so a 2-core machine used 1.1 cores with 2 workers), PyTorch threads
+# split between them, each test file on one worker in file order, the heaviest files first
+# (tests/conftest.py, tests/README.md). PYTEST_ARGS="-n 0" runs serially; any pytest option goes there.
+PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, len(os.sched_getaffinity(0)) + 1))')
+PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 PYTEST_ARGS  ?=
 test: install
 	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
