@@ -10,12 +10,11 @@ file shows (a bad cell on row 900) is found by prepare's reading, which also run
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 
 from onegpu.config import PACKAGED_HEADLINES, Config
 from onegpu.data import formats
-from onegpu.data.sources import check_source, source_kind
+from onegpu.data.sources import check_source, json_line, source_kind
 from onegpu.errors import DataError
 
 
@@ -37,14 +36,7 @@ def _header(path: Path) -> tuple[list[str], dict | None]:
         if suffix == ".jsonl":
             for n, line in enumerate(f, 1):
                 if line.strip():
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"data.source={str(path)!r}: cannot parse line {n} as JSON: {e.msg} "
-                                        f"(column {e.colno})") from None
-                    if not isinstance(rec, dict):
-                        raise DataError(f"data.source={str(path)!r}: line {n} is a JSON {type(rec).__name__}; "
-                                        "each line must be an object")
+                    rec = json_line(line, n, str(path))
                     return list(rec), rec
             raise DataError(f"data.source={str(path)!r}: the file holds no JSON line")
         row = next(csv.reader(f), None)

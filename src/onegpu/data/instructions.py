@@ -19,6 +19,7 @@ from pathlib import Path
 
 from onegpu.config import PACKAGED_HEADLINES, DataConfig
 from onegpu.data import formats
+from onegpu.data.splits import drop_rows
 from onegpu.data.sources import _check_file, _decode, _decode_utf8, _jsonl_records, _parquet_records, bbcnews_dir
 from onegpu.errors import DataError
 
@@ -128,19 +129,8 @@ def deduplicate(data: SftData) -> tuple[list[dict], list[str], dict[str, int]]:
         :data:`onegpu.data.formats.SFT_DROP_REASONS` (zeros included; ``completion_too_long`` and
         ``no_target_after_truncation`` are counted later, by tokenization).
     """
-    seen, rows, labels = set(), [], []
-    dropped = dict.fromkeys(formats.SFT_DROP_REASONS[data.format], 0)
-    for row, label in zip(data.rows, data.labels):
+    def empty(row: dict, _label) -> str | None:
         if data.format == formats.MESSAGES:
-            reason = "empty_messages" if not row["messages"] else None
-        else:
-            reason = "empty_prompt" if not row["prompt"] else "empty_completion" if not row["completion"] else None
-        k = key(row)
-        reason = reason or ("duplicate" if k in seen else None)
-        if reason:
-            dropped[reason] += 1
-            continue
-        seen.add(k)
-        rows.append(row)
-        labels.append(label)
-    return rows, labels, dropped
+            return "empty_messages" if not row["messages"] else None
+        return "empty_prompt" if not row["prompt"] else "empty_completion" if not row["completion"] else None
+    return drop_rows(data.rows, data.labels, formats.SFT_DROP_REASONS[data.format], key, empty)

@@ -149,25 +149,31 @@ def _cell(value, key: str, column: str, where: str) -> str:
                     "a string, a number, a boolean or null")
 
 
+def json_line(line: str, n: int, path: str, example: str = "") -> dict:
+    """Line ``n`` of the JSON Lines file ``path`` as an object. Raises DataError naming the line when it is
+    not JSON or not an object (``example`` follows "each line must be an object")."""
+    import json
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"data.source={path!r}: cannot parse line {n} as JSON: {e.msg} "
+                        f"(column {e.colno})") from None
+    if not isinstance(rec, dict):
+        raise DataError(f"data.source={path!r}: line {n} is a JSON {type(rec).__name__}; each line must be "
+                        f"an object{example}")
+    return rec
+
+
 def _jsonl_records(text: str, path: str, text_column: str = "text",
                    label_column: str = "label") -> tuple[list[tuple[int, dict]], dict]:
     """``(line number, object)`` per non-blank line of a JSON Lines file and the fields seen (in order),
     read with the ``json`` module so that values keep their spelling (pandas would turn ``[1, 7, null]``
     into floats)."""
-    import json
     records, columns = [], {}
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"data.source={path!r}: cannot parse line {n} as JSON: {e.msg} "
-                            f"(column {e.colno})") from None
-        if not isinstance(rec, dict):
-            raise DataError(f"data.source={path!r}: line {n} is a JSON {type(rec).__name__}; each line "
-                            "must be an object such as {\"" + text_column + "\": ..., \"" + label_column
-                            + "\": ...}")
+        rec = json_line(line, n, path, ' such as {"' + text_column + '": ..., "' + label_column + '": ...}')
         records.append((n, rec))
         columns.update(dict.fromkeys(rec))
     if not records:

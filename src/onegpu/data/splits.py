@@ -17,18 +17,26 @@ def deduplicate(raw: RawData) -> tuple[list[str], list[str], dict[str, int]]:
         texts, labels kept (in source order), and ``{reason: rows}`` for every reason in
         :data:`DROP_REASONS` (zeros included); kept + sum(dropped) == rows read.
     """
-    seen: set[str] = set()
-    texts, labels = [], []
-    dropped = dict.fromkeys(DROP_REASONS, 0)
-    for t, lab in zip(raw.texts, raw.labels):
-        reason = "empty_text" if not t else "empty_label" if not lab else "duplicate" if t in seen else None
+    return drop_rows(raw.texts, raw.labels, DROP_REASONS, str,
+                     lambda t, lab: "empty_text" if not t else "empty_label" if not lab else None)
+
+
+def drop_rows(items: list, labels: list, reasons, key, empty) -> tuple[list, list, dict[str, int]]:
+    """Keep ``items`` (and their ``labels``) in order, dropping each one for which ``empty(item, label)``
+    names a reason, then repeats of an earlier kept ``key(item)``. Returns the kept items, their labels
+    and ``{reason: rows}`` for every name in ``reasons`` (zeros included; ``duplicate`` among them)."""
+    seen, kept, kept_labels = set(), [], []
+    dropped = dict.fromkeys(reasons, 0)
+    for item, label in zip(items, labels):
+        k = key(item)
+        reason = empty(item, label) or ("duplicate" if k in seen else None)
         if reason:
-            dropped[reason] += 1
+            dropped[reason] = dropped.get(reason, 0) + 1
             continue
-        seen.add(t)
-        texts.append(t)
-        labels.append(lab)
-    return texts, labels, dropped
+        seen.add(k)
+        kept.append(item)
+        kept_labels.append(label)
+    return kept, kept_labels, dropped
 
 
 def split(texts: list[str], labels: list[str], cfg: DataConfig, task: str = "sequence-classification"):
