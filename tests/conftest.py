@@ -7,7 +7,7 @@
   ``params.yaml`` or ``mlflow.db`` through the current directory; MLflow and DVC variables of the
   calling shell are cleared.
 
-Parallel runs (``make test``: pytest-xdist, ``-n auto --dist loadfile``; tests/README.md, "Keeping the
+Parallel runs (``make test``: pytest-xdist, ``--dist loadfile``, one worker per core plus one; tests/README.md, "Keeping the
 suite fast"):
 
 - each worker's PyTorch gets its share of the cores (``OMP_NUM_THREADS``, inherited by the stages the
