@@ -210,7 +210,7 @@ sec_tradeoffs() {
     "$PY" -m bench.gpu_models bert "$model" --layers $layers --hidden $hidden >"$R/tradeoffs-$TAG.log" 2>&1 || return 1
     echo "Model: BERT ${layers} layers, hidden ${hidden}, random init (bench/gpu_models.py), the packaged tokenizer; \`-S train.bf16=true -S train.max_steps=$steps -S data.max_length=$len\`, knobs \`$TRADEOFFS_KNOBS\`." >>"$R/section.md"
     cd "$PROJ" || return 1
-    onegpu tradeoffs --knobs "$TRADEOFFS_KNOBS" -S "model.name_or_path=$model" -S train.bf16=true \
+    onegpu tradeoffs --repeats 1 --knobs "$TRADEOFFS_KNOBS" -S "model.name_or_path=$model" -S train.bf16=true \
         -S "train.max_steps=$steps" -S "data.max_length=$len" --out "$R/reports" >>"$R/tradeoffs-$TAG.log" 2>&1
     rc=$?
     collect_tradeoffs
