@@ -42,6 +42,33 @@ def _train(project, backend: str, layout: tuple[int, int, int]) -> None:
         assert f"({micro} x {accum} x {procs} processes)" in out.stdout, out.stdout
 
 
+def two_process_project(prepared, tmp_path, **train):
+    """A prepared causal-LM copy whose params.yaml trains 2 processes x 4 x 1 (plus ``train``'s keys)."""
+    project = prepared(tmp_path, TASKS["causal-lm"])
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"].update(num_processes=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                           learning_rate=1e-3, logging_steps=1, **train)
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return project
+
+
+def train_and_act_at_step_2(project, act):
+    """`onegpu train` in ``project``; ``act(process)`` once it prints step 2. Returns (process, output)
+    after it ends (within 300 s)."""
+    import subprocess
+
+    from .conftest import _env
+    p = subprocess.Popen([str(BIN / "onegpu"), "train"], cwd=project, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if line.startswith("step 2/"):
+            act(p)
+            break
+    return p, "".join(lines) + p.communicate(timeout=300)[0]
+
+
 def _series(client, run_id: str, key: str) -> list[float]:
     return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
 

@@ -3,10 +3,9 @@ names. (Its own file, so that xdist runs it beside the other data-parallel tests
 from __future__ import annotations
 
 import pytest
-import yaml
 
-from .conftest import BIN, runs
-from .test_data_parallel import TASKS
+from .conftest import runs
+from .test_data_parallel import train_and_act_at_step_2, two_process_project
 
 pytestmark = pytest.mark.slow
 
@@ -16,27 +15,16 @@ def test_a_rank_killed_outright_is_the_one_the_failed_run_names(tmp_path, prepar
     the lost peer, but the run ends FAILED naming rank 1 and the signal, not rank 0's symptom."""
     import os
     import signal
-    import subprocess
 
     import psutil
 
-    from .conftest import _env
-    project = prepared(tmp_path, TASKS["causal-lm"])
-    params = yaml.safe_load((project / "params.yaml").read_text())
-    params["train"].update(num_processes=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                           max_steps=40, learning_rate=1e-3, logging_steps=1)
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    p = subprocess.Popen([str(BIN / "onegpu"), "train"], cwd=project, env=_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in p.stdout:
-        lines.append(line)
-        if line.startswith("step 2/"):
-            (rank1,) = [c for c in psutil.Process(p.pid).children(recursive=True)
-                        if c.environ().get("RANK") == "1" and "onegpu" in " ".join(c.cmdline())]
-            os.kill(rank1.pid, signal.SIGKILL)
-            break
-    out = "".join(lines) + p.communicate(timeout=300)[0]
+    project = two_process_project(prepared, tmp_path, max_steps=40)
+
+    def kill_rank1(p):
+        (rank1,) = [c for c in psutil.Process(p.pid).children(recursive=True)
+                    if c.environ().get("RANK") == "1" and "onegpu" in " ".join(c.cmdline())]
+        os.kill(rank1.pid, signal.SIGKILL)
+    p, out = train_and_act_at_step_2(project, kill_rank1)
     assert p.returncode == 2, out
     assert "training process rank 1 of 2 was killed by signal SIGKILL" in out, out
     _, _, all_runs = runs(project)

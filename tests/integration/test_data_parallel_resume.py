@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from .conftest import BIN, run, runs
-from .test_data_parallel import TASKS, _series
+from .test_data_parallel import _series, train_and_act_at_step_2, two_process_project
 
 pytestmark = pytest.mark.slow
 
@@ -19,25 +19,11 @@ def test_two_processes_stop_on_sigterm_and_resume_to_the_uninterrupted_losses(tm
     losses of an uninterrupted run."""
     import os
     import signal
-    import subprocess
 
-    from .conftest import _env
-    project = prepared(tmp_path, TASKS["causal-lm"])
     steps = 8
+    project = two_process_project(prepared, tmp_path, backend=backend, max_steps=steps)
     params = yaml.safe_load((project / "params.yaml").read_text())
-    params["train"].update(backend=backend, num_processes=2, per_device_train_batch_size=4,
-                           gradient_accumulation_steps=1, max_steps=steps, learning_rate=1e-3, logging_steps=1)
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    p = subprocess.Popen([str(BIN / "onegpu"), "train"], cwd=project, env=_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in p.stdout:
-        lines.append(line)
-        if line.startswith("step 2/"):
-            os.kill(p.pid, signal.SIGTERM)
-            break
-    rest = p.communicate(timeout=300)[0]
-    out = "".join(lines) + rest
+    p, out = train_and_act_at_step_2(project, lambda p: os.kill(p.pid, signal.SIGTERM))
     assert p.returncode == 128 + signal.SIGTERM, out
     assert "checkpoint saved" in out, out
     c, _, all_runs = runs(project)
