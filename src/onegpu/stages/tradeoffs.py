@@ -1,10 +1,11 @@
 """``onegpu tradeoffs``: the single-GPU guide's table, measured on the user's own model and data.
 
-Runs the baseline (the user's params) and one DVC experiment per knob (:mod:`onegpu.tradeoffs.knobs`) one
-at a time (``dvc exp run --temp``: speed is only comparable without other load), each for a probe window
-of ``steps`` optimizer steps (None: the whole job), ``repeats`` times in interleaved rounds, reads their
-MLflow runs, and when several knobs were clearly faster without changing the training, runs their
-combination too (:mod:`onegpu.tradeoffs.batch`). Writes ``<out>/tradeoffs.md`` and ``<out>/tradeoffs.png``
+Runs the baseline (the user's params) and one row per knob (:mod:`onegpu.tradeoffs.knobs`) one at a time
+(speed is only comparable without other load), each for a probe window of ``steps`` optimizer steps in
+worker processes on data prepared once (:mod:`onegpu.tradeoffs.pool`), or for the whole job (None) as
+``dvc exp run --temp``, ``repeats`` times in interleaved rounds; reads their MLflow runs, and when
+several knobs were clearly faster without changing the training, runs their combination too
+(:mod:`onegpu.tradeoffs.batch`). Writes ``<out>/tradeoffs.md`` and ``<out>/tradeoffs.png``
 (:mod:`onegpu.tradeoffs.report`), logs both to an MLflow run (tag ``stage=tradeoffs``) and prints the
 table. Ctrl-C stops the row running, reports what was measured (incomplete) and ends with exit code 130.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 from onegpu import compare, measure, tracking
 from onegpu.config import Config
 from onegpu.errors import UserError
-from onegpu.tradeoffs import batch as batches, queue, report
+from onegpu.tradeoffs import batch as batches, pool as workers, queue, report
 from onegpu.tradeoffs.knobs import KNOBS
 from onegpu.tradeoffs.measurement import Row
 
@@ -40,26 +41,26 @@ def run(cfg: Config, params: str = "params.yaml", knobs: tuple[str, ...] = tuple
     if not Path("dvc.yaml").is_file():
         raise UserError("no dvc.yaml here: run onegpu tradeoffs from the project root")
     facts, interrupted = measure.device_facts(), False
-    if not report_only:
-        batch, interrupted = batches.start(cfg, params, knobs, list(overrides), queue_only, facts, steps, repeats)
-        if queue_only:
-            return []
-    manifest = batches.load_plan(batch)
-    batch, prefix = manifest["batch"], batches.prefix(manifest["batch"])
-    tracker = tracking.open_existing(cfg.tracking.experiment_name)
-    tracker.reap_orphans()
+    with workers.for_batch(cfg, params, facts, steps, queue_only or report_only) as pool:  # probe rows' workers
+        if not report_only:
+            batch, interrupted = batches.start(cfg, params, knobs, list(overrides), queue_only, facts, steps,
+                                               repeats, pool)
+            if queue_only:
+                return []
+        batch = batches.load_plan(batch)["batch"]
+        tracker = tracking.open_existing(cfg.tracking.experiment_name)
+        tracker.reap_orphans()
 
-    def fetch() -> dict[str, compare.RunRecord]:
-        records = [compare.RunRecord(**d) for d in tracking.training_runs_named(tracker, prefix)]
-        return batches.finished_runs(records, prefix)
-    result = batches.measure(manifest, fetch, batches.budget_bytes(cfg, facts), combine, report_only,
-                             f"MLflow experiment {cfg.tracking.experiment_name!r}",
-                             queue.states() if report_only else {}, interrupted)
+        def fetch() -> dict[str, compare.RunRecord]:
+            records = [compare.RunRecord(**d) for d in tracking.training_runs_named(tracker, batches.prefix(batch))]
+            return batches.finished_runs(records, batches.prefix(batch))
+        result = batches.measure(batches.load_plan(batch), fetch, batches.budget_bytes(cfg, facts), combine,
+                                 report_only, f"MLflow experiment {cfg.tracking.experiment_name!r}",
+                                 queue.states() if report_only else {}, interrupted, pool)
     manifest = batches.load_plan(batch)  # with the wall times of the rows just run
     title = f"onegpu tradeoffs {batch}" + "".join(f" -S {o}" for o in manifest.get("overrides", []))
     files = report.write(result.rows, result.recommendation, result.measured, out_dir, title,
-                         manifest.get("skipped", []), report.window_text(manifest.get("steps"), manifest.get("repeats", 1)),
-                         batches.timing(manifest, fetch()))
+                         manifest.get("skipped", []), report.window_text(manifest), batches.timing(manifest, fetch()))
     shown = result.rows + report.combined_row(result.measured)
     run_id = tracking.log_comparison(tracker, files, [r.run.run_id for r in shown if r.run],
                                      sorted({r.run.key for r in shown if r.run and r.run.key}),

@@ -20,6 +20,7 @@ from onegpu.formatting import GiB
 from onegpu.tradeoffs import queue
 from onegpu.tradeoffs.knobs import Variant, plan as plan_knobs, with_overrides
 from onegpu.tradeoffs.measurement import Row, aggregate, measure_row, measure_rows, repeat_name, unmeasured
+from onegpu.tradeoffs.pool import WORKERS, Pool, run_rows as run_in_pool
 from onegpu.tradeoffs.recommend import Recommendation, recommend
 
 PREFIX = "tradeoffs-"
@@ -93,6 +94,10 @@ PROBE_STEPS = 10
 REPEATS = 3
 
 
+# How a batch's rows ran (its plan's "runner"): in a pool of worker processes, or each as its own DVC experiment.
+DVC_TEMP = "dvc exp run --temp"
+
+
 def window_args(steps: int | None) -> list[str]:
     """The ``-S`` of the probe window, put before each row's own (every row, the baseline too, trains
     ``steps`` optimizer steps; the learning-rate schedule then spans those steps); none for ``--full``
@@ -117,10 +122,13 @@ def _check_queue() -> None:
 
 
 def start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str], queue_only: bool,
-          facts: DeviceFacts, steps: int | None = PROBE_STEPS, repeats: int = REPEATS) -> tuple[str, bool]:
+          facts: DeviceFacts, steps: int | None = PROBE_STEPS, repeats: int = REPEATS,
+          pool: Pool | None = None) -> tuple[str, bool]:
     """Plan, keep the batch's plan, and queue its experiments (``queue_only``) or run them one at a time
     in ``repeats`` interleaved rounds (:func:`order`), each row ``steps`` optimizer steps up to the train
     stage (None: the whole job, evaluate too); return the batch id and whether Ctrl-C stopped it.
+    ``pool``: train the rows in these workers (:mod:`onegpu.tradeoffs.pool`) instead of as
+    ``dvc exp run --temp``.
 
     Raises:
         UserError: experiments are running from the DVC queue (they would share the machine), a row
@@ -134,9 +142,11 @@ def start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str]
         _check_queue()
     batch = time.strftime("%m%d-%H%M%S")
     rows = order(variants, 1 if queue_only else repeats)
-    extra = {"params": params, "overrides": overrides, "steps": steps, "repeats": 1 if queue_only else repeats}
+    extra = {"params": params, "overrides": overrides, "steps": steps, "repeats": 1 if queue_only else repeats,
+             "runner": WORKERS if pool and not queue_only else DVC_TEMP}
     save(batch, variants, skipped, extra)
-    window = f"{steps} optimizer steps each, up to train" if steps else "the whole job each, evaluate too"
+    window = (f"{steps} optimizer steps each, up to train" if steps else "the whole job each, evaluate too") + (
+        ", in worker processes on data prepared once" if pool and not queue_only else "")
     print(f"onegpu tradeoffs: {len(variants)} rows x {extra['repeats']} repeat(s) from {params}"
           + "".join(f" -S {o}" for o in overrides) + f" ({window}; batch {batch})")
     if paths.params_differ_from_head(params):  # e.g. what a workspace `dvc exp run -S` left there
@@ -148,7 +158,7 @@ def start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str]
         print(f"\nnext: dvc queue start -j 1   (one at a time: timings need the machine alone)\n"
               f"then, when `dvc queue status` shows them done: onegpu tradeoffs --report --batch {batch}")
         return batch, False
-    return batch, run(batch, rows, steps, params)
+    return batch, run(batch, rows, steps, params, pool)
 
 
 def _unchanged(params: str, v: Variant, steps: int | None) -> bool:
@@ -158,15 +168,18 @@ def _unchanged(params: str, v: Variant, steps: int | None) -> bool:
     return load(params, window + [f"{k}={val}" for k, val in v.overrides]) == load(params)
 
 
-def run(batch: str, rows: list[Variant], steps: int | None, params: str | None) -> bool:
-    """Run ``rows`` of ``batch`` (:func:`queue.run_rows`) and keep each one's wall time and the ones
-    Ctrl-C stopped in its plan; return whether it was interrupted. ``params``: the params file (None:
-    no row needs ``--force``)."""
-    # A baseline whose -S change nothing may be what dvc.lock holds already: --force makes it train again
-    # instead of finding nothing to do (--force re-runs prepare too, so only where it is needed).
-    force = {v.name for v in rows if v.knob == "baseline" and params and _unchanged(params, v, steps)}
-    ran, interrupted = queue.run_rows(prefix(batch), rows, [] if steps is None else ["train"], force,
-                                      window=window_args(steps))
+def run(batch: str, rows: list[Variant], steps: int | None, params: str | None, pool: Pool | None = None) -> bool:
+    """Run ``rows`` of ``batch`` (in ``pool``'s workers, else :func:`queue.run_rows`) and keep each one's
+    wall time and the ones Ctrl-C stopped in its plan; return whether it was interrupted. ``params``: the
+    params file (None: no row needs ``--force``)."""
+    if pool is not None:
+        ran, interrupted = run_in_pool(pool, prefix(batch), rows, window_args(steps)[1::2])
+    else:
+        # A baseline whose -S change nothing may be what dvc.lock holds already: --force makes it train again
+        # instead of finding nothing to do (--force re-runs prepare too, so only where it is needed).
+        force = {v.name for v in rows if v.knob == "baseline" and params and _unchanged(params, v, steps)}
+        ran, interrupted = queue.run_rows(prefix(batch), rows, [] if steps is None else ["train"], force,
+                                          window=window_args(steps))
     manifest = load_plan(batch)
     manifest.setdefault("wall_s", {}).update({r.name.removeprefix(prefix(batch)): r.seconds for r in ran})
     manifest["stopped"] = manifest.get("stopped", []) + [r.name.removeprefix(prefix(batch)) for r in ran
@@ -227,13 +240,14 @@ PROBE_NOTE = "no eval metrics (evaluate has not run)"
 
 def measure(manifest: dict, fetch: Callable[[], dict[str, RunRecord]], budget: float | None,
             combine: bool, report_only: bool, where: str, queued: dict[str, str] | None = None,
-            interrupted: bool = False) -> Measured:
+            interrupted: bool = False, pool: Pool | None = None) -> Measured:
     """Measure the batch's runs (``fetch()``: :func:`finished_runs` of the store) against its baseline and
     recommend; with ``combine`` (and not ``report_only`` or ``interrupted``), run the combination first
     (its own repeats) when it has no run yet, and keep it only when its repeats confirm the gain.
 
     ``budget``: bytes (None: no budget); ``where``: the MLflow experiment, for the message; ``queued``:
-    ``dvc queue status`` by experiment name. A batch with a row missing recommends nothing.
+    ``dvc queue status`` by experiment name; ``pool``: where the combination trains (None: ``dvc exp
+    run --temp``). A batch with a row missing recommends nothing.
     """
     name_prefix, repeats = prefix(manifest["batch"]), manifest.get("repeats", 1)
     runs, states = fetch(), row_states(manifest, queued or {})
@@ -247,7 +261,7 @@ def measure(manifest: dict, fetch: Callable[[], dict[str, RunRecord]], budget: f
         print(f"\n{len(rec.parts)} knobs were faster with the same training: measuring them together, "
               f"{repeats} time(s) ({rec.variant.what})")
         together = order([rec.variant], repeats)
-        out.interrupted = run(manifest["batch"], together, manifest.get("steps"), None)
+        out.interrupted = run(manifest["batch"], together, manifest.get("steps"), None, pool)
         runs = fetch()
     if rec.variant is not None:
         out.measured = (_combined(rec.variant, runs, repeats, row_states(load_plan(manifest["batch"]), {}))
@@ -262,18 +276,23 @@ def _combined(v: Variant, runs: dict[str, RunRecord], repeats: int, states: dict
 
 
 def timing(manifest: dict, runs: dict[str, RunRecord]) -> list[str]:
-    """The rows' cost in words, from the wall time of each ``dvc exp run --temp`` kept in the plan and its
-    run's ``train_runtime``: the whole, and the per-row overhead (DVC's temporary clone, each stage's
-    process start, the model's load and save) that a row pays whatever its window. Empty before any row
-    ran here (a queued batch)."""
+    """The rows' cost in words, from the wall time of each row kept in the plan and its run's
+    ``train_runtime``: the whole, and the per-row overhead that a row pays whatever its window (as
+    ``dvc exp run --temp``: DVC's temporary clone, each stage's process start, the model's load and save;
+    in workers: the model's build and the MLflow run, the first row of a worker its start and the data's
+    preparation). Empty before any row ran here (a queued batch)."""
     wall = manifest.get("wall_s", {})
     if not wall:
         return []
     pairs = [(w, runs[n].metrics["train_runtime"]) for n, w in wall.items()
              if n in runs and "train_runtime" in runs[n].metrics]
-    out = [f"the rows took {sum(wall.values()):.0f} s of wall time ({len(wall)} dvc exp run --temp, one at a time)"]
+    workers = manifest.get("runner") == WORKERS
+    how = "rows in worker processes" if workers else "dvc exp run --temp"
+    out = [f"the rows took {sum(wall.values()):.0f} s of wall time ({len(wall)} {how}, one at a time)"]
     if pairs:
         over = sorted(w - t for w, t in pairs)
+        what = ("the model's build and its MLflow run (a worker's first row: its start and the data's preparation)"
+                if workers else "DVC's temporary clone, each stage's process start, model load and save")
         out[0] += (f"; per row a median {over[len(over) // 2]:.1f} s (min {over[0]:.1f}, max {over[-1]:.1f}) "
-                   "beyond its training: DVC's temporary clone, each stage's process start, model load and save")
+                   f"beyond its training: {what}")
     return out

@@ -8,6 +8,7 @@ from pathlib import Path
 from onegpu.compare.plots import pyplot
 from onegpu.formatting import gib, markdown_table, mib, num, ratio, text_table
 from onegpu.tradeoffs.measurement import DIFFERENT_TRAINING, FAILED, NOT_RUN, SAME_TRAINING, Row
+from onegpu.tradeoffs.pool import WORKERS
 from onegpu.tradeoffs.recommend import MIN_GAIN, Recommendation, confirmed, load_reason, spread
 
 REPORT_FILE = "tradeoffs.md"
@@ -121,12 +122,19 @@ def recommendation_lines(rec: Recommendation, measured: Row | None, rows: list[R
     return out
 
 
-def window_text(steps: int | None, repeats: int) -> str:
-    """The measured window in words, for the report's header."""
+def window_text(plan: dict) -> str:
+    """The measured window in words, for the report's header, from a batch's kept ``plan``
+    (:func:`onegpu.tradeoffs.batch.load_plan`): its ``steps`` (None: the whole job), ``repeats`` and
+    ``runner`` (``workers``: the rows trained in worker processes, :mod:`onegpu.tradeoffs.pool`; else each
+    as a DVC experiment)."""
+    steps, repeats, in_workers = plan.get("steps"), plan.get("repeats", 1), plan.get("runner") == WORKERS
     what = (f"The probe window: each row trains its first {steps} optimizer steps (`train.max_steps={steps}`, "
             "the baseline too, so the learning-rate schedule spans those steps) up to the train stage; "
             "evaluate is skipped, so there is no eval loss." if steps else
             "The whole job: each row trains the job to its end and evaluates it (`--full`).")
+    what += (" The rows trained in worker processes on the data prepared once, each an MLflow run of its own "
+             "(no DVC experiment each: `--full` and `--queue-only` rows are DVC experiments)." if in_workers else
+             " Each row is a DVC experiment of its own (`dvc exp show`).")
     return what + (f" Each row ran {repeats} times, in interleaved rounds (baseline, each knob; again): "
                    "the ratio is the median of each repeat against the baseline of its round, with their "
                    "min-max." if repeats > 1 else " Each row ran once: no spread measured (`--repeats`).")
@@ -141,7 +149,7 @@ def markdown(rows: list[Row], rec: Recommendation, measured: Row | None, title: 
     device = base.run.tags.get("device", "?") if base and base.run else "?"
     kind = next((r.memory_kind for r in rows if r.memory_kind), "")
     lines = [f"# {title}", "",
-             f"Device: {device}. One DVC experiment per row, trained one at a time; each row changes one "
+             f"Device: {device}. The rows trained one at a time; each row changes one "
              "knob of the baseline (your params). samples/s over optimizer steps 2..N (step 1 holds warm-up "
              "and compilation: its time is its own column). Memory: "
              + ("the CUDA allocator peak." if kind == "allocator peak" else

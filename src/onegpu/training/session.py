@@ -237,15 +237,19 @@ def train(plan: TrainPlan, model, tokenizer, dsd, sink: Callable[[dict, int], No
 
 
 def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | None = None,
-        built: tuple | None = None) -> TrainResult:
+        built: tuple | None = None, name: str | None = None, checkpoints: bool = True,
+        tokenizer=None) -> TrainResult:
     """The whole training run into ``tracker``'s store (a ``tracking.connect`` handle).
 
     ``save``: writes the outputs from the result, inside the run's guard; ``built``: a ``(model,
-    tokenizer)`` to train instead of :func:`build_model`'s (benchmarks).
+    tokenizer)`` to train instead of :func:`build_model`'s (benchmarks); ``name``: the MLflow run name
+    (None: the DVC experiment's, else :func:`config_name`); ``checkpoints``: False trains without
+    resumable checkpoints and leaves every checkpoint folder alone (``onegpu tradeoffs``' probe rows,
+    whose ``plan.resume`` must be None); ``tokenizer``: the one prepare used (None: the model's).
     Returns:
         The :class:`TrainResult`; the run is left SCHEDULED.
     """
-    run_id = _start_run(plan, tracker)
+    run_id = _start_run(plan, tracker, name, tidy=checkpoints)
     buffer = tracker.metric_buffer(run_id)
     progress = {"step": 0}
     rows: list[tuple[int, dict]] = []  # every step the sink got, for the run's figure
@@ -259,7 +263,7 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
     with tracker.guard(run_id, finish="SCHEDULED", context=lambda: {"error.step": str(progress["step"] + 1)}), \
             _flushed(buffer), _closing_record(tracker, run_id, rows, load, config_name(plan.cfg)):
         tracker.log_params(run_id, flatten(plan.cfg.to_dict()))
-        model, tokenizer = built or build_model(plan.cfg, plan.stats)
+        model, tokenizer = built or build_model(plan.cfg, plan.stats, tokenizer)
         tracker.set_tags(run_id, models.describe(model))
         # Training switches the KV cache off (Trainer and checkpointing); the saved model gets it back.
         saved_config = {"use_cache": model.config.use_cache} if hasattr(model.config, "use_cache") else {}
@@ -272,7 +276,7 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
         with tracker.system_metrics(run_id):
             load.start()
             t0 = time.perf_counter()
-            model, steps = train(plan, model, tokenizer, dsd, sink, run_id)
+            model, steps = train(plan, model, tokenizer, dsd, sink, run_id, checkpoints)
             train_s = time.perf_counter() - t0
             load.stop()
         summary = _log_results(plan, tracker, run_id, buffer, model, steps)
@@ -281,30 +285,32 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
         if save is not None:
             save(result)
     from onegpu.training import distributed
-    if distributed.is_main():  # one process tidies the checkpoints (the others write no MLflow either)
+    if checkpoints and distributed.is_main():  # one process tidies the checkpoints (the others write no MLflow either)
         shutil.rmtree(plan.checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
         tidy_other_checkpoints(plan.checkpoint_dir, plan.key, flatten(plan.cfg.to_dict()), plan.fingerprint,
                                tracker.find_run, finished=True)
     return result
 
 
-def _start_run(plan: TrainPlan, tracker) -> str:
-    """Say which other checkpoints this run does not use, start the MLflow run with the stage's tags and
-    link it to the run it resumes. Returns the run id."""
+def _start_run(plan: TrainPlan, tracker, name: str | None = None, tidy: bool = True) -> str:
+    """Say which other checkpoints this run does not use (``tidy``), start the MLflow run ``name`` (None:
+    the DVC experiment's, else the settings') with the stage's tags and link it to the run it resumes.
+    Returns the run id."""
     from onegpu.training import distributed
     if not distributed.is_main():  # only rank 0 of a multi-process launch writes to MLflow
         return tracker.start_run(None, {})
     from onegpu import tracking
     tags = {**tracking.run_context_tags(), "stage": "train", "equivalence_key": plan.key,
             "device": measure.device_name(plan.device), "data.fingerprint": plan.fingerprint}
-    tidy_other_checkpoints(plan.checkpoint_dir, plan.key, flatten(plan.cfg.to_dict()), plan.fingerprint,
-                           tracker.find_run, announce=True)
+    if tidy:
+        tidy_other_checkpoints(plan.checkpoint_dir, plan.key, flatten(plan.cfg.to_dict()), plan.fingerprint,
+                               tracker.find_run, announce=True)
     resume = plan.resume
     if resume:
         tags["onegpu.resumed_from"] = resume.run_id or ""
         tags["onegpu.resumed_at_step"] = str(resume.step)
     tags[CONFIG_TAG] = config_name(plan.cfg)
-    run_id = tracker.start_run(tracking.run_name() or tags[CONFIG_TAG], tags)
+    run_id = tracker.start_run(name or tracking.run_name() or tags[CONFIG_TAG], tags)
     distributed.announce_run(run_id, plan.cfg.tracking.experiment_name)
     if resume:
         print(f"train: resuming from {resume.path} (optimizer step {resume.step} of MLflow run "

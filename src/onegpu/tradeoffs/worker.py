@@ -1,0 +1,111 @@
+"""One worker process of ``onegpu tradeoffs``' probe rows (:mod:`onegpu.tradeoffs.pool` starts it).
+
+It trains the rows it is sent one at a time, in the project root, into the project's MLflow store, as the
+train stage would (:func:`onegpu.training.session.run`: the same run, tags, per-step series and figure),
+with three differences: the prepared data is made in memory once per worker for each distinct set of the
+params prepare reads (:func:`onegpu.data.pipeline.prepare`, the same function the prepare stage writes
+to disk), nothing is written to ``models/``, ``metrics/`` or ``plots/``, and no resumable checkpoint is
+taken (a probe is re-run, not resumed; the checkpoints of the user's own runs are left alone).
+
+Between rows it resets what a previous row could leave in the process: TorchDynamo's compiled code and
+recompilation state (``torch._dynamo.reset``), Python garbage, the CUDA allocator's cache. What cannot be
+reset, the host allocator (``train.cpu_allocator``: glibc's ``mallopt`` is process-wide and cannot be
+undone), is why the pool keeps one worker per setting.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import time
+
+# The params prepare reads (dvc.yaml's prepare stage: params data, model.name_or_path, model.task,
+# model.vocab_size): rows that agree on them share one prepared copy of the data.
+PREPARE_PARAMS = ("data", "model.name_or_path", "model.task", "model.vocab_size")
+
+
+def prepare_key(cfg) -> str:
+    """The values of :data:`PREPARE_PARAMS` in ``cfg``, as one string."""
+    d = cfg.to_dict()
+    return json.dumps([d["data"], d["model"]["name_or_path"], d["model"]["task"], d["model"]["vocab_size"]],
+                      sort_keys=True, default=str)
+
+
+def prepared(cfg, cache: dict):
+    """``(dsd, tokenizer, stats)`` for ``cfg``'s data: from ``cache`` (by :func:`prepare_key`) or made
+    now (read, de-duplicate, split, tokenize: the prepare stage's work, in memory).
+
+    Raises:
+        onegpu.errors.DataError: the data cannot be read or prepared (as the prepare stage says).
+    """
+    key = prepare_key(cfg)
+    if key not in cache:
+        from datasets.utils.logging import disable_progress_bar
+
+        from onegpu import data
+        from onegpu.data import pipeline
+        disable_progress_bar()
+        fmt = data.check_input(cfg)
+        dsd, tokenizer, stats, _ = pipeline.prepare(cfg, fmt, pipeline.tokenizer_maker(cfg))
+        cache[key] = (dsd, tokenizer, stats)
+    return cache[key]
+
+
+def _reset_process_state() -> None:
+    """What a previous row may leave behind: compiled code, garbage, cached CUDA blocks."""
+    import torch
+
+    from onegpu import measure
+    torch._dynamo.reset()
+    gc.collect()
+    measure.empty_cache()
+
+
+def train_row(spec: dict, cache: dict) -> None:
+    """Train one row: ``spec`` holds ``name`` (the MLflow run name), ``params`` (the params file) and
+    ``overrides`` (``key=value`` strings, the probe window's first).
+
+    Raises:
+        onegpu.errors.UserError: the row's params or data are refused (before its MLflow run opens).
+        Exception: its training failed (its MLflow run ended FAILED); KeyboardInterrupt: stopped (KILLED).
+    """
+    from onegpu import tracking
+    from onegpu.config import load
+    from onegpu.training import session
+    cfg = load(spec["params"], spec["overrides"])
+    dsd, tokenizer, stats = prepared(cfg, cache)
+    plan = dataclasses.replace(session.plan(cfg, stats), resume=None)
+    _reset_process_state()
+    tracker = tracking.connect(cfg.tracking.experiment_name)
+    session.run(plan, tracker, dsd, name=spec["name"], checkpoints=False, tokenizer=tokenizer)
+
+
+def main(conn, offline: bool) -> None:
+    """The worker's loop: receive a row spec on ``conn`` (None: stop), train it, send back ``{"name",
+    "returncode", "seconds"}`` (returncode 0 trained, 2 refused, 1 failed, None stopped by Ctrl-C or
+    SIGINT, after which the worker ends). ``offline``: the model is local (no hub lookups, as the CLI)."""
+    if offline:
+        from onegpu import models
+        models.go_offline()  # before transformers and datasets are imported
+    from onegpu.errors import UserError
+    cache: dict = {}
+    while True:
+        try:
+            spec = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if spec is None:
+            return
+        t0, rc = time.monotonic(), 0
+        try:
+            train_row(spec, cache)
+        except KeyboardInterrupt:
+            conn.send({"name": spec["name"], "returncode": None, "seconds": time.monotonic() - t0})
+            return
+        except UserError as e:
+            print(f"onegpu tradeoffs: {spec['name']}: error: {e}", flush=True)
+            rc = 2
+        except Exception as e:  # its MLflow run says FAILED; the other rows still run
+            print(f"onegpu tradeoffs: {spec['name']} failed: {type(e).__name__}: {e}", flush=True)
+            rc = 1
+        conn.send({"name": spec["name"], "returncode": rc, "seconds": time.monotonic() - t0})
