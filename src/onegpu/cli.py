@@ -111,7 +111,7 @@ def _tradeoffs(sub) -> None:
                     help="do not run the combination of the faster knobs (report the parts only)")
     tr.add_argument("--steps", type=_positive, default=None, metavar="N",
                     help="the probe window: optimizer steps per row, the baseline too, whatever the job's length "
-                         "(default: 10); rows stop after train (no evaluate)")
+                         "(default: 6); rows stop after train (no evaluate)")
     tr.add_argument("--full", action="store_true",
                     help="train the whole job in every row and evaluate it (time to the baseline's eval loss)")
     tr.add_argument("--repeats", type=_positive, default=None, metavar="R",

@@ -89,7 +89,7 @@ def plan(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str],
 
 # The probe window's default (``--steps``): optimizer steps per row, whatever the job's length. Step 1 holds
 # warm-up (its time is its own column); steps 2..N give samples/s and, against the baseline's, the verdict.
-PROBE_STEPS = 10
+PROBE_STEPS = 6
 # ``--repeats``' default: each row three times, interleaved, so a spread is measured.
 REPEATS = 3
 

@@ -2,10 +2,11 @@
 
 It trains the rows it is sent one at a time, in the project root, into the project's MLflow store, as the
 train stage would (:func:`onegpu.training.session.run`: the same run, tags, per-step series and figure),
-with three differences: the prepared data is made in memory once per worker for each distinct set of the
+with four differences: the prepared data is made in memory once per worker for each distinct set of the
 params prepare reads (:func:`onegpu.data.pipeline.prepare`, the same function the prepare stage writes
-to disk), nothing is written to ``models/``, ``metrics/`` or ``plots/``, and no resumable checkpoint is
-taken (a probe is re-run, not resumed; the checkpoints of the user's own runs are left alone).
+to disk), nothing is written to ``models/``, ``metrics/`` or ``plots/``, no resumable checkpoint is
+taken (a probe is re-run, not resumed; the checkpoints of the user's own runs are left alone), and the
+run gets no figure of its own (the batch's report plots the rows).
 
 Between rows it resets what a previous row could leave in the process: TorchDynamo's compiled code and
 recompilation state (``torch._dynamo.reset``), Python garbage, the CUDA allocator's cache. What cannot be
@@ -77,7 +78,7 @@ def train_row(spec: dict, cache: dict) -> None:
     plan = dataclasses.replace(session.plan(cfg, stats), resume=None)
     _reset_process_state()
     tracker = tracking.connect(cfg.tracking.experiment_name)
-    session.run(plan, tracker, dsd, name=spec["name"], checkpoints=False, tokenizer=tokenizer)
+    session.run(plan, tracker, dsd, name=spec["name"], probe=True, tokenizer=tokenizer)
 
 
 def main(conn, offline: bool) -> None:

@@ -237,19 +237,19 @@ def train(plan: TrainPlan, model, tokenizer, dsd, sink: Callable[[dict, int], No
 
 
 def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | None = None,
-        built: tuple | None = None, name: str | None = None, checkpoints: bool = True,
+        built: tuple | None = None, name: str | None = None, probe: bool = False,
         tokenizer=None) -> TrainResult:
     """The whole training run into ``tracker``'s store (a ``tracking.connect`` handle).
 
     ``save``: writes the outputs from the result, inside the run's guard; ``built``: a ``(model,
     tokenizer)`` to train instead of :func:`build_model`'s (benchmarks); ``name``: the MLflow run name
-    (None: the DVC experiment's, else :func:`config_name`); ``checkpoints``: False trains without
-    resumable checkpoints and leaves every checkpoint folder alone (``onegpu tradeoffs``' probe rows,
-    whose ``plan.resume`` must be None); ``tokenizer``: the one prepare used (None: the model's).
+    (None: the DVC experiment's, else :func:`config_name`); ``probe``: a probe row of ``onegpu
+    tradeoffs`` (``plan.resume`` None): no resumable checkpoints, every checkpoint folder left alone, no
+    figure (the batch's report plots the rows); ``tokenizer``: the one prepare used (None: the model's).
     Returns:
         The :class:`TrainResult`; the run is left SCHEDULED.
     """
-    run_id = _start_run(plan, tracker, name, tidy=checkpoints)
+    run_id = _start_run(plan, tracker, name, tidy=not probe)
     buffer = tracker.metric_buffer(run_id)
     progress = {"step": 0}
     rows: list[tuple[int, dict]] = []  # every step the sink got, for the run's figure
@@ -261,7 +261,7 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
         buffer.add(metrics, step)
 
     with tracker.guard(run_id, finish="SCHEDULED", context=lambda: {"error.step": str(progress["step"] + 1)}), \
-            _flushed(buffer), _closing_record(tracker, run_id, rows, load, config_name(plan.cfg)):
+            _flushed(buffer), _closing_record(tracker, run_id, rows, load, config_name(plan.cfg), figure=not probe):
         tracker.log_params(run_id, flatten(plan.cfg.to_dict()))
         model, tokenizer = built or build_model(plan.cfg, plan.stats, tokenizer)
         tracker.set_tags(run_id, models.describe(model))
@@ -276,7 +276,7 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
         with tracker.system_metrics(run_id):
             load.start()
             t0 = time.perf_counter()
-            model, steps = train(plan, model, tokenizer, dsd, sink, run_id, checkpoints)
+            model, steps = train(plan, model, tokenizer, dsd, sink, run_id, checkpoints=not probe)
             train_s = time.perf_counter() - t0
             load.stop()
         summary = _log_results(plan, tracker, run_id, buffer, model, steps)
@@ -285,7 +285,7 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
         if save is not None:
             save(result)
     from onegpu.training import distributed
-    if checkpoints and distributed.is_main():  # one process tidies the checkpoints (the others write no MLflow either)
+    if not probe and distributed.is_main():  # one process tidies the checkpoints (the others write no MLflow either)
         shutil.rmtree(plan.checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
         tidy_other_checkpoints(plan.checkpoint_dir, plan.key, flatten(plan.cfg.to_dict()), plan.fingerprint,
                                tracker.find_run, finished=True)
@@ -458,10 +458,10 @@ def _own_tree_root() -> int:
 
 
 @contextlib.contextmanager
-def _closing_record(tracker, run_id: str, rows: list, load: "outside_load.Watch", title: str):
+def _closing_record(tracker, run_id: str, rows: list, load: "outside_load.Watch", title: str, figure: bool = True):
     """On the way out, finished or not (rank 0 only): the outside load over the training window as the
     tag ``onegpu.outside_load`` and the metric ``train_outside_cpu_load`` (a line printed when the run
-    was under load), and the run's figure (:mod:`onegpu.training.figure`) of the steps measured.
+    was under load), and (``figure``) the run's figure (:mod:`onegpu.training.figure`) of the steps measured.
     Nothing here may hide the training's own error."""
     from onegpu.training import distributed
     failed = True
@@ -471,12 +471,13 @@ def _closing_record(tracker, run_id: str, rows: list, load: "outside_load.Watch"
     finally:
         if distributed.is_main():
             try:
-                _log_closing(tracker, run_id, rows, load.stop(), failed, title)
+                _log_closing(tracker, run_id, rows, load.stop(), failed, title, figure)
             except Exception as e:  # a figure that cannot be drawn costs the figure only
                 print(f"train: the run's figure or outside load was not logged ({type(e).__name__}: {e})")
 
 
-def _log_closing(tracker, run_id: str, rows: list, load: dict | None, failed: bool, title: str) -> None:
+def _log_closing(tracker, run_id: str, rows: list, load: dict | None, failed: bool, title: str,
+                 figure_too: bool = True) -> None:
     import json
 
     from onegpu.training import figure
@@ -489,6 +490,8 @@ def _log_closing(tracker, run_id: str, rows: list, load: dict | None, failed: bo
             print(f"train: measured under outside load: {text} while it trained; its speed is not the "
                   "cost of its settings alone (train again on a quiet machine to time it)")
             note.append(f"under outside load: {text}")
+    if not figure_too:
+        return
     steps = len({s for s, _ in rows})
     if failed:
         note.insert(0, f"stopped or failed after {steps} logged optimizer step{'s' if steps != 1 else ''}")

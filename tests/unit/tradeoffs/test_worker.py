@@ -1,0 +1,41 @@
+"""A probe worker's data (onegpu.tradeoffs.worker): rows that agree on the params prepare reads share one
+prepared copy; a row that changes any of them gets its own."""
+from __future__ import annotations
+
+import pytest
+
+from onegpu.config import load
+from onegpu.tradeoffs import worker
+from tests import defaults
+
+
+@pytest.fixture
+def params(tmp_path):
+    return str(defaults.write_params(tmp_path))
+
+
+def test_training_knobs_share_the_prepared_data(params):
+    base = worker.prepare_key(load(params))
+    for knob in ("train.per_device_train_batch_size=16", "train.bf16=true", "train.max_steps=6",
+                 "model.lora.r=8", "model.attn_implementation=eager", "train.cpu_allocator=system"):
+        assert worker.prepare_key(load(params, [knob])) == base, knob
+
+
+@pytest.mark.parametrize("base, knob", [([], "data.max_length=32"), ([], "data.seed=1"), ([], "model.task=causal-lm"),
+                                        ([], "model.vocab_size=1024"),
+                                        ([], "model.name_or_path=packaged:SmolLM2-135M-Instruct"),
+                                        (["model.task=causal-lm"], "data.padding_free=true"),
+                                        (["model.task=causal-lm"], "data.packing=true")])
+def test_a_param_prepare_reads_gets_its_own_data(params, base, knob):
+    assert worker.prepare_key(load(params, [*base, knob])) != worker.prepare_key(load(params, base))
+
+
+def test_the_data_is_prepared_once_per_key(params, monkeypatch):
+    calls = []
+    monkeypatch.setattr("onegpu.data.check_input", lambda cfg: "text")
+    monkeypatch.setattr("onegpu.data.pipeline.prepare",
+                        lambda cfg, fmt, make: calls.append(cfg.data.max_length) or ("dsd", "tok", {}, None))
+    cache: dict = {}
+    for overrides in ([], ["train.bf16=true"], ["data.max_length=32"], []):
+        assert worker.prepared(load(params, overrides), cache) == ("dsd", "tok", {})
+    assert calls == [64, 32]
