@@ -11,28 +11,19 @@ CUDA initialised in the worker only).
 
 Ctrl-C reaches the workers too (the terminal signals the whole foreground process group): the row
 training ends its MLflow run KILLED and its worker ends; SIGTERM, sent to this process alone, is passed on
-to the worker as SIGINT (:func:`onegpu.tradeoffs.queue.run_rows` does the same for ``dvc exp run``).
+to the worker as SIGINT (:mod:`onegpu.tradeoffs.rows`).
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
 import signal
-import time
 
 from onegpu.tradeoffs.knobs import Variant
-from onegpu.tradeoffs.queue import Ran, time_left
+from onegpu.tradeoffs.rows import Ran, Stopped, Terminated, one_at_a_time
 
 # A batch's plan says "runner": WORKERS when its rows trained here.
 WORKERS = "workers"
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, sent to this process alone: the workers did not get it."""
-
-
-def _raise_interrupt(signum, frame):
-    raise _Terminated()
 
 
 class Pool:
@@ -68,28 +59,29 @@ class Pool:
             self._workers[key] = (p, ours)
         return self._workers[key]
 
-    def train(self, name: str, overrides: list[str]) -> Ran:
-        """Train one row (MLflow run ``name``, ``key=value`` ``overrides``) in its worker; wait for it.
+    def train(self, name: str, overrides: list[str]) -> int:
+        """Train one row (MLflow run ``name``, ``key=value`` ``overrides``) in its worker; wait for it and
+        return its exit status (0 trained, 2 refused, else failed; a worker that died: its exit code).
 
         Raises:
-            KeyboardInterrupt: Ctrl-C or SIGTERM (after the row's worker has stopped it).
+            onegpu.tradeoffs.rows.Stopped: Ctrl-C or SIGTERM (after the row's worker has stopped it).
         """
         key = self.group(overrides)
         p, conn = self._worker(key)
-        t0 = time.monotonic()
         conn.send({"name": name, "params": self.params, "overrides": overrides})
         try:
             reply = conn.recv()
         except EOFError:  # the worker died (killed, out of memory): the row failed, the next gets a new one
             self._workers.pop(key, None)
             p.join()
-            return Ran(name, 1 if p.exitcode is None else (p.exitcode or 1), time.monotonic() - t0)
+            return p.exitcode or 1
         except KeyboardInterrupt as e:
-            self._stop(key, told=not isinstance(e, _Terminated))
-            raise
-        if reply["returncode"] is None:  # the worker got the terminal's Ctrl-C and ended
+            self._stop(key, told=not isinstance(e, Terminated))
+            raise Stopped() from None
+        if reply["returncode"] is None:  # the worker had a SIGINT of its own and ended
             self._workers.pop(key, None)
-        return Ran(name, reply["returncode"], time.monotonic() - t0)
+            raise Stopped()
+        return reply["returncode"]
 
     def _stop(self, key: str, told: bool, grace_s: float = 60.0) -> None:
         """Stop ``key``'s worker mid-row: it had the terminal's Ctrl-C (``told``), else send SIGINT; give
@@ -124,29 +116,14 @@ class Pool:
 
 def run_rows(pool: Pool, prefix: str, rows: list[Variant], window: list[str]) -> tuple[list[Ran], bool]:
     """Each of ``rows`` in order in ``pool`` (MLflow run ``<prefix><row name>``; ``window``: ``key=value``
-    before each row's own overrides), printing "row k of M" and the time left before each, as
-    :func:`onegpu.tradeoffs.queue.run_rows` does for ``dvc exp run --temp`` rows.
+    before each row's own overrides), one at a time (:func:`onegpu.tradeoffs.rows.one_at_a_time`).
 
     Returns:
         ``(ran, interrupted)``: the rows that ran or were stopped, in order (a stopped one with
         returncode None), and whether Ctrl-C or SIGTERM stopped the batch.
     """
-    ran: list[Ran] = []
-    old = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        for k, v in enumerate(rows, 1):
-            name = f"{prefix}{v.name}"
-            print(f"\nrow {k} of {len(rows)}: {name}  {v.set_text or '(your params)'}  "
-                  f"({time_left(ran, len(rows) - k + 1)})", flush=True)
-            t0 = time.monotonic()
-            try:
-                ran.append(pool.train(name, [*window, *(f"{key}={val}" for key, val in v.overrides)]))
-            except KeyboardInterrupt:
-                ran.append(Ran(name, None, time.monotonic() - t0))
-                return ran, True
-        return ran, False
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    return one_at_a_time(prefix, rows, lambda name, v: pool.train(
+        name, [*window, *(f"{key}={val}" for key, val in v.overrides)]))
 
 
 def for_batch(cfg, params: str, facts, steps: int | None, no_rows: bool):

@@ -1,5 +1,6 @@
-"""The DVC driver of ``onegpu tradeoffs``: run each row as ``dvc exp run --temp`` one at a time (progress,
-time left, Ctrl-C stopping exactly the row it started), or queue them (``--queue-only``) with their ``-S``
+"""The DVC driver of ``onegpu tradeoffs``: run each row as ``dvc exp run --temp`` one at a time
+(:func:`onegpu.tradeoffs.rows.one_at_a_time`: progress, time left, Ctrl-C stopping exactly the row it
+started), or queue them (``--queue-only``) with their ``-S``
 overrides; read the queue's states.
 
 Each step is the ``dvc`` command in a subprocess: ``dvc.api`` shows and saves experiments (``exp_show``,
@@ -11,12 +12,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from onegpu.errors import UserError
 from onegpu.tradeoffs.knobs import Variant
+from onegpu.tradeoffs.rows import Ran, Stopped, Terminated, one_at_a_time
 
 
 def dvc() -> str:
@@ -70,24 +70,6 @@ def states() -> dict[str, str]:
     return out
 
 
-@dataclass
-class Ran:
-    """One row's ``dvc exp run --temp``: its experiment name, exit status (None: stopped by Ctrl-C or
-    SIGTERM before it ended) and wall-clock seconds (clone, stages, training, saving)."""
-    name: str
-    returncode: int | None
-    seconds: float
-
-
-def time_left(done: list[Ran], left: int) -> str:
-    """``"about 3 min 20 s left"`` from the mean wall time of the rows ``done`` times the ``left`` rows
-    (``left`` includes the one about to start); before any row ended, what is not known yet."""
-    if not done:
-        return "time left: known after the first row"
-    s = round(sum(r.seconds for r in done) / len(done) * left)
-    return f"about {s // 60} min {s % 60:02d} s left" if s >= 60 else f"about {s} s left"
-
-
 def _stop(p: subprocess.Popen, told: bool, grace_s: float = 60.0) -> None:
     """Stop ``p`` (a ``dvc exp run --temp``; the training in it saves its state and ends its MLflow run
     KILLED on SIGINT). ``told``: it had the terminal's Ctrl-C too (the whole foreground process group
@@ -106,14 +88,6 @@ def _stop(p: subprocess.Popen, told: bool, grace_s: float = 60.0) -> None:
         p.wait()
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, sent to this process alone: the row's process did not get it."""
-
-
-def _raise_interrupt(signum, frame):
-    raise _Terminated()
-
-
 def run_rows(prefix: str, rows: list[Variant], targets: list[str], force: set[str] = frozenset(),
              window: list[str] = ()) -> tuple[list[Ran], bool]:
     """Run each of ``rows`` in order, one at a time, as ``dvc exp run --temp --name <prefix><row name>``
@@ -127,24 +101,13 @@ def run_rows(prefix: str, rows: list[Variant], targets: list[str], force: set[st
         ``(ran, interrupted)``: the rows that ran or were stopped (in order), and whether the command was
         interrupted (the rows after the stopped one did not start).
     """
-    ran: list[Ran] = []
-    old = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        for k, v in enumerate(rows, 1):
-            name = f"{prefix}{v.name}"
-            print(f"\nrow {k} of {len(rows)}: {name}  {v.set_text or '(your params)'}  "
-                  f"({time_left([r for r in ran if r.returncode is not None], len(rows) - k + 1)})", flush=True)
-            cmd = [dvc(), "exp", "run", "--temp", "--name", name, *(["--force"] if v.name in force else []),
-                   *window, *v.set_args, *targets]
-            t0 = time.monotonic()
-            p = subprocess.Popen(cmd)
-            try:
-                rc = p.wait()
-            except KeyboardInterrupt as e:
-                _stop(p, told=not isinstance(e, _Terminated))  # it may have finished meanwhile: rc 0
-                ran.append(Ran(name, None if p.returncode != 0 else 0, time.monotonic() - t0))
-                return ran, True
-            ran.append(Ran(name, rc, time.monotonic() - t0))
-        return ran, False
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    def one(name: str, v: Variant) -> int:
+        cmd = [dvc(), "exp", "run", "--temp", "--name", name, *(["--force"] if v.name in force else []),
+               *window, *v.set_args, *targets]
+        p = subprocess.Popen(cmd)
+        try:
+            return p.wait()
+        except KeyboardInterrupt as e:
+            _stop(p, told=not isinstance(e, Terminated))  # it may have finished meanwhile: rc 0
+            raise Stopped(None if p.returncode != 0 else 0) from None
+    return one_at_a_time(prefix, rows, one)

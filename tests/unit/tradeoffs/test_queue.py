@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import signal
 
-from onegpu.tradeoffs import queue
+from onegpu.tradeoffs import queue, rows as one_at_a_time
 from tests.unit.tradeoffs.runs import BASE, _variant
 
 
@@ -45,7 +45,7 @@ def test_rows_run_one_at_a_time_with_progress_and_ctrl_c_stops_only_its_own_row(
     clock = [0.0]
     _FakeDvc.started, _FakeDvc.signals = [], []
     monkeypatch.setattr(queue.subprocess, "Popen", lambda cmd: _FakeDvc(cmd, "p-attn-eager", clock))
-    monkeypatch.setattr(queue.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(one_at_a_time.time, "monotonic", lambda: clock[0])
     rows = [BASE, _variant("split-16x1", "split"), _variant("attn-eager", "attention"), _variant("compile", "compile")]
     ran, interrupted = queue.run_rows("p-", rows, ["train"], force={"baseline"})
     assert interrupted and [(r.name, r.returncode) for r in ran] == [("p-baseline", 0), ("p-split-16x1", 0),
@@ -58,13 +58,7 @@ def test_rows_run_one_at_a_time_with_progress_and_ctrl_c_stops_only_its_own_row(
     assert "row 1 of 4: p-baseline  (your params)  (time left: known after the first row)" in out
     assert "row 2 of 4: p-split-16x1  -S 'train.x=1'  (about 30 s left)" in out
     assert "row 3 of 4" in out and "row 4 of 4" not in out
-    assert signal.getsignal(signal.SIGTERM) is not queue._raise_interrupt  # SIGTERM's handler put back
-
-
-def test_time_left_is_the_mean_row_times_the_rows_left():
-    done = [queue.Ran("a", 0, 50.0), queue.Ran("b", 0, 70.0)]
-    assert queue.time_left(done, 4) == "about 4 min 00 s left"
-    assert queue.time_left(done, 0) == "about 0 s left"
+    assert signal.getsignal(signal.SIGTERM) is not one_at_a_time._raise_terminated  # SIGTERM's handler put back
 
 
 def test_a_row_that_finishes_while_it_is_being_stopped_counts_as_finished(monkeypatch):
