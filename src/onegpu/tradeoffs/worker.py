@@ -9,7 +9,8 @@ taken (a probe is re-run, not resumed; the checkpoints of the user's own runs ar
 run gets no figure of its own (the batch's report plots the rows).
 
 Between rows it resets what a previous row could leave in the process: TorchDynamo's compiled code and
-recompilation state (``torch._dynamo.reset``), Python garbage, the CUDA allocator's cache. What cannot be
+recompilation state (``torch._dynamo.reset``), Accelerate's process-wide state, Python garbage, the CUDA
+allocator's cache. What cannot be
 reset, the host allocator (``train.cpu_allocator``: glibc's ``mallopt`` is process-wide and cannot be
 undone), is why the pool keeps one worker per setting.
 """
@@ -53,11 +54,16 @@ def prepared(cfg, cache: dict):
 
 
 def _reset_process_state() -> None:
-    """What a previous row may leave behind: compiled code, garbage, cached CUDA blocks."""
+    """What a previous row may leave behind: compiled code, Accelerate's process-wide state (its
+    ``Accelerator`` refuses another mixed precision once the state exists; transformers' TrainingArguments
+    resets it the same way), garbage, cached CUDA blocks."""
     import torch
+    from accelerate.state import AcceleratorState, GradientState
 
     from onegpu import measure
     torch._dynamo.reset()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     gc.collect()
     measure.empty_cache()
 

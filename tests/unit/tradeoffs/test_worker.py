@@ -39,3 +39,15 @@ def test_the_data_is_prepared_once_per_key(params, monkeypatch):
     for overrides in ([], ["train.bf16=true"], ["data.max_length=32"], []):
         assert worker.prepared(load(params, overrides), cache) == ("dsd", "tok", {})
     assert calls == [64, 32]
+
+
+def test_a_row_may_change_the_mixed_precision_of_the_row_before_it():
+    """Accelerate keeps one state per process and its Accelerator refuses another mixed precision once it
+    exists (the accelerate backend's bf16 row after its fp32 baseline): the worker resets it between rows."""
+    from accelerate import Accelerator
+    try:
+        Accelerator(mixed_precision="no", cpu=True)
+        worker._reset_process_state()
+        assert Accelerator(mixed_precision="bf16", cpu=True).mixed_precision == "bf16"
+    finally:
+        worker._reset_process_state()  # leave no state to the tests after this one
