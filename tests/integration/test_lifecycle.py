@@ -1,5 +1,6 @@
 """No MLflow run stays RUNNING without a process writing to it, whatever the sequence of stages,
-interrupts, failures and parallel queued experiments (the run lifecycle of onegpu.tracking)."""
+interrupts, failures and parallel queued experiments (the run lifecycle of onegpu.tracking); the queued
+grid's runs land complete in the root store."""
 from __future__ import annotations
 
 import os
@@ -72,13 +73,13 @@ def test_no_run_is_left_running_after_stages_interrupts_failures_and_a_parallel_
     c, train = _train_runs(project)
     assert sorted(r.info.status for r in train) == ["FAILED", "FINISHED", "KILLED"]
 
-    # Two queued experiments on two workers: the stopped configuration (it resumes) and another split.
+    # A queued grid of two experiments on two workers at once: the stopped configuration (it resumes) and
+    # another micro-batch (2 x 2: another effective batch, another key). Both land complete in the root
+    # store's experiment.
     _params(project, seed=7, per_device_train_batch_size=4, effective_batch_size=None, memory_budget_gib=None)
     run(["git", "add", "-A"], project)
     run(["git", "commit", "-qm", "seed 7"], project)
-    dvc(project, "exp", "run", "--queue")
-    dvc(project, "exp", "run", "--queue", "-S", "train.per_device_train_batch_size=2",
-        "-S", "train.gradient_accumulation_steps=4")
+    dvc(project, "exp", "run", "--queue", "-S", "train.per_device_train_batch_size=4,2")
     dvc(project, "queue", "start", "-j", "2")
     status = wait_for_queue(project)
     assert status.count("Success") == 2, status
@@ -89,6 +90,17 @@ def test_no_run_is_left_running_after_stages_interrupts_failures_and_a_parallel_
     for r in train:
         if r.info.status == "FINISHED":
             assert "eval_loss" in r.data.metrics, r.info.run_name
+    queued = [r for r in train if r.data.tags.get("dvc.exp_name")]
+    assert sorted(r.data.params["resolved.per_device_train_batch_size"] for r in queued) == ["2", "4"]
+    assert c.search_runs(["0"], max_results=10) == []  # nothing leaked into the Default experiment
+    for r in queued:
+        assert r.info.status == "FINISHED" and "eval_accuracy" in r.data.metrics, r.info.run_name
+        assert "/.dvc/tmp/" not in r.info.artifact_uri and r.info.run_name == r.data.tags["dvc.exp_name"]
+        # the resumed run carries the whole curve, from the killed run's steps on
+        assert sorted(m.step for m in c.get_metric_history(r.info.run_id, "loss")) == list(range(1, 9))
+    assert len({r.data.tags["equivalence_key"] for r in queued}) == 2  # effective batches 8 and 4
+    shown = dvc(project, "exp", "show", "--json").stdout
+    assert "eval_accuracy" in shown and "per_device_train_batch_size" in shown
     assert _checkpoints(project) == []  # resumed and finished, or superseded: nothing left to resume
     if CHECK_STORE.is_file():
         check = subprocess.run([sys.executable, str(CHECK_STORE), str(project)], capture_output=True, text=True,

@@ -1,5 +1,6 @@
 """A real `mlflow server` on 127.0.0.1: unreachable at start fails fast; going away mid-run does not stop
-training, and `onegpu sync` writes every spooled step once the server is back."""
+training, and `onegpu sync` writes every spooled step once the server is back. (The data is ``prepared``'s:
+`onegpu prepare` against an unreachable server is test_bad_inputs.py's; here it is `onegpu train`.)"""
 from __future__ import annotations
 
 import signal
@@ -10,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from .conftest import BIN, _env, make_project, run
+from .conftest import BIN, _env
 
 pytestmark = pytest.mark.slow
 STEPS = 12
@@ -44,24 +45,23 @@ def _stop(p):
     p.wait(timeout=30)
 
 
-def test_unreachable_server_fails_fast_and_an_outage_mid_run_loses_nothing(tmp_path):
-    project = make_project(tmp_path / "p", {"train": {"max_steps": STEPS, "logging_steps": 1,
-                                                      "per_device_train_batch_size": 2,
-                                                      "gradient_accumulation_steps": 1}})
+def test_unreachable_server_fails_fast_and_an_outage_mid_run_loses_nothing(tmp_path, prepared):
+    project = prepared(tmp_path / "p", {"train": {"max_steps": STEPS, "logging_steps": 1,
+                                                  "per_device_train_batch_size": 2,
+                                                  "gradient_accumulation_steps": 1}})
     port = _free_port()
     uri = f"http://127.0.0.1:{port}"
     env = {**_env(), "MLFLOW_TRACKING_URI": uri, "PYTHONUNBUFFERED": "1"}
     onegpu = str(BIN / "onegpu")
 
     start = time.monotonic()
-    p = subprocess.run([onegpu, "prepare"], cwd=project, env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([onegpu, "train"], cwd=project, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "cannot be reached" in p.stderr, p.stderr
     assert time.monotonic() - start < 15
-    assert not (project / "data/processed").exists()
+    assert not (project / "models").exists() and not (project / ".onegpu" / "spool").exists()
 
     server = _server(tmp_path / "store.db", port)
     try:
-        assert subprocess.run([onegpu, "prepare"], cwd=project, env=env, timeout=300).returncode == 0
         train = subprocess.Popen([onegpu, "train"], cwd=project, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True)
         lines = []

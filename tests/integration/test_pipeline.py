@@ -1,11 +1,12 @@
-"""`dvc repro`, `dvc exp run` and a queued grid on a tiny project, checked against the contract."""
+"""`dvc repro` and `dvc exp run` on a tiny project, checked against the contract. (A queued grid on two
+workers: test_lifecycle.py, whose queue also resumes an interrupted run.)"""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from .conftest import BIN, dvc, run, runs, wait_for_queue
+from .conftest import BIN, dvc, runs
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +99,7 @@ def test_repro_logs_prepare_and_one_complete_training_run(project):
 def test_exp_run_with_another_split_is_equivalent(project):
     """2 x 4 against the baseline's 4 x 2: one new run, named after the experiment, same key, and (with
     dropout 0) the same per-step losses to float error."""
-    out = dvc(project, "exp", "run", "-S", "train.per_device_train_batch_size=2",
+    out = dvc(project, "exp", "run", "train", "-S", "train.per_device_train_batch_size=2",  # train: all read here
               "-S", "train.gradient_accumulation_steps=4").stdout
     c, exp, train = _training_runs(project)
     named = [r for r in train if r.data.tags.get("dvc.exp_name")]
@@ -114,33 +115,3 @@ def test_exp_run_with_another_split_is_equivalent(project):
     assert len(a) == len(b) == MAX_STEPS
     # float32: padding per micro-batch changes shapes and summation order, not the mathematics.
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)
-
-
-def test_queued_grid_runs_in_parallel_into_the_root_store(project):
-    # Back to the committed baseline (4 x 2): `dvc exp run` above left its result in the workspace, and
-    # DVC does not re-run a queued experiment identical to an up-to-date workspace.
-    run(["git", "checkout", "--", "."], project)
-    dvc(project, "checkout", "--force")
-    # Four experiments, two workers: all four land complete in the root store's experiment.
-    dvc(project, "exp", "run", "--queue", "-S", "train.gradient_accumulation_steps=1,4",
-        "-S", "train.learning_rate=1e-4,3e-5")
-    dvc(project, "queue", "start", "-j", "2")
-    status = wait_for_queue(project)
-    assert status.count("Success") >= 4, status
-    c, exp, train = _training_runs(project)
-    names = {r.data.tags.get("dvc.exp_name") for r in train}
-    queued = [r for r in train if r.data.params.get("train.gradient_accumulation_steps") in ("1", "4")
-              and r.data.params.get("train.per_device_train_batch_size") == "4"]
-    assert len(queued) == 4, names
-    assert c.search_runs(["0"], max_results=10) == []  # nothing leaked into the Default experiment
-    for r in queued:
-        full = c.get_run(r.info.run_id)
-        assert full.info.status == "FINISHED"
-        assert "/.dvc/tmp/" not in full.info.artifact_uri
-        assert len(c.get_metric_history(r.info.run_id, "loss")) == MAX_STEPS
-        assert "eval_accuracy" in full.data.metrics
-        assert full.info.run_name == full.data.tags["dvc.exp_name"]
-    # Different effective batches (4, 16) and learning rates are different training: four keys.
-    assert len({r.data.tags["equivalence_key"] for r in queued}) == 4
-    shown = dvc(project, "exp", "show", "--json").stdout
-    assert "eval_accuracy" in shown and "gradient_accumulation_steps" in shown

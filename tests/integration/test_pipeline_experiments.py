@@ -1,6 +1,8 @@
-"""`dvc exp run` with `auto` micro-batch and with LoRA's dotted `-S` on a tiny project on which `dvc repro`
-ran (its own file, beside test_pipeline.py, so that pytest-xdist runs the two at once)."""
+"""`dvc exp run` with `auto` micro-batch and with LoRA's dotted `-S` on a tiny project on which `dvc repro
+train` ran (its own file, beside test_pipeline.py, so that pytest-xdist runs the two at once)."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -8,6 +10,17 @@ from .conftest import dvc, run
 from .test_pipeline import MAX_STEPS, _training_runs
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, prepared) -> Path:
+    """A prepared tiny project with the baseline trained and committed (`dvc repro train`: no test here
+    reads the baseline's evaluation; the experiments below run their own)."""
+    p = prepared(tmp_path_factory.mktemp("project"))
+    dvc(p, "repro", "train")
+    run(["git", "add", "-A"], p)
+    run(["git", "commit", "-qm", "repro train"], p)
+    return p
 
 
 def test_auto_micro_batch_keeps_the_effective_batch_and_the_losses(project):
@@ -25,7 +38,7 @@ def test_auto_micro_batch_keeps_the_effective_batch_and_the_losses(project):
     arts = {a.path for a in c.list_artifacts(auto[0].info.run_id)}
     assert {"auto_micro_batch.json", "auto_micro_batch.md"} <= arts
 
-    dvc(project, "exp", "run", "-S", f"train.per_device_train_batch_size={micro}",
+    dvc(project, "exp", "run", "train", "-S", f"train.per_device_train_batch_size={micro}",  # train: all read here
         "-S", f"train.gradient_accumulation_steps={accum}", "-S", "train.memory_budget_gib=null")
     c, exp, train = _training_runs(project)
     hand = [r for r in train if r.data.params.get("train.per_device_train_batch_size") == str(micro)
