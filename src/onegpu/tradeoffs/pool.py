@@ -26,6 +26,14 @@ from onegpu.tradeoffs.rows import Ran, Stopped, Terminated, one_at_a_time
 WORKERS = "workers"
 
 
+def _worker_main(target, conn, offline: bool) -> None:
+    """A worker's entry: SIGINT raises KeyboardInterrupt in it whatever this process was started with (a
+    process started with SIGINT ignored, as a shell's background job or a test runner's worker, passes
+    that on, and the worker would then outlive the SIGINT that stops its row), then ``target``."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    target(conn, offline)
+
+
 class Pool:
     """Workers by process-wide setting, started on first use; ``with Pool(...) as pool`` stops them.
 
@@ -53,7 +61,7 @@ class Pool:
             from onegpu.tradeoffs import worker
             ours, theirs = self._ctx.Pipe()
             # Not a daemon: a row may start processes of its own (DataLoader workers, inductor's compilers).
-            p = self._ctx.Process(target=self.target or worker.main, args=(theirs, self.offline))
+            p = self._ctx.Process(target=_worker_main, args=(self.target or worker.main, theirs, self.offline))
             p.start()
             theirs.close()
             self._workers[key] = (p, ours)

@@ -23,6 +23,7 @@ def stand_in(conn, offline: bool) -> None:
             os._exit(9)
         if "hang" in spec["name"]:
             try:
+                open("hang.started", "w").close()  # the worker inherits the test's own folder
                 time.sleep(60)
             except KeyboardInterrupt:
                 conn.send({"name": spec["name"], "returncode": None, "seconds": 0.0})
@@ -63,14 +64,28 @@ def test_rows_share_the_worker_of_their_setting_and_a_dead_worker_fails_only_its
     assert "row 5 of 5: b-after" in out
 
 
+def _sigterm_once_hang_started(limit_s: float = 120.0) -> None:
+    t0 = time.monotonic()
+    while not os.path.exists("hang.started") and time.monotonic() - t0 < limit_s:
+        time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def test_sigterm_stops_the_row_running_and_no_later_row_starts():
+    """SIGTERM (to this process alone) while a row trains: its worker gets SIGINT and ends the row, even
+    when this process was started with SIGINT ignored (a shell's background job, a pytest-xdist worker:
+    the worker inherits that), and no later row starts."""
     rows = [BASE, _variant("hang", "split"), _variant("never", "split")]
-    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM))
-    with workers.Pool("params.yaml", _group, offline=True, target=stand_in) as pool:
-        timer.start()
-        t0 = time.monotonic()
-        ran, interrupted = workers.run_rows(pool, "b-", rows, [])
-        assert time.monotonic() - t0 < 30  # the worker got our SIGINT; nobody waited out its sleep
-        assert interrupted and [(r.name, r.returncode) for r in ran] == [("b-baseline", 0), ("b-hang", None)]
-        assert pool._workers == {}  # the stopped worker is gone; nothing else was started
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with workers.Pool("params.yaml", _group, offline=True, target=stand_in) as pool:
+            threading.Thread(target=_sigterm_once_hang_started, daemon=True).start()
+            ran, interrupted = workers.run_rows(pool, "b-", rows, [])
+            t_stopped = time.monotonic()
+            assert interrupted and [(r.name, r.returncode) for r in ran] == [("b-baseline", 0), ("b-hang", None)]
+            assert ran[1].seconds < 30  # the worker got our SIGINT; nobody waited out its sleep or the grace
+            assert pool._workers == {}  # the stopped worker is gone; nothing else was started
+        assert time.monotonic() - t_stopped < 5
+    finally:
+        signal.signal(signal.SIGINT, old)
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
