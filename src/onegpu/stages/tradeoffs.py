@@ -47,15 +47,16 @@ def run(cfg: Config, params: str = "params.yaml", knobs: tuple[str, ...] = tuple
                                                repeats, pool)
             if queue_only:
                 return []
-        batch = batches.load_plan(batch)["batch"]
+        manifest = batches.load_plan(batch)
+        batch, prefix = manifest["batch"], batches.prefix(manifest["batch"])
         tracker = tracking.open_existing(cfg.tracking.experiment_name)
         tracker.reap_orphans()
 
         def fetch() -> dict[str, compare.RunRecord]:
-            records = [compare.RunRecord(**d) for d in tracking.training_runs_named(tracker, batches.prefix(batch))]
-            return batches.finished_runs(records, batches.prefix(batch))
-        result = batches.measure(batches.load_plan(batch), fetch, batches.budget_bytes(cfg, facts), combine,
-                                 report_only, f"MLflow experiment {cfg.tracking.experiment_name!r}",
+            records = [compare.RunRecord(**d) for d in tracking.training_runs_named(tracker, prefix)]
+            return batches.finished_runs(records, prefix)
+        result = batches.measure(manifest, fetch, batches.budget_bytes(cfg, facts), combine, report_only,
+                                 f"MLflow experiment {cfg.tracking.experiment_name!r}",
                                  queue.states() if report_only else {}, interrupted, pool)
     manifest = batches.load_plan(batch)  # with the wall times of the rows just run
     title = f"onegpu tradeoffs {batch}" + "".join(f" -S {o}" for o in manifest.get("overrides", []))

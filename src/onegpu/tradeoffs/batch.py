@@ -81,7 +81,7 @@ def plan(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str],
     variants = with_overrides(variants, [tuple(o.split("=", 1)) for o in overrides])
     for v in variants:
         try:
-            load(params, [f"{k}={val}" for k, val in v.overrides])
+            load(params, v.assignments)
         except ConfigError as e:
             raise UserError(f"row {v.name} ({v.set_text}) does not validate: {e}") from None
     return variants, skipped
@@ -98,11 +98,16 @@ REPEATS = 3
 DVC_TEMP = "dvc exp run --temp"
 
 
+def window(steps: int | None) -> list[str]:
+    """The probe window as ``key=value``, put before each row's own overrides (every row, the baseline
+    too, trains ``steps`` optimizer steps; the learning-rate schedule then spans those steps); none for
+    ``--full`` (``steps`` None). Not a row's override: a recommendation never carries it."""
+    return [] if steps is None else [f"train.max_steps={steps}"]
+
+
 def window_args(steps: int | None) -> list[str]:
-    """The ``-S`` of the probe window, put before each row's own (every row, the baseline too, trains
-    ``steps`` optimizer steps; the learning-rate schedule then spans those steps); none for ``--full``
-    (``steps`` None). Not a row's override: a recommendation never carries it."""
-    return [] if steps is None else ["-S", f"train.max_steps={steps}"]
+    """:func:`window` as ``dvc exp run``'s ``-S`` arguments."""
+    return [a for kv in window(steps) for a in ("-S", kv)]
 
 
 def order(variants: list[Variant], repeats: int) -> list[Variant]:
@@ -142,13 +147,14 @@ def start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str]
         _check_queue()
     batch = time.strftime("%m%d-%H%M%S")
     rows = order(variants, 1 if queue_only else repeats)
+    in_workers = pool is not None and not queue_only
     extra = {"params": params, "overrides": overrides, "steps": steps, "repeats": 1 if queue_only else repeats,
-             "runner": WORKERS if pool and not queue_only else DVC_TEMP}
+             "runner": WORKERS if in_workers else DVC_TEMP}
     save(batch, variants, skipped, extra)
-    window = (f"{steps} optimizer steps each, up to train" if steps else "the whole job each, evaluate too") + (
-        ", in worker processes on data prepared once" if pool and not queue_only else "")
+    what = (f"{steps} optimizer steps each, up to train" if steps else "the whole job each, evaluate too") + (
+        ", in worker processes on data prepared once" if in_workers else "")
     print(f"onegpu tradeoffs: {len(variants)} rows x {extra['repeats']} repeat(s) from {params}"
-          + "".join(f" -S {o}" for o in overrides) + f" ({window}; batch {batch})")
+          + "".join(f" -S {o}" for o in overrides) + f" ({what}; batch {batch})")
     if paths.params_differ_from_head(params):  # e.g. what a workspace `dvc exp run -S` left there
         print(f"  note: {params} differs from git's HEAD (`git diff {params}`): the baseline is the file as it is")
     for s in skipped:
@@ -164,8 +170,7 @@ def start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str]
 def _unchanged(params: str, v: Variant, steps: int | None) -> bool:
     """``v``'s overrides with the window (``steps``) leave ``params`` as it is (then dvc.lock may hold its
     train stage already)."""
-    window = [] if steps is None else [f"train.max_steps={steps}"]
-    return load(params, window + [f"{k}={val}" for k, val in v.overrides]) == load(params)
+    return load(params, window(steps) + v.assignments) == load(params)
 
 
 def run(batch: str, rows: list[Variant], steps: int | None, params: str | None, pool: Pool | None = None) -> bool:
@@ -173,7 +178,7 @@ def run(batch: str, rows: list[Variant], steps: int | None, params: str | None, 
     wall time and the ones Ctrl-C stopped in its plan; return whether it was interrupted. ``params``: the
     params file (None: no row needs ``--force``)."""
     if pool is not None:
-        ran, interrupted = run_in_pool(pool, prefix(batch), rows, window_args(steps)[1::2])
+        ran, interrupted = run_in_pool(pool, prefix(batch), rows, window(steps))
     else:
         # A baseline whose -S change nothing may be what dvc.lock holds already: --force makes it train again
         # instead of finding nothing to do (--force re-runs prepare too, so only where it is needed).

@@ -49,9 +49,14 @@ class Variant:
     what: str
 
     @property
+    def assignments(self) -> list[str]:
+        """``["key=value", ...]``, as :func:`onegpu.config.load` and ``dvc exp run -S`` take them."""
+        return [f"{k}={v}" for k, v in self.overrides]
+
+    @property
     def set_args(self) -> list[str]:
         """``["-S", "key=value", ...]`` for ``dvc exp run``."""
-        return [a for k, v in self.overrides for a in ("-S", f"{k}={v}")]
+        return [a for kv in self.assignments for a in ("-S", kv)]
 
     @property
     def set_text(self) -> str:

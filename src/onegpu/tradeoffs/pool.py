@@ -130,8 +130,7 @@ def run_rows(pool: Pool, prefix: str, rows: list[Variant], window: list[str]) ->
         ``(ran, interrupted)``: the rows that ran or were stopped, in order (a stopped one with
         returncode None), and whether Ctrl-C or SIGTERM stopped the batch.
     """
-    return one_at_a_time(prefix, rows, lambda name, v: pool.train(
-        name, [*window, *(f"{key}={val}" for key, val in v.overrides)]))
+    return one_at_a_time(prefix, rows, lambda name, v: pool.train(name, [*window, *v.assignments]))
 
 
 def for_batch(cfg, params: str, facts, steps: int | None, no_rows: bool):
