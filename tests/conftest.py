@@ -1,13 +1,14 @@
 """Suite-wide isolation from the user's machine state.
 
-- Per-user caches (``~/.cache/onegpu``: the measured CPU peak FLOP/s) go to a folder of this test
-  session: a test never reads a figure the user's own runs cached, nor leaves one behind. Set before any
+- Per-user caches (``~/.cache/onegpu``: the measured CPU peak FLOP/s, the packaged chat model converted
+  from its GGUF) go to a folder of this test run, shared by its xdist workers: a test never reads a
+  figure or a model the user's own runs cached, nor leaves one behind. Set before any
   ``onegpu`` module is imported, since modules resolve their cache paths at import.
 - Each test starts in an empty folder of its own, so nothing can pick up the workspace's
   ``params.yaml`` or ``mlflow.db`` through the current directory; MLflow and DVC variables of the
   calling shell are cleared.
 
-Parallel runs (``make test``: pytest-xdist, ``--dist loadfile``, one worker per core plus one; tests/README.md, "Keeping the
+Parallel runs (``make test``: pytest-xdist, ``--dist loadfile``, two workers per core, at most 4; tests/README.md, "Keeping the
 suite fast"):
 
 - each worker's PyTorch gets its share of the cores (``OMP_NUM_THREADS``, inherited by the stages the
@@ -30,7 +31,12 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set by pytes
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
 
-_CACHE = tempfile.mkdtemp(prefix="onegpu-test-cache-")
+# One cache per test run, shared by xdist's workers (they inherit the controller's environment, set
+# here before they start): the packaged chat model's GGUF is converted, and the CPU peak measured,
+# once per run rather than once per worker. The process that made the folder removes it at the end.
+_OWNER = not (os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("ONEGPU_TEST_CACHE"))
+_CACHE = tempfile.mkdtemp(prefix="onegpu-test-cache-") if _OWNER else os.environ["ONEGPU_TEST_CACHE"]
+os.environ["ONEGPU_TEST_CACHE"] = _CACHE
 os.environ["XDG_CACHE_HOME"] = _CACHE
 os.environ["ONEGPU_CACHE_DIR"] = os.path.join(_CACHE, "onegpu")  # onegpu.flops reads it first
 
@@ -104,5 +110,6 @@ def _heaviest_files_first(items) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    import shutil
-    shutil.rmtree(_CACHE, ignore_errors=True)
+    if _OWNER:
+        import shutil
+        shutil.rmtree(_CACHE, ignore_errors=True)
