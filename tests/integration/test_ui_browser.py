@@ -65,6 +65,18 @@ from onegpu.training import figure as session_figure  # noqa: E402
 ROWS_SHOWN: list = []  # the steps of the run whose page is shown (filled by _fill_store)
 
 
+def _commands(pid: int) -> list[str]:
+    """The command lines of process ``pid``'s descendants (those still running)."""
+    import psutil
+    out = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            out.append(" ".join(child.cmdline()))
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def _keep(*shots: Path) -> None:
     """Copy the screenshots to ``$ONEGPU_SCREENSHOTS`` when set (pytest keeps its last 3 temp folders only)."""
     keep = os.environ.get("ONEGPU_SCREENSHOTS")
@@ -109,6 +121,8 @@ def test_ui_link_opens_training_runs_with_loss_in_model_training_view(tmp_path, 
             link = m.group(1) if m else None
         assert link, f"onegpu ui printed no link:\n{''.join(out)}"
         assert "workflowType=machine_learning" in link and "viewStateShareKey=" in link
+        # MLflow's GenAI job runner is off: no huey consumers beside the UI (seven of them by default)
+        assert [c for c in _commands(proc.pid) if "huey" in c or "_job_runner" in c] == []
 
         page = load(link, screenshot=tmp_path / "runs.png")
         _keep(tmp_path / "runs.png")

@@ -77,3 +77,12 @@ def test_a_server_that_stops_after_serving_is_an_error(fresh_root, monkeypatch, 
                                         "worker died"):
         ui.serve("ui-exp", "127.0.0.1", port)
     assert f"http://127.0.0.1:{port}/#/experiments/" in capsys.readouterr().out
+
+
+def test_the_server_runs_without_mlflows_job_runner_unless_the_user_asks(monkeypatch):
+    monkeypatch.delenv(ui.JOB_EXECUTION, raising=False)
+    monkeypatch.setenv("ONEGPU_UI_TEST", "kept")
+    env = ui.server_env()
+    assert env[ui.JOB_EXECUTION] == "false" and env["ONEGPU_UI_TEST"] == "kept"
+    monkeypatch.setenv(ui.JOB_EXECUTION, "true")
+    assert ui.server_env()[ui.JOB_EXECUTION] == "true"
