@@ -26,7 +26,7 @@ def project(tmp_path_factory, prepared) -> Path:
 def test_auto_micro_batch_keeps_the_effective_batch_and_the_losses(project):
     run(["git", "checkout", "--", "."], project)
     dvc(project, "checkout", "--force")
-    out = dvc(project, "exp", "run", "-S", "train.per_device_train_batch_size=auto",
+    out = dvc(project, "exp", "run", "train", "-S", "train.per_device_train_batch_size=auto",  # no eval read
               "-S", "train.effective_batch_size=32", "-S", "train.memory_budget_gib=0.5").stdout
     assert "auto micro-batch:" in out, out
     c, exp, train = _training_runs(project)

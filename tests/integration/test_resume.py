@@ -1,4 +1,8 @@
-"""Ctrl-C during train: a checkpoint, a KILLED MLflow run, and a next run that resumes to the same result."""
+"""Ctrl-C during train: a checkpoint, a KILLED MLflow run, and a next run that resumes to the same result.
+
+The same with LoRA adapters (the checkpoint holds the adapters and the head; the resumed run rebuilds the
+model and loads them) on both backends: tests/unit/test_lora.py, in-process, since the stage's path from
+Ctrl-C to the resumed run is the one checked here."""
 from __future__ import annotations
 
 import csv
@@ -67,31 +71,3 @@ def test_sigint_checkpoints_and_the_next_run_resumes_to_identical_losses_and_wei
     assert len(c.get_metric_history(killed[0].info.run_id, "loss")) == stopped_at  # nothing measured lost
     steps = sorted(m.step for m in c.get_metric_history(resumed[0].info.run_id, "loss"))
     assert steps == list(range(1, 11))  # the resumed run carries the whole curve
-
-
-def test_interrupted_lora_training_resumes_to_identical_losses_and_merged_weights(tmp_path, prepared):
-    """The same with LoRA adapters (dropout in the model and in the adapters): the checkpoint holds the
-    adapters and the trained head (Trainer saves a PeftModel as ``adapter_model.safetensors``), the
-    resumed run rebuilds the model, loads them and ends with the uninterrupted run's losses, adapter and
-    merged weights."""
-    project = prepared(tmp_path, {"train": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
-                                            "max_steps": 6, "logging_steps": 1, "learning_rate": 1e-3},
-                                  "model": {"dropout": 0.1, "lora": {"r": 4, "alpha": 8, "dropout": 0.1}}})
-    onegpu = str(BIN / "onegpu")
-    run([onegpu, "train"], project)
-    merged = project / "models/model/model.safetensors"
-    adapter = project / "models/adapter/adapter_model.safetensors"
-    reference = _losses(project), load_file(merged), load_file(adapter)
-
-    _interrupt_after_the_first_step(project)
-    ckpts = list((project / ".onegpu" / "checkpoints").glob("*/checkpoint-*"))
-    assert len(ckpts) == 1 and (ckpts[0] / "adapter_model.safetensors").is_file(), list(ckpts[0].iterdir())
-    assert 1 <= int(ckpts[0].name.split("-")[1]) < 6
-
-    out = run([onegpu, "train"], project).stdout
-    assert "resuming from" in out
-    assert _losses(project) == pytest.approx(reference[0], abs=1e-6)
-    for got, want in ((load_file(merged), reference[1]), (load_file(adapter), reference[2])):
-        assert set(got) == set(want)
-        assert max(float((got[k] - want[k]).abs().max()) for k in got) <= 1e-6
-    assert not list((project / ".onegpu" / "checkpoints").glob("*/checkpoint-*"))
