@@ -35,7 +35,8 @@ def test_causal_lm_from_config_trains_evaluates_and_is_exact_under_accumulation(
     # Trainer's 4 x 2 (the repro above). Rows padded per micro-batch to different lengths: only an exact
     # token-mean loss under accumulation, and the same steps on both backends, make the two agree.
     # (Each backend under accumulation alone: tests/unit/training/backends/test_base.py.)
-    dvc(project, "exp", "run", "-S", "train.backend=accelerate", "-S", "train.per_device_train_batch_size=8",
+    # Train only: evaluation does not depend on the backend that trained (checked on the repro's run).
+    dvc(project, "exp", "run", "train", "-S", "train.backend=accelerate", "-S", "train.per_device_train_batch_size=8",
         "-S", "train.gradient_accumulation_steps=1")
     c, exp, all_runs = runs(project)
     train = sorted((r for r in all_runs if r.data.tags.get("stage") == "train"), key=lambda r: r.info.start_time)
@@ -49,6 +50,5 @@ def test_causal_lm_from_config_trains_evaluates_and_is_exact_under_accumulation(
               for r in train]
     assert len(series[0]) == len(series[1]) == 4
     assert max(abs(a - b) for a, b in zip(*series)) < 1e-5, series
-    assert all("eval_perplexity" in c.get_run(r.info.run_id).data.metrics for r in train)
-    assert all(c.get_run(r.info.run_id).data.metrics["eval_tokens"] > 16 for r in train)
+    assert "eval_perplexity" in hf.data.metrics and hf.data.metrics["eval_tokens"] > 16
     assert accel.data.metrics["mem_optimizer_bytes"] == 2 * accel.data.metrics["mem_params_bytes"]
