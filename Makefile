@@ -30,6 +30,9 @@ REST := $(if $(filter pip,$(INSTALLER)),$(PIP),$(BIN)/uv pip install --python $(
 ifeq ($(filter uv pip,$(INSTALLER)),)
 $(error INSTALLER=$(INSTALLER): use uv (the default) or pip)
 endif
+ifeq ($(TORCH_REQ),)
+$(error no torch requirement in pyproject.toml's dependencies; set TORCH, e.g. TORCH=torch==2.13.0)
+endif
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	@echo "make install: creating $(VENV) and installing torch, transformers, accelerate, datasets, dvc, mlflow."

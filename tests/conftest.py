@@ -119,7 +119,10 @@ def _heaviest_files_first(items) -> None:
         rank[item.path] = min(rank.get(item.path, 2), heavy)
     known = {name: i for i, name in enumerate(LONGEST_FIRST)}
     here = Path(__file__).parent
-    items.sort(key=lambda item: (rank[item.path], known.get(item.path.relative_to(here).as_posix(), len(known))))
+
+    def place(path: Path) -> int:
+        return known.get(path.relative_to(here).as_posix(), len(known)) if path.is_relative_to(here) else len(known)
+    items.sort(key=lambda item: (rank[item.path], place(item.path)))
 
 
 def pytest_sessionfinish(session, exitstatus):
