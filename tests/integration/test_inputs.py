@@ -58,6 +58,11 @@ def _names(status: str) -> set[str]:
     return {line[:-1] for line in status.splitlines() if line.endswith(":") and not line.startswith("\t")}
 
 
+def _edited(link: str) -> str:
+    """The line `dvc status` prints for an input whose linked file or folder changed."""
+    return f"modified:           data/inputs/{link}"
+
+
 def _labels(p: Path) -> list[str]:
     return json.loads((p / "data" / "stats.json").read_text())["labels"]
 
@@ -79,7 +84,7 @@ def test_csv_edit_is_named_by_dvc_status_and_reruns_prepare_and_train(tmp_path):
 
     _write_csv(p / "d.csv", _rows("abc", tag="new "))  # new rows and a third label
     status = _status(p, "prepare")
-    assert {"prepare"} <= _names(status) and "modified:           data/inputs/data.source" in status, status
+    assert {"prepare"} <= _names(status) and _edited("data.source") in status, status
     assert _names(_status(p, "--with-deps", "train")) == {"inputs", "prepare"}  # train: once prepare re-ran
     out = dvc(p, "repro", "prepare").stdout
     assert _ran(out) == {"inputs", "prepare"}, out
@@ -107,7 +112,7 @@ def test_jsonl_and_directory_edits_are_named_by_dvc_status(tmp_path, kind):
 
     write(p / source, _rows("abc", tag="new "))
     status = _status(p, "prepare")
-    assert "prepare" in _names(status) and "modified:           data/inputs/data.source" in status, status
+    assert "prepare" in _names(status) and _edited("data.source") in status, status
 
 
 def test_packaged_default_is_up_to_date_until_the_params_change(tmp_path, prepared):
@@ -151,7 +156,7 @@ def test_model_directory_edit_is_named_by_dvc_status_and_reruns_train_under_dvc_
     config["attention_probs_dropout_prob"] = 0.2  # overridden by TINY's model.dropout: 0, still an edit
     (p / "mini" / "config.json").write_text(json.dumps(config, indent=2))
     status = _status(p, "train")
-    assert "train" in _names(status) and "modified:           data/inputs/model.name_or_path" in status, status
+    assert "train" in _names(status) and _edited("model.name_or_path") in status, status
     out = dvc(p, "exp", "run", "train").stdout
     assert "train" in _ran(out), out
 

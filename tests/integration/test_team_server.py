@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from onegpu import ui
 from .conftest import BIN, _env, dvc, make_project, run, wait_for_queue
 
 pytestmark = pytest.mark.slow
@@ -112,7 +113,7 @@ def server(postgres, tmp_path):
                     # 4 min 40 s, the server and the test's own processes 116 s of CPU; with it 2 min 11 s, 42 s.
                     "auth_cache_ttl_seconds = 60\n")
     env = {**_env(), "MLFLOW_AUTH_CONFIG_PATH": str(auth), "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-only",
-           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # GenAI jobs: 8 processes no run here uses
+           ui.JOB_EXECUTION: "false"}  # MLflow's GenAI job runner off, as onegpu ui runs it
     log = (tmp_path / "mlflow-server.log").open("w")
     p = subprocess.Popen([str(BIN / "mlflow"), "server", "--app-name", "basic-auth",
                           "--backend-store-uri", f"{postgres}mlflow",
