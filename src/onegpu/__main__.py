@@ -1,5 +1,5 @@
 import sys
 
-from onegpu.cli import main
+from onegpu.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

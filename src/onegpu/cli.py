@@ -134,6 +134,15 @@ def _summary(sub) -> None:
     _params(sm)
 
 
+def entry() -> int:
+    """The ``onegpu`` console script and ``python -m onegpu``: :func:`main` in a process of its own, with
+    :mod:`onegpu.interpreter`'s garbage-collector settings (``main`` alone leaves a caller's interpreter,
+    e.g. a test's, as it is)."""
+    from onegpu import interpreter
+    interpreter.start()
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from onegpu.errors import UserError

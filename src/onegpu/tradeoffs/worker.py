@@ -90,7 +90,10 @@ def train_row(spec: dict, cache: dict) -> None:
 def main(conn, offline: bool) -> None:
     """The worker's loop: receive a row spec on ``conn`` (None: stop), train it, send back ``{"name",
     "returncode", "seconds"}`` (returncode 0 trained, 2 refused, 1 failed, None stopped by Ctrl-C or
-    SIGINT, after which the worker ends). ``offline``: the model is local (no hub lookups, as the CLI)."""
+    SIGINT, after which the worker ends). ``offline``: the model is local (no hub lookups, as the CLI).
+    The interpreter is tuned as the ``onegpu`` command's (:mod:`onegpu.interpreter`)."""
+    from onegpu import interpreter
+    interpreter.start()
     if offline:
         from onegpu import models
         models.go_offline()  # before transformers and datasets are imported

@@ -223,9 +223,11 @@ def train(plan: TrainPlan, model, tokenizer, dsd, sink: Callable[[dict, int], No
     Raises:
         onegpu.training.interrupt.Interrupted: a stop was requested (after the checkpoint is saved).
     """
+    from onegpu import interpreter
     from onegpu.training.backends import base
     from onegpu.training.interrupt import GracefulStop
     backend = base.get(plan.cfg.train.backend)
+    interpreter.settle()  # the steps collect garbage as in any PyTorch process (after the imports' tuning)
     cfg = with_layout(plan.cfg, plan.resolved)
     if not checkpoints:
         return backend.train(base.TrainRequest(model, tokenizer, dsd, cfg, sink))
