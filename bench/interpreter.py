@@ -1,0 +1,107 @@
+"""The ``onegpu`` command's garbage-collector settings (onegpu.interpreter) against CPython's defaults.
+
+A small project (the packaged BBC News and MiniLM; ``--rows`` training rows of ``--max-length`` tokens,
+``--steps`` optimizer steps of ``--micro`` x ``--accum``) in a temporary folder, whose stages run as the
+pipeline runs them, each in a process of its own: ``python -m onegpu <stage>`` (the command: tuned at
+start-up, CPython's defaults in the training loop) and the same ``main()`` without
+``interpreter.start()`` (CPython's defaults throughout), the arms alternating, ``--reps`` times. Per
+process: CPU time (user + system, from ``wait4``) and wall time; for train also train_loss and
+train_samples_per_second (metrics/train.json), which the settings must leave as they are.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from bench import common
+from onegpu.formatting import markdown_table
+
+ARMS = {"CPython's defaults": [sys.executable, "-c", "import sys; from onegpu.cli import main; sys.exit(main())"],
+        "onegpu command": [sys.executable, "-m", "onegpu"]}
+STAGES = ("prepare", "train", "evaluate")
+
+
+def make_project(args) -> Path:
+    """The temporary project root (``common.setup``'s folder): params.yaml with the bench's sizes, links made."""
+    root = common.setup()
+    params = yaml.safe_load((common.REPO / "params.yaml").read_text())
+    params["data"].update(max_train_samples=args.rows, max_eval_samples=32, max_length=args.max_length)
+    params["train"].update(per_device_train_batch_size=args.micro, gradient_accumulation_steps=args.accum,
+                           max_steps=args.steps, logging_steps=1, seed=args.seed)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    subprocess.run([sys.executable, "-m", "onegpu", "inputs"], cwd=root, check=True, capture_output=True)
+    return root
+
+
+def one(root: Path, arm: str, stage: str) -> dict:
+    """``stage`` in a process of its own under ``arm``: its CPU and wall seconds (and train's figures)."""
+    err = root / "tmp" / "stderr.txt"
+    t0 = time.perf_counter()
+    with open(err, "w") as f:
+        p = subprocess.Popen([*ARMS[arm], stage], cwd=root, stdout=subprocess.DEVNULL, stderr=f)
+        _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        raise RuntimeError(f"onegpu {stage} ({arm}) exited {p.returncode}:\n{err.read_text()[-3000:]}")
+    res = {"cpu_s": usage.ru_utime + usage.ru_stime, "wall_s": time.perf_counter() - t0}
+    if stage == "train":
+        res.update(json.loads((root / "metrics" / "train.json").read_text()))
+    return res
+
+
+def measure(args, root: Path) -> dict:
+    """``{stage: {arm: [results]}}``: per repetition every stage in pipeline order, each under both
+    arms (the order rotating), each on a quiet machine (``common.clean_run``)."""
+    runs = {s: {a: [] for a in ARMS} for s in STAGES}
+    for rep in range(args.reps):
+        for stage in STAGES:
+            for arm in common.rotated(list(ARMS), rep):
+                res = common.clean_run(lambda: one(root, arm, stage), args, f"{stage}, {arm}")
+                runs[stage][arm].append(res)
+                print(f"rep {rep + 1}/{args.reps} {stage:8s} {arm:18s} {res['cpu_s']:5.1f} s CPU "
+                      f"{res['wall_s']:5.1f} s wall", flush=True)
+    return runs
+
+
+def report_lines(args, runs: dict) -> list[str]:
+    """The table (one row per stage and arm) and the CPU ratios."""
+    rows, notes = [], []
+    for stage, arms in runs.items():
+        for arm, results in arms.items():
+            train = (f"{common.median(r['train_loss'] for r in results):.6f}",
+                     f"{common.median(r['train_samples_per_second'] for r in results):.2f}") if stage == "train" \
+                else ("", "")
+            rows.append([stage, arm, ", ".join(f"{r['cpu_s']:.2f}" for r in results),
+                         f"{common.median(r['cpu_s'] for r in results):.2f}",
+                         f"{common.median(r['wall_s'] for r in results):.2f}", *train])
+        base, tuned = (common.median(r["cpu_s"] for r in arms[a]) for a in ARMS)
+        notes.append(f"- {stage}: the command's CPU time is **{tuned / base:.2f}x** CPython's defaults' "
+                     f"({base - tuned:.1f} s less per process).")
+    losses = {r["train_loss"] for arm in runs["train"].values() for r in arm}
+    notes.append(f"- train_loss in every train run: {', '.join(f'{x:.6f}' for x in sorted(losses))} "
+                 "(one value: the same training).")
+    notes.append("- " + common.load_note([r for arms in runs.values() for rs in arms.values() for r in rs]))
+    head = ["stage", "arm", "CPU s per rep", "median CPU s", "median wall s", "train_loss", "samples/s"]
+    desc = (f"`bench/interpreter.py`: {args.rows} training rows, max_length {args.max_length}, {args.micro} x "
+            f"{args.accum}, {args.steps} optimizer steps; each stage a process of its own, {args.reps} repetitions "
+            "(arm order rotating).")
+    return [desc, "", markdown_table(head, rows), "", *notes]
+
+
+def main() -> None:
+    args = common.parser(__doc__.splitlines()[0], reps=3, steps=3, rows=64, max_length=64, micro=4,
+                         accum=2).parse_args()
+    root = make_project(args)
+    runs = measure(args, root)
+    common.report("interpreter", args, "The onegpu command's garbage-collector settings against CPython's "
+                  "defaults", report_lines(args, runs), {"runs": runs})
+
+
+if __name__ == "__main__":
+    main()
