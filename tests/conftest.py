@@ -22,10 +22,21 @@ suite fast"):
 """
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 
 import pytest
+
+from onegpu import interpreter
+
+# The test processes import torch, transformers and MLflow as the `onegpu` command does: the same
+# garbage-collector start-up settings (onegpu.interpreter), and what collection leaves alive frozen.
+gc.set_threshold(*interpreter.START_THRESHOLD)
+
+
+def pytest_collection_finish(session):
+    gc.freeze()
 
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set by pytest-xdist in each worker
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:

@@ -11,6 +11,8 @@ import urllib.request
 
 import pytest
 
+from onegpu import ui
+
 from .conftest import BIN, _env
 
 pytestmark = pytest.mark.slow
@@ -25,7 +27,8 @@ def _free_port() -> int:
 
 def _server(db, port):
     p = subprocess.Popen([str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{db}", "--host",
-                          "127.0.0.1", "--port", str(port), "--workers", "1"], env=_env(),
+                          "127.0.0.1", "--port", str(port), "--workers", "1"],
+                         env={**_env(), ui.JOB_EXECUTION: "false"},  # MLflow's GenAI job runner off, as onegpu ui runs it
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     for _ in range(240):
         try:
