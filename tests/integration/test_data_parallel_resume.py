@@ -12,17 +12,39 @@ from .test_data_parallel import _series, train_and_act_at_step_2, two_process_pr
 pytestmark = pytest.mark.slow
 
 
+STEPS = 8
+
+
+def _set_train(project, **train) -> None:
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"].update(train)
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+@pytest.fixture(scope="module")
+def reference(prepared, tmp_path_factory) -> list[float]:
+    """The uninterrupted training's per-step losses: 1 process x 8 x 1 (HF Trainer), the same effective
+    batch and data as the 2-process runs; one reference for both backends (each equals it per step:
+    test_data_parallel.py)."""
+    project = two_process_project(prepared, tmp_path_factory.mktemp("reference"), backend="trainer",
+                                  max_steps=STEPS)
+    _set_train(project, num_processes=1, per_device_train_batch_size=8)
+    run([str(BIN / "onegpu"), "train"], cwd=project)
+    c, _, all_runs = runs(project)
+    (finished,) = [r for r in all_runs if r.data.tags.get("stage") == "train"]
+    return _series(c, finished.info.run_id, "loss")
+
+
 @pytest.mark.parametrize("backend", ["trainer", "accelerate"])
-def test_two_processes_stop_on_sigterm_and_resume_to_the_uninterrupted_losses(tmp_path, prepared, backend):
+def test_two_processes_stop_on_sigterm_and_resume_to_the_uninterrupted_losses(tmp_path, prepared, backend,
+                                                                              reference):
     """SIGTERM to `onegpu train` (as `dvc queue kill` sends it): the processes stop after the same step with
     one checkpoint, the run ends KILLED, and the next `onegpu train` resumes it on 2 processes to the
     losses of an uninterrupted run."""
     import os
     import signal
 
-    steps = 8
-    project = two_process_project(prepared, tmp_path, backend=backend, max_steps=steps)
-    params = yaml.safe_load((project / "params.yaml").read_text())
+    project = two_process_project(prepared, tmp_path, backend=backend, max_steps=STEPS)
     p, out = train_and_act_at_step_2(project, lambda p: os.kill(p.pid, signal.SIGTERM))
     assert p.returncode == 128 + signal.SIGTERM, out
     assert "checkpoint saved" in out, out
@@ -33,13 +55,8 @@ def test_two_processes_stop_on_sigterm_and_resume_to_the_uninterrupted_losses(tm
 
     resumed_out = run([str(BIN / "onegpu"), "train"], cwd=project).stdout
     assert "resuming from" in resumed_out, resumed_out
-    params["train"].update(num_processes=1, per_device_train_batch_size=8)
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    run([str(BIN / "onegpu"), "train"], cwd=project)
     c, _, all_runs = runs(project)
-    finished = sorted((r for r in all_runs if r.data.tags.get("stage") == "train" and r.info.status == "SCHEDULED"),
-                      key=lambda r: r.info.start_time)
-    assert len(finished) == 2
-    resumed, reference = (_series(c, r.info.run_id, "loss") for r in finished)
-    assert len(resumed) == len(reference) == steps
+    (finished,) = [r for r in all_runs if r.data.tags.get("stage") == "train" and r.info.status == "SCHEDULED"]
+    resumed = _series(c, finished.info.run_id, "loss")
+    assert len(resumed) == len(reference) == STEPS
     assert resumed == pytest.approx(reference, rel=1e-5)
