@@ -5,8 +5,8 @@ A small project (the packaged BBC News and MiniLM; ``--rows`` training rows of `
 pipeline runs them, each in a process of its own: ``python -m onegpu <stage>`` (the command: tuned at
 start-up, CPython's defaults in the training loop) and the same ``main()`` without
 ``interpreter.start()`` (CPython's defaults throughout), the arms alternating, ``--reps`` times. Per
-process: CPU time (user + system, from ``wait4``) and wall time; for train also train_loss and
-train_samples_per_second (metrics/train.json), which the settings must leave as they are.
+process: CPU time (user + system, from ``wait4``) and wall time; for train also train_loss (metrics/train.json),
+which must be the same in every run, and train_samples_per_second (steps 2..N of a few steps: noisy).
 """
 from __future__ import annotations
 
