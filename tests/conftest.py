@@ -28,16 +28,6 @@ import tempfile
 
 import pytest
 
-from onegpu import interpreter
-
-# The test processes import torch, transformers and MLflow as the `onegpu` command does: the same
-# garbage-collector start-up settings (onegpu.interpreter), and what collection leaves alive frozen.
-gc.set_threshold(*interpreter.START_THRESHOLD)
-
-
-def pytest_collection_finish(session):
-    gc.freeze()
-
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set by pytest-xdist in each worker
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
@@ -50,6 +40,16 @@ _CACHE = tempfile.mkdtemp(prefix="onegpu-test-cache-") if _OWNER else os.environ
 os.environ["ONEGPU_TEST_CACHE"] = _CACHE
 os.environ["XDG_CACHE_HOME"] = _CACHE
 os.environ["ONEGPU_CACHE_DIR"] = os.path.join(_CACHE, "onegpu")  # onegpu.flops reads it first
+
+from onegpu import interpreter  # noqa: E402  (after the cache variables: onegpu modules may read them at import)
+
+# The test processes import torch, transformers and MLflow as the `onegpu` command does: the same
+# garbage-collector start-up settings (onegpu.interpreter), and what collection leaves alive frozen.
+gc.set_threshold(*interpreter.START_THRESHOLD)
+
+
+def pytest_collection_finish(session):
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)

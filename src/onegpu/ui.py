@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Mapping
 from urllib.parse import urlencode, urlparse
 
 from onegpu import paths, tracking
@@ -148,9 +149,10 @@ def _server_command(uri: str, host: str, port: int) -> list[str]:
 JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
 
 
-def server_env() -> dict[str, str]:
-    """The server's environment: this process's, with MLflow's job execution off unless the user set it."""
-    return {JOB_EXECUTION: "false", **os.environ}
+def server_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """An ``mlflow server``'s environment: ``base`` (None: this process's), with MLflow's job execution
+    off unless ``base`` sets it."""
+    return {JOB_EXECUTION: "false", **(os.environ if base is None else base)}
 
 
 class _Log:

@@ -58,6 +58,13 @@ def dvc(project: Path, *args: str, **kw) -> subprocess.CompletedProcess:
     return run([str(BIN / "dvc"), *args], cwd=project, **kw)
 
 
+def set_train(project: Path, **train) -> None:
+    """Update ``train`` keys in ``project``'s params.yaml (the rest as it is)."""
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"].update(train)
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
 def tiny_params(overrides: dict | None = None) -> dict:
     """The committed defaults with TINY, then ``overrides``, applied section by section."""
     params = defaults.params()  # the committed defaults, whatever `dvc exp run` left in the workspace

@@ -8,9 +8,8 @@ before normalising) and both backends. Each training is one MLflow run, not one 
 from __future__ import annotations
 
 import pytest
-import yaml
 
-from .conftest import BIN, run, runs
+from .conftest import BIN, run, runs, set_train
 
 pytestmark = pytest.mark.slow
 
@@ -33,10 +32,8 @@ STEPS = 3
 def _train(project, backend: str, layout: tuple[int, int, int]) -> None:
     """`onegpu train` (the train stage's command) with this backend and layout in params.yaml."""
     procs, micro, accum = layout
-    params = yaml.safe_load((project / "params.yaml").read_text())
-    params["train"].update(backend=backend, num_processes=procs, per_device_train_batch_size=micro,
-                           gradient_accumulation_steps=accum, max_steps=STEPS, learning_rate=1e-3)
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    set_train(project, backend=backend, num_processes=procs, per_device_train_batch_size=micro,
+              gradient_accumulation_steps=accum, max_steps=STEPS, learning_rate=1e-3)
     out = run([str(BIN / "onegpu"), "train"], cwd=project)
     if procs > 1:
         assert f"({micro} x {accum} x {procs} processes)" in out.stdout, out.stdout
@@ -45,10 +42,8 @@ def _train(project, backend: str, layout: tuple[int, int, int]) -> None:
 def two_process_project(prepared, tmp_path, **train):
     """A prepared causal-LM copy whose params.yaml trains 2 processes x 4 x 1 (plus ``train``'s keys)."""
     project = prepared(tmp_path, TASKS["causal-lm"])
-    params = yaml.safe_load((project / "params.yaml").read_text())
-    params["train"].update(num_processes=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                           learning_rate=1e-3, logging_steps=1, **train)
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    set_train(project, num_processes=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+              learning_rate=1e-3, logging_steps=1, **train)
     return project
 
 

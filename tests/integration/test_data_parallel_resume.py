@@ -4,21 +4,14 @@ test_data_parallel.py.)"""
 from __future__ import annotations
 
 import pytest
-import yaml
 
-from .conftest import BIN, run, runs
+from .conftest import BIN, run, runs, set_train
 from .test_data_parallel import _series, train_and_act_at_step_2, two_process_project
 
 pytestmark = pytest.mark.slow
 
 
 STEPS = 8
-
-
-def _set_train(project, **train) -> None:
-    params = yaml.safe_load((project / "params.yaml").read_text())
-    params["train"].update(train)
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +21,7 @@ def reference(prepared, tmp_path_factory) -> list[float]:
     test_data_parallel.py)."""
     project = two_process_project(prepared, tmp_path_factory.mktemp("reference"), backend="trainer",
                                   max_steps=STEPS)
-    _set_train(project, num_processes=1, per_device_train_batch_size=8)
+    set_train(project, num_processes=1, per_device_train_batch_size=8)
     run([str(BIN / "onegpu"), "train"], cwd=project)
     c, _, all_runs = runs(project)
     (finished,) = [r for r in all_runs if r.data.tags.get("stage") == "train"]

@@ -10,20 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from .conftest import BIN, _env, dvc, run, runs, wait_for_queue
+from .conftest import BIN, _env, dvc, run, runs, set_train, wait_for_queue
 
 pytestmark = pytest.mark.slow
 
 # The team's store checker; never copied into the repo, so its assertion is skipped where it is absent.
 CHECK_STORE = Path("/work/shared/tools/check_store.py")
-
-
-def _params(project: Path, **train) -> None:
-    p = yaml.safe_load((project / "params.yaml").read_text())
-    p["train"].update(train)
-    (project / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
 
 
 def _train_runs(project: Path):
@@ -51,7 +44,7 @@ def test_no_run_is_left_running_after_stages_interrupts_failures_and_a_parallel_
     assert "eval_loss" in c.get_run(first).data.metrics and c.get_run(first).info.status == "FINISHED"
 
     # Ctrl-C: SIGINT to dvc's process group while train runs.
-    _params(project, seed=7, max_steps=8)
+    set_train(project, seed=7, max_steps=8)
     p = subprocess.Popen([str(BIN / "dvc"), "repro"], cwd=project, env={**_env(), "PYTHONUNBUFFERED": "1"},
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen = []
@@ -67,7 +60,7 @@ def test_no_run_is_left_running_after_stages_interrupts_failures_and_a_parallel_
     assert len(_checkpoints(project)) == 1
 
     # A run that fails inside the stage: not even a micro-batch of 1 fits the budget.
-    _params(project, seed=8, per_device_train_batch_size="auto", effective_batch_size=8, memory_budget_gib=1e-6)
+    set_train(project, seed=8, per_device_train_batch_size="auto", effective_batch_size=8, memory_budget_gib=1e-6)
     failed = dvc(project, "repro", check=False)
     assert failed.returncode != 0 and "not even a micro-batch of 1 fits" in failed.stdout + failed.stderr
     c, train = _train_runs(project)
@@ -76,7 +69,7 @@ def test_no_run_is_left_running_after_stages_interrupts_failures_and_a_parallel_
     # A queued grid of two experiments on two workers at once: the stopped configuration (it resumes) and
     # another micro-batch (2 x 2: another effective batch, another key). Both land complete in the root
     # store's experiment.
-    _params(project, seed=7, per_device_train_batch_size=4, effective_batch_size=None, memory_budget_gib=None)
+    set_train(project, seed=7, per_device_train_batch_size=4, effective_batch_size=None, memory_budget_gib=None)
     run(["git", "add", "-A"], project)
     run(["git", "commit", "-qm", "seed 7"], project)
     dvc(project, "exp", "run", "--queue", "-S", "train.per_device_train_batch_size=4,2")

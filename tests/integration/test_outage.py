@@ -28,7 +28,7 @@ def _free_port() -> int:
 def _server(db, port):
     p = subprocess.Popen([str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{db}", "--host",
                           "127.0.0.1", "--port", str(port), "--workers", "1"],
-                         env={**_env(), ui.JOB_EXECUTION: "false"},  # MLflow's GenAI job runner off, as onegpu ui runs it
+                         env=ui.server_env(_env()),  # as onegpu ui runs it: MLflow's GenAI job runner off
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     for _ in range(240):
         try:

@@ -112,8 +112,8 @@ def server(postgres, tmp_path):
                     # Measured: without the cache (a PBKDF2 password check per request) this test took
                     # 4 min 40 s, the server and the test's own processes 116 s of CPU; with it 2 min 11 s, 42 s.
                     "auth_cache_ttl_seconds = 60\n")
-    env = {**_env(), "MLFLOW_AUTH_CONFIG_PATH": str(auth), "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-only",
-           ui.JOB_EXECUTION: "false"}  # MLflow's GenAI job runner off, as onegpu ui runs it
+    env = ui.server_env({**_env(), "MLFLOW_AUTH_CONFIG_PATH": str(auth),  # GenAI job runner off, as onegpu ui
+                         "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-only"})
     log = (tmp_path / "mlflow-server.log").open("w")
     p = subprocess.Popen([str(BIN / "mlflow"), "server", "--app-name", "basic-auth",
                           "--backend-store-uri", f"{postgres}mlflow",

@@ -47,3 +47,19 @@ def minilm():
     batch = dict(tok(texts, truncation=True, max_length=64, padding=True, return_tensors="pt"))
     batch["labels"] = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
     return model, batch
+
+
+@pytest.fixture
+def collector(monkeypatch):
+    """This process's garbage collector put back after the test (threshold, frozen objects, the atexit
+    freeze ``onegpu.interpreter.start`` registers), and ``interpreter`` as if no command had started."""
+    import atexit
+    import gc
+
+    from onegpu import interpreter
+    before = gc.get_threshold()
+    monkeypatch.setattr(interpreter, "_starting", False)
+    yield
+    atexit.unregister(gc.freeze)
+    gc.unfreeze()
+    gc.set_threshold(*before)

@@ -1,25 +1,11 @@
 """onegpu.interpreter: the `onegpu` command's garbage-collector settings, CPython's own while it trains."""
 from __future__ import annotations
 
-import atexit
 import gc
 import subprocess
 import sys
 
-import pytest
-
 from onegpu import cli, interpreter
-
-
-@pytest.fixture
-def collector(monkeypatch):
-    """This test process's collector put back afterwards (threshold, frozen objects, the atexit hook)."""
-    before = gc.get_threshold()
-    monkeypatch.setattr(interpreter, "_starting", False)
-    yield
-    atexit.unregister(gc.freeze)
-    gc.unfreeze()
-    gc.set_threshold(*before)
 
 
 def test_start_raises_the_young_threshold_and_settle_freezes_and_restores_cpythons(collector):

@@ -86,3 +86,6 @@ def test_the_server_runs_without_mlflows_job_runner_unless_the_user_asks(monkeyp
     assert env[ui.JOB_EXECUTION] == "false" and env["ONEGPU_UI_TEST"] == "kept"
     monkeypatch.setenv(ui.JOB_EXECUTION, "true")
     assert ui.server_env()[ui.JOB_EXECUTION] == "true"
+    # Another environment as the base (a test's server): the same rule over that mapping only.
+    assert ui.server_env({"PATH": "/x"}) == {"PATH": "/x", ui.JOB_EXECUTION: "false"}
+    assert ui.server_env({ui.JOB_EXECUTION: "true"}) == {ui.JOB_EXECUTION: "true"}

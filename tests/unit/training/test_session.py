@@ -147,10 +147,10 @@ def test_config_name_names_the_split_the_precision_and_the_knobs_that_are_on():
     assert session.config_name(lora) == "bs8x1-fp32-lora-r8-adafactor"
 
 
-def test_the_training_loop_runs_with_cpythons_collector_after_the_commands_start_up(tmp_path, monkeypatch):
+def test_the_training_loop_runs_with_cpythons_collector_after_the_commands_start_up(tmp_path, monkeypatch,
+                                                                                   collector):
     """`onegpu train` starts with onegpu.interpreter's start-up threshold; the backend's loop (the measured
     steps) runs with CPython's default thresholds again, the start-up objects frozen."""
-    import atexit
     import gc
     import types
 
@@ -160,14 +160,7 @@ def test_the_training_loop_runs_with_cpythons_collector_after_the_commands_start
     monkeypatch.setattr(base, "get", lambda name: types.SimpleNamespace(
         train=lambda request: seen.append((gc.get_threshold(), gc.get_freeze_count() > 0))))
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
-    monkeypatch.setattr(interpreter, "_starting", False)
     plan = session.plan(_cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2), STATS)
-    before = gc.get_threshold()
-    try:
-        interpreter.start()
-        session.train(plan, None, None, None, sink=lambda m, s: None, checkpoints=False)
-    finally:
-        atexit.unregister(gc.freeze)
-        gc.unfreeze()
-        gc.set_threshold(*before)
+    interpreter.start()
+    session.train(plan, None, None, None, sink=lambda m, s: None, checkpoints=False)
     assert seen == [(interpreter.DEFAULT_THRESHOLD, True)]
