@@ -6,8 +6,9 @@ so DVC experiments (which need commits) work as they would in a user's clone.
 Cheap patterns (tests/README.md, "Keeping the suite fast"): a test that needs prepared data but does not
 test `prepare` itself takes the ``prepared`` fixture: ``prepared(tmp_path, overrides)`` is a copy of a
 project on which `dvc repro prepare` ran once per session for those params (git history, dvc.lock and
-the DVC cache copied, not re-run). Several assertions on one pipeline run share one run (the module
-fixture ``project``, or one test that checks several things in sequence), not one run each.
+the DVC cache copied, not re-run); ``trained(tmp_path)`` likewise a copy of a project on which `dvc repro`
+ran once per session. Several assertions on one pipeline run share one run (the module fixture
+``project``, a copy of ``trained``, or one test that checks several things in sequence), not one run each.
 """
 from __future__ import annotations
 
@@ -195,13 +196,39 @@ def runs(project: Path, experiment: str = "onegpu"):
     return c, exp, c.search_runs([exp.experiment_id], max_results=1000)
 
 
+class Trained:
+    """``trained(dest)``: a copy (:func:`copy_project`) at ``dest`` of a TINY project on which `dvc repro`
+    ran and was committed (prepare in ``prepared``'s original, train and evaluate here; its MLflow store
+    holds the prepare run and one FINISHED training run). The original is built once per session, shared
+    by the xdist workers (a file lock), and never changed."""
+
+    def __init__(self, shared: Path, prepared: Prepared) -> None:
+        self.shared, self.prepared = shared, prepared
+
+    def _base(self) -> Path:
+        from filelock import FileLock
+        base, done = self.shared / "trained", self.shared / "trained.done"
+        with FileLock(str(base) + ".lock"):
+            if not done.is_file():
+                shutil.rmtree(base, ignore_errors=True)
+                self.prepared(base)
+                dvc(base, "repro")
+                run(["git", "add", "-A"], base)
+                run(["git", "commit", "-qm", "repro"], base)
+                done.touch()
+        return base
+
+    def __call__(self, dest: Path) -> Path:
+        return copy_project(self._base(), dest)
+
+
+@pytest.fixture(scope="session")
+def trained(prepared) -> Trained:
+    """See :class:`Trained`."""
+    return Trained(prepared.shared, prepared)
+
+
 @pytest.fixture(scope="module")
-def project(tmp_path_factory, prepared) -> Path:
-    """A tiny project on which `dvc repro` has run once (prepare in ``prepared``'s original, train and
-    evaluate here)."""
-    p = prepared(tmp_path_factory.mktemp("project"))
-    result = dvc(p, "repro")
-    p.joinpath("repro.log").write_text(result.stdout + result.stderr)
-    run(["git", "add", "-A"], p)
-    run(["git", "commit", "-qm", "repro"], p)
-    return p
+def project(tmp_path_factory, trained) -> Path:
+    """A copy of ``trained``'s project, for one module's tests in order."""
+    return trained(tmp_path_factory.mktemp("project"))

@@ -3,7 +3,9 @@
 2 processes x 4 x 1 and 1 x 8 x 1 are the same effective batch of 8: the same equivalence key
 and, per optimizer step, the same loss and grad_norm within 1e-5 relative, for both tasks (the causal LM
 pads each micro-batch to its own longest row, so the step's token count must be summed over the ranks
-before normalising) and both backends. Each training is one MLflow run, not one per rank.
+before normalising): on both backends for the causal LM, on the Trainer's for the classifier (the
+Accelerate backend's classification step over two ranks: tests/unit/training/test_distributed.py).
+Each training is one MLflow run, not one per rank.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from .conftest import BIN, run, runs, set_train
 pytestmark = pytest.mark.slow
 
 TASKS = {
-    "sequence-classification": {"data": {"max_train_samples": 32, "max_eval_samples": 16, "max_length": 32}},
+    "sequence-classification": {},  # TINY's data: 24 examples, the 3 steps' 24
     "causal-lm": {
         "data": {"max_train_samples": 32, "max_eval_samples": 16, "max_length": 48},
         "model": {"task": "causal-lm", "name_or_path": None, "n_layer": 2, "n_embd": 64, "n_head": 2,
@@ -25,7 +27,8 @@ TASKS = {
 # (4 x 2, ...) are the same training by the accumulation tests (tests/unit/training/); here the
 # reference is one process at 8 x 1 and each backend trains 2 processes x 4 x 1 against it.
 REFERENCE = ("trainer", (1, 8, 1))
-LAYOUTS = [("trainer", (2, 4, 1)), ("accelerate", (2, 4, 1)), REFERENCE]
+LAYOUTS = {"causal-lm": [("trainer", (2, 4, 1)), ("accelerate", (2, 4, 1)), REFERENCE],
+           "sequence-classification": [("trainer", (2, 4, 1)), REFERENCE]}
 STEPS = 3
 
 
@@ -71,17 +74,18 @@ def _series(client, run_id: str, key: str) -> list[float]:
 @pytest.mark.parametrize("task", list(TASKS))
 def test_two_processes_equal_one_process_per_step(tmp_path, prepared, task):
     project = prepared(tmp_path, TASKS[task])
-    for backend, layout in LAYOUTS:
+    layouts = LAYOUTS[task]
+    for backend, layout in layouts:
         _train(project, backend, layout)
     c, _, all_runs = runs(project)
     train = [r for r in all_runs if r.data.tags.get("stage") == "train"]
-    assert len(train) == len(LAYOUTS)  # one run per training, not one per process
+    assert len(train) == len(layouts)  # one run per training, not one per process
     assert {r.info.status for r in train} == {"SCHEDULED"}
     assert len({r.data.tags["equivalence_key"] for r in train}) == 1
     by = {(r.data.params["train.backend"], int(r.data.params["resolved.world_size"]),
            int(r.data.params["resolved.per_device_train_batch_size"]),
            int(r.data.params["resolved.gradient_accumulation_steps"])): r for r in train}
-    assert set(by) == {(b, *lay) for b, lay in LAYOUTS}
+    assert set(by) == {(b, *lay) for b, lay in layouts}
     assert {r.data.params["resolved.effective_batch_size"] for r in train} == {"8"}
     ref = by[(REFERENCE[0], *REFERENCE[1])].info.run_id
     for key in ("loss", "grad_norm"):
@@ -90,7 +94,7 @@ def test_two_processes_equal_one_process_per_step(tmp_path, prepared, task):
         for name, r in by.items():
             got = _series(c, r.info.run_id, key)
             assert got == pytest.approx(expected, rel=1e-5), (key, name, got, expected)
-    for backend in ("trainer", "accelerate"):
+    for backend in {b for b, (procs, _, _) in layouts if procs == 2}:
         two = by[(backend, 2, 4, 1)]
         m = two.data.metrics
         # The whole step's counts: 8 examples over both ranks; a per-rank breakdown beside them.

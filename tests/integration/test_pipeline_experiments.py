@@ -1,8 +1,7 @@
-"""`dvc exp run` with `auto` micro-batch and with LoRA's dotted `-S` on a tiny project on which `dvc repro
-train` ran (its own file, beside test_pipeline.py, so that pytest-xdist runs the two at once)."""
+"""`dvc exp run` with `auto` micro-batch and with LoRA's dotted `-S` on a copy of the tiny project on which
+`dvc repro` ran (conftest's ``project``; its own file, beside test_pipeline.py, so that pytest-xdist runs the
+two at once)."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
@@ -10,17 +9,6 @@ from .conftest import dvc, run
 from .test_pipeline import MAX_STEPS, _training_runs
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def project(tmp_path_factory, prepared) -> Path:
-    """A prepared tiny project with the baseline trained and committed (`dvc repro train`: no test here
-    reads the baseline's evaluation; the experiments below run their own)."""
-    p = prepared(tmp_path_factory.mktemp("project"))
-    dvc(p, "repro", "train")
-    run(["git", "add", "-A"], p)
-    run(["git", "commit", "-qm", "repro train"], p)
-    return p
 
 
 def test_auto_micro_batch_keeps_the_effective_batch_and_the_losses(project):
@@ -53,10 +41,11 @@ def test_auto_micro_batch_keeps_the_effective_batch_and_the_losses(project):
 
 def test_exp_run_dotted_lora_rank_trains_lora(project):
     """`dvc exp run -S model.lora.r=8`, the form a user types first: a LoRA run (adapters only train,
-    another equivalence key, the adapter saved), from params.yaml's mapping with r: 0."""
+    another equivalence key, the adapter saved), from params.yaml's mapping with r: 0. (Up to train: the
+    merged model's evaluation is tests/unit/test_lora.py's.)"""
     run(["git", "checkout", "--", "."], project)
     dvc(project, "checkout", "--force")
-    out = dvc(project, "exp", "run", "-S", "model.lora.r=8").stdout
+    out = dvc(project, "exp", "run", "train", "-S", "model.lora.r=8").stdout
     c, exp, train = _training_runs(project)
     lora = [r for r in train if r.data.params.get("model.lora.r") == "8"]
     assert len(lora) == 1, out

@@ -267,8 +267,10 @@ def test_the_first_micro_batch_holds_one_row_for_each_example_padding_free():
     assert json.dumps(batch["labels"][0][batch["position_ids"][0] == 0].tolist()) == "[-100, -100, -100, -100]"
 
 
-def _two_process_worker(rank: int, port: int, out_dir: str, backend: str) -> None:
-    """Rank ``rank`` of 2 gloo processes: 2 steps of 2 x 2 per process, padding-free, completion-only."""
+def _two_process_worker(rank: int, port: int, out_dir: str) -> None:
+    """Rank ``rank`` of 2 gloo processes: 2 steps of 2 x 2 per process, padding-free, completion-only, on
+    each backend in turn (one process group: a pair of spawned processes costs more than the trainings).
+    Writes ``rank<r>.json``: ``{backend: the steps' step, loss, grad_norm, targets, samples}``."""
     import os
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -277,22 +279,25 @@ def _two_process_worker(rank: int, port: int, out_dir: str, backend: str) -> Non
     from onegpu.training import distributed
     from onegpu.training.backends import base
     distributed.TIMEOUT_S = 60
-    cfg = config(backend, 2, 2, padding_free=True, num_processes=2)
-    _, steps = importlib.import_module(base.REGISTRY[backend]).train(
-        base.TrainRequest(tiny_llama(), tokenizer(), dataset(), cfg, sink=lambda m, s: None))
+    out = {}
+    for backend in ("trainer", "accelerate"):
+        cfg = config(backend, 2, 2, padding_free=True, num_processes=2)
+        _, steps = importlib.import_module(base.REGISTRY[backend]).train(
+            base.TrainRequest(tiny_llama(), tokenizer(), dataset(), cfg, sink=lambda m, s: None))
+        out[backend] = [{k: r[k] for k in ("step", "loss", "grad_norm", "targets", "samples")} for r in steps.rows]
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump([{k: r[k] for k in ("step", "loss", "grad_norm", "targets", "samples")} for r in steps.rows], f)
+        json.dump(out, f)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["trainer", "accelerate"])
-def test_two_processes_take_the_one_process_steps(tmp_path, backend):
-    """2 gloo processes x 2 x 2 (padding-free) = 1 process 2 x 4: the step's completion tokens are summed
-    over the processes before each divides (trl PR #3538's bug: per-device means)."""
+def test_two_processes_take_the_one_process_steps_on_both_backends(tmp_path):
+    """2 gloo processes x 2 x 2 (padding-free) = 1 process 2 x 4, on each backend: the step's completion
+    tokens are summed over the processes before each divides (trl PR #3538's bug: per-device means)."""
     from tests.unit.training import test_distributed as td
-    ranks = td._spawn(_two_process_worker, tmp_path, backend)
-    assert ranks[0] == ranks[1]  # every rank logs the whole step
-    assert_same_steps(ranks[0], train(backend, 2, 4, True))
+    ranks = td._spawn(_two_process_worker, tmp_path)
+    for backend in ("trainer", "accelerate"):
+        assert ranks[0][backend] == ranks[1][backend], backend  # every rank logs the whole step
+        assert_same_steps(ranks[0][backend], train(backend, 2, 4, True))
 
 
 def _lora_run(checkpointing: bool, reentrant: bool = False, bf16: bool = False) -> tuple:
