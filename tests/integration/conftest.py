@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -141,26 +142,38 @@ class Prepared:
         self.shared = shared
 
     def _base(self, overrides: dict | None) -> Path:
-        from filelock import FileLock
         key = hashlib.sha256(_prepare_key(tiny_params(overrides)).encode()).hexdigest()[:12]
-        base, log = self.shared / f"prepared-{key}", self.shared / f"prepared-{key}.log"
-        with FileLock(str(base) + ".lock"):
-            if not log.is_file():
-                shutil.rmtree(base, ignore_errors=True)
-                base.mkdir()
-                make_project(base, overrides)
-                out = dvc(base, "repro", "prepare").stdout
-                run(["git", "add", "-A"], base)
-                run(["git", "commit", "-qm", "prepared"], base)
-                log.write_text(out)
-        return base
+
+        def build(base: Path) -> str:
+            make_project(base, overrides)
+            return dvc(base, "repro", "prepare").stdout
+        return _built_once(self.shared / f"prepared-{key}", build, "prepared")
 
     def __call__(self, dest: Path, overrides: dict | None = None) -> Path:
         return copy_project(self._base(overrides), dest, overrides or {})
 
     def output(self, overrides: dict | None = None) -> str:
-        base = self._base(overrides)
-        return base.with_name(base.name + ".log").read_text()
+        return _log(self._base(overrides)).read_text()
+
+
+def _log(base: Path) -> Path:
+    return base.with_name(base.name + ".log")
+
+
+def _built_once(base: Path, build: Callable[[Path], str], message: str) -> Path:
+    """``base`` (a project folder shared by the xdist workers) built once per session: under a file lock,
+    unless ``<base>.log`` says it is complete, ``build(base)`` fills the empty folder and returns what its
+    `dvc` command printed; the project is then committed (``message``) and the output kept in ``<base>.log``."""
+    from filelock import FileLock
+    with FileLock(str(base) + ".lock"):
+        if not _log(base).is_file():
+            shutil.rmtree(base, ignore_errors=True)
+            base.mkdir()
+            out = build(base)
+            run(["git", "add", "-A"], base)
+            run(["git", "commit", "-qm", message], base)
+            _log(base).write_text(out)
+    return base
 
 
 @pytest.fixture(scope="session")
@@ -202,21 +215,14 @@ class Trained:
     holds the prepare run and one FINISHED training run). The original is built once per session, shared
     by the xdist workers (a file lock), and never changed."""
 
-    def __init__(self, shared: Path, prepared: Prepared) -> None:
-        self.shared, self.prepared = shared, prepared
+    def __init__(self, prepared: Prepared) -> None:
+        self.prepared = prepared
 
     def _base(self) -> Path:
-        from filelock import FileLock
-        base, done = self.shared / "trained", self.shared / "trained.done"
-        with FileLock(str(base) + ".lock"):
-            if not done.is_file():
-                shutil.rmtree(base, ignore_errors=True)
-                self.prepared(base)
-                dvc(base, "repro")
-                run(["git", "add", "-A"], base)
-                run(["git", "commit", "-qm", "repro"], base)
-                done.touch()
-        return base
+        def build(base: Path) -> str:
+            self.prepared(base)
+            return dvc(base, "repro").stdout
+        return _built_once(self.prepared.shared / "trained", build, "repro")
 
     def __call__(self, dest: Path) -> Path:
         return copy_project(self._base(), dest)
@@ -225,7 +231,7 @@ class Trained:
 @pytest.fixture(scope="session")
 def trained(prepared) -> Trained:
     """See :class:`Trained`."""
-    return Trained(prepared.shared, prepared)
+    return Trained(prepared)
 
 
 @pytest.fixture(scope="module")
