@@ -149,7 +149,10 @@ def sft_metrics(model, tokenizer, dataset, cfg: Config, device: str) -> tuple[di
 def metrics(model, tokenizer, test, cfg: Config, device: str) -> tuple[dict, dict | None, list[int], list[int]]:
     """The test split's metrics for the task: ``(metrics, generations table or None, gold, predicted)``
     (gold and predicted label ids for a classifier; empty for a causal LM). Instruction data (a
-    ``reference`` column) adds generation and ROUGE-L (:func:`sft_metrics`)."""
+    ``reference`` column) adds generation and ROUGE-L (:func:`sft_metrics`). The measured loop collects
+    garbage as in any PyTorch process, as training's does (:func:`onegpu.interpreter.settle`)."""
+    from onegpu import interpreter
+    interpreter.settle()
     if cfg.model.task == "causal-lm" and "reference" in test.column_names:
         return (*sft_metrics(model, tokenizer, test, cfg, device), [], [])
     if cfg.model.task == "causal-lm":

@@ -10,9 +10,9 @@ generation no collection scans: https://docs.python.org/3/library/gc.html#gc.fre
 are done and again at exit, remove that work; the figures are in bench/results/interpreter.md
 (``python -m bench.interpreter``).
 
-The training loop runs with CPython's default thresholds (:func:`settle`), so the steps that onegpu
-measures collect garbage as any PyTorch process does; only the frozen start-up objects are no longer
-scanned. A process that imports onegpu as a library (a notebook, the tests, bench/) keeps its
+The training and evaluation loops run with CPython's default thresholds (:func:`settle`, called by
+``training.session.train`` and ``evaluation.metrics``), so the steps that onegpu measures collect garbage
+as any PyTorch process does; only the frozen start-up objects are no longer scanned. A process that imports onegpu as a library (a notebook, the tests, bench/) keeps its
 interpreter as it is: only :func:`start` (the ``onegpu`` command, a tradeoffs worker) changes anything.
 """
 from __future__ import annotations
