@@ -51,8 +51,15 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 # The pipeline, then its headline and the next commands. DVC's closing hints are dropped: "git add
 # dvc.lock" (the summary names what changed) and "dvc push" (no remote is configured).
 DVC_HINTS := ^(To track the changes with git, run:|To enable auto staging, run:|Use `dvc push` to send your updates to remote storage.)$$|^\s+(git add dvc.lock.*|dvc config core.autostage true)$$
+# The output filters outlive the pipeline: Ctrl-C, SIGTERM and SIGHUP reach the whole foreground process
+# group, and a filter that died first would leave the training no reader (its next line a broken pipe)
+# and its last lines (the checkpoint kept, how to resume) unseen. Each ignores the three and ends when
+# its input does; if its own output is gone (a closed terminal), `cat >/dev/null` reads on, so nothing
+# upstream waits on a full pipe.
+KEEP_FILTER = { trap '' INT TERM HUP; $(1); cat >/dev/null; }
+FILTERED = 2>&1 | $(call KEEP_FILTER,grep --line-buffered -v -E '$(DVC_HINTS)') | $(call KEEP_FILTER,cat -s)
 run: install
-	PYTHONUNBUFFERED=1 $(BIN)/dvc repro 2>&1 | { grep --line-buffered -v -E '$(DVC_HINTS)' || true; } | cat -s
+	PYTHONUNBUFFERED=1 $(BIN)/dvc repro $(FILTERED)
 	$(BIN)/onegpu summary
 
 # The instruction fine-tuning example (docs/sft.md): LoRA on the packaged SmolLM2-135M-Instruct, BBC articles ->
@@ -64,7 +71,7 @@ SFT := -S data.source=bbcnews-headlines -S model.task=causal-lm -S model.name_or
        -S train.per_device_train_batch_size=4 -S train.gradient_accumulation_steps=2 -S train.learning_rate=1e-3 \
        -S train.logging_steps=4 -S evaluate.max_new_tokens=20 -S evaluate.per_device_eval_batch_size=24
 sft: install
-	PYTHONUNBUFFERED=1 $(BIN)/dvc exp run -n sft-smollm2-headlines $(SFT) 2>&1 | { grep --line-buffered -v -E '$(DVC_HINTS)' || true; } | cat -s
+	PYTHONUNBUFFERED=1 $(BIN)/dvc exp run -n sft-smollm2-headlines $(SFT) $(FILTERED)
 	$(BIN)/onegpu summary
 
 # pytest-xdist: two workers per core, at most 4 (the integration tests wait on subprocesses, DVC and

@@ -193,14 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         if note := _params_note(args):
             print(f"onegpu {args.command}: error (traceback below){note}", file=sys.stderr)
         raise
-    except KeyboardInterrupt as e:
-        signum = getattr(e, "signum", 2)
-        if str(e):  # a clean stop (onegpu.training.interrupt.Interrupted)
-            print(f"onegpu {args.command}: interrupted: {e}; checkpoint saved, `dvc repro` (or the same "
-                  "`dvc exp run`) resumes it", file=sys.stderr)
-        else:
-            print(f"onegpu {args.command}: interrupted", file=sys.stderr)
-        return 128 + signum
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (onegpu.interpreter.start)
+        from onegpu.training import interrupt  # the standard library only
+        print(f"onegpu {args.command}: {interrupt.describe(e)}", file=sys.stderr)
+        return 128 + getattr(e, "signum", 2)
     return 0
 
 

@@ -1,5 +1,7 @@
-"""CPython's cyclic garbage collector for an ``onegpu`` command: tuned while it starts and exits, CPython's
-own settings while it trains.
+"""The interpreter of an ``onegpu`` command process: its garbage collector (tuned while the command starts
+and exits, CPython's own settings while it trains), its standard streams (a reader that went away is no
+error: :class:`Tolerant`) and its stop signals (SIGTERM and SIGHUP raise KeyboardInterrupt as Ctrl-C's
+SIGINT does: :func:`stop_on_signals`).
 
 A command imports torch, transformers, datasets and MLflow: millions of objects, each import adding to
 the heap. With CPython's default thresholds (``gc.get_threshold()``: a young-generation collection every
@@ -18,7 +20,11 @@ interpreter as it is: only :func:`start` (the ``onegpu`` command, a tradeoffs wo
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
+import os
+import signal
+import sys
 
 DEFAULT_THRESHOLD = gc.get_threshold()  # CPython's, as this interpreter started
 # The young generation's threshold while the command imports; the older generations' stay CPython's.
@@ -27,10 +33,14 @@ _starting = False  # start() ran and settle() has not yet
 
 
 def start() -> None:
-    """For a command's start: the higher young threshold until :func:`settle`, and ``gc.freeze()`` at
-    exit (before the interpreter's final collections; atexit runs it after the handlers registered later)."""
+    """For a command's start: stdout and stderr made :class:`Tolerant`, SIGTERM and SIGHUP handled
+    (:func:`stop_on_signals`), the higher young threshold until
+    :func:`settle`, and ``gc.freeze()`` at exit (before the interpreter's final collections; atexit runs
+    it after the handlers registered later)."""
     global _starting
     _starting = True
+    tolerate_lost_streams()
+    stop_on_signals()
     gc.set_threshold(*START_THRESHOLD)
     atexit.register(gc.freeze)
 
@@ -44,3 +54,69 @@ def settle() -> None:
         _starting = False
         gc.freeze()
         gc.set_threshold(*DEFAULT_THRESHOLD)
+
+
+class Tolerant:
+    """A text stream (stdout or stderr) whose writes never raise: progress lines are for people, MLflow
+    and the stage's files are the record, so a reader that went away must not fail a training.
+
+    The first write or flush that fails (``OSError``: EPIPE when the pipe's reader exited, e.g. a
+    ``make`` output filter stopped by Ctrl-C; EIO once the terminal hung up; ENOSPC for a full log disk;
+    ``ValueError`` for a closed stream) points the stream's file descriptor at ``os.devnull`` and drops
+    that text and everything after it (``lost`` holds the error). Everything else is the wrapped stream's.
+    """
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.lost: BaseException | None = None
+
+    def write(self, text: str) -> int:
+        if self.lost is None:
+            try:
+                return self.stream.write(text)
+            except (OSError, ValueError) as e:
+                self._lose(e)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.lost is None:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError) as e:
+                self._lose(e)
+
+    def _lose(self, error: BaseException) -> None:
+        self.lost = error
+        with contextlib.suppress(OSError, ValueError):  # the interpreter's last flush then writes nowhere
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())
+            os.close(null)
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, buffer, ...
+        return getattr(self.stream, name)
+
+
+def tolerate_lost_streams() -> None:
+    """``sys.stdout`` and ``sys.stderr`` as :class:`Tolerant` streams (once; None, as under ``pythonw``,
+    stays None)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, Tolerant):
+            setattr(sys, name, Tolerant(stream))
+
+
+def _raise_interrupt(signum, frame):
+    e = KeyboardInterrupt()
+    e.signum = signum  # the command exits 128 + it
+    raise e
+
+
+def stop_on_signals() -> None:
+    """SIGTERM (``kill``, a scheduler) and SIGHUP (the terminal closed) raise KeyboardInterrupt carrying
+    ``signum``, as Ctrl-C's SIGINT does, so every stage ends its MLflow run KILLED with what it measured
+    (the default action ends the process at once, its run left RUNNING). A training handles all three
+    itself (:mod:`onegpu.training.interrupt`). A signal ignored when the command started stays ignored
+    (``nohup``'s SIGHUP)."""
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(s) == signal.SIG_DFL:
+            signal.signal(s, _raise_interrupt)

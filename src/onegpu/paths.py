@@ -96,6 +96,14 @@ def artifact_root(root: Path | None = None) -> Path:
     return (root or project_root()) / "mlartifacts"
 
 
+def relative_to_root(path: str | os.PathLike) -> str:
+    """``path`` relative to the project root when it lies inside it (what a user types there), else as given."""
+    try:
+        return str(Path(path).resolve().relative_to(project_root()))
+    except ValueError:
+        return str(path)
+
+
 def checkpoint_dir(config_hash: str, root: Path | None = None) -> Path:
     """``<root>/.onegpu/checkpoints/<hash>``: resumable checkpoints of one training configuration.
 

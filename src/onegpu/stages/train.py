@@ -31,6 +31,8 @@ def run(cfg: Config) -> dict:
         return {}
     distributed.check_world(cfg.train.num_processes)
     plan = session.plan(cfg)  # device and precision checks first, then data/stats.json
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar between the progress lines (checkpoints, models/)
     main = distributed.is_main()  # rank 0 alone writes MLflow and the outputs
     tracker = tracking.connect(cfg.tracking.experiment_name) if main else distributed.NullTracker()
     with distributed.failure_note():
@@ -42,8 +44,6 @@ def run(cfg: Config) -> dict:
 
 def _write_outputs(result: session.TrainResult) -> None:
     """models/ (model, tokenizer, run file; with model.lora also adapter/), plots/train_steps.csv and metrics/train.json, each atomically."""
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar between the progress lines
     model = result.model
     from onegpu import lora
     if lora.is_peft(model):  # the adapter as trained, then the merged model that evaluate loads

@@ -1,47 +1,144 @@
-"""Stopping a training run cleanly on Ctrl-C (SIGINT) or SIGTERM.
+"""Stopping a training run cleanly on a signal: Ctrl-C (SIGINT, which a terminal sends to its whole
+foreground process group; ``dvc queue kill`` sends it to the experiment's group too), SIGTERM (``kill``,
+a scheduler's preemption, torchrun stopping the other ranks when one failed) and SIGHUP (the terminal
+closed, an ssh session dropped; left alone when the command started with it ignored, as under ``nohup``).
 
-The first signal asks the backend to stop after the optimizer step in progress and save a resumable
-checkpoint; a second one abandons the step at once (plain KeyboardInterrupt). Either way the stage
-ends the MLflow run as KILLED and exits non-zero (128 + the signal number).
+:class:`GracefulStop` is active for the whole training run, its closing record included:
+
+- before the loop (building the model, the ``auto`` finder) a signal abandons the run at once: nothing
+  is trained yet;
+- in the loop (:meth:`GracefulStop.loop`) the first signal asks the backend to stop after the optimizer
+  step in progress and save a resumable checkpoint (``requested``); a second abandons the step (the
+  newest complete checkpoint stays). Without checkpoints (a tradeoffs probe row) the first one does;
+- after the loop (the steps flushed to MLflow, the error tags, the figure, the outputs) signals are
+  only noted (``noted``), so that nothing cuts the run's record short; SIGKILL still can (schedulers
+  send it a grace period after SIGTERM, 30 s by default in SLURM and Kubernetes; docs/details.md).
+
+The stage exits 128 + the signal number; :func:`describe` is its last line.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 import threading
+from typing import Callable
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Seconds a scheduler waits between SIGTERM and SIGKILL by default: SLURM's KillWait, Kubernetes'
+# terminationGracePeriodSeconds (both 30).
+SCHEDULER_GRACE_S = 30
 
 
 class Interrupted(KeyboardInterrupt):
-    """Training stopped on a signal after saving a checkpoint. ``signum``: the signal number."""
+    """Training stopped on a signal after saving a checkpoint. ``signum``: the signal number; ``step``:
+    the optimizer steps done; the session adds ``run_id``, ``steps_logged`` and ``checkpoint`` (the
+    checkpoint folder kept) for :func:`describe`."""
 
     def __init__(self, signum: int, step: int) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name} after optimizer step {step}")
         self.signum, self.step = signum, step
+        self.run_id: str | None = None
+        self.steps_logged: int | None = None
+        self.checkpoint: str | None = None
+
+
+def stopped_by(signum: int) -> KeyboardInterrupt:
+    """A plain KeyboardInterrupt that carries ``signum`` (the stage's exit code is 128 + it)."""
+    e = KeyboardInterrupt()
+    e.signum = signum
+    return e
 
 
 class GracefulStop:
-    """Context manager: while active, SIGINT/SIGTERM set ``requested`` (the signal number) instead of
-    raising; a second signal raises KeyboardInterrupt. Handlers are restored on exit. Only the main
-    thread can install handlers; elsewhere it does nothing."""
+    """A context manager (main thread only; elsewhere it does nothing) that handles SIGINT, SIGTERM and
+    SIGHUP as the module docstring says and restores the previous handlers on exit.
 
-    def __init__(self) -> None:
+    ``checkpoints``: the loop can stop at a step's end with a checkpoint (False: a signal in the loop
+    abandons it); ``progress``: ``() -> (steps done, seconds per optimizer step or None, newest
+    checkpoint's step or None)``, for the line a SIGTERM prints (a step longer than a scheduler's grace
+    period is said plainly)."""
+
+    def __init__(self, checkpoints: bool = True, progress: Callable[[], tuple] | None = None) -> None:
+        self.checkpoints, self.progress = checkpoints, progress
         self.requested: int | None = None
+        self.noted: list[int] = []
+        self._phase = "before"
         self._old: dict = {}
 
     def _handle(self, signum, frame) -> None:
-        if self.requested is not None:
-            raise KeyboardInterrupt
-        self.requested = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this optimizer step and saving a checkpoint "
-              "(send it again to abandon the step)", file=sys.stderr, flush=True)
+        name = signal.Signals(signum).name
+        if self._phase == "after":
+            self.noted.append(signum)
+            _say(f"{name}: the run's record is being written first (its steps, tags and figure); it stops after that")
+        elif self._phase == "loop" and self.checkpoints and self.requested is None:
+            self.requested = signum
+            _say(self._stop_line(name))
+        else:
+            raise stopped_by(signum)
+
+    def _stop_line(self, name: str) -> str:
+        done, step_s, saved = self.progress() if self.progress else (None, None, None)
+        where = f"optimizer step {done + 1}" if done is not None else "this optimizer step"
+        line = f"\n{name}: stopping after {where} and saving a checkpoint (send it again to abandon the step)"
+        if name == "SIGTERM" and step_s is not None and step_s >= SCHEDULER_GRACE_S / 2:
+            line += (f"; an optimizer step takes about {step_s:.0f} s here: with the checkpoint's save it may not "
+                     f"fit a scheduler's usual {SCHEDULER_GRACE_S} s from SIGTERM to SIGKILL (SLURM KillWait, "
+                     "Kubernetes terminationGracePeriodSeconds); if SIGKILL comes first, the newest complete "
+                     "checkpoint is " + (f"that of step {saved}" if saved else
+                                         "none (train.save_steps sets how often one is written)"))
+        return line
+
+    @contextlib.contextmanager
+    def loop(self):
+        """Around the backend's training loop: the phase in which a signal stops at a step's end."""
+        self._phase = "loop"
+        try:
+            yield self
+        finally:
+            self._phase = "after"
 
     def __enter__(self) -> "GracefulStop":
         if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._old[s] = signal.signal(s, self._handle)
+            for s in SIGNALS:
+                if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN:  # nohup's
+                    self._old[s] = signal.signal(s, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old.clear()
+
+
+def _say(text: str) -> None:
+    """One line to stderr; a terminal or pipe that is gone is no error here (the run is the record)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(text, file=sys.stderr, flush=True)
+
+
+def resume_command() -> str:
+    """The command that resumes this stage's stopped training, as the user started it: ``make run`` /
+    ``make sft`` (make sets ``MAKELEVEL``), ``dvc repro``, the same ``dvc exp run`` (DVC sets
+    ``DVC_EXP_NAME``; a queued or ``--temp`` one runs in ``<repo>/.dvc/tmp/exps/``), or ``onegpu train``."""
+    make = "MAKELEVEL" in os.environ
+    if os.environ.get("DVC_EXP_NAME"):
+        if f"{os.sep}.dvc{os.sep}tmp{os.sep}exps{os.sep}" in os.getcwd() + os.sep:
+            return "queueing the same experiment again (`dvc exp run --queue` with the same -S params, then `dvc queue start`)"
+        return "`make sft` again (the same `dvc exp run`)" if make else "the same `dvc exp run`"
+    if os.environ.get("DVC_STAGE"):
+        return "`make run` again (`dvc repro`)" if make else "`dvc repro`"
+    return "`onegpu train` again (or `dvc repro`)"
+
+
+def describe(e: KeyboardInterrupt) -> str:
+    """The stage's last line for a stop: what stopped it, what was kept and the command that resumes it."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    name = signal.Signals(signum).name
+    if not isinstance(e, Interrupted):
+        return f"interrupted by {name}" + (f" ({e})" if str(e) else "")
+    kept = f"the checkpoint of optimizer step {e.step} ({e.checkpoint})" if e.checkpoint else "a checkpoint"
+    if e.run_id:
+        kept += f" and its {e.steps_logged} steps in MLflow run {e.run_id} (KILLED)"
+    return f"stopped by {name} after optimizer step {e.step}; kept {kept}; {resume_command()} resumes it"

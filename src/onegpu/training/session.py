@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from onegpu.config import (Config, DeviceFacts, Resolved, TrainConfig, check_dev
 from onegpu.equivalence import equivalence_key, resolved_params, run_config_hash
 from onegpu.errors import ConfigError, DataError, ModelError
 from onegpu.formatting import gib, mib
+from onegpu.training.interrupt import GracefulStop, Interrupted
 from onegpu.training.resume import ResumePoint, tidy_other_checkpoints
 
 _BUDGET_CPU = ("; on a CPU the budget covers the training state: params, grads, optimizer states and "
@@ -214,26 +216,28 @@ def fit(plan: TrainPlan, model, tokenizer, dsd, sink: Callable[[dict, int], None
 
 
 def train(plan: TrainPlan, model, tokenizer, dsd, sink: Callable[[dict, int], None], run_id: str = "",
-          checkpoints: bool = True):
+          checkpoints: bool = True, stop: GracefulStop | None = None):
     """Train with the configured backend; returns ``(model, StepRecorder)``.
 
     ``checkpoints``: as the stage does it, resumable (checkpoints every ``train.save_steps`` and on
-    Ctrl-C/SIGTERM, a clean stop, into ``plan.checkpoint_dir``; ``plan.resume`` continued); False trains
-    without either (benchmarks).
+    Ctrl-C/SIGTERM/SIGHUP, a clean stop, into ``plan.checkpoint_dir``; ``plan.resume`` continued); False
+    trains without either (benchmarks). ``stop``: the run's :class:`GracefulStop` (:func:`run`'s; None:
+    one for this call alone); its loop phase covers the backend's loop.
     Raises:
         onegpu.training.interrupt.Interrupted: a stop was requested (after the checkpoint is saved).
     """
     from onegpu import interpreter
     from onegpu.training.backends import base
-    from onegpu.training.interrupt import GracefulStop
     backend = base.get(plan.cfg.train.backend)
     interpreter.settle()  # the steps collect garbage as in any PyTorch process (after the imports' tuning)
     cfg = with_layout(plan.cfg, plan.resolved)
     if not checkpoints:
-        return backend.train(base.TrainRequest(model, tokenizer, dsd, cfg, sink))
-    stop = GracefulStop()
+        with stop.loop() if stop is not None else contextlib.nullcontext():
+            return backend.train(base.TrainRequest(model, tokenizer, dsd, cfg, sink))
     meta = {"run_id": run_id, "micro_batch": plan.resolved.per_device_train_batch_size}
-    with stop:
+    with contextlib.ExitStack() as stack:
+        stop = stop or stack.enter_context(GracefulStop())
+        stack.enter_context(stop.loop())
         return backend.train(base.TrainRequest(model, tokenizer, dsd, cfg, sink, checkpoint_dir=plan.checkpoint_dir,
                                                stop=stop, resume=plan.resume, checkpoint_meta=meta))
 
@@ -248,21 +252,40 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
     (None: the DVC experiment's, else :func:`config_name`); ``probe``: a probe row of ``onegpu
     tradeoffs`` (``plan.resume`` None): no resumable checkpoints, every checkpoint folder left alone, no
     figure (the batch's report plots the rows); ``tokenizer``: the one prepare used (None: the model's).
+    Signals are handled from the start to the end of the run's record (:class:`GracefulStop`).
     Returns:
         The :class:`TrainResult`; the run is left SCHEDULED.
+    Raises:
+        onegpu.training.interrupt.Interrupted: stopped on a signal, with the run id, the steps logged and
+            the checkpoint kept on it.
     """
     run_id = _start_run(plan, tracker, name, tidy=not probe)
-    buffer = tracker.metric_buffer(run_id)
-    progress = {"step": 0}
     rows: list[tuple[int, dict]] = []  # every step the sink got, for the run's figure
+    stop = GracefulStop(checkpoints=not probe, progress=lambda: _progress(plan, rows))
+    try:
+        with stop:
+            result = _run(plan, tracker, dsd, run_id, rows, stop, save, built, probe, tokenizer)
+            _tidy_checkpoints(plan, tracker, stop, probe)
+    except Interrupted as e:
+        from onegpu.training.resume import latest_checkpoint
+        kept = latest_checkpoint(plan.checkpoint_dir)
+        e.run_id, e.steps_logged = run_id, len({s for s, _ in rows})
+        e.checkpoint = kept and paths.relative_to_root(kept.path)
+        raise
+    return result
+
+
+def _run(plan: TrainPlan, tracker, dsd, run_id: str, rows: list, stop: GracefulStop, save, built, probe: bool,
+         tokenizer) -> TrainResult:
+    """:func:`run`'s body inside the run's guard: build, find the layout, train, log, save."""
+    buffer = tracker.metric_buffer(run_id)
     load = outside_load.Watch(plan.device, _own_tree_root())
 
     def sink(metrics: dict, step: int) -> None:
-        progress["step"] = step
         rows.append((step, metrics))
         buffer.add(metrics, step)
 
-    with tracker.guard(run_id, finish="SCHEDULED", context=lambda: {"error.step": str(progress["step"] + 1)}), \
+    with tracker.guard(run_id, finish="SCHEDULED", context=lambda: {"error.step": str(_progress(plan, rows)[0] + 1)}), \
             _flushed(buffer), _closing_record(tracker, run_id, rows, load, config_name(plan.cfg), figure=not probe):
         tracker.log_params(run_id, flatten(plan.cfg.to_dict()))
         model, tokenizer = built or build_model(plan.cfg, plan.stats, tokenizer)
@@ -278,7 +301,7 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
         with tracker.system_metrics(run_id):
             load.start()
             t0 = time.perf_counter()
-            model, steps = train(plan, model, tokenizer, dsd, sink, run_id, checkpoints=not probe)
+            model, steps = train(plan, model, tokenizer, dsd, sink, run_id, checkpoints=not probe, stop=stop)
             train_s = time.perf_counter() - t0
             load.stop()
         summary = _log_results(plan, tracker, run_id, buffer, model, steps)
@@ -286,12 +309,37 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
                              saved_config, train_s, load.result)
         if save is not None:
             save(result)
-    from onegpu.training import distributed
-    if not probe and distributed.is_main():  # one process tidies the checkpoints (the others write no MLflow either)
-        shutil.rmtree(plan.checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
-        tidy_other_checkpoints(plan.checkpoint_dir, plan.key, flatten(plan.cfg.to_dict()), plan.fingerprint,
-                               tracker.find_run, finished=True)
     return result
+
+
+def _progress(plan: TrainPlan, rows: list) -> tuple[int, float | None, int | None]:
+    """``(optimizer steps done, median seconds per step, newest checkpoint's step)`` from the sink's
+    ``rows``: the checkpoint is the resumed one or the last multiple of ``train.save_steps`` (None: none yet)."""
+    steps = sorted({s for s, _ in rows})
+    times = sorted(m["step_time_s"] for _, m in rows if m.get("step_time_s") is not None)
+    done = steps[-1] if steps else (plan.resume.step if plan.resume else 0)
+    every = plan.cfg.train.save_steps
+    saved = max((done // every) * every if every else 0, plan.resume.step if plan.resume else 0)
+    return done, times[len(times) // 2] if times else None, saved or None
+
+
+def _tidy_checkpoints(plan: TrainPlan, tracker, stop: GracefulStop, probe: bool) -> None:
+    """After a finished training (rank 0 of a launch): nothing is left to resume, so this configuration's
+    checkpoints go, and the stopped runs' of the same equivalence key. Kept when a signal came while the
+    run's record was written: the command that started the stage may be gone (a terminal's SIGHUP and a
+    SIGTERM to the group end DVC at once, before it records the stage), and the next one resumes from them."""
+    from onegpu.training import distributed
+    if probe or not distributed.is_main():  # one process tidies the checkpoints (the others write no MLflow either)
+        return
+    if stop.noted:
+        names = ", ".join(sorted({signal.Signals(n).name for n in stop.noted}))
+        print(f"train: {names} came after the training finished: its outputs and MLflow run are complete; "
+              "its checkpoints are kept in case the command that started it did not record the stage "
+              "(a rerun then resumes from them instead of starting afresh)", flush=True)
+        return
+    shutil.rmtree(plan.checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
+    tidy_other_checkpoints(plan.checkpoint_dir, plan.key, flatten(plan.cfg.to_dict()), plan.fingerprint,
+                           tracker.find_run, finished=True)
 
 
 def _start_run(plan: TrainPlan, tracker, name: str | None = None, tidy: bool = True) -> str:

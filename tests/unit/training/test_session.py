@@ -164,3 +164,36 @@ def test_the_training_loop_runs_with_cpythons_collector_after_the_commands_start
     interpreter.start()
     session.train(plan, None, None, None, sink=lambda m, s: None, checkpoints=False)
     assert seen == [(interpreter.DEFAULT_THRESHOLD, True)]
+
+
+class _Killed(BaseException):
+    """Stands for SIGTERM's default action (the process ends at once) in this test process."""
+
+
+def test_a_sigterm_while_a_failed_run_is_closed_waits_until_its_steps_error_and_figure_are_written(
+        fresh_root, tokenizer, dsd, monkeypatch):
+    """Issue 30: a rank's collective fails (the sink raises at step 2) and torchrun's closing SIGTERM
+    arrives while the run's record is written: the signal waits, so the FAILED run keeps its own error,
+    every step it measured and its figure."""
+    import os
+    import signal
+
+    from onegpu.training import figure
+
+    def killed(signum, frame):
+        raise _Killed()
+    real_closing = session._log_closing
+
+    def closing_with_sigterm(*a, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun stops the surviving ranks
+        return real_closing(*a, **kw)
+    monkeypatch.setattr(session, "_log_closing", closing_with_sigterm)
+    old = signal.signal(signal.SIGTERM, killed)
+    try:
+        run_id, client = _tiny_run(fresh_root, tokenizer, dsd, fail_at=2)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED" and run.data.tags["error.type"] == "RuntimeError"
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
+    assert figure.FIGURE in [a.path for a in client.list_artifacts(run_id)]

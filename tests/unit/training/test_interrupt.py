@@ -1,0 +1,96 @@
+"""onegpu.training.interrupt: the three stop signals in each phase of a training run, the line a SIGTERM
+prints when a step is long, the command that resumes a stopped training, and the stage's last line."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from onegpu.training import interrupt
+from onegpu.training.interrupt import GracefulStop, Interrupted
+
+
+def _send(signum: int) -> None:
+    os.kill(os.getpid(), signum)  # handled in this (the main) thread before os.kill returns
+
+
+@pytest.mark.parametrize("signum", interrupt.SIGNALS)
+def test_in_the_loop_the_first_signal_asks_for_a_stop_and_the_second_abandons_the_step(signum):
+    with GracefulStop() as stop, stop.loop():
+        _send(signum)
+        assert stop.requested == signum
+        with pytest.raises(KeyboardInterrupt) as e:
+            _send(signum)
+    assert e.value.signum == signum
+
+
+@pytest.mark.parametrize("signum", interrupt.SIGNALS)
+def test_before_the_loop_a_signal_abandons_the_run_and_after_it_only_notes(signum, capsys):
+    with GracefulStop() as stop:
+        with pytest.raises(KeyboardInterrupt):  # building the model: nothing trained, nothing to save
+            _send(signum)
+        with stop.loop():
+            pass
+        for _ in range(3):  # the run's record is being written: nothing may cut it short
+            _send(signum)
+        assert stop.noted == [signum] * 3 and stop.requested is None
+    assert "it stops after that" in capsys.readouterr().err
+
+
+def test_a_probe_row_without_checkpoints_is_abandoned_by_the_first_signal():
+    with GracefulStop(checkpoints=False) as stop, stop.loop():
+        with pytest.raises(KeyboardInterrupt):
+            _send(signal.SIGINT)
+
+
+def test_handlers_are_restored_and_nohups_ignored_sighup_stays_ignored():
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        before = signal.getsignal(signal.SIGTERM)
+        with GracefulStop() as stop, stop.loop():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            _send(signal.SIGHUP)  # ignored: the training goes on
+            assert stop.requested is None
+        assert signal.getsignal(signal.SIGTERM) == before
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
+@pytest.mark.parametrize("step_s, said", [(2.0, False), (40.0, True)])
+def test_sigterm_says_plainly_when_a_step_may_not_fit_a_schedulers_grace_period(step_s, said, capsys):
+    with GracefulStop(progress=lambda: (7, step_s, 5)) as stop, stop.loop():
+        _send(signal.SIGTERM)
+    err = capsys.readouterr().err
+    assert "SIGTERM: stopping after optimizer step 8 and saving a checkpoint" in err
+    assert ("about 40 s here" in err and "30 s from SIGTERM to SIGKILL" in err
+            and "the newest complete checkpoint is that of step 5" in err) == said
+
+
+@pytest.mark.parametrize("env, cwd, expected", [
+    ({"DVC_STAGE": "train", "MAKELEVEL": "1"}, "/p", "`make run` again (`dvc repro`)"),
+    ({"DVC_STAGE": "train"}, "/p", "`dvc repro`"),
+    ({"DVC_STAGE": "train", "DVC_EXP_NAME": "sft", "MAKELEVEL": "1"}, "/p", "`make sft` again (the same `dvc exp run`)"),
+    ({"DVC_STAGE": "train", "DVC_EXP_NAME": "x"}, "/p", "the same `dvc exp run`"),
+    ({"DVC_STAGE": "train", "DVC_EXP_NAME": "x"}, "/p/.dvc/tmp/exps/tmpab12", "queueing the same experiment again"),
+    ({}, "/p", "`onegpu train` again"),
+])
+def test_the_resume_command_is_the_front_door_the_stage_was_started_from(monkeypatch, env, cwd, expected):
+    for k in ("DVC_STAGE", "DVC_EXP_NAME", "MAKELEVEL"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(os, "getcwd", lambda: cwd)
+    assert interrupt.resume_command().startswith(expected)
+
+
+def test_the_last_line_names_the_signal_what_was_kept_and_how_to_resume(monkeypatch):
+    monkeypatch.setenv("DVC_STAGE", "train")
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    monkeypatch.delenv("MAKELEVEL", raising=False)
+    e = Interrupted(signal.SIGHUP, 6)
+    e.run_id, e.steps_logged, e.checkpoint = "abc123", 6, ".onegpu/checkpoints/k/checkpoint-6"
+    assert interrupt.describe(e) == (
+        "stopped by SIGHUP after optimizer step 6; kept the checkpoint of optimizer step 6 "
+        "(.onegpu/checkpoints/k/checkpoint-6) and its 6 steps in MLflow run abc123 (KILLED); `dvc repro` resumes it")
+    assert interrupt.describe(interrupt.stopped_by(signal.SIGTERM)) == "interrupted by SIGTERM"
