@@ -36,6 +36,7 @@ def test_settle_without_start_leaves_the_interpreter_as_it_is(collector):
 def test_the_command_starts_tuned_and_main_alone_does_not(collector, monkeypatch):
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # entry() wraps them (Tolerant): put back afterwards
     monkeypatch.setattr(sys, "stderr", sys.stderr)
+    monkeypatch.setattr(interpreter, "stop_on_signals", lambda: None)  # this process's handlers stay pytest's
     seen = []
     monkeypatch.setattr(cli, "main", lambda argv=None: seen.append(gc.get_threshold()) or 0)
     gc.set_threshold(700, 10, 10)
@@ -45,12 +46,16 @@ def test_the_command_starts_tuned_and_main_alone_does_not(collector, monkeypatch
 def test_python_m_onegpu_runs_tuned_and_freezes_at_exit_with_the_commands_exit_code(tmp_path):
     """`python -m onegpu` (how a launch starts its ranks) goes through the same entry; a hook registered
     before it sees, at exit, the start-up threshold (no training settled it) and the objects frozen."""
-    code = ("import atexit, gc, runpy, sys; "
-            "atexit.register(lambda: print('at exit', gc.get_threshold()[0], gc.get_freeze_count() > 0)); "
+    code = ("import atexit, gc, runpy, signal, sys; "
+            "atexit.register(lambda: print('at exit', gc.get_threshold()[0], gc.get_freeze_count() > 0, "
+            "signal.getsignal(signal.SIGTERM).__name__, signal.getsignal(signal.SIGHUP) == signal.SIG_IGN)); "
+            "signal.signal(signal.SIGHUP, signal.SIG_IGN); "  # as nohup starts it
             "sys.argv = ['onegpu', 'summary', '--params', 'missing.yaml']; runpy.run_module('onegpu', run_name='__main__')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 2 and "onegpu summary: error:" in p.stderr, p.stderr
-    assert p.stdout.splitlines()[-1] == f"at exit {interpreter.START_THRESHOLD[0]} True", p.stdout
+    # SIGTERM raises KeyboardInterrupt as Ctrl-C does; nohup's ignored SIGHUP stays ignored
+    assert p.stdout.splitlines()[-1] == (f"at exit {interpreter.START_THRESHOLD[0]} True _raise_interrupt "
+                                         "True"), p.stdout
 
 
 # A command whose reader goes away mid-run: the pipe's read end is closed before the command writes, as
@@ -87,3 +92,20 @@ def test_tolerant_streams_write_through_while_the_reader_is_there(capsys):
     assert stream.write("step 1/3\n") == 9 and stream.lost is None
     stream.flush()
     assert capsys.readouterr().out == "step 1/3\n"
+
+
+def test_sigterm_ends_a_command_as_ctrl_c_does_with_128_plus_the_signal(tmp_path):
+    """`onegpu ui` stands for any command that is not training: SIGTERM must reach its KeyboardInterrupt
+    path (the guard's KILLED, the cli's last line), not end the process at once."""
+    import signal
+    import time
+
+    from tests import defaults
+    (tmp_path / "params.yaml").write_text(defaults.params_text())
+    code = ("import sys, time; from onegpu import cli; sys.argv = ['onegpu', 'summary']; "
+            "from onegpu import summary; summary.text = lambda cfg: time.sleep(60); sys.exit(cli.entry())")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 128 + signal.SIGTERM
+    assert "onegpu summary: interrupted by SIGTERM" in p.stderr.read()
