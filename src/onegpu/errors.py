@@ -15,3 +15,8 @@ class DataError(UserError):
 
 class ModelError(UserError):
     """The model path or id cannot be used for the task."""
+
+
+class DiskFullError(UserError):
+    """No space was left on the device (or the disk quota was reached) while writing a file: the message
+    names the path and the free space (:func:`onegpu.paths.writing`)."""

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator, TextIO
+
+from onegpu.errors import DiskFullError
 
 # Stage outputs, relative to the stage's working directory (the repo or DVC's temp clone).
 PARAMS = Path("params.yaml")
@@ -125,39 +128,110 @@ def lock_file(root: Path | None = None) -> Path:
     return d / "tracking.lock"
 
 
+# How writers report a full disk: the errno of an OSError, or the words of a library that wraps it
+# (safetensors' "StorageFull", torch.save's "file write failed", SQLite's "database or disk is full").
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_WORDS = ("No space left on device", "StorageFull", "Disk quota exceeded", "database or disk is full",
+               "file write failed")
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or the error it was raised from) says the disk or the quota is full."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _FULL_ERRNOS:
+            return True
+        if any(w in str(error) for w in _FULL_WORDS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def free_space(path: str | os.PathLike) -> str:
+    """``"120 MiB free of 50.0 GiB on /data"``: the file system holding ``path`` (or its nearest existing parent)."""
+    from onegpu.formatting import gib, mib
+    p = Path(path).resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    usage = shutil.disk_usage(p)
+    mount = p
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    size = lambda n: gib(n) if n >= 2**30 else mib(n)  # noqa: E731
+    return f"{size(usage.free)} free of {size(usage.total)} on {mount}"
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Around writing ``path``: a full disk, in whatever words the writer reports it
+    (:func:`is_disk_full`), becomes one :class:`~onegpu.errors.DiskFullError` naming ``path`` and the
+    free space; any other error passes unchanged.
+
+    Raises:
+        DiskFullError: the disk or the quota is full.
+    """
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        raise disk_full(path) from e
+
+
+def disk_full(path: str | os.PathLike) -> DiskFullError:
+    """The one error for a full disk while writing ``path`` (a local path, or a URI on a server): the
+    path and, for a local one, the free space; what to do."""
+    where = str(path) if "://" in str(path) or str(path).startswith("mlflow-artifacts:") else \
+        f"{relative_to_root(path)} ({free_space(path)})"
+    return DiskFullError(f"no space left on the device writing {where}: "
+                         "free some space and run the same command again (a stopped training resumes from its "
+                         "newest complete checkpoint)")
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, newline: str | None = None) -> Iterator[TextIO]:
     """Write a text file atomically: yields a file open for writing at a temporary name next to ``path``;
     when the block ends without an error it is renamed over ``path`` (mode 0644), else removed. Readers
-    (and DVC) never see a half-written file. The parent folder is created."""
+    (and DVC) never see a half-written file. The parent folder is created.
+
+    Raises:
+        DiskFullError: the disk is full (:func:`writing`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", newline=newline) as f:
-            yield f
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "w", newline=newline) as f:
+                yield f
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
 
 
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Write a folder atomically: yields an empty temporary folder next to ``path``; when the block ends
     without an error the old ``path`` is removed and the new one moved into its place, else the temporary
-    folder is removed."""
+    folder is removed.
+
+    Raises:
+        DiskFullError: the disk is full (:func:`writing`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(path, ignore_errors=True)
-    shutil.move(str(tmp), str(path))
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+        try:
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.move(str(tmp), str(path))
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:

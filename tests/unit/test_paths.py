@@ -149,3 +149,40 @@ def test_atomic_file_and_dir_replace_on_success_and_leave_the_old_output_on_erro
     # no temporary file or folder is left next to the outputs
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["steps.csv"]
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["model"]
+
+
+# -- a full disk ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("error", [
+    OSError(28, "No space left on device"),  # errno.ENOSPC, as open/write raise it
+    OSError(122, "Disk quota exceeded"),  # errno.EDQUOT
+    RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left" })'),
+    RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file data/0: "
+                 "file write failed"),  # torch.save
+])
+def test_a_full_disk_in_any_writers_words_is_one_error_naming_the_path_and_the_free_space(tmp_path, error):
+    from onegpu.errors import DiskFullError
+    target = tmp_path / "out" / "model.safetensors"  # its folder does not exist: the free space is its parent's
+    with pytest.raises(DiskFullError) as e:
+        with paths.writing(target):
+            raise error
+    text = str(e.value)
+    assert text.startswith(f"no space left on the device writing {target} (") and " free of " in text
+    assert e.value.__cause__ is error
+
+
+def test_other_write_errors_pass_unchanged(tmp_path):
+    with pytest.raises(PermissionError):
+        with paths.writing(tmp_path / "x"):
+            raise PermissionError(13, "Permission denied")
+
+
+def test_atomic_writes_leave_no_half_file_on_a_full_disk(tmp_path):
+    from onegpu.errors import DiskFullError
+    target = tmp_path / "metrics.json"
+    target.write_text("old")
+    with pytest.raises(DiskFullError):
+        with paths.atomic_file(target) as f:
+            f.write("{")
+            raise OSError(28, "No space left on device")
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]

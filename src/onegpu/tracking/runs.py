@@ -195,22 +195,41 @@ class RunHandle:
         return MetricBuffer(self.writer.write, self.run_id, flush_every=flush_every, flush_seconds=flush_seconds)
 
     # -- artifacts and inputs -----------------------------------------------------------------
+    @contextmanager
+    def _artifact(self, artifact_file: str):
+        """Around writing one artifact: a full disk is one :class:`~onegpu.errors.DiskFullError` naming
+        where the artifact went (the run's artifact folder, or its URI on a server) and the free space."""
+        try:
+            yield
+        except Exception as e:
+            from onegpu import paths
+            if not paths.is_disk_full(e):
+                raise
+            uri = self.client.get_run(self.run_id).info.artifact_uri
+            local = uri[len("file://"):] if uri.startswith("file://") else uri
+            raise paths.disk_full(os.path.join(local, artifact_file)) from e
+
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
+        with self._artifact(os.path.join(artifact_path or "", os.path.basename(str(path)))):
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     def log_dict(self, obj: dict, artifact_file: str) -> None:
-        self.client.log_dict(self.run_id, obj, artifact_file)
+        with self._artifact(artifact_file):
+            self.client.log_dict(self.run_id, obj, artifact_file)
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
+        with self._artifact(artifact_file):
+            self.client.log_text(self.run_id, text, artifact_file)
 
     def log_figure(self, figure, artifact_file: str) -> None:
-        self.client.log_figure(self.run_id, figure, artifact_file)
+        with self._artifact(artifact_file):
+            self.client.log_figure(self.run_id, figure, artifact_file)
 
     def log_table(self, data: dict[str, list], artifact_file: str) -> None:
         """A table (column name -> equal-length list of values) as MLflow's table artifact
         (``MlflowClient.log_table``: a ``.json`` file the UI shows in its evaluation view)."""
-        self.client.log_table(self.run_id, data=data, artifact_file=artifact_file)
+        with self._artifact(artifact_file):
+            self.client.log_table(self.run_id, data=data, artifact_file=artifact_file)
 
     def log_dataset(self, df, name: str, source: str, context: str, targets: str | None = None) -> None:
         """Record a pandas DataFrame as an MLflow dataset input (schema, digest, source) of the run."""

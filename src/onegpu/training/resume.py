@@ -2,7 +2,9 @@
 
 Each backend writes ``<checkpoint_dir>/checkpoint-N/`` in its own format (HF Trainer's, or the
 Accelerate loop's: :func:`save_loop_state` / :func:`load_loop_state`); both add ``onegpu_state.json``
-last, so a folder without it is a checkpoint that was cut off and is never resumed. Weights are
+last and only then remove the older checkpoint (:func:`complete`), so a folder without it is a
+checkpoint that was cut off (a SIGKILL, a full disk) and is never resumed, and one complete checkpoint
+is always there. Weights are
 safetensors; optimizer and scheduler states load with ``torch.load(weights_only=True)``; RNG states
 that are not tensors (Python's, NumPy's) are JSON.
 """
@@ -63,35 +65,50 @@ def latest_checkpoint(checkpoint_dir) -> ResumePoint | None:
     return None
 
 
-def write_state(checkpoint: str, step: int, recorder, meta: dict) -> None:
-    """Write ``onegpu_state.json`` into ``checkpoint`` (atomically): the last file of a checkpoint."""
+def complete(checkpoint: str, step: int, recorder, meta: dict) -> None:
+    """Make ``checkpoint`` (a folder whose backend files are all written) the one to resume: write
+    ``onegpu_state.json`` into it (atomically: the last file of a checkpoint), then remove every other
+    ``checkpoint-*`` beside it. In that order, a process killed at any moment (SIGKILL after a
+    scheduler's grace period) leaves a complete checkpoint behind: the new one, or the one before it.
+
+    Raises:
+        DiskFullError: no space for the state file (the previous checkpoint is still there).
+    """
     from onegpu.paths import write_json_atomic
     write_json_atomic(os.path.join(checkpoint, STATE_FILE), {
         "step": step, "rows": recorder.rows, "breakdown": recorder.breakdown, "events": recorder.events, **meta})
+    for old in glob.glob(os.path.join(os.path.dirname(checkpoint), "checkpoint-*")):
+        if os.path.abspath(old) != os.path.abspath(checkpoint):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def save_loop_state(checkpoint_dir, step: int, model, optimizer, scheduler, recorder, meta: dict) -> str:
-    """The Accelerate loop's checkpoint after optimizer step ``step``; older ones are removed."""
+    """The Accelerate loop's checkpoint after optimizer step ``step`` (:func:`complete`: older ones
+    are removed once it is whole).
+
+    Raises:
+        DiskFullError: the disk filled up while writing it (the previous checkpoint is still there).
+    """
     import numpy as np
     import torch
     from safetensors.torch import save_model
+
+    from onegpu.paths import writing
     d = os.path.join(str(checkpoint_dir), f"checkpoint-{step}")
-    os.makedirs(d, exist_ok=True)
-    save_model(model, os.path.join(d, "model.safetensors"))  # handles tied weights
-    torch.save(optimizer.state_dict(), os.path.join(d, "optimizer.pt"))
-    torch.save(scheduler.state_dict(), os.path.join(d, "scheduler.pt"))
-    rng = {"cpu": torch.get_rng_state()}
-    if measure.cuda_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, os.path.join(d, "rng_state.pt"))
-    np_state = np.random.get_state()
-    with open(os.path.join(d, "rng_state.json"), "w") as f:
-        json.dump({"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-                   "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}, f)
-    write_state(d, step, recorder, meta)
-    for old in glob.glob(os.path.join(str(checkpoint_dir), "checkpoint-*")):
-        if old != d:
-            shutil.rmtree(old, ignore_errors=True)
+    with writing(d):
+        os.makedirs(d, exist_ok=True)
+        save_model(model, os.path.join(d, "model.safetensors"))  # handles tied weights
+        torch.save(optimizer.state_dict(), os.path.join(d, "optimizer.pt"))
+        torch.save(scheduler.state_dict(), os.path.join(d, "scheduler.pt"))
+        rng = {"cpu": torch.get_rng_state()}
+        if measure.cuda_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, os.path.join(d, "rng_state.pt"))
+        np_state = np.random.get_state()
+        with open(os.path.join(d, "rng_state.json"), "w") as f:
+            json.dump({"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+                       "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}, f)
+    complete(d, step, recorder, meta)
     return d
 
 

@@ -26,7 +26,7 @@ from onegpu import measure, models, outside_load, paths
 from onegpu.config import (Config, DeviceFacts, Resolved, TrainConfig, check_device, flatten, resolve,
                            with_layout)
 from onegpu.equivalence import equivalence_key, resolved_params, run_config_hash
-from onegpu.errors import ConfigError, DataError, ModelError
+from onegpu.errors import ConfigError, DataError, DiskFullError, ModelError
 from onegpu.formatting import gib, mib
 from onegpu.training.interrupt import GracefulStop, Interrupted
 from onegpu.training.resume import ResumePoint, tidy_other_checkpoints
@@ -522,6 +522,10 @@ def _closing_record(tracker, run_id: str, rows: list, load: "outside_load.Watch"
         if distributed.is_main():
             try:
                 _log_closing(tracker, run_id, rows, load.stop(), failed, title, figure)
+            except DiskFullError as e:  # the run fails on it, unless it failed already (that error comes first)
+                if not failed:
+                    raise
+                print(f"train: the run's figure was not logged: {e}")
             except Exception as e:  # a figure that cannot be drawn costs the figure only
                 print(f"train: the run's figure or outside load was not logged ({type(e).__name__}: {e})")
 

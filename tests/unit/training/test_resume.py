@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from onegpu import config
 from onegpu.training.resume import STATE_FILE, review_other_checkpoints, tidy_other_checkpoints
@@ -110,3 +113,96 @@ def test_latest_checkpoint_is_a_resume_point_with_the_state_it_was_written_with(
                                         "events": [{"step": 2}], "run_id": "", "micro_batch": 4})
     assert (full.step, full.rows, full.breakdown, full.events, full.run_id, full.micro_batch) == (
         7, [{"step": 1}], {"mem_params_bytes": 8}, [{"step": 2}], None, 4)
+
+
+# -- a checkpoint is complete or not there: SIGKILL and a full disk --------------------------------------
+
+# A backend's training with a checkpoint every step; the process kills itself with SIGKILL (as a scheduler
+# does after its grace period, or the kernel's OOM killer) at the moment onegpu's state file of
+# checkpoint-2 is about to be written: the backend's own files of checkpoint-2 are all on disk by then.
+KILLED_MID_SAVE = """
+import os, signal, sys
+from onegpu import paths
+from onegpu.training.backends import base
+from tests.unit.training.test_resume import checkpointing_request
+real = paths.write_json_atomic
+def write(path, obj):
+    if "checkpoint-2" in str(path):
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(path, obj)
+paths.write_json_atomic = write
+backend, ckpt = sys.argv[1:]
+import importlib
+importlib.import_module(base.REGISTRY[backend]).train(checkpointing_request(backend, ckpt))
+"""
+
+
+def checkpointing_request(backend: str, ckpt=None, resume=None, sink=None):
+    """A tiny BERT's 3-step training on ``backend`` with a checkpoint every step into ``ckpt``."""
+    from onegpu.config import from_container
+    from onegpu.training.backends.base import TrainRequest
+    from tests.unit.tiny import dataset, tiny_bert, tokenizer
+    cfg = from_container({"model": {"dropout": 0.0},
+                          "train": {"backend": backend, "per_device_train_batch_size": 4,
+                                    "gradient_accumulation_steps": 2, "max_steps": 3, "save_steps": 1,
+                                    "learning_rate": 1e-3, "logging_steps": 100}}, source="test")
+    return TrainRequest(tiny_bert(), tokenizer(), dataset(24), cfg, sink or (lambda m, s: None),
+                        checkpoint_dir=ckpt, resume=resume, checkpoint_meta={"run_id": "r1"})
+
+
+def _train(backend: str, request):
+    import importlib
+
+    from onegpu.training.backends import base
+    return importlib.import_module(base.REGISTRY[backend]).train(request)
+
+
+@pytest.mark.parametrize("backend", ["trainer", "accelerate"])
+def test_a_sigkill_while_a_checkpoint_is_saved_leaves_the_previous_one_and_the_next_run_resumes_from_it(
+        tmp_path, monkeypatch, backend):
+    """Issue 30: HF Trainer's own rotation (save_total_limit) removed checkpoint-1 before onegpu's state
+    made checkpoint-2 complete, so a SIGKILL in between left nothing to resume."""
+    import signal
+    import subprocess
+    import sys
+
+    from onegpu.training.resume import latest_checkpoint
+    repo = Path(__file__).resolve().parents[3]
+    ckpt = tmp_path / "ckpt"
+    p = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, backend, str(ckpt)], cwd=repo, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+    kept = latest_checkpoint(ckpt)
+    assert kept is not None and kept.step == 1, sorted(x.name for x in ckpt.iterdir())
+    monkeypatch.chdir(tmp_path)
+    ref, rest = [], []
+    _train(backend, checkpointing_request(backend, sink=lambda m, s: ref.append(m["loss"])))
+    _, rec = _train(backend, checkpointing_request(backend, ckpt, resume=kept, sink=lambda m, s: rest.append(m["loss"])))
+    assert [r["step"] for r in rec.rows] == [1, 2, 3]
+    assert rest == pytest.approx(ref[1:], abs=1e-6)  # steps 2 and 3, as the uninterrupted run took them
+
+
+@pytest.mark.parametrize("backend", ["trainer", "accelerate"])
+def test_a_full_disk_while_saving_a_checkpoint_is_one_error_naming_it_and_the_previous_one_stays(
+        tmp_path, monkeypatch, backend):
+    import errno
+
+    import torch
+
+    from onegpu.errors import DiskFullError
+    from onegpu.training.resume import latest_checkpoint
+    real = torch.save
+
+    def full(obj, f, *a, **kw):
+        if "checkpoint-2" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *a, **kw)
+    monkeypatch.setattr(torch, "save", full)
+    monkeypatch.chdir(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(DiskFullError) as e:
+        _train(backend, checkpointing_request(backend, ckpt))
+    assert "no space left on the device writing ckpt/checkpoint-2 (" in str(e.value)  # relative to the root
+    assert " free of " in str(e.value)
+    kept = latest_checkpoint(ckpt)
+    assert kept is not None and kept.step == 1

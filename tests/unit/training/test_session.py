@@ -197,3 +197,25 @@ def test_a_sigterm_while_a_failed_run_is_closed_waits_until_its_steps_error_and_
     assert run.info.status == "FAILED" and run.data.tags["error.type"] == "RuntimeError"
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
     assert figure.FIGURE in [a.path for a in client.list_artifacts(run_id)]
+
+
+def test_a_full_disk_while_logging_the_runs_figure_fails_the_run_naming_the_artifact_and_the_free_space(
+        fresh_root, tokenizer, dsd, monkeypatch):
+    import errno
+
+    from mlflow import MlflowClient
+
+    from onegpu.errors import DiskFullError
+    from onegpu.training import figure
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(MlflowClient, "log_figure", full)
+    with pytest.raises(DiskFullError) as e:
+        _tiny_run(fresh_root, tokenizer, dsd)
+    assert "no space left on the device writing mlartifacts/" in str(e.value)
+    assert f"/{figure.FIGURE} (" in str(e.value) and " free of " in str(e.value)
+    client = MlflowClient(tracking_uri=f"sqlite:///{fresh_root / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("test").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["error.type"] == "DiskFullError"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]  # every step kept

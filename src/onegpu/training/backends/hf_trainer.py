@@ -20,7 +20,7 @@ from onegpu.config import Config
 from onegpu.training import checkpointing, distributed, oom
 from onegpu.training.batches import probe_batch, train_collator, train_set
 from onegpu.training.backends.base import TrainRequest
-from onegpu.training.resume import write_state
+from onegpu.training.resume import complete
 from onegpu.training.loss import count_items, loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
 
@@ -91,7 +91,7 @@ def training_arguments(cfg: Config, output_dir: str) -> TrainingArguments:
         logging_nan_inf_filter=False,
         save_strategy="steps" if t.save_steps else "no",
         save_steps=t.save_steps or 500,
-        save_total_limit=1,
+        save_total_limit=None,  # CheckpointState removes the older checkpoint once the new one is complete
         eval_strategy="no",
         report_to="none",
         remove_unused_columns=False,
@@ -124,6 +124,14 @@ class ExactLossTrainer(Trainer):
         self.pieces = 1  # pieces per micro-batch (more after out-of-memory recoveries)
         self._step_inputs: list = []
         self._inputs_step = -1
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's checkpoint, a full disk said in one line naming the folder (:func:`onegpu.paths.writing`)."""
+        import os
+
+        from onegpu.paths import writing
+        with writing(os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")):
+            super()._save_checkpoint(model, trial)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Trainer's prefetch of one optimizer step's micro-batches, with the step's item count taken by
@@ -190,7 +198,9 @@ class ExactLossTrainer(Trainer):
 
 
 class CheckpointState(TrainerCallback):
-    """After Trainer saves ``checkpoint-N``, add onegpu's state (step rows, breakdown, events, ``meta``)."""
+    """After Trainer saves ``checkpoint-N``, add onegpu's state (step rows, breakdown, events, ``meta``)
+    and then remove the older checkpoint (:func:`onegpu.training.resume.complete`; Trainer's own rotation,
+    ``save_total_limit``, is off: it removes the older one before this state file is written)."""
 
     def __init__(self, recorder: StepRecorder, meta: dict) -> None:
         self.recorder, self.meta = recorder, meta
@@ -199,8 +209,8 @@ class CheckpointState(TrainerCallback):
         import os
         if not state.is_world_process_zero:  # Trainer saved the checkpoint from rank 0
             return
-        write_state(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), state.global_step,
-                    self.recorder, self.meta)
+        complete(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), state.global_step,
+                 self.recorder, self.meta)
 
 
 class StepMetrics(TrainerCallback):
