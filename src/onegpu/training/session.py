@@ -278,7 +278,9 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
 def _run(plan: TrainPlan, tracker, dsd, run_id: str, rows: list, stop: GracefulStop, save, built, probe: bool,
          tokenizer) -> TrainResult:
     """:func:`run`'s body inside the run's guard: build, find the layout, train, log, save."""
-    buffer = tracker.metric_buffer(run_id)
+    # Handed to the writer thread at least every 5 s: a SIGKILL (a scheduler's, after its grace period,
+    # while a collective hangs) loses at most the last few seconds of steps, never the run's.
+    buffer = tracker.metric_buffer(run_id, flush_seconds=5.0)
     load = outside_load.Watch(plan.device, _own_tree_root())
 
     def sink(metrics: dict, step: int) -> None:
