@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from onegpu import paths
 from onegpu.errors import DataError
 from onegpu.formatting import gib
@@ -29,11 +31,12 @@ def text(cfg=None) -> str:
     ``resolved.*`` params, where the chosen split is logged.
 
     Raises:
-        DataError: a metrics file is missing (the pipeline has not run here yet).
+        DataError: a metrics file is missing (the pipeline has not run here yet, or its training was
+            stopped: then the message names the checkpoint kept).
     """
     for f in (paths.TRAIN_METRICS, paths.EVAL_METRICS):
         if not f.is_file():
-            raise DataError(f"{f} is missing: run the pipeline first (make run, or dvc repro)")
+            raise DataError(f"{f} is missing: {_stopped() or 'run the pipeline first (make run, or dvc repro)'}")
     tr, ev = paths.read_json(paths.TRAIN_METRICS), paths.read_json(paths.EVAL_METRICS)
     run = paths.read_json(paths.RUN_FILE).get("run_id", "?") if paths.RUN_FILE.is_file() else "?"
     test = " | ".join(f"perplexity {ev[k]:.1f}" if k == "eval_perplexity" else
@@ -76,3 +79,16 @@ def _generations(shown: int = 3) -> str:
     for r in rows[:shown]:
         lines.append(f"    reference: {r['reference']}\n    generated: {' '.join(r['generation'].split())}")
     return "\n".join(lines) + "\n"
+
+
+def _stopped() -> str:
+    """For a stopped training: which one (its newest complete checkpoint under ``.onegpu/checkpoints``,
+    the most recent of all configurations) and how to resume it; '' when none is kept."""
+    from onegpu.training.resume import latest_checkpoint
+    root = paths.project_root() / ".onegpu" / "checkpoints"
+    found = [c for c in map(latest_checkpoint, sorted(root.glob("*"))) if c is not None]
+    if not found:
+        return ""
+    c = max(found, key=lambda c: Path(c.path).stat().st_mtime)
+    return (f"the last training was stopped after optimizer step {c.step} (MLflow run {c.run_id or '?'}; "
+            f"checkpoint {paths.relative_to_root(c.path)}): make run (or dvc repro) resumes it")

@@ -46,6 +46,23 @@ def test_summary_before_any_run_says_what_to_run(tmp_path, monkeypatch, capsys):
                                                "pipeline first (make run, or dvc repro)")
 
 
+def test_summary_after_a_stopped_training_names_its_checkpoint_not_a_pipeline_that_never_ran(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """Issue 30: Ctrl-C in train (DVC had removed the old metrics) is no "run the pipeline first"."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    (tmp_path / "params.yaml").write_text("tracking:\n  experiment_name: t\n")
+    ckpt = tmp_path / ".onegpu/checkpoints/9e22a04f/checkpoint-3"
+    ckpt.mkdir(parents=True)
+    (tmp_path / ".onegpu/checkpoints/9e22a04f/checkpoint-4").mkdir()  # cut off by a SIGKILL: never named
+    _write(ckpt, "onegpu_state.json", {"step": 3, "rows": [], "run_id": "b505cc25"})
+    assert cli.main(["summary"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "onegpu summary: error: metrics/train.json is missing: the last training was stopped after optimizer "
+        "step 3 (MLflow run b505cc25; checkpoint .onegpu/checkpoints/9e22a04f/checkpoint-3): make run (or dvc "
+        "repro) resumes it")
+
+
 def test_summary_marks_the_speed_of_a_run_trained_under_outside_load(tmp_path, monkeypatch):
     """Issue 20 item 3: metrics/train.json carries train_outside_cpu_load only when the run trained
     under outside load; the summary marks the speed and says what the figure means."""

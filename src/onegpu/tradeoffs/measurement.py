@@ -174,6 +174,11 @@ def measure_row(v: Variant, run: RunRecord | None, baseline: RunRecord | None, s
     return row
 
 
+def failed(row: Row) -> bool:
+    """Whether ``row``'s training failed (all its repeats, or one after others were measured)."""
+    return row.verdict == FAILED or row.verdict.endswith(f", then {FAILED}")
+
+
 def repeat_name(name: str, r: int) -> str:
     """Row ``name``'s ``r``-th repeat (1-based): ``name`` itself, then ``name-r2``, ``name-r3``, ..."""
     return name if r == 1 else f"{name}-r{r}"
@@ -183,11 +188,14 @@ def aggregate(v: Variant, rows: list[Row]) -> Row:
     """One row from its repeats (``rows``, each against the baseline of its own round): the medians of
     samples/s, speed-up, memory and times, the min-max of the speed-ups, the verdict of the first repeat
     unless another is not the same training (the worst one shows). A row with an unmeasured repeat is
-    unmeasured (the first such repeat's word, e.g. stopped)."""
+    unmeasured: the first such repeat's word (e.g. stopped), after how many repeats were measured when
+    some were ("1 of 3 repeats measured, then not run")."""
     missing = [r for r in rows if r.run is None]
-    if missing:
-        out = Row(variant=v, run=None, verdict=missing[0].verdict)
-        out.notes = [f"{len(rows) - len(missing)} of {len(rows)} repeats measured"] if len(rows) > 1 else []
+    if missing:  # no measurement; with some repeats measured it says how many, never only "not run"
+        done = len(rows) - len(missing)
+        word = f"{done} of {len(rows)} repeats measured, then {missing[0].verdict}" if done else missing[0].verdict
+        out = Row(variant=v, run=None, verdict=word)
+        out.notes = [f"{done} of {len(rows)} repeats measured"] if len(rows) > 1 else []
         return out
     if len(rows) == 1:
         return rows[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from onegpu.tradeoffs.knobs import DIFFERENT, SAME, Variant
-from onegpu.tradeoffs.measurement import FAILED, Row
+from onegpu.tradeoffs.measurement import Row, failed
 
 # A variant counts as faster only when its steady-state samples/s beat the baseline's by this share:
 # identical runs on a small shared CPU differ by several percent (bench/README.md, "Reading these numbers").
@@ -45,7 +45,7 @@ class Recommendation:
 
 def completeness(rows: list[Row]) -> tuple[int, int] | None:
     """``(measured, planned)`` when a row is missing (no finished run and not failed), else None."""
-    measured = sum(1 for r in rows if r.run is not None or r.verdict == FAILED)
+    measured = sum(1 for r in rows if r.run is not None or failed(r))
     return None if measured == len(rows) else (measured, len(rows))
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from onegpu.compare.plots import pyplot
 from onegpu.formatting import gib, markdown_table, mib, num, ratio, text_table
-from onegpu.tradeoffs.measurement import DIFFERENT_TRAINING, FAILED, NOT_RUN, SAME_TRAINING, Row
+from onegpu.tradeoffs.measurement import DIFFERENT_TRAINING, NOT_RUN, SAME_TRAINING, Row, failed
 from onegpu.tradeoffs.pool import WORKERS
 from onegpu.tradeoffs.recommend import MIN_GAIN, Recommendation, confirmed, load_reason, spread
 
@@ -80,7 +80,7 @@ def _budget(rec: Recommendation) -> str:
 
 def _incomplete(rec: Recommendation, rows: list[Row]) -> list[str]:
     measured, planned = rec.incomplete
-    missing = [f"{r.variant.name} ({r.verdict})" for r in rows if r.run is None and r.verdict != FAILED]
+    missing = [f"{r.variant.name} ({r.verdict})" for r in rows if r.run is None and not failed(r)]
     return [f"**Incomplete: {measured} of {planned} rows measured**: no recommendation (it would rest on the "
             "rows that happened to run). Missing: " + ", ".join(missing) + ". Run the batch again "
             "(`onegpu tradeoffs`), or, when its rows are still queued, `onegpu tradeoffs --report` after them."]

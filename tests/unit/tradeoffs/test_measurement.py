@@ -79,3 +79,17 @@ def test_dropout_masks_alone_make_a_row_same_in_expectation_and_a_candidate():
                   params={"train.per_device_train_batch_size": "16", "train.gradient_accumulation_steps": "1"})
     row = measurement.measure_row(v, nodrop, _run("baseline"))
     assert row.verdict.startswith("diverged at step 1") and not row.same_training
+
+
+def test_a_row_with_some_repeats_measured_says_how_many_never_just_not_run():
+    """Issue 30: Ctrl-C after the baseline's first repeat (of 3) trained its 6 steps: the table said "not run"."""
+    split = _variant("split-16x1", "split")
+    runs = {"baseline": _run("baseline"), "split-16x1": _run("split-16x1"), "baseline-r2": _run("baseline-r2")}
+    runs["baseline-r2"].status = "KILLED"  # stopped during its training
+    rows = measurement.measure_rows([BASE, split], runs, repeats=3)
+    assert [r.verdict for r in rows] == ["1 of 3 repeats measured, then stopped", "1 of 3 repeats measured, then not run"]
+    assert all(r.run is None for r in rows)  # still no measurement: nothing is recommended from it
+    assert recommend.completeness(rows) == (0, 2)
+    text = tradeoffs_report.terminal(rows, recommend.recommend(rows, None), None)
+    assert "not run |" not in text.replace("then not run", "")
+    assert "1 of 3 repeats measured, then stopped" in text
