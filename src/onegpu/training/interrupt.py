@@ -8,8 +8,9 @@ closed, an ssh session dropped; left alone when the command started with it igno
 - before the loop (building the model, the ``auto`` finder) a signal abandons the run at once: nothing
   is trained yet;
 - in the loop (:meth:`GracefulStop.loop`) the first signal asks the backend to stop after the optimizer
-  step in progress and save a resumable checkpoint (``requested``); a second abandons the step (the
-  newest complete checkpoint stays). Without checkpoints (a tradeoffs probe row) the first one does;
+  step in progress and save a resumable checkpoint (``requested``); a second SIGINT or SIGTERM abandons
+  the step (the newest complete checkpoint stays), a second SIGHUP is the same closed terminal and only
+  noted. Without checkpoints (a tradeoffs probe row) the first signal abandons the step;
 - after the loop (the steps flushed to MLflow, the error tags, the figure, the outputs) signals are
   only noted (``noted``), so that nothing cuts the run's record short; SIGKILL still can (schedulers
   send it a grace period after SIGTERM, 30 s by default in SLURM and Kubernetes; docs/details.md).
@@ -44,9 +45,10 @@ class Interrupted(KeyboardInterrupt):
         self.checkpoint: str | None = None
 
 
-def stopped_by(signum: int) -> KeyboardInterrupt:
-    """A plain KeyboardInterrupt that carries ``signum`` (the stage's exit code is 128 + it)."""
-    e = KeyboardInterrupt()
+def stopped_by(signum: int, what: str = "") -> KeyboardInterrupt:
+    """A plain KeyboardInterrupt that carries ``signum`` (the stage's exit code is 128 + it) and says
+    what it stopped (``what``, e.g. "the optimizer step in progress, abandoned")."""
+    e = KeyboardInterrupt(f"{signal.Signals(signum).name} stopped {what}" if what else "")
     e.signum = signum
     return e
 
@@ -69,14 +71,19 @@ class GracefulStop:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self._phase == "after":
+        if self._phase == "after" or (self.requested is not None and signum == signal.SIGHUP):
+            # (a closed terminal sends SIGHUP twice: bash passes it to its jobs, the kernel to the foreground
+            # group once bash exits; one event, not a second request)
             self.noted.append(signum)
-            _say(f"{name}: the run's record is being written first (its steps, tags and figure); it stops after that")
+            if self._phase == "after":
+                _say(f"{name}: the run's record is being written first (its steps, tags and figure); it stops after that")
         elif self._phase == "loop" and self.checkpoints and self.requested is None:
             self.requested = signum
             _say(self._stop_line(name))
+        elif self._phase == "loop":
+            raise stopped_by(signum, "the optimizer step in progress, abandoned (no new checkpoint)")
         else:
-            raise stopped_by(signum)
+            raise stopped_by(signum, "the run before its training began")
 
     def _stop_line(self, name: str) -> str:
         done, step_s, saved = self.progress() if self.progress else (None, None, None)
@@ -137,7 +144,7 @@ def describe(e: KeyboardInterrupt) -> str:
     signum = getattr(e, "signum", signal.SIGINT)
     name = signal.Signals(signum).name
     if not isinstance(e, Interrupted):
-        return f"interrupted by {name}" + (f" ({e})" if str(e) else "")
+        return str(e) if str(e) else f"interrupted by {name}"
     kept = f"the checkpoint of optimizer step {e.step} ({e.checkpoint})" if e.checkpoint else "a checkpoint"
     if e.run_id:
         kept += f" and its {e.steps_logged} steps in MLflow run {e.run_id} (KILLED)"

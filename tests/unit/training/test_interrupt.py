@@ -15,7 +15,7 @@ def _send(signum: int) -> None:
     os.kill(os.getpid(), signum)  # handled in this (the main) thread before os.kill returns
 
 
-@pytest.mark.parametrize("signum", interrupt.SIGNALS)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_in_the_loop_the_first_signal_asks_for_a_stop_and_the_second_abandons_the_step(signum):
     with GracefulStop() as stop, stop.loop():
         _send(signum)
@@ -23,6 +23,17 @@ def test_in_the_loop_the_first_signal_asks_for_a_stop_and_the_second_abandons_th
         with pytest.raises(KeyboardInterrupt) as e:
             _send(signum)
     assert e.value.signum == signum
+    assert str(e.value) == f"{signal.Signals(signum).name} stopped the optimizer step in progress, abandoned (no new checkpoint)"
+
+
+def test_a_closed_terminals_second_sighup_is_the_same_event_not_a_second_request():
+    """Bash passes SIGHUP to its jobs, then the kernel sends it to the foreground group when bash exits."""
+    with GracefulStop() as stop, stop.loop():
+        _send(signal.SIGHUP)
+        _send(signal.SIGHUP)
+        assert stop.requested == signal.SIGHUP and stop.noted == [signal.SIGHUP]
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C still abandons the step
+            _send(signal.SIGINT)
 
 
 @pytest.mark.parametrize("signum", interrupt.SIGNALS)
@@ -94,3 +105,5 @@ def test_the_last_line_names_the_signal_what_was_kept_and_how_to_resume(monkeypa
         "stopped by SIGHUP after optimizer step 6; kept the checkpoint of optimizer step 6 "
         "(.onegpu/checkpoints/k/checkpoint-6) and its 6 steps in MLflow run abc123 (KILLED); `dvc repro` resumes it")
     assert interrupt.describe(interrupt.stopped_by(signal.SIGTERM)) == "interrupted by SIGTERM"
+    assert interrupt.describe(interrupt.stopped_by(signal.SIGINT, "the run before its training began")) == (
+        "SIGINT stopped the run before its training began")
