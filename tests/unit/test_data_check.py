@@ -99,6 +99,19 @@ def test_a_csv_messages_cell_is_json_text(tmp_path):
         instructions.read(cfg(str(tmp_path / "f.csv")).data)
 
 
+def test_a_file_whose_completions_are_all_empty_names_prompt_and_completion(tmp_path):
+    from onegpu.data import pipeline
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"question {i}", "completion": " "} for i in range(3)])
+    with pytest.raises(DataError) as e:
+        pipeline.prepare(cfg(path), check_input(cfg(path)), make_tokenizer=None)
+    assert str(e.value) == (f"data.source={path!r}: no row has a non-blank prompt and a non-blank completion "
+                            "(3 rows read, 3 dropped (empty completion 3))")
+    path = write_jsonl(tmp_path / "m.jsonl", [{"messages": []}] * 2)
+    with pytest.raises(DataError, match=r"no row has a non-empty messages list of role/content turns \(2 rows read, "
+                                        r"2 dropped \(empty messages 2\)\)"):
+        pipeline.prepare(cfg(path), formats.MESSAGES, make_tokenizer=None)
+
+
 def test_messages_without_an_assistant_turn_under_assistant_only_loss(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "u"},
                                                             {"role": "assistant", "content": "a"}]},
