@@ -1,5 +1,6 @@
 """Instruction rows as tokens (onegpu.data.chat): the exact rendered strings, the loss masks, truncation
-of the prompt (never the answer), and the drops, with the packaged SmolLM2 tokenizer's chat template."""
+of the prompt (never the answer), the drops, and a messages answer's ids after exactly the generation
+prompt's whatever the answer opens with, with the packaged SmolLM2 tokenizer's chat template."""
 from __future__ import annotations
 
 import pytest
