@@ -269,6 +269,12 @@ CASES = [
     # ---- instruction data (issue 21 item 9): one line naming the row or the rule, before any run ---------
     Case("sft-messages-cell-not-a-list", "prepare", ("data.source='d.jsonl'", "line 3", "messages cell is a dict, not a list"),
          _set(**SFT_JSONL), lambda d: _write_jsonl(d / "d.jsonl", [TURNS] * 2 + [{"messages": {"role": "user", "content": "hi"}}])),
+    Case("sft-messages-cell-a-string", "prepare", ("line 3", "messages cell is a string ('just text'), not a list"),
+         _set(**SFT_JSONL), lambda d: _write_jsonl(d / "d.jsonl", [TURNS] * 2 + [{"messages": "just text"}])),
+    Case("sft-completions-all-empty", "prepare",
+         ("no row has a non-blank prompt and a non-blank completion", "3 rows read", "empty completion 3"),
+         _set(**SFT_JSONL), lambda d: _write_jsonl(d / "d.jsonl", [{"prompt": f"p {i}", "completion": ""}
+                                                                 for i in range(3)])),
     Case("sft-message-without-content", "prepare", ("line 2", "messages[0] has keys ['role', 'text']"),
          _set(**SFT_JSONL), lambda d: _write_jsonl(d / "d.jsonl", [TURNS, {"messages": [{"role": "user", "text": "x"}]}])),
     Case("sft-no-assistant-turn", "prepare", ("line 4 has no assistant turn", "data.assistant_only_loss"),

@@ -68,15 +68,48 @@ def test_answer_only_losses_need_their_format(tmp_path, key, rows, message):
         check_input(cfg(write_jsonl(tmp_path / "d.jsonl", rows), **{key: True}))
 
 
+ALLOWED = 'not a list of {"role": ..., "content": ...} objects'
+
+
 def test_a_messages_cell_that_is_not_a_list_of_turns_names_its_row(tmp_path):
     good = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}
     path = write_jsonl(tmp_path / "d.jsonl", [good, good, {"messages": "just text"}])
     check_input(cfg(path))  # the first record is fine: the cheap check passes
-    with pytest.raises(DataError, match=r"line 3: the messages cell is not JSON"):
+    with pytest.raises(DataError) as e:  # a JSON string is a string, not "not JSON" (issue 34)
         instructions.read(cfg(path).data)
+    assert str(e.value) == f"data.source={path!r}: line 3: the messages cell is a string ('just text'), {ALLOWED}"
+    with pytest.raises(DataError, match=r"line 1: the messages cell is a string \('just text'\), not a list"):
+        check_input(cfg(write_jsonl(tmp_path / "s.jsonl", [{"messages": "just text"}])))
     path = write_jsonl(tmp_path / "e.jsonl", [{"messages": [{"role": "user", "text": "u"}]}])
     with pytest.raises(DataError, match=r"line 1: messages\[0\] has keys \['role', 'text'\]"):
         check_input(cfg(path))
+
+
+def test_a_csv_messages_cell_is_json_text(tmp_path):
+    turns = '"[{""role"": ""user"", ""content"": ""u""}, {""role"": ""assistant"", ""content"": ""a""}]"'
+    (tmp_path / "d.csv").write_text(f"messages\n{turns}\n")
+    assert instructions.read(cfg(str(tmp_path / "d.csv")).data).rows == [
+        {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}]
+    (tmp_path / "e.csv").write_text(f"messages\n{turns}\njust text\n")
+    with pytest.raises(DataError, match=r"row 2: the messages cell is not JSON; a CSV cell of messages must be the "
+                                        r"JSON text of a list of \{"):
+        instructions.read(cfg(str(tmp_path / "e.csv")).data)
+    (tmp_path / "f.csv").write_text('messages\n"""just text"""\n')  # JSON text of a string
+    with pytest.raises(DataError, match=r"row 1: the messages cell is a string \('just text'\), not a list"):
+        instructions.read(cfg(str(tmp_path / "f.csv")).data)
+
+
+def test_a_file_whose_completions_are_all_empty_names_prompt_and_completion(tmp_path):
+    from onegpu.data import pipeline
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"question {i}", "completion": " "} for i in range(3)])
+    with pytest.raises(DataError) as e:
+        pipeline.prepare(cfg(path), check_input(cfg(path)), make_tokenizer=None)
+    assert str(e.value) == (f"data.source={path!r}: no row has a non-blank prompt and a non-blank completion "
+                            "(3 rows read, 3 dropped (empty completion 3))")
+    path = write_jsonl(tmp_path / "m.jsonl", [{"messages": []}] * 2)
+    with pytest.raises(DataError, match=r"no row has a non-empty messages list of role/content turns \(2 rows read, "
+                                        r"2 dropped \(empty messages 2\)\)"):
+        pipeline.prepare(cfg(path), formats.MESSAGES, make_tokenizer=None)
 
 
 def test_messages_without_an_assistant_turn_under_assistant_only_loss(tmp_path):

@@ -7,15 +7,18 @@ two renderings' common prefix. Without a template the row is a plain join: ``pro
 does not end in whitespace) then ``completion`` + the EOS token. ``messages`` rows need a template.
 
 **Token ids.** The prompt and the completion text are tokenized separately and concatenated, so a
-training sequence starts with exactly the ids the model gets at generation time for that prompt.
+training sequence starts with exactly the ids the model gets at generation time for that prompt. A
+``messages`` row likewise: each assistant turn and the text before it (up to the end of the template's
+generation prompt) are tokenized apart and joined, so an answer opening with whitespace (``"\\n\\n"``, two
+spaces) is not merged with the ``\\n`` after ``assistant`` into one token that is neither prompt nor target.
 
 **The loss mask** (labels = ids, -100 where masked; :mod:`onegpu.training.loss` shifts them):
 ``data.completion_only_loss`` (null = on for prompt-completion rows) masks the prompt; the completion,
 its end-of-turn token (here pad = eos = ``<|im_end|>``) included, stays a target: masking is by position,
 never by token id. ``data.assistant_only_loss`` keeps only the assistant turns of ``messages`` rows, found
-by rendering the conversation turn by turn (the template's own ``{% generation %}`` markers are not
-needed, SmolLM2's template has none); a template that does not render a conversation as the
-concatenation of its turns is refused.
+by rendering the conversation turn by turn, in text, before tokenizing (the template's own
+``{% generation %}`` markers are not needed, SmolLM2's template has none); a template that does not render
+a conversation as the concatenation of its turns is refused.
 
 **Truncation** to ``data.max_length`` cuts the prompt, never the answer: the last prompt message's text is
 shortened (by tokens, from its end) until the whole sequence fits. A row whose completion does not fit
@@ -100,17 +103,50 @@ def prompt_completion(tokenizer, prompt, completion, max_length: int,
     return None
 
 
-def _turn_ids(tokenizer, messages: list[dict], generation_prompt: bool = False) -> list[int]:
+def _rendered(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
     if not messages:
-        return []
-    return _ids(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False,
-                                                         add_generation_prompt=generation_prompt))
+        return ""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _pieces(tokenizer, msgs: list[dict], assistant_only: bool) -> list[tuple[str, bool]]:
+    """The rendered conversation cut where each assistant turn starts (where the template's generation
+    prompt for the turns before it ends) and where it ends: ``(text, is an assistant turn)`` in order,
+    the texts joined being the whole rendering.
+
+    Raises:
+        DataError: the template does not render the conversation as its turns one after another (a
+            rendering of the first turns is no prefix of the whole), so the assistant turns cannot be found.
+    """
+    full, pieces, done = _rendered(tokenizer, msgs), [], 0
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        before, upto = _rendered(tokenizer, msgs[:i], True), _rendered(tokenizer, msgs[:i + 1])
+        if not (full.startswith(upto) and upto.startswith(before) and before.startswith(full[:done])):
+            raise DataError(f"{'data.assistant_only_loss' if assistant_only else 'messages data'}: the chat "
+                            "template does not render a conversation as its turns one after another, so the "
+                            "assistant turns cannot be found; "
+                            f"{'set it to false' if assistant_only else 'use prompt-completion data'}")
+        pieces += [(before[done:], False), (upto[len(before):], True)]
+        done = len(upto)
+    return pieces + [(full[done:], False)]
 
 
 def messages(tokenizer, msgs: list[dict], max_length: int, assistant_only: bool) -> dict | None:
-    """One ``messages`` row as ``input_ids``, ``labels`` (all tokens, or the assistant turns only),
-    ``prompt_length`` (tokens before the last assistant turn's text) and ``truncated``; None when
-    truncation to ``max_length`` leaves no target token.
+    """One ``messages`` row as ``input_ids`` (list[int], at most ``max_length``), ``labels`` (list[int] as
+    long: the ids, -100 outside the assistant turns under ``assistant_only``), ``prompt_length`` (int: the
+    ids before the last assistant turn, the prompt evaluation generates after) and ``truncated`` (bool);
+    None when truncation to ``max_length`` leaves no target token.
+
+    Each assistant turn (its text and end-of-turn, here ``<|im_end|>\\n``) and the text between two turns
+    are tokenized apart and joined (:func:`_pieces`), as a prompt-completion row's prompt and completion
+    are: a turn's first token cannot merge with the ``\\n`` that ends the template's generation prompt
+    (SmolLM2: ``"assistant\\n"`` + ``"\\n\\nHi"`` tokenized together ends ``istant`` ``ĊĊ`` ``Ċ`` ``Hi``, 1116
+    neither prompt nor answer; apart, the prompt ends ``Ċ`` 198 and the answer is 198 198 ``Hi``), so the
+    ids before a turn are the template's generation prompt's ids (what evaluation generates after) and
+    every id of the turn is a target. Where nothing merges, the ids are those of the whole rendering
+    tokenized at once.
 
     Raises:
         DataError: the tokenizer has no chat template; the template does not render the conversation as
@@ -119,19 +155,12 @@ def messages(tokenizer, msgs: list[dict], max_length: int, assistant_only: bool)
     if not has_template(tokenizer):
         raise DataError("the data is messages (role/content turns) but the tokenizer has no chat template: use a "
                         "model whose tokenizer has one (e.g. packaged:SmolLM2-135M-Instruct) or prompt-completion data")
-    ids = _turn_ids(tokenizer, msgs)
-    mask = [0 if assistant_only else 1] * len(ids)
-    last_start = 0
-    for i, m in enumerate(msgs):
-        if m["role"] != "assistant":
-            continue
-        start, upto = len(_turn_ids(tokenizer, msgs[:i], True)), _turn_ids(tokenizer, msgs[:i + 1])
-        if ids[:len(upto)] != upto:
-            raise DataError("data.assistant_only_loss: the chat template does not render a conversation as its "
-                            "turns one after another, so the assistant turns cannot be found; set it to false")
-        if assistant_only:
-            mask[start:len(upto)] = [1] * (len(upto) - start)
-        last_start = start
+    ids, mask, last_start = [], [], 0
+    for text, is_turn in _pieces(tokenizer, msgs, assistant_only):
+        piece = _ids(tokenizer, text) if text else []
+        last_start = len(ids) if is_turn else last_start
+        ids += piece
+        mask += [1 if is_turn or not assistant_only else 0] * len(piece)
     truncated = len(ids) > max_length
     ids, mask = ids[:max_length], mask[:max_length]
     if 1 not in mask[1:]:  # the first token is never a target (nothing predicts it)

@@ -37,22 +37,29 @@ def is_conversational(value) -> bool:
     return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
 
 
-def messages_cell(value, where: str, source: str, column: str = "messages") -> list[dict]:
-    """``value`` as a list of ``{"role": str, "content": str}``; a JSON string (a CSV cell) is parsed first.
+def messages_cell(value, where: str, source: str, column: str = "messages", csv_text: bool = False) -> list[dict]:
+    """``value`` as a list of ``{"role": str, "content": str}``. A CSV cell (``csv_text``) is JSON text,
+    parsed first; a string cell of a JSON Lines or Parquet file is parsed only when it holds a JSON list
+    (otherwise it is reported as the string it is).
 
     Raises:
-        DataError: one line naming ``where`` (e.g. ``row 12``): not a list of role/content objects, or a
-            role outside :data:`ROLES`.
+        DataError: one line naming ``where`` (e.g. ``row 12``): a CSV cell that is not JSON; not a list of
+            role/content objects (``is a string ('just text')``, ``is a dict``); a role outside :data:`ROLES`.
     """
+    allowed = 'a list of {"role": ..., "content": ...} objects'
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            parsed = json.loads(value)
         except json.JSONDecodeError:
-            raise DataError(f"data.source={source!r}: {where}: the {column} cell is not JSON; it must be a list "
-                            'of {"role": ..., "content": ...} objects') from None
+            if csv_text:
+                raise DataError(f"data.source={source!r}: {where}: the {column} cell is not JSON; a CSV cell of "
+                                f"{column} must be the JSON text of {allowed}") from None
+            parsed = None
+        if csv_text or isinstance(parsed, list):
+            value = parsed
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
-        raise DataError(f"data.source={source!r}: {where}: the {column} cell is a {type(value).__name__}, not a "
-                        'list of {"role": ..., "content": ...} objects')
+        kind = f"string ({value[:40]!r})" if isinstance(value, str) else type(value).__name__
+        raise DataError(f"data.source={source!r}: {where}: the {column} cell is a {kind}, not {allowed}")
     for i, m in enumerate(value):
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise DataError(f"data.source={source!r}: {where}: {column}[{i}] has keys {sorted(m)}; each message "

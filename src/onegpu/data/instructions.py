@@ -94,11 +94,12 @@ def read_table(cfg: DataConfig) -> SftData:
     if fmt == formats.TEXT:
         raise DataError(f"data.source={cfg.source!r} has neither prompt + completion nor messages columns "
                         f"(columns: {', '.join(map(str, columns))})")
-    rows = []
+    rows, csv_text = [], Path(cfg.source).suffix.lower() == ".csv"
     for n, r in records:
         where = f"{unit} {n}"
         if fmt == formats.MESSAGES:
-            msgs = formats.messages_cell(r.get("messages"), where, cfg.source) if r.get("messages") else []
+            msgs = formats.messages_cell(r.get("messages"), where, cfg.source, csv_text=csv_text) \
+                if r.get("messages") else []
             if msgs:
                 formats.check_roles(msgs, where, cfg.source, cfg.assistant_only_loss)
             rows.append({"messages": msgs})

@@ -41,9 +41,7 @@ def prepare(cfg: Config, fmt: str, make_tokenizer: Callable):
         texts, labels, dropped = deduplicate(raw)
         n_read = len(raw.texts)
     if not texts:
-        raise DataError(f"data.source={cfg.data.source!r}: no row has a non-blank text in data.text_column="
-                        f"{cfg.data.text_column!r} and a label in data.label_column={cfg.data.label_column!r} "
-                        f"({n_read} rows read, {drop_summary(dropped)})")
+        raise _nothing_left(cfg, fmt, n_read, dropped)
     dsd = split(texts, labels, cfg.data, task)
     tokenizer = make_tokenizer(dsd["train"]["text"])
     truncated = 0
@@ -56,6 +54,17 @@ def prepare(cfg: Config, fmt: str, make_tokenizer: Callable):
                        max_length=cfg.data.max_length)
     described.update(format=fmt, prompts_truncated=truncated)
     return dsd, tokenizer, described, raw
+
+
+def _nothing_left(cfg: Config, fmt: str, n_read: int, dropped: dict[str, int]) -> DataError:
+    """The error for a source none of whose rows is kept, in the columns of its format."""
+    d = cfg.data
+    needs = {formats.PROMPT_COMPLETION: "a non-blank prompt and a non-blank completion",
+             formats.MESSAGES: "a non-empty messages list of role/content turns"}.get(fmt)
+    if needs is None:
+        needs = (f"a non-blank text in data.text_column={d.text_column!r} and a label in "
+                 f"data.label_column={d.label_column!r}")
+    return DataError(f"data.source={d.source!r}: no row has {needs} ({n_read} rows read, {drop_summary(dropped)})")
 
 
 def tokenizer_maker(cfg: Config) -> Callable:
