@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import needs
+
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--disable-dev-shm-usage", "--hide-scrollbars"]
@@ -33,10 +35,11 @@ def chromium_path() -> str | None:
 
 
 def require_chromium() -> str:
-    """The Chromium executable; skips the test where none is installed (``.ci/run`` installs it)."""
+    """The Chromium executable; skips the test where none is installed, fails it under CI (``.ci/run``
+    installs it: :mod:`tests.needs`)."""
     exe = chromium_path()
     if exe is None:
-        pytest.skip("no chromium on PATH (apt-get install -y chromium chromium-driver)")
+        needs.missing("no chromium on PATH (apt-get install -y chromium chromium-driver)")
     return exe
 
 

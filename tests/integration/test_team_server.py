@@ -5,8 +5,8 @@ into that server: every run arrives complete and named after its experiment, art
 `onegpu compare` groups the runs of both clones, and the passwords (alice's in MLFLOW_TRACKING_URI for
 one clone, bob's in MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD for the other) show up nowhere.
 
-Skipped where PostgreSQL's server binaries are missing (``apt-get install postgresql``; `.ci/run` does
-that, and sets ONEGPU_REQUIRE_POSTGRES=1 so that CI fails instead of skipping).
+Skipped where PostgreSQL's server binaries are missing (``apt-get install postgresql``), failed under CI
+(`.ci/run` installs them and sets CI=true: tests/needs.py).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from onegpu import ui
+from tests import needs
 from .conftest import BIN, _env, dvc, make_project, run, wait_for_queue
 
 pytestmark = pytest.mark.slow
@@ -64,9 +65,7 @@ def postgres():
     cluster belongs to the `postgres` user (or `nobody`). Databases: `mlflow` (runs), `mlflow_auth` (users)."""
     bindir = _pg_bin()
     if bindir is None:
-        if os.environ.get("ONEGPU_REQUIRE_POSTGRES"):
-            pytest.fail("PostgreSQL's initdb/pg_ctl not found, and ONEGPU_REQUIRE_POSTGRES is set")
-        pytest.skip("PostgreSQL's server binaries (initdb, pg_ctl) not found: apt-get install postgresql")
+        needs.missing("PostgreSQL's server binaries (initdb, pg_ctl) not found: apt-get install postgresql")
     as_user: list[str] = []
     base = Path(tempfile.mkdtemp(prefix="onegpu-pg-", dir="/tmp" if os.geteuid() == 0 else None))
     if os.geteuid() == 0:
