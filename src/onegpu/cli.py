@@ -194,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"onegpu {args.command}: error (traceback below){note}", file=sys.stderr)
         raise
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (onegpu.interpreter.start)
-        from onegpu.training import interrupt  # the standard library only
-        print(f"onegpu {args.command}: {interrupt.describe(e)}", file=sys.stderr)
+        from onegpu.training import distributed, interrupt  # the standard library only
+        if distributed.is_main():  # one line per stop, not one per process of a launch
+            print(f"onegpu {args.command}: {interrupt.describe(e)}", file=sys.stderr)
         return 128 + getattr(e, "signum", 2)
     return 0
 

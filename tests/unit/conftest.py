@@ -51,15 +51,23 @@ def minilm():
 
 @pytest.fixture
 def collector(monkeypatch):
-    """This process's garbage collector put back after the test (threshold, frozen objects, the atexit
-    freeze ``onegpu.interpreter.start`` registers), and ``interpreter`` as if no command had started."""
+    """This process's interpreter put back after the test as ``onegpu.interpreter.start`` found it: the
+    garbage collector (threshold, frozen objects, the atexit freeze), stdout and stderr (``Tolerant``
+    wrappers), the SIGTERM and SIGHUP handlers; and ``interpreter`` as if no command had started."""
     import atexit
     import gc
+    import signal
+    import sys
 
     from onegpu import interpreter
     before = gc.get_threshold()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     monkeypatch.setattr(interpreter, "_starting", False)
+    monkeypatch.setattr(sys, "stdout", sys.stdout)
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
     yield
+    for s, h in handlers.items():
+        signal.signal(s, h)
     atexit.unregister(gc.freeze)
     gc.unfreeze()
     gc.set_threshold(*before)

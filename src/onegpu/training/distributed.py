@@ -112,7 +112,7 @@ def launch(num_processes: int, argv: list[str]) -> None:
             _fail_run(Path(folder), failed, exitcode, message)
             raise RankFailed(message) from None
         except SignalException as e:  # torchrun forwarded it to the processes, which checkpoint and stop
-            stopped = KeyboardInterrupt(f"the launch was stopped by {e.sigval.name}")
+            stopped = KeyboardInterrupt(f"the launch was stopped by {e.sigval.name} (what its processes kept: above)")
             stopped.signum = int(e.sigval)  # the stage exits 128 + it (onegpu.cli)
             raise stopped from None
         finally:
