@@ -11,7 +11,7 @@ from .test_data_parallel import _series, train_and_act_at_step_2, two_process_pr
 pytestmark = pytest.mark.slow
 
 
-STEPS = 8
+STEPS = 20  # milliseconds a step: the SIGTERM sent after step 2 must land before the last one
 
 
 @pytest.fixture(scope="module")

@@ -138,7 +138,7 @@ def test_onegpu_tradeoffs_stopped_by_ctrl_c_says_how_many_repeats_each_row_measu
     project = prepared(tmp_path / "p")
     term = Terminal(project, {**_env(), "PYTHONUNBUFFERED": "1"})
     try:
-        term.start("onegpu tradeoffs --knobs split --repeats 2 --steps 2 --no-combine")
+        term.start("onegpu tradeoffs --knobs split --repeats 2 --steps 5 --no-combine")  # 4 steps of margin
         term.read_until(r"^row 3 of 4: ")
         term.read_until(r"^step 1/")  # the row's worker is training
         term.ctrl_c()

@@ -98,14 +98,15 @@ def test_sigterm_ends_a_command_as_ctrl_c_does_with_128_plus_the_signal(tmp_path
     """`onegpu ui` stands for any command that is not training: SIGTERM must reach its KeyboardInterrupt
     path (the guard's KILLED, the cli's last line), not end the process at once."""
     import signal
-    import time
 
     from tests import defaults
     (tmp_path / "params.yaml").write_text(defaults.params_text())
     code = ("import sys, time; from onegpu import cli; sys.argv = ['onegpu', 'summary']; "
-            "from onegpu import summary; summary.text = lambda cfg: time.sleep(60); sys.exit(cli.entry())")
-    p = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
-    time.sleep(3)
+            "from onegpu import summary; summary.text = lambda cfg: print('ready', flush=True) or time.sleep(60); "
+            "sys.exit(cli.entry())")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "ready\n"  # inside the command, its handlers installed
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=60) == 128 + signal.SIGTERM
     assert "onegpu summary: interrupted by SIGTERM" in p.stderr.read()

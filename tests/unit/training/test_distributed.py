@@ -197,7 +197,8 @@ def _failing_torchrun(rank_noted: int | None, status_before: str, tracker, monke
         raise ChildFailedError("onegpu", failures)
 
     monkeypatch.setattr(torchrun, "run", fake_run)
-    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("RANK", "0")  # fake_run sets it as rank 0's: monkeypatch puts the variable back
+    monkeypatch.delenv("RANK")
 
 
 @pytest.mark.parametrize("status_before", ["RUNNING", "FAILED"])
@@ -263,7 +264,8 @@ def _torchrun_with(failures: dict[int, tuple[int, int]], notes: dict[int, str], 
         raise ChildFailedError("onegpu", out)
 
     monkeypatch.setattr(torchrun, "run", fake_run)
-    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("RANK", "0")  # fake_run sets it as rank 0's: monkeypatch puts the variable back
+    monkeypatch.delenv("RANK")
 
 
 LOST_PEER = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
