@@ -25,6 +25,8 @@ class Terminal:
         pid, fd = pty.fork()
         if pid == 0:  # the child: a session leader whose controlling terminal is the pty
             try:
+                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # as a terminal starts its shell, also
+                    signal.signal(s, signal.SIG_DFL)  # when these tests run under nohup or as a background job
                 os.chdir(cwd)
                 # Before each prompt bash prints the last command's exit status (also after Ctrl-C, which
                 # abandons the rest of a typed command line).

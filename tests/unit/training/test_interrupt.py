@@ -15,6 +15,15 @@ def _send(signum: int) -> None:
     os.kill(os.getpid(), signum)  # handled in this (the main) thread before os.kill returns
 
 
+@pytest.fixture(autouse=True)
+def default_sighup():
+    """SIGHUP at its default, as a terminal's command starts: this suite may run under nohup (SIGHUP
+    ignored), which GracefulStop rightly leaves ignored."""
+    old = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGHUP, old)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_in_the_loop_the_first_signal_asks_for_a_stop_and_the_second_abandons_the_step(signum):
     with GracefulStop() as stop, stop.loop():
