@@ -334,10 +334,13 @@ def _tidy_checkpoints(plan: TrainPlan, tracker, stop: GracefulStop, probe: bool)
     if probe or not distributed.is_main():  # one process tidies the checkpoints (the others write no MLflow either)
         return
     if stop.noted:
+        from onegpu.training.resume import latest_checkpoint
         names = ", ".join(sorted({signal.Signals(n).name for n in stop.noted}))
-        print(f"train: {names} came after the training finished: its outputs and MLflow run are complete; "
-              "its checkpoints are kept in case the command that started it did not record the stage "
-              "(a rerun then resumes from them instead of starting afresh)", flush=True)
+        kept = latest_checkpoint(plan.checkpoint_dir)
+        print(f"train: {names} came after the training finished: its outputs and MLflow run are complete; if "
+              "the command that started it ended too, DVC has not recorded the stage and a rerun trains again"
+              + (f", from the checkpoint of step {kept.step} (kept)" if kept else
+                 " from the start (no checkpoint: train.save_steps writes them)"), flush=True)
         return
     shutil.rmtree(plan.checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
     tidy_other_checkpoints(plan.checkpoint_dir, plan.key, flatten(plan.cfg.to_dict()), plan.fingerprint,
