@@ -21,6 +21,11 @@ def gib(n: float | None, missing: str = "-") -> str:
     return missing if n is None else f"{n / GiB:.2f} GiB"
 
 
+def size(n: float | None, missing: str = "-") -> str:
+    """Bytes in the unit a person reads them in: :func:`mib` below 1 GiB, :func:`gib` from it."""
+    return missing if n is None else gib(n) if n >= GiB else mib(n)
+
+
 def ratio(x: float | None, missing: str = "-") -> str:
     """A ratio as ``1.23x``."""
     return missing if x is None else f"{x:.2f}x"

@@ -150,7 +150,7 @@ def is_disk_full(error: BaseException) -> bool:
 
 def free_space(path: str | os.PathLike) -> str:
     """``"120 MiB free of 50.0 GiB on /data"``: the file system holding ``path`` (or its nearest existing parent)."""
-    from onegpu.formatting import gib, mib
+    from onegpu.formatting import size
     p = Path(path).resolve()
     while not p.exists() and p != p.parent:
         p = p.parent
@@ -158,7 +158,6 @@ def free_space(path: str | os.PathLike) -> str:
     mount = p
     while not os.path.ismount(mount) and mount != mount.parent:
         mount = mount.parent
-    size = lambda n: gib(n) if n >= 2**30 else mib(n)  # noqa: E731
     return f"{size(usage.free)} free of {size(usage.total)} on {mount}"
 
 

@@ -27,3 +27,8 @@ def test_text_table_indents_and_right_aligns_the_columns_asked_for():
     assert lines[0].startswith("  run") and lines[1].startswith("  ---")
     assert lines[2].endswith("    5") and lines[3].endswith("1,234")
     assert len({len(ln) for ln in lines}) == 1  # every line as wide as the table
+
+
+def test_size_is_mib_below_a_gib_and_gib_from_it():
+    from onegpu.formatting import size
+    assert (size(512 * 2**20), size(2**30), size(1.5 * 2**30), size(None)) == ("512 MiB", "1.00 GiB", "1.50 GiB", "-")

@@ -27,7 +27,7 @@ from onegpu.config import (Config, DeviceFacts, Resolved, TrainConfig, check_dev
                            with_layout)
 from onegpu.equivalence import equivalence_key, resolved_params, run_config_hash
 from onegpu.errors import ConfigError, DataError, DiskFullError, ModelError
-from onegpu.formatting import gib, mib
+from onegpu.formatting import gib, size
 from onegpu.training.interrupt import GracefulStop, Interrupted
 from onegpu.training.resume import ResumePoint, tidy_other_checkpoints
 
@@ -493,8 +493,7 @@ def table_tags(summary: dict, load: dict | None = None) -> dict[str, str]:
     e.g. ``71% of 2 CPUs``) from ``load``; each only when measured."""
     out = {}
     if summary.get("train_mem_peak_bytes") is not None:
-        out["memory"] = gib(summary["train_mem_peak_bytes"]) if summary["train_mem_peak_bytes"] >= 2**30 \
-            else mib(summary["train_mem_peak_bytes"])
+        out["memory"] = size(summary["train_mem_peak_bytes"])
     if summary.get("train_samples_per_second") is not None:
         out["speed"] = f"{summary['train_samples_per_second']:.2f} samples/s"
     if load is not None and load.get("share") is not None:
