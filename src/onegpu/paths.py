@@ -162,10 +162,10 @@ def free_space(path: str | os.PathLike) -> str:
 
 
 @contextlib.contextmanager
-def writing(path: str | os.PathLike) -> Iterator[None]:
-    """Around writing ``path``: a full disk, in whatever words the writer reports it
-    (:func:`is_disk_full`), becomes one :class:`~onegpu.errors.DiskFullError` naming ``path`` and the
-    free space; any other error passes unchanged.
+def writing(path) -> Iterator[None]:
+    """Around writing ``path`` (a path, or a function returning it, called only on a full disk): a full
+    disk, in whatever words the writer reports it (:func:`is_disk_full`), becomes one
+    :class:`~onegpu.errors.DiskFullError` naming ``path`` and the free space; any other error passes unchanged.
 
     Raises:
         DiskFullError: the disk or the quota is full.
@@ -177,7 +177,7 @@ def writing(path: str | os.PathLike) -> Iterator[None]:
     except Exception as e:
         if not is_disk_full(e):
             raise
-        raise disk_full(path) from e
+        raise disk_full(path() if callable(path) else path) from e
 
 
 def disk_full(path: str | os.PathLike) -> DiskFullError:

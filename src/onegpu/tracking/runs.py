@@ -195,19 +195,15 @@ class RunHandle:
         return MetricBuffer(self.writer.write, self.run_id, flush_every=flush_every, flush_seconds=flush_seconds)
 
     # -- artifacts and inputs -----------------------------------------------------------------
-    @contextmanager
     def _artifact(self, artifact_file: str):
-        """Around writing one artifact: a full disk is one :class:`~onegpu.errors.DiskFullError` naming
-        where the artifact went (the run's artifact folder, or its URI on a server) and the free space."""
-        try:
-            yield
-        except Exception as e:
-            from onegpu import paths
-            if not paths.is_disk_full(e):
-                raise
+        """Around writing one artifact (:func:`onegpu.paths.writing`): a full disk names where the artifact
+        went (the run's artifact folder, or its URI on a server), looked up only then."""
+        from onegpu import paths
+
+        def where() -> str:
             uri = self.client.get_run(self.run_id).info.artifact_uri
-            local = uri[len("file://"):] if uri.startswith("file://") else uri
-            raise paths.disk_full(os.path.join(local, artifact_file)) from e
+            return os.path.join(uri[len("file://"):] if uri.startswith("file://") else uri, artifact_file)
+        return paths.writing(where)
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         with self._artifact(os.path.join(artifact_path or "", os.path.basename(str(path)))):
