@@ -14,7 +14,7 @@ Per arm:
   overhead = arm/none - 1. The guide quotes about 20% on GPU for whole layers; recomputing the forward
   pass once bounds it near 33% (forward ~1/3 of forward + backward);
 - ``mem_activation_bytes``: bytes autograd saves for backward in one forward pass of a micro-batch
-  (``onegpu.measure.activation_bytes``, the train-begin probe); reduction factor = none/arm;
+  (``onegpu.measure.memory.activation_bytes``, the train-begin probe); reduction factor = none/arm;
 - peak memory: ``train_mem_peak_bytes`` (max over steps: CUDA allocator peak on GPU, process RSS peak
   on CPU, which includes the model, optimizer states and whatever the allocator keeps).
 

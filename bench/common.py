@@ -30,8 +30,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 from onegpu.formatting import mib
 
@@ -52,8 +52,8 @@ def setup() -> Path:
     global _TMP
     if _TMP is not None:
         return _TMP
-    from onegpu import models
-    models.go_offline()
+    from onegpu.models import loader
+    loader.go_offline()
     for k in [k for k in os.environ if k.startswith(("MLFLOW_", "DVC_", "HF_MLFLOW_"))]:
         del os.environ[k]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -112,7 +112,7 @@ def parser(description: str, *, reps: int, steps: int, max_length: int = 64, row
 # -- data, config, models ---------------------------------------------------------------------------
 
 def make_cfg(args, *, micro: int, accum: int, steps: int | None = None, checkpointing: bool = False,
-             overrides: tuple[str, ...] = (), **train) -> "object":
+             overrides: tuple[str, ...] = (), **train) -> object:
     """A validated Config (``config.from_container``) for the bench setup; ``overrides`` are
     ``section.key=value`` items applied last, as ``dvc exp run -S`` applies them."""
     from onegpu import config
@@ -139,11 +139,12 @@ def data(cfg):
 
     Cached per (max_length, rows, seed) within the process.
     """
-    from onegpu import data as odata, models
+    from onegpu import data as odata
+    from onegpu.models import loader
     key = (cfg.data.max_length, cfg.data.max_train_samples, cfg.data.seed)
     if key not in _DATA:
-        path = models.resolve_model_path(cfg.model.name_or_path)
-        tokenizer = models.load_tokenizer(path, cfg.model.task)
+        path = loader.resolve_model_path(cfg.model.name_or_path)
+        tokenizer = loader.load_tokenizer(path, cfg.model.task)
         raw = odata.read(cfg.data, cfg.model.task)
         texts, labels, _ = odata.deduplicate(raw)
         dsd = odata.split(texts, labels, cfg.data, cfg.model.task)
@@ -155,9 +156,10 @@ def data(cfg):
 def pretrained_model(cfg, labels, path):
     """The packaged MiniLM with a fresh classification head, seeded as the train stage seeds it."""
     from transformers import set_seed
-    from onegpu import models
+
+    from onegpu.models import loader
     set_seed(cfg.train.seed)
-    return models.build_classifier(path, labels, cfg.model.dropout, cfg.model.attn_implementation)
+    return loader.build_classifier(path, labels, cfg.model.dropout, cfg.model.attn_implementation)
 
 
 def bert_from_config(cfg, labels, path, layers: int, hidden: int | None = None, heads: int | None = None):
@@ -365,7 +367,7 @@ def warm_up(args) -> None:
 
 # -- other load on the machine ----------------------------------------------------------------------
 # A small shared machine runs other work (test suites, builds) now and then; a run that overlaps it is
-# measured again. "Other load" = what the train stage tags as outside load (onegpu.outside_load): the
+# measured again. "Other load" = what the train stage tags as outside load (tag onegpu.outside_load): the
 # whole machine's busy CPU time (psutil, steal included) less this process tree's, per second of wall
 # time, in cores.
 
@@ -374,10 +376,10 @@ CONTENTION_LIMIT = 0.2
 
 class OtherLoad:
     """``with OtherLoad() as load: ...`` then ``load.cores``: other processes' CPU use during the block
-    (this process and its children are not "other"; :class:`onegpu.outside_load.Watch`)."""
+    (this process and its children are not "other"; :class:`onegpu.measure.outside_load.Watch`)."""
 
     def __enter__(self):
-        from onegpu import outside_load
+        from onegpu.measure import outside_load
         self._watch = outside_load.Watch()
         self._watch.start()
         return self
@@ -448,7 +450,7 @@ def median(xs) -> float:
 
 
 def _cpu_model() -> str:
-    from onegpu.flops import cpu_model
+    from onegpu.measure.flops import cpu_model
     return cpu_model() or platform.processor() or platform.machine()
 
 
@@ -457,8 +459,9 @@ def machine() -> dict:
     import mlflow
     import torch
     import transformers
-    from onegpu import measure
-    info = {"cpu": _cpu_model(), "arch": platform.machine(), "cores": measure.cpu_count(),
+
+    from onegpu.measure import memory
+    info = {"cpu": _cpu_model(), "arch": platform.machine(), "cores": memory.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "cuda": torch.version.cuda if torch.cuda.is_available() else None,

@@ -26,7 +26,7 @@ ARMS = ("system", "caching")
 def child(args) -> None:
     """One training with ``train.cpu_allocator=<args.child>``; prints one JSON line."""
     common.setup()
-    from onegpu import measure
+    from onegpu.measure import memory
     overrides = (f"train.cpu_allocator={'system' if args.child == 'system' else 'caching'}", *(args.overrides or ()))
     cfg = common.make_cfg(args, micro=args.micro, accum=args.accum, overrides=overrides)
     dsd, labels, tok, path = common.data(cfg)
@@ -37,7 +37,7 @@ def child(args) -> None:
     print(json.dumps({"samples_per_second": res["samples_per_second"], "median_step_s": res["median_step_s"],
                       "train_s": res["wall_s"], "minor_faults": r1.ru_minflt - r0.ru_minflt,
                       "system_cpu_s": r1.ru_stime - r0.ru_stime, "user_cpu_s": r1.ru_utime - r0.ru_utime,
-                      "peak_rss_bytes": measure.rss_peak_bytes()}))
+                      "peak_rss_bytes": memory.rss_peak_bytes()}))
 
 
 def one(args, arm: str, overrides: tuple[str, ...]) -> dict:

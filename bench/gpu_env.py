@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import email.parser
-import os
 import re
 import subprocess
 import sys

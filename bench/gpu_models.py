@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--heads", type=int)
     b.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    from onegpu import models
-    models.go_offline()
+    from onegpu.models import loader
+    loader.go_offline()
     if a.cmd == "weights":
         print(f"gpu_models: {write_standin_weights(a.seed)}")
     else:

@@ -1,9 +1,9 @@
 """MFU of a GPT-2 124 M training step at 1024 tokens in bf16, with and without ``torch.compile``.
 
 The figure nanoGPT (``estimate_mfu``) and llm.c report: model FLOPs per token ``6 N + 12 n_layer d_model T``
-(:func:`onegpu.flops.flops_per_token`: ``N`` the weights applied per token, the tied unembedding
+(:func:`onegpu.measure.flops.flops_per_token`: ``N`` the weights applied per token, the tied unembedding
 included, embedding lookups not; the attention term PaLM's ``12 L H Q T``) times tokens per second,
-against the device's dense bf16 peak (:func:`onegpu.flops.device_peak`: the datasheet's 989 TFLOP/s
+against the device's dense bf16 peak (:func:`onegpu.measure.flops.device_peak`: the datasheet's 989 TFLOP/s
 for an H100/H200) and against a bf16 matmul rate measured in the same process (8192^3 products on a
 GPU), which is what the chip sustains here.
 
@@ -99,7 +99,7 @@ def run_arm(args, device: str, compiled: bool, data) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     timed = times[1 + args.warmup:]
-    from onegpu.flops import flops_per_token
+    from onegpu.measure.flops import flops_per_token
     peak_mem = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
     return {"arm": "compile" if compiled else "eager", "step1_s": times[0], "step_times_s": times,
             "median_step_s": statistics.median(timed), "tokens_per_step": args.batch * args.seq,
@@ -182,7 +182,8 @@ def notes(args, rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     import torch
-    from onegpu import flops
+
+    from onegpu.measure import flops
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True

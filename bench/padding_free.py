@@ -56,11 +56,11 @@ def write_leads(folder: Path) -> Path:
 
 def _data(args):
     """The SFT example's rows as prepare tokenizes them, and its tokenizer."""
-    from onegpu import models
     from onegpu.data import pipeline
+    from onegpu.models import loader
     cfg = _cfg(args, False)
-    path = models.resolve_model_path(cfg.model.name_or_path)
-    dsd, tok, stats, _ = pipeline.prepare(cfg, "prompt-completion", lambda texts: models.load_tokenizer(path, "causal-lm"))
+    path = loader.resolve_model_path(cfg.model.name_or_path)
+    dsd, tok, stats, _ = pipeline.prepare(cfg, "prompt-completion", lambda texts: loader.load_tokenizer(path, "causal-lm"))
     return dsd, tok, path, stats
 
 
@@ -79,13 +79,13 @@ def padding_share(lengths: list[int], micro: int, seed: int) -> float:
 
 def arm(args, dsd, tok, path, padding_free: bool) -> dict:
     """One training of ``--steps`` optimizer steps; its steady tokens/s, activation bytes and peak RSS."""
-    from onegpu import lora, models
+    from onegpu.models import loader, lora
     from onegpu.training.backends import accelerate
     from onegpu.training.backends.base import TrainRequest
     cfg = _cfg(args, padding_free)
     import transformers
     transformers.set_seed(cfg.train.seed)
-    model = models.build_causal_lm(path, tok, cfg.model, cfg.data.max_length, 0.0)
+    model = loader.build_causal_lm(path, tok, cfg.model, cfg.data.max_length, 0.0)
     model = lora.apply(model, cfg.model.lora_adapters, "causal-lm")
     start = time.perf_counter()
     _, steps = accelerate.train(TrainRequest(model, tok, dsd, cfg, sink=lambda m, s: None))
@@ -113,8 +113,8 @@ def main() -> None:
                                                 "results/padding_free-article with --prompt article)")
     args = p.parse_args()
     args.out = args.out or str(RESULTS / ("padding_free" if args.prompt == "lead" else "padding_free-article"))
-    from onegpu import models
-    models.go_offline()
+    from onegpu.models import loader
+    loader.go_offline()
     from datasets.utils.logging import disable_progress_bar
     disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="onegpu-bench-") as tmp:

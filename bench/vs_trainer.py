@@ -76,21 +76,21 @@ def plain_run(model, tok, dsd, cfg, verbose: bool) -> dict:
 def our_extras(cfg, labels, path, tok, dsd) -> dict:
     """Direct timings of the work ours does and plain does not: the activation probe (once per run) and
     the per-step measurement (RSS peak reset and read)."""
-    from onegpu import measure
+    from onegpu.measure import memory
     from onegpu.training.batches import collator_for, model_inputs, probe_batch
     from onegpu.training.loss import loss_for
     model = common.pretrained_model(cfg, labels, path)
     ds = model_inputs(dsd, cfg.model.task)["train"]
     batch = probe_batch(ds, collator_for(cfg.model.task, tok), cfg.train.per_device_train_batch_size)
-    measure.activation_bytes(model, batch, loss_for(cfg.model.task))  # warm
+    memory.activation_bytes(model, batch, loss_for(cfg.model.task))  # warm
     t0 = time.perf_counter()
-    measure.activation_bytes(model, batch, loss_for(cfg.model.task))
+    memory.activation_bytes(model, batch, loss_for(cfg.model.task))
     probe = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(200):
-        measure.synchronize("cpu")
-        measure.peak_bytes("cpu")
-        measure.reset_peak("cpu")
+        memory.synchronize("cpu")
+        memory.peak_bytes("cpu")
+        memory.reset_peak("cpu")
     per_step = (time.perf_counter() - t0) / 200
     return {"probe_s": probe, "per_step_measure_s": per_step}
 

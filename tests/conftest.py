@@ -39,7 +39,7 @@ _OWNER = not (os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("ONEGPU_T
 _CACHE = tempfile.mkdtemp(prefix="onegpu-test-cache-") if _OWNER else os.environ["ONEGPU_TEST_CACHE"]
 os.environ["ONEGPU_TEST_CACHE"] = _CACHE
 os.environ["XDG_CACHE_HOME"] = _CACHE
-os.environ["ONEGPU_CACHE_DIR"] = os.path.join(_CACHE, "onegpu")  # onegpu.flops reads it first
+os.environ["ONEGPU_CACHE_DIR"] = os.path.join(_CACHE, "onegpu")  # onegpu.measure.flops reads it first
 
 from onegpu import interpreter  # noqa: E402  (after the cache variables: onegpu modules may read them at import)
 
@@ -69,9 +69,9 @@ LABELS = ["a", "b", "c"]
 def tokenizer():
     """The packaged all-MiniLM-L6-v2 tokenizer (no hub). Built once per session (per xdist worker): do
     not change it (add tokens, set a pad token) in a test; load your own for that."""
-    from onegpu import models
-    models.go_offline()
-    return models.load_tokenizer(models.resolve_model_path("packaged:all-MiniLM-L6-v2"), "sequence-classification")
+    from onegpu.models import loader
+    loader.go_offline()
+    return loader.load_tokenizer(loader.resolve_model_path("packaged:all-MiniLM-L6-v2"), "sequence-classification")
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ itself is all there is.
 from __future__ import annotations
 
 import subprocess
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import yaml
@@ -17,7 +17,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
-@lru_cache(maxsize=None)
+@cache
 def params_text(repo: Path = REPO) -> str:
     """``params.yaml`` of ``repo`` as committed at HEAD (text); the file itself outside git."""
     try:

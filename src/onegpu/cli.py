@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         from onegpu import config
         cfg = config.load(args.params, getattr(args, "overrides", None))
         if args.command in STAGES or args.command == "estimate":
-            from onegpu import models
-            if models.is_local(cfg.model.name_or_path):
-                models.go_offline()  # before transformers/datasets are imported
+            from onegpu.models import loader
+            if loader.is_local(cfg.model.name_or_path):
+                loader.go_offline()  # before transformers/datasets are imported
             import importlib
             stage = importlib.import_module(f"onegpu.stages.{args.command}")
             if args.command == "estimate":

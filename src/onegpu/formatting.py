@@ -6,7 +6,7 @@ Imports only the standard library and ``tabulate`` (itself stdlib only).
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 MiB, GiB = 2**20, 2**30
 

@@ -26,9 +26,10 @@ import json
 import os
 from pathlib import Path
 
-from onegpu import data, models
+from onegpu import data
 from onegpu.config import Config, DataConfig
 from onegpu.errors import ModelError
+from onegpu.models import loader
 
 LINKS = Path("data/inputs")
 DATA_LINK = LINKS / "data.source"
@@ -53,18 +54,18 @@ def model_target(name_or_path: str | None) -> Path | dict:
     the local HF cache), or, where nothing local stands for it, the description a small file records.
 
     Raises:
-        ModelError: as :func:`onegpu.models.resolve_model_path`, or a local directory that exists in the
+        ModelError: as :func:`onegpu.models.loader.resolve_model_path`, or a local directory that exists in the
             user's repository but not in a queued experiment's clone (not tracked by git or DVC).
     """
     if name_or_path is None:
         return {"model.name_or_path": None, "kind": "built from config (model.n_layer, n_embd, n_head)"}
-    from onegpu import packaged
+    from onegpu.models import packaged
     if name_or_path in packaged.GGUF:  # the package's GGUF file, not its cached conversion (none is made here)
         return packaged.package_dir(name_or_path) / packaged.GGUF[name_or_path][1]
     untracked = data.untracked_in_clone("model.name_or_path", name_or_path, f"`dvc add {name_or_path}`")
     if untracked:
         raise ModelError(untracked)
-    resolved = models.resolve_model_path(name_or_path)
+    resolved = loader.resolve_model_path(name_or_path)
     if Path(resolved).is_dir():
         return Path(resolved)
     ref = _cached_ref(name_or_path)

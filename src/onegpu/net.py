@@ -1,4 +1,4 @@
-"""One TCP reachability probe, shared by the model hub check (:mod:`onegpu.models`) and the tracking
+"""One TCP reachability probe, shared by the model hub check (:mod:`onegpu.models.loader`) and the tracking
 server check (:mod:`onegpu.tracking.store`): both fail fast instead of sitting in a library's retries."""
 from __future__ import annotations
 

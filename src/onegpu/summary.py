@@ -10,7 +10,7 @@ from pathlib import Path
 from onegpu import paths
 from onegpu.errors import DataError
 from onegpu.formatting import gib
-from onegpu.outside_load import METRIC
+from onegpu.measure.outside_load import METRIC
 
 NEXT = """Next:
   onegpu ui          the MLflow UI: every run's per-step loss, memory and speed (link printed)

@@ -68,7 +68,7 @@ def training_view(metric_keys: set[str] | None = None) -> dict:
             "runsHiddenMode": "SHOW_ALL"}
 
 
-def present(tracker: "tracking.Tracker", base: str) -> str:
+def present(tracker: tracking.Tracker, base: str) -> str:
     """Mark the experiment as model training, save :func:`training_view` on it (experiment tags) and
     return the link to its runs table in that view: ``<base>/#/experiments/<id>/runs?workflowType=
     machine_learning&viewStateShareKey=onegpu-training-runs``."""
@@ -83,7 +83,7 @@ def present(tracker: "tracking.Tracker", base: str) -> str:
     return f"{tracker.runs_table_url(base)}?{query}"
 
 
-def latest_run_link(tracker: "tracking.Tracker", base: str) -> str | None:
+def latest_run_link(tracker: tracking.Tracker, base: str) -> str | None:
     """The page of the newest training run in the model-training view (``<runs table>/<run id>?workflowType=
     machine_learning``: MLflow's UI otherwise opens a run page in its GenAI view on a first visit), with
     the run's name; None when the experiment has no training run."""

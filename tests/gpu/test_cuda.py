@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onegpu import config, measure
+from onegpu import config
+from onegpu.measure import memory
 from onegpu.training.backends import accelerate as accel, hf_trainer
 from onegpu.training.backends.base import TrainRequest
 
@@ -43,9 +44,9 @@ def _losses(tokenizer, dsd, micro, accum, backend=hf_trainer, **train) -> list[f
 
 
 def test_allocator_peak_counts_an_allocation():
-    measure.reset_peak("cuda:0")
+    memory.reset_peak("cuda:0")
     x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda:0")
-    assert measure.peak_bytes("cuda:0") >= 256 * 2**20
+    assert memory.peak_bytes("cuda:0") >= 256 * 2**20
     del x
 
 
@@ -87,8 +88,9 @@ def test_fp16_with_its_gradient_scaler_stays_within_fp16_tolerance_of_fp32(token
 
 @pytest.mark.parametrize("backend", [hf_trainer, accel], ids=["trainer", "accelerate"])
 def test_tf32_stays_within_the_tf32_tolerance_of_fp32(tokenizer, dsd, tmp_path, monkeypatch, backend):
-    from onegpu.compare import TOLERANCES
     from transformers.utils import is_torch_tf32_available
+
+    from onegpu.compare import TOLERANCES
     if not is_torch_tf32_available():
         pytest.skip("this GPU has no TF32 (pre-Ampere)")
     monkeypatch.chdir(tmp_path)
@@ -126,7 +128,7 @@ def test_outside_load_finds_no_other_process_on_a_gpu_this_process_alone_uses():
     installed; else the count is unknown, None)."""
     import os
 
-    from onegpu import outside_load
+    from onegpu.measure import outside_load
     torch.ones(1, device="cuda")  # a CUDA context of this process on the device
     n = outside_load.other_gpu_processes("cuda:0", {os.getpid()})
     try:

@@ -119,12 +119,13 @@ def test_packaged_default_is_up_to_date_until_the_params_change(tmp_path, prepar
     """bbcnews and the packaged MiniLM: the links point at the installed packages' folders, `dvc status`
     is up to date after a repro, and `dvc exp run -S data.source=<file>` relinks and re-runs prepare.
     (The repro is ``prepared``'s: its output is checked here, in a copy of its project.)"""
-    from onegpu import data, models
+    from onegpu import data
+    from onegpu.models import loader
     assert _ran(prepared.output()) == {"inputs", "prepare"}
     p = prepared(tmp_path)
     links = p / "data" / "inputs"
     assert (links / "data.source").resolve() == data.bbcnews_dir().resolve()
-    assert (links / "model.name_or_path").resolve() == Path(models.resolve_model_path(
+    assert (links / "model.name_or_path").resolve() == Path(loader.resolve_model_path(
         "packaged:all-MiniLM-L6-v2")).resolve()
     _write_csv(p / "d.csv", _rows("ab"))
     _commit(p, "data")
@@ -139,9 +140,9 @@ def test_model_directory_under_dvc_exp_run_trains_and_an_edit_is_named_by_dvc_st
     """A local copy of the packaged MiniLM as model.name_or_path (kept out of git, as a user's model
     folder often is: the workspace `dvc exp run` reads it in place). What `dvc exp run` does with a stage
     `dvc status` names is DVC's; the CSV test above re-runs one."""
-    from onegpu import models
+    from onegpu.models import loader
     p = make_project(tmp_path, {"model": {"name_or_path": "./mini"}})
-    shutil.copytree(models.resolve_model_path("packaged:all-MiniLM-L6-v2"), p / "mini")
+    shutil.copytree(loader.resolve_model_path("packaged:all-MiniLM-L6-v2"), p / "mini")
     with open(p / ".gitignore", "a") as f:
         f.write("/mini/\n")
     _commit(p, "model dir")

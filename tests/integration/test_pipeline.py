@@ -85,7 +85,7 @@ def test_repro_logs_prepare_and_one_complete_training_run(project):
     # Headline figures only, so `dvc exp show` of a sweep stays narrow; the full set is in MLflow (above).
     assert set(ev) == {"eval_loss", "eval_accuracy"}
     tr = json.loads((project / "metrics/train.json").read_text())
-    # + train_outside_cpu_load when other processes loaded the machine (onegpu.outside_load): a caution
+    # + train_outside_cpu_load when other processes loaded the machine (tag onegpu.outside_load): a caution
     assert set(tr) - {"train_outside_cpu_load"} == {"train_loss", "train_samples_per_second", "train_mem_peak_bytes"}
     assert tr["train_loss"] == pytest.approx(m["train_loss"])
     steps = (project / "plots/train_steps.csv").read_text().splitlines()

@@ -29,6 +29,7 @@ import pytest
 
 from onegpu import ui
 from tests import needs
+
 from .conftest import BIN, _env, dvc, make_project, run, wait_for_queue
 
 pytestmark = pytest.mark.slow

@@ -2,8 +2,6 @@
 of its own: it holds a test worker for minutes, beside test_tradeoffs.py's)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.integration.conftest import BIN, dvc, run, runs, wait_for_queue

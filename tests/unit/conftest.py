@@ -37,12 +37,12 @@ def minilm():
     """The packaged MiniLM-L6 classifier (5 labels, seed 0) and one micro-batch of 8 rows (10-64 tokens)."""
     import torch
 
-    from onegpu import models
-    models.go_offline()
-    path = models.resolve_model_path("packaged:all-MiniLM-L6-v2")
-    tok = models.load_tokenizer(path, "sequence-classification")
+    from onegpu.models import loader
+    loader.go_offline()
+    path = loader.resolve_model_path("packaged:all-MiniLM-L6-v2")
+    tok = loader.load_tokenizer(path, "sequence-classification")
     torch.manual_seed(0)
-    model = models.build_classifier(path, ["a", "b", "c", "d", "e"], dropout=None)
+    model = loader.build_classifier(path, ["a", "b", "c", "d", "e"], dropout=None)
     texts = [("word " * n).strip() for n in (60, 40, 64, 10, 50, 64, 30, 64)]
     batch = dict(tok(texts, truncation=True, max_length=64, padding=True, return_tensors="pt"))
     batch["labels"] = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])

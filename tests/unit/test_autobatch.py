@@ -1,13 +1,15 @@
-"""The `auto` micro-batch finder and out-of-memory recovery (onegpu.autobatch, ExactLossTrainer)."""
+"""The `auto` micro-batch finder and out-of-memory recovery (onegpu.training.autobatch, ExactLossTrainer)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from datasets import Dataset
 
-from onegpu import autobatch, config, measure, models
+from onegpu import config
 from onegpu.errors import UserError
-from onegpu.training import batches
+from onegpu.measure import memory
+from onegpu.models import loader
+from onegpu.training import autobatch, batches
 from onegpu.training.backends import accelerate as accel, hf_trainer
 from onegpu.training.backends.base import TrainRequest
 
@@ -49,7 +51,7 @@ def test_finder_takes_the_largest_divisor_that_fits_the_budget(tokenizer, dsd):
     ds = batches.model_inputs(dsd)["train"].add_column("length", dsd["train"]["length"])
     collator = batches.collator_for("sequence-classification", tokenizer)
     states = sum(autobatch.state_bytes_predicted(model, "adamw_torch").values())
-    act = {m: measure.activation_bytes(model, collator([ds[i] for i in autobatch.longest_rows(ds, m)]),
+    act = {m: memory.activation_bytes(model, collator([ds[i] for i in autobatch.longest_rows(ds, m)]),
                                        classification_loss) for m in (8, 16)}
     # A budget whose usable 90% lies between the 8-row and the 16-row step.
     budget = int((states + (act[8] + act[16]) / 2) / autobatch.SAFETY)
@@ -109,7 +111,7 @@ def test_oom_retry_off_reraises(tokenizer, dsd, tmp_path, monkeypatch, backend):
 def test_estimate_predicts_measured_activation_bytes_within_15_percent(tokenizer):
     """The default model at max_length 64: predicted from 1- and 2-row probes, measured on 8 real rows."""
     from onegpu.training.loss import classification_loss as loss_fn
-    model = models.build_classifier(models.resolve_model_path("packaged:all-MiniLM-L6-v2"), LABELS, None)
+    model = loader.build_classifier(loader.resolve_model_path("packaged:all-MiniLM-L6-v2"), LABELS, None)
     texts = [" ".join(f"word{j}" for j in range(n)) for n in (80, 120, 70, 90, 200, 66, 75, 100)]
     ds = Dataset.from_dict({"text": texts, "label": [0, 1, 2, 0, 1, 2, 0, 1]})
     enc = tokenizer(texts, truncation=True, max_length=64)
@@ -117,9 +119,9 @@ def test_estimate_predicts_measured_activation_bytes_within_15_percent(tokenizer
     ds = ds.add_column("token_type_ids", enc["token_type_ids"]).add_column("length", [len(x) for x in enc["input_ids"]])
     rows = ds.rename_column("label", "labels").remove_columns("text")
     collator = batches.collator_for("sequence-classification", tokenizer)
-    est = autobatch.estimate(model, rows, collator, loss_fn, [8], "adamw_torch", False, models.enable_checkpointing)
+    est = autobatch.estimate(model, rows, collator, loss_fn, [8], "adamw_torch", False, loader.enable_checkpointing)
     model.activation_checkpointing_disable()
-    measured = measure.activation_bytes(model, collator([rows[i] for i in range(8)]), loss_fn)
+    measured = memory.activation_bytes(model, collator([rows[i] for i in range(8)]), loss_fn)
     predicted = est["rows"][0]["activations"]
     assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
     assert est["rows"][0]["activations_checkpointed"] * 3 < predicted
@@ -130,7 +132,7 @@ def test_estimate_predicts_measured_activation_bytes_within_15_percent(tokenizer
 @pytest.mark.parametrize("optim", ["adafactor", "adamw_torch", "adamw_torch_fused"])
 def test_optimizer_state_estimate_is_within_15_percent_of_the_measured_state(optim):
     """The estimate of ``onegpu estimate`` against the state the optimizer really holds after a step
-    (:func:`onegpu.measure.state_bytes`), including a 3-d parameter (Adafactor factors its last two dims)."""
+    (:func:`onegpu.measure.memory.state_bytes`), including a 3-d parameter (Adafactor factors its last two dims)."""
     import torch
     from transformers import BertConfig, BertForSequenceClassification
     from transformers.optimization import Adafactor
@@ -145,10 +147,10 @@ def test_optimizer_state_estimate_is_within_15_percent_of_the_measured_state(opt
     out = model(input_ids=torch.randint(0, 500, (4, 9)), labels=torch.tensor([0, 1, 2, 0]))
     (out.loss + model.cube.sum()).backward()
     opt.step()
-    measured = measure.state_bytes(model, opt)["mem_optimizer_bytes"]
+    measured = memory.state_bytes(model, opt)["mem_optimizer_bytes"]
     predicted = autobatch.state_bytes_predicted(model, optim)["mem_optimizer_bytes"]
     assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
-    params = measure.state_bytes(model, opt)["mem_params_bytes"]
+    params = memory.state_bytes(model, opt)["mem_params_bytes"]
     assert (measured < 0.1 * params) if optim == "adafactor" else measured == 2 * params
 
 
@@ -171,9 +173,9 @@ def test_finder_probes_under_the_trainings_bf16_autocast(tokenizer, dsd):
     collator = batches.collator_for("sequence-classification", tokenizer)
     states = sum(autobatch.state_bytes_predicted(model, "adamw_torch").values())
     rows16 = collator([ds[i] for i in autobatch.longest_rows(ds, 16)])
-    fp32 = measure.activation_bytes(model, rows16, classification_loss)
+    fp32 = memory.activation_bytes(model, rows16, classification_loss)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        saved = measure.saved_bytes(model, rows16, classification_loss)
+        saved = memory.saved_bytes(model, rows16, classification_loss)
     assert saved["activations"] < 0.8 * fp32
     bf16 = sum(saved.values())  # + the weight copies autocast keeps: real memory of the step
     budget = int((states + (bf16 + fp32) / 2) / autobatch.SAFETY)

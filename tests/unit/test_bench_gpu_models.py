@@ -26,11 +26,11 @@ def standin(tmp_path, monkeypatch):
 
 
 def test_standin_weights_load_as_the_packaged_architecture(standin):
-    from onegpu import models
+    from onegpu.models import loader
     text = gpu_models.write_standin_weights(seed=0)
     assert "random init" in text and (standin / "model.safetensors").is_file()
-    model = models.build_classifier(str(standin), ["a", "b"], None, None)
-    real = models.build_classifier(models.resolve_model_path("packaged:all-MiniLM-L6-v2"), ["a", "b"], None, None)
+    model = loader.build_classifier(str(standin), ["a", "b"], None, None)
+    real = loader.build_classifier(loader.resolve_model_path("packaged:all-MiniLM-L6-v2"), ["a", "b"], None, None)
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in real.parameters())
     w, r = model.bert.encoder.layer[0].attention.self.query.weight, real.bert.encoder.layer[0].attention.self.query.weight
     assert not w.allclose(r)  # random, not the pretrained weights
@@ -44,13 +44,13 @@ def test_the_real_package_is_left_alone():
 
 
 def test_bert_directory_trains_as_model_name_or_path(tmp_path):
-    from onegpu import models
+    from onegpu.models import loader
     out = gpu_models.write_bert(tmp_path / "bert", layers=2, hidden=64)
     assert (out / gpu_models.MARKER).is_file()
-    model = models.build_classifier(models.resolve_model_path(str(out)), ["a", "b", "c"], None, None)
+    model = loader.build_classifier(loader.resolve_model_path(str(out)), ["a", "b", "c"], None, None)
     c = model.config
     assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.intermediate_size) == (2, 64, 1, 256)
-    assert len(models.load_tokenizer(str(out), "sequence-classification")) == 30522
+    assert len(loader.load_tokenizer(str(out), "sequence-classification")) == 30522
 
 
 def test_preflight_names_what_is_missing_in_one_line(monkeypatch, capsys):

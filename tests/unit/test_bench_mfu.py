@@ -13,7 +13,7 @@ TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "128", "--
 def test_flops_per_token_is_6n_plus_attention():
     args = mfu.parse(TINY)
     model = mfu.build(args, "cpu")
-    from onegpu.flops import flops_per_token
+    from onegpu.measure.flops import flops_per_token
     n = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()  # wte = tied lm_head
     assert flops_per_token(model, args.seq) == 6 * n + 12 * args.layers * args.hidden * args.seq
 

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import yaml
 
 from onegpu import config
 from onegpu.errors import ConfigError, UserError
-
 from tests import defaults
 
 

@@ -115,12 +115,12 @@ def test_directory_source_counts_empty_files(tmp_path, monkeypatch):
 def test_stats_report_rows_dropped_per_reason(tmp_path):
     from transformers import AutoTokenizer
 
-    from onegpu import models
+    from onegpu.models import loader
     rows = [(f"story {i}", "ab"[i % 2]) for i in range(40)] + [("", "a"), ("story 1", "b"), ("x", "")]
     raw = data.read_table(_csv(tmp_path / "d.csv", rows), "text", "label")
     texts, labels, dropped = data.deduplicate(raw)
     dsd = data.split(texts, labels, _cfg("d.csv"))
-    tok = AutoTokenizer.from_pretrained(models.resolve_model_path("packaged:all-MiniLM-L6-v2"))
+    tok = AutoTokenizer.from_pretrained(loader.resolve_model_path("packaged:all-MiniLM-L6-v2"))
     dsd = data.tokenize(dsd, tok, 16)
     st = data.stats(dsd, rows_read=len(raw.texts), dropped=dropped, undecodable=0, max_length=16)
     assert st["rows_read"] == 43 and st["rows_kept"] == 40

@@ -1,10 +1,10 @@
-"""Model FLOPs, device peaks, MFU and a finished training's speed (onegpu.flops)."""
+"""Model FLOPs, device peaks, MFU and a finished training's speed (onegpu.measure.flops)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from onegpu import flops, measure
+from onegpu.measure import flops, memory
 
 
 def test_flops_of_the_default_classifier_match_a_hand_count(minilm):
@@ -77,8 +77,8 @@ def test_flops_under_lora_count_frozen_weights_without_their_weight_gradient():
     Without LoRA the same model is 6 N: 6 * 17,152 * 40 + 768,000 + 6 * 1,155 * 2.
     """
     pytest.importorskip("peft")
-    from onegpu import lora
     from onegpu.config import LoraConfig
+    from onegpu.models import lora
     from tests.unit.tiny import tiny_bert
     full = tiny_bert()
     assert flops.matmul_parameters(full) == (17_152, 1_155)
@@ -115,7 +115,7 @@ def _busy_loops():
     """A busy Python loop on every core this process may use; returns the processes."""
     import subprocess
     import sys
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(measure.cpu_count())]
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(memory.cpu_count())]
 
 
 def _train_flops_per_second(steps: int = 4) -> float:

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from onegpu import config, data, inputs, models
+from onegpu import config, data, inputs
 from onegpu.errors import ModelError
+from onegpu.models import loader
 
 
 def _cfg(source: str = "bbcnews", model: str | None = "packaged:all-MiniLM-L6-v2", task: str | None = None):
@@ -46,7 +47,7 @@ def test_packaged_data_and_model_link_to_their_installed_folders(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     inputs.link(_cfg())
     assert inputs.DATA_LINK.resolve() == data.bbcnews_dir().resolve()
-    assert inputs.MODEL_LINK.resolve() == Path(models.resolve_model_path("packaged:all-MiniLM-L6-v2")).resolve()
+    assert inputs.MODEL_LINK.resolve() == Path(loader.resolve_model_path("packaged:all-MiniLM-L6-v2")).resolve()
     assert (inputs.MODEL_LINK / "config.json").is_file()
 
 
@@ -58,7 +59,7 @@ def test_a_model_built_from_config_or_an_uncached_hub_id_is_a_small_file(tmp_pat
     assert json.loads(inputs.MODEL_LINK.read_text())["model.name_or_path"] is None
     import huggingface_hub.constants as hub
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(models, "resolve_model_path", lambda name: name)  # a hub id (no network here)
+    monkeypatch.setattr(loader, "resolve_model_path", lambda name: name)  # a hub id (no network here)
     assert inputs.model_target("org/tiny") == {"model.name_or_path": "org/tiny",
                                                "kind": "hub id, not in the local Hugging Face cache when linked"}
     ref = tmp_path / "hub" / "models--org--tiny" / "refs" / "main"

@@ -13,13 +13,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from onegpu import autobatch, lora, measure, models  # noqa: E402
 from onegpu.config import Resolved, from_container  # noqa: E402
 from onegpu.equivalence import equivalence_key  # noqa: E402
 from onegpu.errors import ConfigError  # noqa: E402
+from onegpu.measure import memory
+from onegpu.models import loader, lora
+from onegpu.training import autobatch  # noqa: E402
 from onegpu.training.backends.base import TrainRequest  # noqa: E402
-from tests.unit.tiny import LOSS_TOL, NORM_TOL, dataset, interrupt_at_step_2, tiny_bert, tokenizer  # noqa: E402
 from tests import defaults  # noqa: E402
+from tests.unit.tiny import LOSS_TOL, NORM_TOL, dataset, interrupt_at_step_2, tiny_bert, tokenizer  # noqa: E402
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["query", "value"]}
 
@@ -139,7 +141,7 @@ def test_state_bytes_count_trainable_parameters_only_and_the_estimate_matches():
     batch = collator_for("sequence-classification", tokenizer())([rows[i] for i in range(8)])
     model(**batch).loss.backward()
     opt.step()
-    measured = measure.state_bytes(model, opt)
+    measured = memory.state_bytes(model, opt)
     assert measured["mem_grads_bytes"] == 4 * trainable
     assert measured["mem_optimizer_bytes"] == 2 * 4 * trainable  # AdamW: exp_avg + exp_avg_sq in fp32
     for k in measured:
@@ -161,7 +163,7 @@ def test_lora_with_checkpointing_trains_the_classifier(backend):
 def _tiny_gpt2_data():
     from datasets import ClassLabel, Dataset, DatasetDict
     texts = [" ".join(f"w{(i * 7 + j) % 50}" for j in range(5 + (i * 5) % 23)) for i in range(8)]
-    tok = models.train_bpe_tokenizer(texts, 300)
+    tok = loader.train_bpe_tokenizer(texts, 300)
     ds = Dataset.from_dict({"text": texts, "label": ["x"] * 8}).cast_column("label", ClassLabel(names=["x"]))
     dsd = DatasetDict(train=ds).map(
         lambda b: tok([t + tok.eos_token for t in b["text"]], truncation=True, max_length=32), batched=True)
@@ -175,7 +177,7 @@ def test_lora_with_checkpointing_trains_the_causal_lm(backend):
                lora_cfg={"r": 4, "alpha": 8, "target_modules": None}, task="causal-lm", name_or_path=None,
                n_layer=1, n_embd=32, n_head=2, vocab_size=300)
     torch.manual_seed(0)
-    model = lora.apply(models.build_causal_lm(None, tok, cfg.model, 32, 0.0), cfg.model.lora, "causal-lm", True)
+    model = lora.apply(loader.build_causal_lm(None, tok, cfg.model, 32, 0.0), cfg.model.lora, "causal-lm", True)
     assert {n.split(".")[-3] for n, p in model.named_parameters() if p.requires_grad} == {"lora_A", "lora_B"}
     assert any("c_attn.lora_A" in n for n, _ in model.named_parameters())  # peft's GPT-2 default target
     _, steps = _train(cfg, model, tok, dsd)
@@ -210,10 +212,10 @@ def test_lora_under_reentrant_checkpointing_gets_gradients():
 
 def test_describe_counts_trainable_parameters():
     cfg = _cfg()
-    tags = models.describe(_lora_bert(cfg))
+    tags = loader.describe(_lora_bert(cfg))
     assert int(tags["model.trainable_parameters"]) == lora.trainable_parameters(_lora_bert(cfg))
     assert int(tags["model.trainable_parameters"]) < int(tags["model.parameters"]) / 10
-    plain = models.describe(tiny_bert())
+    plain = loader.describe(tiny_bert())
     assert plain["model.trainable_parameters"] == plain["model.parameters"]
 
 
@@ -232,7 +234,7 @@ def test_train_stage_saves_adapter_and_merged_model_that_evaluate_the_same(tmp_p
                                    saved_config={}, outside_load=None)
     train_stage._write_outputs(result)
     assert (paths.ADAPTER_DIR / "adapter_config.json").is_file()
-    merged, tok = models.load_trained(paths.MODEL_DIR)
+    merged, tok = loader.load_trained(paths.MODEL_DIR)
     assert type(merged).__name__ == "BertForSequenceClassification"
     assert not any("lora" in n for n, _ in merged.named_parameters())
     adapter = PeftModel.from_pretrained(tiny_bert(), str(paths.ADAPTER_DIR))
@@ -317,7 +319,8 @@ def test_apply_shows_the_user_no_deprecation_warning_meant_for_peft():
 
     from transformers import BertConfig, BertForSequenceClassification
 
-    from onegpu import config, lora
+    from onegpu import config
+    from onegpu.models import lora
     model = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                                      intermediate_size=64, vocab_size=100))
     with warnings.catch_warnings():

@@ -1,19 +1,19 @@
-"""The memory breakdown (onegpu.measure) on the packaged default model."""
+"""The memory breakdown (onegpu.measure.memory) on the packaged default model."""
 from __future__ import annotations
 
 import torch
 
-from onegpu import measure
+from onegpu.measure import memory
 from onegpu.training.loss import classification_loss
 
 
 def test_checkpointing_cuts_activation_bytes_at_least_3x_on_the_default_model(minilm):
     model, batch = minilm
     model.activation_checkpointing_disable()
-    full = measure.activation_bytes(model, batch, classification_loss)
+    full = memory.activation_bytes(model, batch, classification_loss)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     try:
-        ckpt = measure.activation_bytes(model, batch, classification_loss)
+        ckpt = memory.activation_bytes(model, batch, classification_loss)
     finally:
         model.activation_checkpointing_disable()
     assert full > 10 * 2**20  # 8 x 64 tokens through 6 layers of 384: tens of MB saved
@@ -25,7 +25,7 @@ def test_activation_probe_leaves_the_rng_and_mode_alone(minilm):
     model.eval()
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    measure.activation_bytes(model, batch, classification_loss)
+    memory.activation_bytes(model, batch, classification_loss)
     assert torch.equal(before, torch.get_rng_state())
     assert not model.training
 
@@ -37,7 +37,7 @@ def test_state_bytes_after_an_adamw_step(minilm):
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     classification_loss(model(**inputs), batch["labels"]).backward()
     opt.step()
-    b = measure.state_bytes(model, opt)
+    b = memory.state_bytes(model, opt)
     n = sum(p.numel() for p in model.parameters())
     assert b["mem_params_bytes"] == 4 * n  # float32, no shared storage in BERT-classification
     assert b["mem_grads_bytes"] == b["mem_params_bytes"]
@@ -46,20 +46,20 @@ def test_state_bytes_after_an_adamw_step(minilm):
 
 def test_tensors_bytes_counts_a_storage_once():
     t = torch.zeros(1000)
-    assert measure.tensors_bytes([t, t[:10], t.view(10, 100)]) == 4000
+    assert memory.tensors_bytes([t, t[:10], t.view(10, 100)]) == 4000
 
 
 def test_state_bytes_read_adafactors_factored_moments(minilm):
     from transformers.optimization import Adafactor
 
-    from onegpu import autobatch
+    from onegpu.training import autobatch
     model, batch = minilm
     model = type(model)(model.config)
     opt = Adafactor(model.parameters(), lr=1e-4, scale_parameter=False, relative_step=False)  # as Trainer builds it
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     classification_loss(model(**inputs), batch["labels"]).backward()
     opt.step()
-    b = measure.state_bytes(model, opt)
+    b = memory.state_bytes(model, opt)
     # a row and a column vector per matrix, a full buffer per vector: far below AdamW's 2 x params
     assert 0 < b["mem_optimizer_bytes"] < 0.05 * b["mem_params_bytes"]
     predicted = autobatch.optimizer_state_bytes(model, "adafactor")
@@ -73,15 +73,15 @@ def test_bf16_activations_per_micro_batch_are_below_fp32_and_the_weight_copies_h
     per element, made once per forward and kept for backward) is counted on its own line, exactly."""
     model, batch = minilm
     four = {k: v[:4, :32] for k, v in batch.items() if k != "labels"} | {"labels": batch["labels"][:4]}
-    fp32 = measure.activation_bytes(model, four, classification_loss)
+    fp32 = memory.activation_bytes(model, four, classification_loss)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        bf16 = measure.activation_bytes(model, four, classification_loss)
-        saved = measure.saved_bytes(model, four, classification_loss)
+        bf16 = memory.activation_bytes(model, four, classification_loss)
+        saved = memory.saved_bytes(model, four, classification_loss)
     assert bf16 == saved["activations"]
     assert 0.6 * fp32 < bf16 < 0.85 * fp32, (bf16, fp32)
     linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert saved["autocast_weights"] == 2 * linear_weights  # every nn.Linear's weight, in bf16
-    assert measure.saved_bytes(model, four, classification_loss) == {"activations": fp32, "autocast_weights": 0}
+    assert memory.saved_bytes(model, four, classification_loss) == {"activations": fp32, "autocast_weights": 0}
 
 
 def test_device_facts_name_the_optional_packages_installed(monkeypatch):
@@ -90,6 +90,6 @@ def test_device_facts_name_the_optional_packages_installed(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "flash_attn" else None if name == "bitsandbytes"
                         else real(name, *a))
-    monkeypatch.setattr(measure, "cuda_available", lambda: False)
-    facts = measure.device_facts()
+    monkeypatch.setattr(memory, "cuda_available", lambda: False)
+    facts = memory.device_facts()
     assert facts.packages == frozenset({"flash_attn"}) and not facts.cuda and facts.gpus == 0

@@ -1,12 +1,12 @@
-"""Outside load (onegpu.outside_load): other processes' CPU over a window, this process tree's left out."""
+"""Outside load (onegpu.measure.outside_load): other processes' CPU over a window, this process tree's left out."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 
-from onegpu import outside_load
-from onegpu.outside_load import Sample
+from onegpu.measure import outside_load
+from onegpu.measure.outside_load import Sample
 
 
 def test_other_processes_cpu_is_the_machines_busy_time_less_this_trees_own_over_the_wall_time():

@@ -22,12 +22,12 @@ WORDS = ("the bank cut rates as markets rose while the team won the final and a 
          "reviews after the minister spoke about growth jobs and trade in the north").split()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer():
     """The packaged SmolLM2 tokenizer (its GGUF's tokenizer converted once into this session's cache)."""
     from transformers import AutoTokenizer
 
-    from onegpu import packaged
+    from onegpu.models import packaged
     return AutoTokenizer.from_pretrained(str(packaged.converted_dir(PACKAGED_CHAT_MODEL, tokenizer_only=True)))
 
 
@@ -37,7 +37,7 @@ def rows(n: int) -> list[dict]:
              "completion": " ".join((WORDS * 3)[2 * i:2 * i + 1 + (3 * i) % 9])} for i in range(n)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dataset(n: int = 16, max_length: int = 64, completion_only=None):
     """The rows as prepare tokenizes them (:func:`onegpu.data.tokenize_instructions`)."""
     from datasets import ClassLabel, Dataset, DatasetDict
@@ -72,7 +72,7 @@ def config(backend: str, micro: int, accum: int, padding_free: bool = False, max
                   "logging_steps": 100, **train}}, source="test")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def train(backend: str, micro: int, accum: int, padding_free: bool = False, attn: str = "sdpa",
           completion_only=None) -> tuple:
     import importlib
@@ -210,9 +210,8 @@ def test_packed_rows_keep_their_examples_apart():
 def test_padding_free_stop_and_resume_gives_the_uninterrupted_steps(tmp_path, monkeypatch, backend):
     import importlib
 
-    from tests.unit import tiny as tb
-
     from onegpu.training.backends import base
+    from tests.unit import tiny as tb
     monkeypatch.chdir(tmp_path)
     cfg = config(backend, 2, 2, padding_free=True, max_steps=4)
     module = importlib.import_module(base.REGISTRY[backend])
@@ -240,13 +239,13 @@ def test_a_model_that_builds_its_own_mask_is_refused_for_padding_free(monkeypatc
     import inspect
 
     from onegpu import config as cfgmod
-    from onegpu import models
     from onegpu.errors import ConfigError
+    from onegpu.models import loader
     from onegpu.training import session
-    assert models.packed_sequences_problem(None, None) is None  # GPT-2 from config keeps them apart
+    assert loader.packed_sequences_problem(None, None) is None  # GPT-2 from config keeps them apart
     real = inspect.getsource
     monkeypatch.setattr(inspect, "getsource", lambda m: real(m).replace("create_causal_mask", "own_mask"))
-    assert "builds its attention mask itself" in models.packed_sequences_problem(None, "sdpa")
+    assert "builds its attention mask itself" in loader.packed_sequences_problem(None, "sdpa")
     cfg = config("accelerate", 2, 2, padding_free=key == "padding_free")
     cfg.data.packing = key == "packing"
     message = rf"^params.yaml: data.{key}: GPT2LMHeadModel builds its attention mask itself.*set data.{key}: false$"
@@ -301,8 +300,8 @@ def test_two_processes_take_the_one_process_steps_on_both_backends(tmp_path):
 
 
 def _lora_run(checkpointing: bool, reentrant: bool = False, bf16: bool = False) -> tuple:
-    from onegpu import lora
     from onegpu.config import LoraConfig
+    from onegpu.models import lora
     from onegpu.training.backends import accelerate as accel
     from onegpu.training.backends.base import TrainRequest
     extra = {"gradient_checkpointing": checkpointing, "bf16": bf16}
@@ -340,7 +339,7 @@ def test_bf16_autocast_trains_padding_free_within_bf16_tolerance():
 
 
 def test_the_auto_finder_probes_flattened_rows():
-    from onegpu import autobatch
+    from onegpu.training import autobatch
     from onegpu.training.batches import PaddingFreeCollator, model_inputs
     from onegpu.training.loss import causal_lm_loss
     rows = model_inputs(dataset(), "causal-lm")["train"]

@@ -7,21 +7,21 @@ import functools
 
 import pytest
 
-from onegpu import models
 from onegpu.config import PACKAGED_MODEL
+from onegpu.models import loader
 
 LOSS_TOL, NORM_TOL = 1e-5, 1e-4
 WORDS = ("market shares rose after the bank cut rates while the minister spoke about growth and the team "
          "won the final match in extra time as the crowd sang and a new film opened to good reviews").split()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer():
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(models.resolve_model_path(PACKAGED_MODEL))
+    return AutoTokenizer.from_pretrained(loader.resolve_model_path(PACKAGED_MODEL))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dataset(n: int):
     """``n`` texts of 2..25 words (micro-batches pad to different lengths), 3 labels, tokenized as prepare
     does (``onegpu.data.tokenize``: unpadded, ``label`` a ClassLabel)."""
@@ -39,8 +39,8 @@ def interrupt_at_step_2(train, ckpt):
     """``train(sink, checkpoint_dir=, stop=, checkpoint_meta=)`` stopped by a signal that "arrives"
     during optimizer step 2 (a GracefulStop stand-in); it must raise Interrupted. Returns the losses the
     sink saw and the checkpoint left in ``ckpt`` (None if none)."""
-    from onegpu.training.resume import latest_checkpoint
     from onegpu.training.interrupt import Interrupted
+    from onegpu.training.resume import latest_checkpoint
 
     class Stop:
         requested = None
@@ -56,8 +56,8 @@ def interrupt_at_step_2(train, ckpt):
 
 
 def tiny_bert(attn: str | None = None):
-    from transformers import BertConfig, BertForSequenceClassification
     import torch
+    from transformers import BertConfig, BertForSequenceClassification
     torch.manual_seed(0)
     config = BertConfig(**({} if attn is None else {"attn_implementation": attn}),vocab_size=tokenizer().vocab_size, hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=64, num_labels=3,

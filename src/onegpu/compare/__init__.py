@@ -15,14 +15,39 @@ torch), one module per concern:
 ``from onegpu import compare`` gives the names below.
 """
 from onegpu.compare.causes import CAUSES, DROPOUT_KERNEL_KNOBS, KERNEL_KNOBS, SFT_KNOBS, likely_causes
-from onegpu.compare.groups import (Comparison, GroupComparison, choose_reference, compare, compare_group,
-                                   find_overlaps, group_by_key)
+from onegpu.compare.groups import (
+                                   Comparison,
+                                   GroupComparison,
+                                   choose_reference,
+                                   compare,
+                                   compare_group,
+                                   find_overlaps,
+                                   group_by_key,
+)
 from onegpu.compare.records import RunRecord, Series, finished_training
 from onegpu.compare.summary import summarize
-from onegpu.compare.tolerances import (EPS, GRAD_NORM_TOLERANCES, TOLERANCE_BASIS, TOLERANCES, Tolerance,
-                                       grad_norm_tolerance_for, tolerance_for)
-from onegpu.compare.verdict import (DIVERGED, EQUIVALENT, EVAL_METRICS, INCOMPLETE, NO_DATA, REFERENCE, Diff,
-                                    RunComparison, compare_run, first_divergence, series_diff)
+from onegpu.compare.tolerances import (
+                                   EPS,
+                                   GRAD_NORM_TOLERANCES,
+                                   TOLERANCE_BASIS,
+                                   TOLERANCES,
+                                   Tolerance,
+                                   grad_norm_tolerance_for,
+                                   tolerance_for,
+)
+from onegpu.compare.verdict import (
+                                   DIVERGED,
+                                   EQUIVALENT,
+                                   EVAL_METRICS,
+                                   INCOMPLETE,
+                                   NO_DATA,
+                                   REFERENCE,
+                                   Diff,
+                                   RunComparison,
+                                   compare_run,
+                                   first_divergence,
+                                   series_diff,
+)
 
 __all__ = [
     "CAUSES", "DROPOUT_KERNEL_KNOBS", "KERNEL_KNOBS", "SFT_KNOBS", "likely_causes",

@@ -8,7 +8,7 @@ shows it to ``tests/unit/compare/test_causes.py``. No MLflow here.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from onegpu.compare.records import RunRecord, _float, _int
 

@@ -7,10 +7,9 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from onegpu import outside_load
-from onegpu.equivalence.key import (KEY_TAG, RESOLVED_ACCUMULATION, RESOLVED_EFFECTIVE_BATCH,
-                                    RESOLVED_MICRO_BATCH)
+from onegpu.equivalence.key import KEY_TAG, RESOLVED_ACCUMULATION, RESOLVED_EFFECTIVE_BATCH, RESOLVED_MICRO_BATCH
 from onegpu.errors import UserError
+from onegpu.measure import outside_load
 
 Series = list[tuple[int, float]]
 
@@ -73,12 +72,12 @@ class RunRecord:
     @property
     def outside_load(self) -> dict | None:
         """What other processes took of the machine while it trained (the ``onegpu.outside_load`` tag,
-        :mod:`onegpu.outside_load`); None for runs from before the tag."""
+        :mod:`onegpu.measure.outside_load`); None for runs from before the tag."""
         return outside_load.parse(self.tags.get(outside_load.TAG))
 
     @property
     def under_load(self) -> str:
-        """The outside load in words when the run trained under it (:func:`onegpu.outside_load.describe`),
+        """The outside load in words when the run trained under it (:func:`onegpu.measure.outside_load.describe`),
         else ''."""
         info = self.outside_load
         return outside_load.describe(info) if outside_load.under_load(info) else ""

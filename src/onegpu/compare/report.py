@@ -8,7 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from onegpu.compare.groups import Comparison, GroupComparison
-from onegpu.compare.plots import LOSS_PLOT, MAX_PLOTTED_GROUPS, MEMORY_PLOT, plot_loss_curves, plot_memory_vs_throughput
+from onegpu.compare.plots import (
+    LOSS_PLOT,
+    MAX_PLOTTED_GROUPS,
+    MEMORY_PLOT,
+    plot_loss_curves,
+    plot_memory_vs_throughput,
+)
 from onegpu.compare.tolerances import EPS, GRAD_NORM_TOLERANCES, TOLERANCE_BASIS, TOLERANCES
 from onegpu.compare.verdict import DIVERGED, EQUIVALENT, EVAL_METRICS
 from onegpu.formatting import markdown_table, mib, num, ratio, sci, signed, text_table

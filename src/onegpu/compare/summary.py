@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from onegpu.compare.groups import GroupComparison
 
 
-def summarize(g: "GroupComparison") -> str:
+def summarize(g: GroupComparison) -> str:
     """A few sentences on one group: how many runs match the reference, the first divergence and its
     likely causes, and the cheapest equivalent run in memory and the fastest in samples per second."""
     ref = g.reference

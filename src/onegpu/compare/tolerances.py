@@ -58,13 +58,13 @@ TOLERANCE_BASIS: dict[str, str] = {
 # ``atol`` only guards values near zero, where a relative test means nothing.
 
 
-def tolerance_for(run: "RunRecord", reference: "RunRecord") -> tuple[str, Tolerance]:
+def tolerance_for(run: RunRecord, reference: RunRecord) -> tuple[str, Tolerance]:
     """The precision that decides the tolerance of a pair (the lower of the two) and its tolerance."""
     order = ("fp32", "tf32", "fp16", "bf16")  # ascending tolerance
     p = max(run.precision, reference.precision, key=order.index)
     return p, TOLERANCES[p]
 
 
-def grad_norm_tolerance_for(run: "RunRecord", reference: "RunRecord") -> Tolerance:
+def grad_norm_tolerance_for(run: RunRecord, reference: RunRecord) -> Tolerance:
     """The gradient-norm tolerance of a pair (the looser precision of the two)."""
     return GRAD_NORM_TOLERANCES[tolerance_for(run, reference)[0]]

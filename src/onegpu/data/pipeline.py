@@ -70,10 +70,10 @@ def _nothing_left(cfg: Config, fmt: str, n_read: int, dropped: dict[str, int]) -
 def tokenizer_maker(cfg: Config) -> Callable:
     """The tokenizer maker for :func:`prepare`: the model's, or (causal LM from
     config) a BPE tokenizer trained on the training texts."""
-    from onegpu import models
+    from onegpu.models import loader
     if cfg.model.name_or_path is None:
-        return lambda texts: models.train_bpe_tokenizer(texts, cfg.model.vocab_size)
-    return lambda texts: models.load_tokenizer(models.resolve_model_path(cfg.model.name_or_path), cfg.model.task)
+        return lambda texts: loader.train_bpe_tokenizer(texts, cfg.model.vocab_size)
+    return lambda texts: loader.load_tokenizer(loader.resolve_model_path(cfg.model.name_or_path), cfg.model.task)
 
 
 def write(dsd, own_tokenizer, stats: dict) -> None:

@@ -1,19 +1,26 @@
 """``onegpu estimate``: predicted memory per micro-batch for the current params, without training.
 
-One probe forward pass on one and two copies of the longest training row (with and without
-activation checkpointing; under the bf16/fp16 autocast the training uses, with the configured attention
-kernel and LoRA adapters) fixes the activation line; params, grads and optimizer states are exact
-sums over the model (:mod:`onegpu.autobatch`). Uses data/processed when prepare has run, otherwise a
-few hundred rows read straight from the source.
+One probe forward pass on one and two copies of the longest training row (with and without activation
+checkpointing; under the bf16/fp16 autocast the training uses, with the configured attention kernel and LoRA
+adapters) fixes the activation line; params, grads and optimizer states are exact sums over the model
+(:mod:`onegpu.training.autobatch`). Rows: data/processed when prepare has run, else a few hundred from the source.
 """
 from __future__ import annotations
 
 import time
 
-from onegpu import autobatch, data, models, paths
-from onegpu.training import checkpointing
+from datasets import ClassLabel, Dataset, DatasetDict, load_from_disk
+from datasets.utils.logging import disable_progress_bar
+
+from onegpu import config, data, paths
 from onegpu.config import Config
 from onegpu.formatting import GiB
+from onegpu.measure import memory
+from onegpu.models import loader
+from onegpu.training import autobatch, checkpointing
+from onegpu.training.batches import train_collator, training_rows
+from onegpu.training.loss import loss_for
+from onegpu.training.session import build_model, check_flattened
 
 DEFAULT_MICRO_BATCHES = [1, 2, 4, 8, 16, 32, 64]
 
@@ -22,43 +29,36 @@ def _rows(cfg: Config, tokenizer_path: str | None):
     """Rows for ``onegpu estimate``: ``(DatasetDict, tokenizer, where they came from)``: data/processed
     when prepare has run, else the first 256 de-duplicated rows of ``data.source``, tokenized as prepare
     does (a byte-level BPE trained on them for a model built from config, ``tokenizer_path`` None)."""
-    from datasets import ClassLabel, Dataset, DatasetDict, load_from_disk
     task = cfg.model.task
     if paths.PROCESSED.is_dir():
         tok_path = str(paths.TOKENIZER) if tokenizer_path is None else tokenizer_path
-        return load_from_disk(str(paths.PROCESSED)), models.load_tokenizer(tok_path, task), "data/processed"
+        return load_from_disk(str(paths.PROCESSED)), loader.load_tokenizer(tok_path, task), "data/processed"
     fmt = data.check_input(cfg)
     if fmt != "text":  # instruction data: prepare's rows with their masks and truncation (nothing written)
         from onegpu.data import pipeline
-        dsd, tokenizer, _, _ = pipeline.prepare(cfg, fmt, lambda texts: models.load_tokenizer(tokenizer_path, task))
+        dsd, tokenizer, _, _ = pipeline.prepare(cfg, fmt, lambda texts: loader.load_tokenizer(tokenizer_path, task))
         return dsd, tokenizer, f"{cfg.data.source} ({fmt}, as prepare would write it)"
     texts, labels, _ = data.deduplicate(data.read(cfg.data, task))
     ds = Dataset.from_dict({"text": texts[:256], "label": labels[:256]}).cast_column(
         "label", ClassLabel(names=sorted(set(labels))))
-    tokenizer = (models.train_bpe_tokenizer(texts[:256], cfg.model.vocab_size) if tokenizer_path is None
-                 else models.load_tokenizer(tokenizer_path, task))
+    tokenizer = (loader.train_bpe_tokenizer(texts[:256], cfg.model.vocab_size) if tokenizer_path is None
+                 else loader.load_tokenizer(tokenizer_path, task))
     dsd = data.tokenize(DatasetDict(train=ds), tokenizer, cfg.data.max_length, task)
     return dsd, tokenizer, f"{cfg.data.source} (first {len(ds)} rows)"
 
 
 def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float | None = None) -> dict:
-    from datasets.utils.logging import disable_progress_bar
-
-    from onegpu.training.batches import train_collator, training_rows
-    from onegpu.training.loss import loss_for
-    from onegpu.training.session import build_model, check_flattened
-    from onegpu import config, measure
-    config.check_device(cfg, measure.device_facts())  # e.g. flash_attention_2 on a CPU: one line, before any work
+    config.check_device(cfg, memory.device_facts())  # e.g. flash_attention_2 on a CPU: one line, before any work
     disable_progress_bar()
     start = time.perf_counter()
     task = cfg.model.task
-    path = models.resolve_model_path(cfg.model.name_or_path)
+    path = loader.resolve_model_path(cfg.model.name_or_path)
     dsd, tokenizer, where = _rows(cfg, path)
     check_flattened(cfg)  # padding-free / packing on a model that cannot keep sequences apart
     # as the train stage builds it: the attention kernel (eager saves the attention probabilities, SDPA
     # does not) and LoRA (grads and optimizer states then exist for the adapters only)
     model, _ = build_model(cfg, {"labels": dsd["train"].features["label"].names}, tokenizer)
-    models.no_kv_cache(model)  # as training runs it
+    loader.no_kv_cache(model)  # as training runs it
     rows = training_rows(dsd, task, cfg)
     est = autobatch.estimate(model, rows, train_collator(cfg, tokenizer), loss_for(task),
                              micro_batches or DEFAULT_MICRO_BATCHES, cfg.train.optim,
@@ -70,7 +70,7 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     precision = "fp32" if cfg.train.mixed_precision == "no" else f"{cfg.train.mixed_precision} autocast"
     lora_note = "" if cfg.model.lora_adapters is None else f", LoRA r={cfg.model.lora.r}"
     print(f"memory estimate for {type(model).__name__}, precision {precision}, attention "
-          f"{models.attention_kernel(model)}, optimizer {cfg.train.optim}{lora_note}, rows from {where}:")
+          f"{loader.attention_kernel(model)}, optimizer {cfg.train.optim}{lora_note}, rows from {where}:")
     print(autobatch.format_estimate(est, budget, cfg.train.gradient_checkpointing))
     print(f"({time.perf_counter() - start:.1f} s; CUDA adds its context and allocator slack, the CPU process "
           "its libraries: compare with mem_activation_bytes, not peak RSS)")

@@ -10,9 +10,11 @@ confusion matrix image.
 """
 from __future__ import annotations
 
-from onegpu import evaluation, measure, models, paths, tracking
+from onegpu import evaluation, paths, tracking
 from onegpu.config import Config, flatten
 from onegpu.errors import DataError
+from onegpu.measure import memory
+from onegpu.models import loader
 
 # metrics/eval.json (`dvc exp show`, `dvc metrics diff`): the headline figures only; eval_f1_macro,
 # runtime, throughput, memory and row/token counts are in the MLflow run.
@@ -31,15 +33,15 @@ def run(cfg: Config) -> dict:
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()  # no "Loading weights" bar in the pipeline's output
 
-        model, tokenizer = models.load_trained(paths.MODEL_DIR, task)
+        model, tokenizer = loader.load_trained(paths.MODEL_DIR, task)
         test = load_from_disk(str(paths.PROCESSED))["test"]
-        device = measure.default_device()
+        device = memory.default_device()
         if reproduces:  # the training run's tag names the device it trained on; this one evaluated here
-            tracker.set_tags(run_id, {"device": measure.device_name(device)})
-        measure.reset_peak(device)
+            tracker.set_tags(run_id, {"device": memory.device_name(device)})
+        memory.reset_peak(device)
         with tracker.system_metrics(run_id, resume=True):
             metrics, table, gold, pred = evaluation.metrics(model, tokenizer, test, cfg, device)
-        metrics["eval_mem_peak_bytes"] = measure.peak_bytes(device)
+        metrics["eval_mem_peak_bytes"] = memory.peak_bytes(device)
         tracker.log_metrics(run_id, metrics)
         names = test.features["label"].names
         if gold:

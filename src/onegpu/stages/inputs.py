@@ -7,12 +7,13 @@ data or the model changed (see :mod:`onegpu.inputs`). Each link is replaced atom
 """
 from __future__ import annotations
 
-from onegpu import data, inputs, measure
+from onegpu import data, inputs
 from onegpu.config import Config
+from onegpu.measure import memory
 
 
 def run(cfg: Config) -> dict[str, str]:
-    watch = measure.Stopwatch()
+    watch = memory.Stopwatch()
     data.check_input(cfg)  # the data's columns and form, before anything is linked or written
     found = inputs.link(cfg)
     print(f"inputs: data.source {cfg.data.source} -> {found['data.source']}, model.name_or_path "

@@ -8,9 +8,11 @@ each split as an MLflow dataset input.
 """
 from __future__ import annotations
 
-from onegpu import data, measure, models, paths, tracking
+from onegpu import data, paths, tracking
 from onegpu.config import Config, flatten
 from onegpu.data import pipeline
+from onegpu.measure import memory
+from onegpu.models import loader
 
 
 def _log_cost(tracker, run_id: str, metrics: dict) -> dict:
@@ -22,11 +24,11 @@ def _log_cost(tracker, run_id: str, metrics: dict) -> dict:
 
 
 def run(cfg: Config) -> dict:
-    watch = measure.Stopwatch()
+    watch = memory.Stopwatch()
     fmt = data.check_input(cfg)  # the data's form first: one line, before any heavy import or MLflow run
     from datasets.utils.logging import disable_progress_bar
     disable_progress_bar()
-    models.resolve_model_path(cfg.model.name_or_path)  # a missing model fails now (a packaged one converts once)
+    loader.resolve_model_path(cfg.model.name_or_path)  # a missing model fails now (a packaged one converts once)
     tracking.uri.store_uri(paths.project_root())  # a malformed or unreachable store fails before the work
     # Everything that can refuse the data runs before the run opens: a bad input is not a failed run.
     dsd, tokenizer, stats, raw = pipeline.prepare(cfg, fmt, pipeline.tokenizer_maker(cfg))
@@ -37,7 +39,7 @@ def run(cfg: Config) -> dict:
         """The contract's three prepare figures, logged on failure too: the attempt was measured."""
         runtime = watch.total()
         return {"prepare_runtime": runtime, "prepare_rows_per_second": stats["rows_read"] / runtime,
-                "prepare_mem_peak_bytes": measure.rss_peak_bytes()}
+                "prepare_mem_peak_bytes": memory.rss_peak_bytes()}
 
     with tracker.guard(run_id, context=lambda: _log_cost(tracker, run_id, cost())):
         sections = {k: v for k, v in cfg.to_dict().items() if k in ("data", "model", "tracking")}

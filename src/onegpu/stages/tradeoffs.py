@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from onegpu import compare, measure, tracking
+from onegpu import compare, tracking
 from onegpu.config import Config
 from onegpu.errors import UserError
+from onegpu.measure import memory
 from onegpu.tradeoffs import batch as batches, pool as workers, queue, report
 from onegpu.tradeoffs.knobs import KNOBS
 from onegpu.tradeoffs.measurement import Row
@@ -40,7 +41,7 @@ def run(cfg: Config, params: str = "params.yaml", knobs: tuple[str, ...] = tuple
     """
     if not Path("dvc.yaml").is_file():
         raise UserError("no dvc.yaml here: run onegpu tradeoffs from the project root")
-    facts, interrupted = measure.device_facts(), False
+    facts, interrupted = memory.device_facts(), False
     with workers.for_batch(cfg, params, facts, steps, queue_only or report_only) as pool:  # probe rows' workers
         if not report_only:
             batch, interrupted = batches.start(cfg, params, knobs, list(overrides), queue_only, facts, steps,

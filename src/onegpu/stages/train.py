@@ -10,14 +10,15 @@ from __future__ import annotations
 import shutil
 import sys
 
-from onegpu import outside_load, paths, tracking
+from onegpu import paths, tracking
 from onegpu.config import Config
+from onegpu.measure import outside_load
 from onegpu.training import distributed, recorder, session
 
 # metrics/train.json (`dvc exp show`, `dvc metrics diff`): these headline figures only, so a sweep's
 # table fits a terminal next to the params that vary. Everything else (runtime, memory breakdown, FLOP/s,
 # MFU, the split `auto` chose as resolved.* params, per-step series) is in the MLflow run. A run trained
-# under outside load also gets train_outside_cpu_load (CPUs other processes kept busy; onegpu.outside_load).
+# under outside load also gets train_outside_cpu_load (CPUs other processes kept busy; tag onegpu.outside_load).
 HEADLINE = ("train_loss", "train_samples_per_second", "train_mem_peak_bytes")
 # plots/train_steps.csv: one row per optimizer step (dvc.yaml's plots: loss, memory in MiB, speed).
 STEP_COLUMNS = ["step", "loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second",
@@ -45,7 +46,7 @@ def run(cfg: Config) -> dict:
 def _write_outputs(result: session.TrainResult) -> None:
     """models/ (model, tokenizer, run file; with model.lora also adapter/), plots/train_steps.csv and metrics/train.json, each atomically."""
     model = result.model
-    from onegpu import lora
+    from onegpu.models import lora
     if lora.is_peft(model):  # the adapter as trained, then the merged model that evaluate loads
         with paths.atomic_dir(paths.ADAPTER_DIR) as tmp:
             model = lora.save(model, tmp)

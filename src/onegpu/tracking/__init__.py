@@ -13,10 +13,28 @@ Modules, in dependency order (each imports only those above it):
 - :mod:`~onegpu.tracking.query`: compare-time queries (training runs, histories, windows) and the comparison run.
 """
 from onegpu.tracking.lineage import REPRODUCED_BY, REPRODUCES_RUN_ID, open_evaluation_run, run_record
-from onegpu.tracking.query import (STEP_SERIES, log_comparison, metric_histories, step_window,
-                                   training_run_windows, training_runs, training_runs_named)
-from onegpu.tracking.runs import (KILLED_REASON, TRUNCATED_PARAMS, WRITER_HOST, WRITER_PID, WRITER_STARTED,
-                                  RunHandle, git_commit, run_context_tags, run_name, writer_gone, writer_tags)
+from onegpu.tracking.query import (
+                                   STEP_SERIES,
+                                   log_comparison,
+                                   metric_histories,
+                                   step_window,
+                                   training_run_windows,
+                                   training_runs,
+                                   training_runs_named,
+)
+from onegpu.tracking.runs import (
+                                   KILLED_REASON,
+                                   TRUNCATED_PARAMS,
+                                   WRITER_HOST,
+                                   WRITER_PID,
+                                   WRITER_STARTED,
+                                   RunHandle,
+                                   git_commit,
+                                   run_context_tags,
+                                   run_name,
+                                   writer_gone,
+                                   writer_tags,
+)
 from onegpu.tracking.spool import Spool, SpoolingWriter, is_outage
 from onegpu.tracking.store import EXPERIMENT_KIND, Tracker, connect, deleted_experiment_message, open_existing, sync
 from onegpu.tracking.uri import check_reachable, redact

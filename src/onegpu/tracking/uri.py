@@ -1,8 +1,8 @@
 """Which store: the tracking URI, its checks, and how it is shown (credentials never are)."""
 from __future__ import annotations
 
-from pathlib import Path
 import os
+from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from onegpu import paths

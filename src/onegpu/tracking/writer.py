@@ -16,7 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 _CHUNK = 1000  # MLflow's log_batch takes at most 1,000 metrics
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from onegpu import paths
 from onegpu.compare import RunRecord
@@ -226,7 +226,7 @@ def budget_bytes(cfg: Config, facts: DeviceFacts) -> float | None:
     if cfg.train.memory_budget_gib:
         return cfg.train.memory_budget_gib * GiB
     if facts.cuda:  # as the `auto` micro-batch finder: the device's free memory
-        from onegpu import measure as device
+        from onegpu.measure import memory as device
         return float(device.free_bytes("cuda"))
     return None
 

@@ -13,8 +13,9 @@ The guide: "Methods and tools for efficient training on a single GPU", Hugging F
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from onegpu.errors import UserError
 
@@ -73,7 +74,7 @@ def _toggle(name: str, knob: str, key: str, on: bool, expect: str, what: str) ->
     return Variant(name if on else f"no-{name}", knob, ((key, _yaml(on)),), expect, f"{what} {'on' if on else 'off'}")
 
 
-def split(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+def split(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     """Another split of the same effective batch: twice the micro-batch (half the accumulation), else half."""
     micro, accum = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
     if micro == "auto":
@@ -89,13 +90,13 @@ def split(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
                     SAME, f"micro-batch {m} x accumulation {a}: {how}")]
 
 
-def checkpointing(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+def checkpointing(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     """Activation checkpointing the other way."""
     return [_toggle("checkpointing", "checkpointing", "train.gradient_checkpointing",
                     not cfg.train.gradient_checkpointing, SAME, "activation checkpointing")]
 
 
-def precision(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+def precision(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     """fp32 when the params use mixed precision; else bf16, or fp16 on a GPU without bf16."""
     t = cfg.train
     if t.bf16 or t.fp16:
@@ -107,7 +108,7 @@ def precision(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
     return [Variant("bf16", "precision", (("train.bf16", "true"),), PRECISION, "bf16 mixed precision (autocast)")]
 
 
-def tf32(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+def tf32(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     """TF32 matmuls the other way (CUDA, fp32 matmuls only)."""
     if not facts.cuda:
         return "a no-op on CPU (TF32 is a CUDA matmul mode)"
@@ -116,7 +117,7 @@ def tf32(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
     return [_toggle("tf32", "tf32", "train.tf32", not cfg.train.tf32, PRECISION, "TF32 matmuls")]
 
 
-def optimizer(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+def optimizer(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     """The other AdamW kernel (the same update), Adafactor (or AdamW), and 8-bit AdamW on CUDA."""
     optim, out = cfg.train.optim, []
     if optim in ("adamw_torch", "adamw_torch_fused"):
@@ -133,7 +134,7 @@ def optimizer(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
     return out
 
 
-def attention(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+def attention(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     """eager attention, or SDPA when the params ask for eager."""
     attn = cfg.model.attn_implementation
     other = "eager" if attn in (None, "sdpa", "flash_attention_2") else "sdpa"
@@ -141,13 +142,13 @@ def attention(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
                     f"the {other} attention kernel" + (" (the model's own default: null)" if attn is None else ""))]
 
 
-def torch_compile(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+def torch_compile(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     """torch.compile the other way."""
     return [_toggle("compile", "compile", "train.torch_compile", not cfg.train.torch_compile, SAME,
                     "torch.compile (inductor)")]
 
 
-def allocator(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+def allocator(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     """The other host allocator setting (a CPU training only)."""
     if facts.cuda:
         return "train.cpu_allocator only matters when training on a CPU"
@@ -157,7 +158,7 @@ def allocator(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
                     else "the caching host allocator (freed memory is reused)")]
 
 
-def lora(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+def lora(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     """LoRA adapters instead of full fine-tuning, or the other way: the dotted ``-S model.lora.r`` when
     params.yaml has the mapping (``r: 0`` = off), else the whole mapping (DVC cannot set a dotted key in null)."""
     if cfg.model.lora_adapters is None:
@@ -168,14 +169,14 @@ def lora(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
                     "full fine-tuning instead of LoRA")]
 
 
-def _causal_lm_only(cfg: "Config") -> str | None:
+def _causal_lm_only(cfg: Config) -> str | None:
     if cfg.model.task != "causal-lm":
         return (f"causal LM (instruction fine-tuning) only: model.task is {cfg.model.task}, whose rows are "
                 "one label each, nothing to flatten or pack")
     return None
 
 
-def padding_free(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+def padding_free(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     """Padding-free batches the other way (causal LM only): the same examples in the same steps, each
     micro-batch flattened into one row (no compute on padding); outside the equivalence key."""
     if (why := _causal_lm_only(cfg)) is not None:
@@ -186,7 +187,7 @@ def padding_free(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
                     "padding-free batches (one flattened row per micro-batch, position_ids)")]
 
 
-def packing(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
+def packing(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     """Packing the other way (causal LM only): examples packed into rows of ``data.max_length``, so other
     examples share each micro-batch and step and a step counts packed rows: another equivalence key."""
     if (why := _causal_lm_only(cfg)) is not None:
@@ -196,19 +197,19 @@ def packing(cfg: "Config", facts: "DeviceFacts") -> list[Variant] | str:
 
 
 # The knob names (`--knobs` takes these), in the guide's order, and the function of each.
-KNOBS: dict[str, Callable[["Config", "DeviceFacts"], "list[Variant] | str"]] = {
+KNOBS: dict[str, Callable[[Config, DeviceFacts], list[Variant] | str]] = {
     "split": split, "checkpointing": checkpointing, "precision": precision, "tf32": tf32,
     "optimizer": optimizer, "attention": attention, "compile": torch_compile, "allocator": allocator, "lora": lora,
     "padding_free": padding_free, "packing": packing,
 }
 
 
-def plan(cfg: "Config", facts: "DeviceFacts", knobs: tuple[str, ...] = tuple(KNOBS)) -> tuple[list[Variant], list[str]]:
+def plan(cfg: Config, facts: DeviceFacts, knobs: tuple[str, ...] = tuple(KNOBS)) -> tuple[list[Variant], list[str]]:
     """The baseline and the variants of each of ``knobs`` that applies.
 
     Args:
         cfg: the user's params (the baseline).
-        facts: the machine (:func:`onegpu.measure.device_facts`): TF32, fp16 and the 8-bit optimizer
+        facts: the machine (:func:`onegpu.measure.memory.device_facts`): TF32, fp16 and the 8-bit optimizer
             apply only with CUDA, bf16 needs a GPU that has it, 8-bit AdamW needs bitsandbytes.
         knobs: the subset to plan (names of :data:`KNOBS`).
     Returns:

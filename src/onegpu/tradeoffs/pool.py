@@ -50,7 +50,7 @@ class Pool:
         self._ctx = multiprocessing.get_context("spawn")
         self._workers: dict[str, tuple] = {}
 
-    def __enter__(self) -> "Pool":
+    def __enter__(self) -> Pool:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -141,9 +141,9 @@ def for_batch(cfg, params: str, facts, steps: int | None, no_rows: bool):
     import contextlib
     if no_rows or steps is None or cfg.train.num_processes > 1:
         return contextlib.nullcontext()
-    from onegpu import models
     from onegpu.config import load
+    from onegpu.models import loader
 
     def group(overrides: list[str]) -> str:  # the host allocator is process-wide (a CPU training only)
         return "" if facts.cuda else load(params, overrides).train.cpu_allocator
-    return Pool(params, group, offline=models.is_local(cfg.model.name_or_path))
+    return Pool(params, group, offline=loader.is_local(cfg.model.name_or_path))

@@ -102,7 +102,7 @@ def recommendation_lines(rec: Recommendation, measured: Row | None, rows: list[R
                    f"measured {spread(measured) if measured.speedup else '-'} the baseline's samples/s, verdict "
                    f"**{measured.verdict}**: no clear difference, so the combination is not recommended.")
     elif rec.variant.knob == "recommended" and (measured is None or measured.run is None):
-        out.append(f"**No recommendation yet:** the knobs that were clearly faster alone ("
+        out.append("**No recommendation yet:** the knobs that were clearly faster alone ("
                    + ", ".join(f"{r.variant.name} {ratio(r.speedup)}" for r in rec.parts) + ") have not been "
                    f"measured together ({measured.verdict if measured is not None else NOT_RUN}), and knobs do "
                    f"not multiply exactly; their combination, to measure: `dvc exp run {rec.variant.set_text}`.")

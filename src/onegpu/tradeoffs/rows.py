@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from onegpu.tradeoffs.knobs import Variant
 

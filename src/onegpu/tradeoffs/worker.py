@@ -60,12 +60,12 @@ def _reset_process_state() -> None:
     import torch
     from accelerate.state import AcceleratorState, GradientState
 
-    from onegpu import measure
+    from onegpu.measure import memory
     torch._dynamo.reset()
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     gc.collect()
-    measure.empty_cache()
+    memory.empty_cache()
 
 
 def train_row(spec: dict, cache: dict) -> None:
@@ -95,8 +95,8 @@ def main(conn, offline: bool) -> None:
     from onegpu import interpreter
     interpreter.start()
     if offline:
-        from onegpu import models
-        models.go_offline()  # before transformers and datasets are imported
+        from onegpu.models import loader
+        loader.go_offline()  # before transformers and datasets are imported
     from onegpu.errors import UserError
     cache: dict = {}
     while True:

@@ -4,7 +4,7 @@ Three params (see params.yaml): ``gradient_checkpointing_kwargs.use_reentrant`` 
 non-reentrant :func:`torch.utils.checkpoint.checkpoint`), ``gradient_checkpointing_kwargs.every_n_layers``
 (recompute transformer layers 0, n, 2n, ...; HF's ``every_n_layers``) and
 ``gradient_checkpointing_blocks``: ``layer`` recomputes the whole chosen layer (transformers' own
-checkpointing, as :func:`onegpu.models.enable_checkpointing`), ``attention`` / ``mlp`` only that sub-block
+checkpointing, as :func:`onegpu.models.loader.enable_checkpointing`), ``attention`` / ``mlp`` only that sub-block
 of each chosen layer (its forward wrapped here in ``checkpoint``): BERT-style encoders
 (``layer.attention``; ``layer.intermediate`` + ``layer.output`` through ``feed_forward_chunk``) and
 GPT-2 (``block.attn``; ``block.mlp``). The recomputation gives the same values: none of this changes
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import functools
 
-from onegpu import models
 from onegpu.errors import ModelError
+from onegpu.models import loader
 
 
 def is_default(train) -> bool:
@@ -37,7 +37,7 @@ def hf_kwargs(train) -> dict:
 def enable(model, train) -> None:
     """Switch activation checkpointing on in ``model`` as ``train`` (a ``TrainConfig``) asks.
 
-    ``blocks: layer``: :func:`onegpu.models.enable_checkpointing` (transformers' per-layer checkpointing
+    ``blocks: layer``: :func:`onegpu.models.loader.enable_checkpointing` (transformers' per-layer checkpointing
     with ``use_reentrant`` and ``every_n_layers``). ``attention`` / ``mlp``: that sub-block of layers
     0, n, 2n, ... runs inside ``torch.utils.checkpoint.checkpoint`` in training mode with grad enabled.
 
@@ -45,11 +45,11 @@ def enable(model, train) -> None:
         ModelError: ``attention`` / ``mlp`` on an architecture other than BERT-style encoders and GPT-2.
     """
     if is_default(train):
-        models.enable_checkpointing(model, hf_kwargs(train))
+        loader.enable_checkpointing(model, hf_kwargs(train))
         return
     k = train.gradient_checkpointing_kwargs
     layers = check_supported(model, train)
-    models.no_kv_cache(model)
+    loader.no_kv_cache(model)
     if hasattr(model, "enable_input_require_grads"):  # as transformers does when it checkpoints
         model.enable_input_require_grads()
     for i, layer in enumerate(layers):

@@ -94,8 +94,8 @@ def launch(num_processes: int, argv: list[str]) -> None:
             process stopped on one (the run is then KILLED, by rank 0).
     """
     from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     args = torchrun.parse_args(["--standalone", f"--nproc-per-node={num_processes}", "--module", "onegpu", *argv])
     with tempfile.TemporaryDirectory(prefix="onegpu-launch-") as folder:
         os.environ[LAUNCH_DIR_ENV] = folder

@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Seconds a scheduler waits between SIGTERM and SIGKILL by default: SLURM's KillWait, Kubernetes'
@@ -106,7 +106,7 @@ class GracefulStop:
         finally:
             self._phase = "after"
 
-    def __enter__(self) -> "GracefulStop":
+    def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN:  # nohup's

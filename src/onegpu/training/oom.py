@@ -58,8 +58,8 @@ def recover(error, model, micro: int, pieces: int, accum: int, step: int, enable
     """
     import gc
 
-    from onegpu import measure
     from onegpu.errors import UserError
+    from onegpu.measure import memory
     if not enabled:
         raise error
     if pieces * 2 > micro:
@@ -68,7 +68,7 @@ def recover(error, model, micro: int, pieces: int, accum: int, step: int, enable
                         "or use a smaller model") from error
     model.zero_grad(set_to_none=True)
     gc.collect()
-    measure.empty_cache()
+    memory.empty_cache()
     old, new = (micro // pieces, accum * pieces), (micro // (pieces * 2), accum * pieces * 2)
     events.append({"step": step, "old": f"{old[0]} x {old[1]}", "new": f"{new[0]} x {new[1]}",
                    "micro_batch": new[0]})

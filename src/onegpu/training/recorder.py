@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from onegpu import measure
 from onegpu.errors import UserError
 from onegpu.formatting import duration, gib, mib
+from onegpu.measure import memory
 
 
 class TrainingDiverged(UserError):
@@ -100,7 +100,7 @@ class StepRecorder:
 
     ``loss``, ``grad_norm``, ``learning_rate`` (given by the backend), ``step_time_s`` (wall seconds
     since the previous step ended, data loading and all micro-batches included), ``samples_per_second``,
-    ``tokens_per_second`` (non-padding tokens), ``mem_peak_bytes`` (see :mod:`onegpu.measure`), and the
+    ``tokens_per_second`` (non-padding tokens), ``mem_peak_bytes`` (see :mod:`onegpu.measure.memory`), and the
     step's item counts ``step_examples``, ``step_tokens``, ``step_targets`` (:data:`ITEM_COUNTS`).
     Rows are kept in ``self.rows`` for plots and the summary; each is also sent to ``sink``.
 
@@ -131,35 +131,35 @@ class StepRecorder:
 
     def probe_activations(self, model, batch: dict, loss_fn) -> None:
         """Record ``mem_activation_bytes`` for one micro-batch and ``mem_autocast_weights_bytes`` (the
-        bf16/fp16 weight copies autocast keeps for backward; 0 in fp32): :func:`onegpu.measure.saved_bytes`."""
-        saved = measure.saved_bytes(model, batch, loss_fn)
+        bf16/fp16 weight copies autocast keeps for backward; 0 in fp32): :func:`onegpu.measure.memory.saved_bytes`."""
+        saved = memory.saved_bytes(model, batch, loss_fn)
         self.breakdown["mem_activation_bytes"] = saved["activations"]
-        self.breakdown[measure.AUTOCAST_WEIGHTS] = saved["autocast_weights"]
+        self.breakdown[memory.AUTOCAST_WEIGHTS] = saved["autocast_weights"]
 
     def record_states(self, model, optimizer) -> None:
         """Record params/grads/optimizer bytes once, right after the first optimizer step."""
         if "mem_optimizer_bytes" not in self.breakdown:
-            self.breakdown.update(measure.state_bytes(model, optimizer))
+            self.breakdown.update(memory.state_bytes(model, optimizer))
 
     def start(self) -> None:
-        measure.synchronize(self.device)
-        measure.reset_peak(self.device)
-        self._watch = measure.Stopwatch()
+        memory.synchronize(self.device)
+        memory.reset_peak(self.device)
+        self._watch = memory.Stopwatch()
         self._wall_start = time.time()
         self.counter.take_all()
 
     def end_step(self, step: int) -> None:
-        measure.synchronize(self.device)
+        memory.synchronize(self.device)
         dt = self._watch.lap()
         samples, tokens, targets, tokens_sq = self.counter.take_all()
         if self.window_start is None:
             self.window_start = self._wall_start
         self.window_end = time.time()
-        peak = measure.peak_bytes(self.device)
+        peak = memory.peak_bytes(self.device)
         self._pending[step] = _whole_step(dt, samples, tokens, targets, tokens_sq, peak, self.device)
-        for k, v in measure.cuda_peaks(self.device).items():
+        for k, v in memory.cuda_peaks(self.device).items():
             self._cuda_peaks[k] = max(v, self._cuda_peaks.get(k, 0))
-        measure.reset_peak(self.device)
+        memory.reset_peak(self.device)
 
     def log(self, step: int, loss: float, grad_norm: float | None, learning_rate: float | None) -> None:
         row = self._pending.pop(step, None)
@@ -176,8 +176,8 @@ class StepRecorder:
         max over steps) and ``mem_rss_peak_bytes`` (process peak RSS over the steps, any device)."""
         out = dict(self.breakdown)
         out.update(self._cuda_peaks)
-        rss = measure.rss_peak_bytes()
-        if not measure.is_cuda(self.device) and self.rows:
+        rss = memory.rss_peak_bytes()
+        if not memory.is_cuda(self.device) and self.rows:
             rss = max(rss, max(r["mem_peak_bytes"] for r in self.rows))
         out["mem_rss_peak_bytes"] = rss
         return out
@@ -190,7 +190,7 @@ class StepRecorder:
 
     def tokens_sq(self) -> int | None:
         """Sum over the trained examples of their squared non-padding length (the attention term of
-        :func:`onegpu.flops.train_flops`); None when a step has no count (rows from an older checkpoint)."""
+        :func:`onegpu.measure.flops.train_flops`); None when a step has no count (rows from an older checkpoint)."""
         if not self.rows or any("tokens_sq" not in r for r in self.rows):
             return None
         return sum(r["tokens_sq"] for r in self.rows)
@@ -258,11 +258,11 @@ def progress_line(step: int, total: int, rows: list[dict], device) -> str:
     this step's): loss, throughput over the last row, step time, peak memory and the time left.
 
     Example: ``step 20/32 | loss 1.2034 | 41.3 samples/s | 0.39 s/step | peak 1.69 GiB RSS | 5 s left``.
-    Memory is the step's peak: the CUDA allocator's on a GPU, the process RSS on a CPU (:mod:`onegpu.measure`).
+    Memory is the step's peak: the CUDA allocator's on a GPU, the process RSS on a CPU (:mod:`onegpu.measure.memory`).
     Time left: mean step time of the rows so far x steps to go.
     """
     row = rows[-1]
-    where = "allocated" if measure.is_cuda(device) else "RSS"
+    where = "allocated" if memory.is_cuda(device) else "RSS"
     mean = sum(r["step_time_s"] for r in rows) / len(rows)
     left = max(total - step, 0) * mean
     return (f"step {step}/{total} | loss {row['loss']:.4f} | {row.get('samples_per_second', 0):.1f} samples/s | "
@@ -280,14 +280,14 @@ def closing_line(summary: dict, layout, device: str, budget: int | None, run_id:
             f"{f' x {r.world_size} processes' if r.world_size > 1 else ''}), "
             f"train_loss {summary.get('train_loss', float('nan')):.4f}, {summary.get('train_runtime', 0):.1f} s, "
             f"{peak_text(summary.get('train_mem_peak_bytes', 0), device, budget)} "
-            f"on {measure.device_name(device)}; MLflow run {run_id}")
+            f"on {memory.device_name(device)}; MLflow run {run_id}")
 
 
 def peak_text(peak: int, device: str, budget: int | None) -> str:
     """The peak memory for the closing line, saying what it measures. On a CPU it is the process RSS,
     which holds the Python runtime, the libraries and the data besides the training state, so it
     exceeds an ``auto`` budget (which covers the probed training state only)."""
-    if measure.is_cuda(device):
+    if memory.is_cuda(device):
         return f"peak {mib(peak)} allocated"
     text = f"peak {mib(peak)} process RSS"
     if budget is not None:

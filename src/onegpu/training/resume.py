@@ -17,7 +17,7 @@ import random
 import shutil
 from dataclasses import dataclass, field
 
-from onegpu import measure
+from onegpu.measure import memory
 
 STATE_FILE = "onegpu_state.json"
 
@@ -40,7 +40,7 @@ class ResumePoint:
     micro_batch: int | None = None
 
     @classmethod
-    def from_state(cls, path: str, state: dict) -> "ResumePoint":
+    def from_state(cls, path: str, state: dict) -> ResumePoint:
         """From a folder and its parsed ``onegpu_state.json`` (keys as :func:`write_state` writes them)."""
         micro = state.get("micro_batch")
         return cls(path=path, step=int(state["step"]), rows=list(state.get("rows", [])),
@@ -101,7 +101,7 @@ def save_loop_state(checkpoint_dir, step: int, model, optimizer, scheduler, reco
         torch.save(optimizer.state_dict(), os.path.join(d, "optimizer.pt"))
         torch.save(scheduler.state_dict(), os.path.join(d, "scheduler.pt"))
         rng = {"cpu": torch.get_rng_state()}
-        if measure.cuda_available():
+        if memory.cuda_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         torch.save(rng, os.path.join(d, "rng_state.pt"))
         np_state = np.random.get_state()
@@ -128,7 +128,7 @@ def load_rng(checkpoint: str) -> None:
     import torch
     rng = torch.load(os.path.join(checkpoint, "rng_state.pt"), weights_only=True)
     torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and measure.cuda_available():
+    if "cuda" in rng and memory.cuda_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     with open(os.path.join(checkpoint, "rng_state.json")) as f:
         other = json.load(f)

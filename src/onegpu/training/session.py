@@ -18,16 +18,17 @@ import dataclasses
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-from onegpu import measure, models, outside_load, paths
-from onegpu.config import (Config, DeviceFacts, Resolved, TrainConfig, check_device, flatten, resolve,
-                           with_layout)
+from onegpu import paths
+from onegpu.config import Config, DeviceFacts, Resolved, TrainConfig, check_device, flatten, resolve, with_layout
 from onegpu.equivalence import equivalence_key, resolved_params, run_config_hash
 from onegpu.errors import ConfigError, DataError, DiskFullError, ModelError
 from onegpu.formatting import gib, size
+from onegpu.measure import memory, outside_load
+from onegpu.models import loader
 from onegpu.training.interrupt import GracefulStop, Interrupted
 from onegpu.training.resume import ResumePoint, tidy_other_checkpoints
 
@@ -86,7 +87,7 @@ class TrainResult:
     summary metrics logged to the run, the plan with its final layout, the MLflow run and experiment ids,
     ``saved_config`` (model config values to put back before saving, e.g. ``use_cache``) and
     ``train_s`` (wall seconds inside the backend's ``train``) and ``outside_load`` (what other processes
-    took of the machine meanwhile, :mod:`onegpu.outside_load`; None when unmeasured)."""
+    took of the machine meanwhile, :mod:`onegpu.measure.outside_load`; None when unmeasured)."""
     model: object
     tokenizer: object
     steps: object
@@ -127,12 +128,12 @@ def load_stats() -> dict:
 
 def check_flattened(cfg: Config) -> None:
     """Raises ConfigError, before any work, when ``data.padding_free`` or ``data.packing`` asks for rows
-    of several sequences and the model cannot keep them apart (:func:`onegpu.models.packed_sequences_problem`)."""
+    of several sequences and the model cannot keep them apart (:func:`onegpu.models.loader.packed_sequences_problem`)."""
     from onegpu.training.batches import flattened
     if not flattened(cfg):
         return
     key = "data.packing" if cfg.data.packing else "data.padding_free"
-    problem = models.packed_sequences_problem(models.resolve_model_path(cfg.model.name_or_path),
+    problem = loader.packed_sequences_problem(loader.resolve_model_path(cfg.model.name_or_path),
                                               cfg.model.attn_implementation)
     if problem:
         raise ConfigError(f"params.yaml: {key}: {problem}; set {key}: false")
@@ -142,7 +143,7 @@ def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = Non
     """The :class:`TrainPlan` for ``cfg`` on the prepared data ``stats`` (None: read data/stats.json after
     the device checks, so a bad precision flag is named before missing data); fails before any work.
 
-    ``facts``: the machine (None: :func:`onegpu.measure.device_facts`). The device is ``cuda:LOCAL_RANK``
+    ``facts``: the machine (None: :func:`onegpu.measure.memory.device_facts`). The device is ``cuda:LOCAL_RANK``
     with CUDA (each process of a multi-process launch on its own GPU), else ``cpu``.
     Raises:
         ConfigError: a combination this machine cannot run (:func:`onegpu.config.check_device`); ``auto``
@@ -151,7 +152,7 @@ def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = Non
     """
     from onegpu.training import distributed
     from onegpu.training.resume import latest_checkpoint
-    facts = measure.device_facts() if facts is None else facts
+    facts = memory.device_facts() if facts is None else facts
     check_device(cfg, facts)
     check_flattened(cfg)  # the model's side: can it keep a flattened row's sequences apart?
     device = f"cuda:{distributed.local_rank()}" if facts.cuda else "cpu"
@@ -159,7 +160,7 @@ def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = Non
     auto = cfg.train.per_device_train_batch_size == "auto"
     budget = None
     if auto:
-        from onegpu import autobatch
+        from onegpu.training import autobatch
         budget = autobatch.budget_bytes(cfg.train.memory_budget_gib, device)
     ckpt_dir = paths.checkpoint_dir(run_config_hash(cfg, stats["fingerprint"]))
     resume = latest_checkpoint(ckpt_dir)
@@ -177,31 +178,31 @@ def build_model(cfg: Config, stats: dict, tokenizer=None):
     ``stats``: needs ``labels`` (a classifier's classes); ``tokenizer``: None loads the model's (or
     prepare's, for a model built from config).
 
-    With ``model.lora`` the model is a ``peft.PeftModel`` (:func:`onegpu.lora.apply`).
+    With ``model.lora`` the model is a ``peft.PeftModel`` (:func:`onegpu.models.lora.apply`).
     Raises:
         ModelError: ``train.gradient_checkpointing`` on a model that does not support it (or its
             ``gradient_checkpointing_blocks``); LoRA target
             modules that match nothing.
     """
     from transformers import set_seed
-    path = models.resolve_model_path(cfg.model.name_or_path)
+    path = loader.resolve_model_path(cfg.model.name_or_path)
     task = cfg.model.task
     if tokenizer is None:
-        tokenizer = models.load_tokenizer(str(paths.TOKENIZER) if path is None else path, task)
+        tokenizer = loader.load_tokenizer(str(paths.TOKENIZER) if path is None else path, task)
     set_seed(cfg.train.seed)
     if task == "causal-lm":
-        model = models.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout,
+        model = loader.build_causal_lm(path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout,
                                        cfg.model.attn_implementation)
     else:
-        model = models.build_classifier(path, stats["labels"], cfg.model.dropout, cfg.model.attn_implementation)
-    if cfg.train.gradient_checkpointing and not models.supports_checkpointing(model):
+        model = loader.build_classifier(path, stats["labels"], cfg.model.dropout, cfg.model.attn_implementation)
+    if cfg.train.gradient_checkpointing and not loader.supports_checkpointing(model):
         raise ModelError(f"train.gradient_checkpointing: {type(model).__name__} does not support "
                          "activation checkpointing; set it to false")
     if cfg.train.gradient_checkpointing:
         from onegpu.training import checkpointing
         checkpointing.check_supported(model, cfg.train)
     if cfg.model.lora_adapters is not None:
-        from onegpu import lora
+        from onegpu.models import lora
         model = lora.apply(model, cfg.model.lora_adapters, task, cfg.train.gradient_checkpointing)
     return model, tokenizer
 
@@ -291,7 +292,7 @@ def _run(plan: TrainPlan, tracker, dsd, run_id: str, rows: list, stop: GracefulS
             _flushed(buffer), _closing_record(tracker, run_id, rows, load, config_name(plan.cfg), figure=not probe):
         tracker.log_params(run_id, flatten(plan.cfg.to_dict()))
         model, tokenizer = built or build_model(plan.cfg, plan.stats, tokenizer)
-        tracker.set_tags(run_id, models.describe(model))
+        tracker.set_tags(run_id, loader.describe(model))
         # Training switches the KV cache off (Trainer and checkpointing); the saved model gets it back.
         saved_config = {"use_cache": model.config.use_cache} if hasattr(model.config, "use_cache") else {}
         plan = _with_layout(plan, model, tokenizer, dsd, tracker, run_id)
@@ -356,7 +357,7 @@ def _start_run(plan: TrainPlan, tracker, name: str | None = None, tidy: bool = T
         return tracker.start_run(None, {})
     from onegpu import tracking
     tags = {**tracking.run_context_tags(), "stage": "train", "equivalence_key": plan.key,
-            "device": measure.device_name(plan.device), "data.fingerprint": plan.fingerprint}
+            "device": memory.device_name(plan.device), "data.fingerprint": plan.fingerprint}
     if tidy:
         tidy_other_checkpoints(plan.checkpoint_dir, plan.key, flatten(plan.cfg.to_dict()), plan.fingerprint,
                                tracker.find_run, announce=True)
@@ -389,14 +390,14 @@ def _with_layout(plan: TrainPlan, model, tokenizer, dsd, tracker, run_id: str) -
 
 
 def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: str) -> int:
-    """Run the ``auto`` finder (:mod:`onegpu.autobatch`); print and log its probes."""
-    from onegpu import autobatch
+    """Run the ``auto`` finder (:mod:`onegpu.training.autobatch`); print and log its probes."""
+    from onegpu.training import autobatch
     from onegpu.training.batches import train_collator, training_rows
     from onegpu.training.loss import loss_for
     cfg, device, budget = plan.cfg, plan.device, plan.budget
     task = cfg.model.task
     model.to(device)
-    models.no_kv_cache(model)  # as training runs it
+    loader.no_kv_cache(model)  # as training runs it
     if cfg.train.gradient_checkpointing:
         from onegpu.training import checkpointing
         checkpointing.enable(model, cfg.train)
@@ -412,7 +413,7 @@ def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: s
     distributed.print_main(
         f"auto micro-batch: {micro} x {cfg.train.effective_batch_size // (micro * world)} accumulation{procs} = "
         f"{cfg.train.effective_batch_size} (budget {gib(budget)}, longest training rows"
-        f"{_BUDGET_CPU if not measure.is_cuda(device) else ''})\n{table}")
+        f"{_BUDGET_CPU if not memory.is_cuda(device) else ''})\n{table}")
     tracker.log_dict(run_id, {"budget_bytes": budget, "probes": [p.as_row() for p in probes]},
                      "auto_micro_batch.json")
     tracker.log_text(run_id, table + "\n", "auto_micro_batch.md")
@@ -431,10 +432,10 @@ def _log_results(plan: TrainPlan, tracker, run_id: str, buffer, model, steps) ->
                                   "oom_retry.final_split": steps.events[-1]["new"]})
     summary = steps.summary()
     summary.update(steps.memory())
-    from onegpu import flops
+    from onegpu.measure import flops
     speed, speed_params, speed_tags = flops.speed_metrics(
         model, summary, plan.cfg.train.num_processes, plan.cfg.train.mixed_precision, plan.device,
-        measure.device_name(plan.device), steps.tokens_sq())
+        memory.device_name(plan.device), steps.tokens_sq())
     if "train_mfu.unknown_reason" in speed_tags:
         print(f"train: {speed_tags['train_mfu.unknown_reason']}")
     summary.update(speed)
@@ -512,7 +513,7 @@ def _own_tree_root() -> int:
 
 
 @contextlib.contextmanager
-def _closing_record(tracker, run_id: str, rows: list, load: "outside_load.Watch", title: str, figure: bool = True):
+def _closing_record(tracker, run_id: str, rows: list, load: outside_load.Watch, title: str, figure: bool = True):
     """On the way out, finished or not (rank 0 only): the outside load over the training window as the
     tag ``onegpu.outside_load`` and the metric ``train_outside_cpu_load`` (a line printed when the run
     was under load), and (``figure``) the run's figure (:mod:`onegpu.training.figure`) of the steps measured.

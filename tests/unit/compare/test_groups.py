@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from onegpu import compare as eq
-from tests.unit.compare.records import KEY, drifted, record, windowed
 from tests.tables import row
+from tests.unit.compare.records import KEY, drifted, record, windowed
 
 
 def test_reference_is_largest_micro_batch_then_no_checkpointing_then_earliest():

@@ -7,8 +7,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from onegpu.compare import plots  # noqa: E402
-from onegpu.compare import INCOMPLETE, RunRecord, compare  # noqa: E402
+from onegpu.compare import (  # noqa: E402
+    INCOMPLETE,
+    RunRecord,
+    compare,
+    plots,  # noqa: E402
+)
 
 KEY_A, KEY_B = "a1b2c3d4e5f60718a1b2c3d4", "b0b0b0b0b0b0b0b0b0b0b0b0"
 LOSS = [(1, 1.6), (2, 1.4), (3, 1.1), (4, 0.9)]

@@ -44,7 +44,10 @@ def comparison() -> eq.Comparison:
     return eq.compare(runs)
 
 
-from tests.tables import cells, row as _row  # noqa: E402
+from tests.tables import (
+    cells,  # noqa: E402
+    row as _row,
+)
 
 
 def test_markdown_sections_in_order(comparison):
@@ -129,6 +132,7 @@ def test_terminal_table(comparison):
 
 def _loaded(name, micro, accum, share: float, sps: float):
     import json
+
     from tests.unit.compare.records import record
     r = record(name, micro, accum, sps=sps)
     r.tags["onegpu.outside_load"] = json.dumps({"cpu_busy": 2 * share, "cpus": 2, "share": share,

@@ -8,7 +8,6 @@ import pytest
 
 from onegpu import config
 from onegpu.equivalence import key as eqkey
-
 from tests import defaults
 
 

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
 import time
-from pathlib import Path
 
 import pytest
 
 from onegpu import cli, config, tracking
-
 from tests import defaults
 from tests.tables import row
+
 KEY_A = "a1b2c3d4e5f60718"
 KEY_B = "b0b0b0b0b0b0b0b0"
 STEPS = 6

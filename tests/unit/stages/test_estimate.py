@@ -16,9 +16,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from onegpu import autobatch, lora  # noqa: E402
 from onegpu.config import from_container  # noqa: E402
-from onegpu.training import checkpointing  # noqa: E402
+from onegpu.models import lora
+from onegpu.training import (
+    autobatch,  # noqa: E402
+    checkpointing,  # noqa: E402
+)
 from onegpu.training.batches import collator_for, model_inputs  # noqa: E402
 from onegpu.training.loss import classification_loss  # noqa: E402
 from tests.unit.tiny import WORDS, tiny_bert, tokenizer  # noqa: E402
@@ -48,7 +51,7 @@ def _fresh_accelerator_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _uniform_rows(n: int = 8):
     """``n`` texts of 40+ words, all truncated to 32 tokens: one padded length for every probe."""
     from datasets import ClassLabel, Dataset, DatasetDict
@@ -79,7 +82,7 @@ def _model(cfg):
     return model
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def estimated_and_measured(knob: str) -> tuple[dict, dict]:
     """(the estimate for one micro-batch of ``MICRO`` rows, the run's memory breakdown), bytes."""
     cfg = _cfg(knob)
@@ -132,11 +135,11 @@ def test_estimate_sees_what_each_knob_changes():
 def test_estimate_stage_says_which_precision_and_attention_it_estimated_for(monkeypatch, capsys):
     """The stage runs the probes under the configured autocast and names precision, attention kernel,
     optimizer and LoRA in its header (model building and data reading replaced by the tiny ones)."""
-    from onegpu import models
+    from onegpu.models import loader
     from onegpu.stages import estimate as stage
     dsd = _uniform_rows()
     monkeypatch.setattr(stage, "_rows", lambda cfg, path: (dsd, tokenizer(), "test rows"))
-    monkeypatch.setattr(models, "build_classifier", lambda path, labels, dropout, attn: tiny_bert(attn))
+    monkeypatch.setattr(loader, "build_classifier", lambda path, labels, dropout, attn: tiny_bert(attn))
     cfg = from_container({"model": {"attn_implementation": "eager", "lora": {"r": 4, "target_modules": ["query"]}},
                           "train": {"bf16": True, "optim": "adafactor"}}, source="test")
     est = stage.run(cfg, [MICRO])

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from onegpu import models  # noqa: E402
+from onegpu.models import loader  # noqa: E402
 from onegpu.stages import train as train_stage  # noqa: E402
 
 
@@ -19,7 +19,7 @@ def test_saved_causal_lm_gets_its_kv_cache_back_after_checkpointed_training(tmp_
                                        bos_token_id=0, eos_token_id=0))
     before = {"use_cache": model.config.use_cache}
     assert before == {"use_cache": True}
-    models.enable_checkpointing(model)
+    loader.enable_checkpointing(model)
     assert model.config.use_cache is False
     train_stage._save_model(model, tmp_path, before)
     assert json.loads((tmp_path / "config.json").read_text())["use_cache"] is True

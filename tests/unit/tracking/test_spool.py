@@ -10,7 +10,6 @@ from mlflow.exceptions import MlflowException, RestException
 
 from onegpu import tracking
 
-
 # -- is_outage: by type, not by message ---------------------------------------------------------------
 
 def _rest_wrapped(cause: Exception) -> MlflowException:

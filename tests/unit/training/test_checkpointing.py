@@ -10,13 +10,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.unit.tiny import dataset, tiny_bert, tokenizer  # noqa: E402
-
-from onegpu import measure  # noqa: E402
 from onegpu.config import TrainConfig, from_container, resolve  # noqa: E402
 from onegpu.errors import ConfigError, ModelError  # noqa: E402
+from onegpu.measure import memory  # noqa: E402
 from onegpu.training import checkpointing  # noqa: E402
 from onegpu.training.loss import causal_lm_loss, classification_loss  # noqa: E402
+from tests.unit.tiny import dataset, tiny_bert, tokenizer  # noqa: E402
 
 # (every_n_layers, blocks, use_reentrant): the settings the tests run
 SETTINGS = [(1, "layer", False), (2, "layer", False), (1, "layer", True), (1, "attention", False),
@@ -131,7 +130,7 @@ def act_bytes(build, batch, loss_fn, setting) -> int:
     model = build()
     if setting is not None:
         checkpointing.enable(model, train_cfg(*setting))
-    return measure.activation_bytes(model, batch, loss_fn)
+    return memory.activation_bytes(model, batch, loss_fn)
 
 
 @pytest.mark.parametrize("arch", ["bert", "gpt2"])
@@ -218,7 +217,7 @@ def test_the_granularity_is_out_of_the_equivalence_key():
 def test_estimate_reports_the_configured_granularity():
     """``onegpu estimate``'s "with checkpointing" column comes from checkpointing.enable with the params'
     granularity (as the stage passes it): attention-only keeps more than whole layers, less than none."""
-    from onegpu import autobatch
+    from onegpu.training import autobatch
     from onegpu.training.batches import collator_for, model_inputs
     rows = model_inputs(dataset(24), "sequence-classification")["train"].add_column(
         "length", dataset(24)["train"]["length"])

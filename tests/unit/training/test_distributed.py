@@ -77,11 +77,10 @@ def _trainer_worker(rank: int, port: int, out_dir: str, inject_rank: int) -> Non
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     distributed.TIMEOUT_S = 60  # a desynchronised all-reduce fails the test in a minute, not ten
-    from tests.unit import tiny as tb
-
     from onegpu.config import from_container
     from onegpu.training.backends import hf_trainer
     from onegpu.training.backends.base import TrainRequest
+    from tests.unit import tiny as tb
     cfg = from_container({"model": {"dropout": 0.0}, "train": {
         "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 2, "num_processes": 2,
         "learning_rate": 1e-3, "seed": 7, "logging_steps": 1}}, source="test")

@@ -104,11 +104,10 @@ def test_progress_line_names_step_loss_speed_memory_and_time_left():
 @pytest.mark.parametrize("backend", ["trainer", "accelerate"])
 def test_training_prints_onegpu_progress_not_hf_log_dicts(backend, capsys):
     pytest.importorskip("torch")
-    from tests.unit.tiny import dataset, tiny_bert, tokenizer
-
     import importlib
 
     from onegpu.config import from_container
+    from tests.unit.tiny import dataset, tiny_bert, tokenizer
     cfg = from_container({"model": {"dropout": 0.0},
                           "train": {"backend": backend, "per_device_train_batch_size": 4,
                                     "gradient_accumulation_steps": 2, "max_steps": 3, "logging_steps": 2}},

@@ -56,7 +56,7 @@ def test_a_combination_the_machine_cannot_run_stops_the_plan_before_the_data_is_
 def test_the_auto_finder_probes_under_the_trainings_precision(tmp_path, monkeypatch, tokenizer, dsd):
     """With bf16 the finder must probe under autocast (bf16 activations are smaller, so a larger
     micro-batch fits); the session used to call it without the precision."""
-    from onegpu import autobatch
+    from onegpu.training import autobatch
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
     seen = {}
 
@@ -109,7 +109,7 @@ def test_a_training_run_logs_its_outside_load_its_figure_and_a_name_from_its_par
     """Issue 20 items 3 and 8: the run carries what other processes took of the machine while it trained
     (tag onegpu.outside_load, metric train_outside_cpu_load), a PNG of loss/grad_norm/memory/speed per step,
     and, outside a DVC experiment, a name from its settings instead of MLflow's random one."""
-    from onegpu import outside_load
+    from onegpu.measure import outside_load
     from onegpu.training import figure
     run_id, client = _tiny_run(fresh_root, tokenizer, dsd, gradient_checkpointing=True)
     run = client.get_run(run_id)
@@ -131,7 +131,7 @@ def test_a_training_run_logs_its_outside_load_its_figure_and_a_name_from_its_par
 
 
 def test_a_failed_training_still_logs_the_figure_of_the_steps_it_measured(fresh_root, tokenizer, dsd):
-    from onegpu import outside_load
+    from onegpu.measure import outside_load
     from onegpu.training import figure
     run_id, client = _tiny_run(fresh_root, tokenizer, dsd, fail_at=2)
     run = client.get_run(run_id)

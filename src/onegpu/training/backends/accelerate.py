@@ -26,15 +26,15 @@ import math
 from dataclasses import dataclass
 from functools import partial
 
-from onegpu import measure
 from onegpu.config import Config
+from onegpu.measure import memory
 from onegpu.training import checkpointing, distributed, oom
-from onegpu.training.batches import probe_batch, train_collator, train_set
 from onegpu.training.backends.base import TrainRequest
-from onegpu.training.resume import load_loop_state, load_rng, save_loop_state
+from onegpu.training.batches import probe_batch, train_collator, train_set
 from onegpu.training.interrupt import Interrupted
 from onegpu.training.loss import count_items, loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
+from onegpu.training.resume import load_loop_state, load_rng, save_loop_state
 
 # Parameter names that get no weight decay: Trainer.get_decay_parameter_names (transformers/trainer.py).
 NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
@@ -157,7 +157,7 @@ def _build(req: TrainRequest) -> _Loop:
     # Data order as Trainer's: a RandomSampler that Accelerate replaces by its SeedableRandomSampler,
     # reseeded with data_seed + epoch at each epoch (transformers' AcceleratorConfig has
     # use_seedable_sampler=True; hf_trainer sets data_seed = train.seed; accelerate/data_loader.py).
-    cuda = measure.cuda_available()
+    cuda = memory.cuda_available()
     if cuda:  # as TrainingArguments sets train.tf32 (transformers' enable_tf32); a no-op on CPU
         from transformers.utils.import_utils import enable_tf32, is_torch_tf32_available
         if t.tf32 or is_torch_tf32_available():
@@ -305,7 +305,7 @@ def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> No
             loss_value, norm_value = values.tolist()  # the step's one host sync
             recorder.log(step, loss_value, norm_value, float(lr))
             if t.torch_empty_cache_steps and step % t.torch_empty_cache_steps == 0:
-                measure.empty_cache()
+                memory.empty_cache()
             _after_step(lp, req, recorder, step)
             if step >= lp.total_steps:
                 return

@@ -9,8 +9,9 @@ must be honoured, or the config must refuse the combination with one line.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from onegpu.config import Config
@@ -43,11 +44,11 @@ class TrainRequest:
     model: Any
     tokenizer: Any
     dsd: Any
-    cfg: "Config"
+    cfg: Config
     sink: Callable[[dict, int], None]
     checkpoint_dir: Any = None
-    stop: "GracefulStop | None" = None
-    resume: "ResumePoint | None" = None
+    stop: GracefulStop | None = None
+    resume: ResumePoint | None = None
     checkpoint_meta: dict | None = None
     oom_injector: Callable[[int, int], bool] | None = None
 
@@ -55,7 +56,7 @@ class TrainRequest:
 class Backend(Protocol):
     """What the training session calls (:func:`onegpu.training.session.train`)."""
 
-    def train(self, request: TrainRequest) -> "tuple[object, StepRecorder]":
+    def train(self, request: TrainRequest) -> tuple[object, StepRecorder]:
         """Fine-tune ``request.model`` on ``request.dsd['train']``.
 
         Returns:

@@ -15,15 +15,14 @@ import tempfile
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 
-from onegpu import measure
 from onegpu.config import Config
+from onegpu.measure import memory
 from onegpu.training import checkpointing, distributed, oom
-from onegpu.training.batches import probe_batch, train_collator, train_set
 from onegpu.training.backends.base import TrainRequest
-from onegpu.training.resume import complete
+from onegpu.training.batches import probe_batch, train_collator, train_set
 from onegpu.training.loss import count_items, loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
-
+from onegpu.training.resume import complete
 
 # Whole-layer checkpointing through Trainer: transformers' current name is ``activation_checkpointing``
 # (with ``every_n_layers`` in its kwargs). Earlier 5.x releases (5.17, say) have only
@@ -64,7 +63,7 @@ def training_arguments(cfg: Config, output_dir: str) -> TrainingArguments:
     of such a step): :class:`EmptyCache` does it once per N optimizer steps, as the accelerate backend.
     """
     t = cfg.train
-    cuda = measure.cuda_available()
+    cuda = memory.cuda_available()
     return TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=t.per_device_train_batch_size,
@@ -274,7 +273,7 @@ class EmptyCache(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):
         if state.global_step % self.every == 0:
-            measure.empty_cache()
+            memory.empty_cache()
 
 
 class StopCallback(TrainerCallback):

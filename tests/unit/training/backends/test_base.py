@@ -17,7 +17,8 @@ from onegpu.config import from_container  # noqa: E402
 from onegpu.training.backends.base import TrainRequest  # noqa: E402
 from tests.unit.tiny import LOSS_TOL, NORM_TOL, dataset, interrupt_at_step_2, tiny_bert, tokenizer  # noqa: E402
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def run(backend: str, micro: int, accum: int, n: int = 24, max_steps: int = 3, epochs: float = 1.0,
         optim: str = "adamw_torch", lr: float = 1e-3, warmup: float = 0.0, max_grad_norm: float = 1.0,
         checkpointing: bool = False, attn: str | None = None, extra: tuple = ()) -> tuple[list[dict], list[str], bool, dict]:
@@ -254,9 +255,9 @@ def test_sdpa_and_eager_attention_give_the_same_losses(backend):
 
 @pytest.mark.parametrize("backend", ["trainer", "accelerate"])
 def test_empty_cache_runs_every_n_optimizer_steps_on_both_backends(backend, monkeypatch):
-    from onegpu import measure
+    from onegpu.measure import memory
     calls = []
-    monkeypatch.setattr(measure, "empty_cache", lambda: calls.append(1))
+    monkeypatch.setattr(memory, "empty_cache", lambda: calls.append(1))
     run.__wrapped__(backend, 4, 2, max_steps=4, extra=(("torch_empty_cache_steps", 2),))
     assert len(calls) == 2  # after optimizer steps 2 and 4
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from datasets import ClassLabel, Dataset, DatasetDict
 
-from onegpu import config, models
+from onegpu import config
+from onegpu.models import loader
 from onegpu.training.backends import hf_trainer
 from onegpu.training.backends.base import TrainRequest
 from onegpu.training.batches import CausalLMCollator
@@ -19,7 +20,7 @@ from onegpu.training.batches import CausalLMCollator
 def test_trainer_step_loss_equals_the_models_own_loss_over_the_effective_batch(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     texts = [" ".join(f"w{(i * 7 + j) % 50}" for j in range(5 + (i * 5) % 23)) for i in range(8)]
-    tok = models.train_bpe_tokenizer(texts, 300)
+    tok = loader.train_bpe_tokenizer(texts, 300)
     ds = Dataset.from_dict({"text": texts, "label": ["x"] * 8}).cast_column("label", ClassLabel(names=["x"]))
     dsd = DatasetDict(train=ds, validation=ds, test=ds).map(
         lambda b: tok([t + tok.eos_token for t in b["text"]], truncation=True, max_length=32), batched=True)
@@ -29,7 +30,7 @@ def test_trainer_step_loss_equals_the_models_own_loss_over_the_effective_batch(t
         "train": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 1,
                   "learning_rate": 1e-3, "logging_steps": 100}})
     torch.manual_seed(0)
-    model = models.build_causal_lm(None, tok, cfg.model, 32, 0.0)
+    model = loader.build_causal_lm(None, tok, cfg.model, 32, 0.0)
     reference = type(model)(model.config)
     reference.load_state_dict(model.state_dict())
     losses = []

@@ -31,7 +31,7 @@ MODEL_FILES = ("config.json", "model.safetensors")
 
 
 def cache_root() -> Path:
-    """The per-user cache (the rule of :func:`onegpu.flops.cache_file`): ``$ONEGPU_CACHE_DIR``, else
+    """The per-user cache (the rule of :func:`onegpu.measure.flops.cache_file`): ``$ONEGPU_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/onegpu``, else ``~/.cache/onegpu``; read at call time."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])

@@ -10,9 +10,9 @@ Memory of one training step with micro-batch m (bytes):
 
     params + grads + optimizer states + activations(m)
 
-where activations(m) are the bytes autograd saves for backward (:func:`onegpu.measure.activation_bytes`);
+where activations(m) are the bytes autograd saves for backward (:func:`onegpu.measure.memory.activation_bytes`);
 under bf16/fp16 autocast the 2-byte weight copies it keeps for backward are added (a fixed amount,
-:func:`onegpu.measure.saved_bytes`).
+:func:`onegpu.measure.memory.saved_bytes`).
 On CUDA a probe runs a real forward and backward and reads the allocator peak (an out-of-memory
 error counts as "does not fit"), plus the optimizer states that do not exist yet. On CPU, where
 nothing runs out of memory by itself, the breakdown is used. Probes use the longest training rows,
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from onegpu import measure
 from onegpu.errors import ConfigError, UserError
 from onegpu.formatting import GiB, gib, markdown_table, mib
+from onegpu.measure import memory
 
 SAFETY = 0.9  # use at most 90% of the budget: allocator fragmentation, buffers, the next batch's copy
 
@@ -62,7 +62,7 @@ def optimizer_state_bytes(model, optim: str) -> int:
     buffer; Adafactor (``beta1`` None, as Trainer builds it): for a tensor of 2 or more dims, the factored
     second moment ``exp_avg_sq_row`` (shape[:-1]) + ``exp_avg_sq_col`` (shape[:-2] + shape[-1:]), else
     one full buffer (transformers.optimization.Adafactor ``step``); 0-dim ``RMS``/``step`` are left
-    out, as in :func:`onegpu.measure.state_bytes`. ``adamw_bnb_8bit`` (bitsandbytes ``Optimizer2State``
+    out, as in :func:`onegpu.measure.memory.state_bytes`. ``adamw_bnb_8bit`` (bitsandbytes ``Optimizer2State``
     with ``optim_bits=8``): two uint8 states plus one fp32 absmax per block of 256 for each of them on
     tensors of at least ``min_8bit_size`` = 4096 elements, two fp32 states on smaller ones (the two
     shared 256-entry quantization maps are left out).
@@ -87,7 +87,7 @@ def optimizer_state_bytes(model, optim: str) -> int:
 
 def state_bytes_predicted(model, optim: str) -> dict[str, int]:
     """Params (as held), grads (one per trainable parameter, same dtype) and optimizer states (bytes)."""
-    params = measure.tensors_bytes(model.parameters())
+    params = memory.tensors_bytes(model.parameters())
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return {"mem_params_bytes": params, "mem_grads_bytes": grads,
             "mem_optimizer_bytes": optimizer_state_bytes(model, optim)}
@@ -120,22 +120,22 @@ def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: in
     usable = int(budget_bytes * SAFETY)
     states = state_bytes_predicted(model, optim)
     probes: list[Probe] = []
-    cuda = measure.is_cuda(device)
+    cuda = memory.is_cuda(device)
     for m in divisors_desc(per_process):
         batch = _batch(dataset, collator, longest_rows(dataset, m), device)
         if cuda:
             try:
-                peak = measure.cuda_step_peak(model, batch, loss_fn, device,
+                peak = memory.cuda_step_peak(model, batch, loss_fn, device,
                                               autocast(mixed_precision, device)) + states["mem_optimizer_bytes"]
                 how = "measured (CUDA allocator)"
             except torch.OutOfMemoryError:
                 model.zero_grad(set_to_none=True)
-                measure.empty_cache()
+                memory.empty_cache()
                 probes.append(Probe(m, -1, usable, False, "out of memory"))
                 continue
         else:
             with autocast(mixed_precision, device):
-                peak = sum(states.values()) + sum(measure.saved_bytes(model, batch, loss_fn).values())
+                peak = sum(states.values()) + sum(memory.saved_bytes(model, batch, loss_fn).values())
             how = "breakdown"
         del batch
         probes.append(Probe(m, int(peak), usable, peak <= usable, how))
@@ -155,8 +155,8 @@ def budget_bytes(memory_budget_gib: float | None, device: str) -> int:
     """
     if memory_budget_gib is not None:
         return int(memory_budget_gib * GiB)
-    if measure.is_cuda(device):
-        return measure.free_bytes(device)
+    if memory.is_cuda(device):
+        return memory.free_bytes(device)
     raise ConfigError("params.yaml: train.memory_budget_gib: is required with per_device_train_batch_size: "
                       "auto on CPU (no device memory to read); give the GiB the training step may use")
 
@@ -198,14 +198,14 @@ def activation_line(model, dataset, collator, loss_fn, device: str = "cpu",
     Saved activations grow linearly with the rows of a micro-batch at a fixed padded length (every
     saved tensor has the batch dimension), so two probes fix the line. The probes run under
     :func:`autocast` for ``mixed_precision``, as the training does. Returns (a, b, padded length,
-    autocast weight copies): the copies (bytes, :func:`onegpu.measure.saved_bytes`; 0 in fp32) do not
+    autocast weight copies): the copies (bytes, :func:`onegpu.measure.memory.saved_bytes`; 0 in fp32) do not
     grow with m and are left out of the line.
     """
     longest = longest_rows(dataset, 1)[0]
     probe = {m: _batch(dataset, collator, [longest] * m, device) for m in (1, 2)}
     with autocast(mixed_precision, device):
-        s1 = measure.saved_bytes(model, probe[1], loss_fn)
-        a2 = measure.saved_bytes(model, probe[2], loss_fn)["activations"]
+        s1 = memory.saved_bytes(model, probe[1], loss_fn)
+        a2 = memory.saved_bytes(model, probe[2], loss_fn)["activations"]
     a1 = s1["activations"]
     return float(2 * a1 - a2), float(a2 - a1), int(probe[1]["input_ids"].shape[1]), s1["autocast_weights"]
 

@@ -24,14 +24,14 @@ def resolve_model_path(name_or_path: str | None) -> str | None:
     """Map ``model.name_or_path`` to what ``from_pretrained`` takes.
 
     Returns the packaged model's directory (for a GGUF-packaged model its converted copy in the per-user
-    cache, :func:`onegpu.packaged.converted_dir`), a local directory (checked to hold ``config.json``), a
+    cache, :func:`onegpu.models.packaged.converted_dir`), a local directory (checked to hold ``config.json``), a
     hub id unchanged, or None for None (a model built from config).
     Raises:
         ModelError: the package is not installed, or a local path is missing or has no config.json.
     """
     if name_or_path is None:
         return None
-    from onegpu import packaged
+    from onegpu.models import packaged
     if name_or_path in packaged.GGUF:  # the packaged chat model: its cached conversion (made once)
         return str(packaged.converted_dir(name_or_path))
     if name_or_path in _PACKAGED:
@@ -90,7 +90,7 @@ def _check_hub(repo_id: str, timeout_s: float = 5.0) -> None:
 
 def is_local(name_or_path: str | None) -> bool:
     """True for the packaged model, a local directory, or null (built from config)."""
-    from onegpu import packaged
+    from onegpu.models import packaged
     if name_or_path is None or name_or_path in _PACKAGED or name_or_path in packaged.GGUF:
         return True
     return Path(name_or_path).expanduser().exists()
