@@ -52,7 +52,8 @@ CPU_ALLOCATORS = ("caching", "system")
 
 @dataclass
 class DataConfig:
-    source: str = PACKAGED_DATA          # "bbcnews", "bbcnews-headlines" (packaged), a .csv/.jsonl/.parquet file or a <label>/*.txt dir
+    source: str = PACKAGED_DATA          # "bbcnews", "bbcnews-headlines" (packaged), a .csv/.jsonl/.parquet file
+                                         # or a <label>/*.txt dir
     text_column: str = "text"
     label_column: str = "label"
     max_length: int = 64                  # tokens per example after truncation
@@ -62,10 +63,12 @@ class DataConfig:
     max_eval_samples: int | None = None    # cap on validation and test examples (null = all)
     seed: int = 42                        # split and subsampling seed
     # Instruction data (TRL's names; columns prompt + completion, or messages, detected as TRL does):
-    completion_only_loss: bool | None = None  # loss on the completion tokens only; null = on for prompt-completion data
+    completion_only_loss: bool | None = None  # loss on the completion tokens only; null = on for
+                                              # prompt-completion data
     assistant_only_loss: bool = False     # messages data: loss on the assistant turns only
     padding_free: bool = False            # each micro-batch flattened into one row with position_ids (causal LM)
-    packing: bool = False                 # examples packed into rows of max_length (best-fit decreasing), sequences kept apart
+    packing: bool = False                 # examples packed into rows of max_length (best-fit decreasing),
+                                          # sequences kept apart
 
 
 @dataclass
@@ -273,7 +276,8 @@ def from_container(raw: dict, source: str = "params") -> Config:
                               f"got {raw.get(name)!r}") from None
         raise ConfigError(f"{source}: {e.full_key}: {_type_message(e, e.full_key)}") from None
     except OmegaConfBaseException as e:
-        raise ConfigError(f"{source}: {getattr(e, 'full_key', '') or ''}: {e.msg if hasattr(e, 'msg') else e}") from None
+        key = getattr(e, "full_key", "") or ""
+        raise ConfigError(f"{source}: {key}: {e.msg if hasattr(e, 'msg') else e}") from None
     cfg: Config = OmegaConf.to_object(merged)
     validate(cfg, source)
     return cfg
@@ -298,7 +302,8 @@ _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", 
              "str | None": "a string or null", "list[str] | None": "a list of strings or null",
              "bool | None": "true, false or null",
              "LoraConfig | None": "a mapping with keys r (0 = off), alpha, dropout, target_modules, or null (off)",
-             "CheckpointingKwargs": "a mapping with keys use_reentrant (true/false), every_n_layers (a positive integer)"}
+             "CheckpointingKwargs": ("a mapping with keys use_reentrant (true/false), every_n_layers "
+                                     "(a positive integer)")}
 
 
 def _non_finite(value) -> bool:
@@ -545,7 +550,8 @@ DEVICE_CHECKS: tuple[tuple[str, Callable[[Config, DeviceFacts], bool], str], ...
      "train.num_processes to at most {f.gpus}"),
     ("train.fp16", lambda c, f: c.train.fp16 and not f.cuda,
      f"fp16 mixed precision {_NO_GPU}; use bf16 (CPU autocast) or neither"),
-    ("train.bf16", lambda c, f: c.train.bf16 and f.cuda and not f.bf16, "{f.name} has no bf16 support; use fp16 or neither"),
+    ("train.bf16", lambda c, f: c.train.bf16 and f.cuda and not f.bf16,
+     "{f.name} has no bf16 support; use fp16 or neither"),
     ("train.optim", lambda c, f: c.train.optim == "adamw_bnb_8bit" and "bitsandbytes" not in f.packages,
      "adamw_bnb_8bit needs the bitsandbytes package, which is not installed (pip install bitsandbytes); or "
      + _OTHER_OPTIMIZERS),
@@ -630,6 +636,7 @@ def with_layout(cfg: Config, layout: Resolved) -> Config:
         ValueError: ``layout`` is for another number of processes than ``train.num_processes``.
     """
     if layout.world_size != cfg.train.num_processes:
-        raise ValueError(f"a layout for {layout.world_size} processes, train.num_processes is {cfg.train.num_processes}")
+        raise ValueError(f"a layout for {layout.world_size} processes, "
+                         f"train.num_processes is {cfg.train.num_processes}")
     return replace(cfg, train=replace(cfg.train, per_device_train_batch_size=layout.per_device_train_batch_size,
                                       gradient_accumulation_steps=layout.gradient_accumulation_steps))

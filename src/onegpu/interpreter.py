@@ -14,8 +14,9 @@ are done and again at exit, remove that work; the figures are in bench/results/i
 
 The training and evaluation loops run with CPython's default thresholds (:func:`settle`, called by
 ``training.session.train`` and ``evaluation.metrics``), so the steps that onegpu measures collect garbage
-as any PyTorch process does; only the frozen start-up objects are no longer scanned. A process that imports onegpu as a library (a notebook, the tests, bench/) keeps its
-interpreter as it is: only :func:`start` (the ``onegpu`` command, a tradeoffs worker) changes anything.
+as any PyTorch process does; only the frozen start-up objects are no longer scanned. A process that imports
+onegpu as a library (a notebook, the tests, bench/) keeps its interpreter as it is: only :func:`start` (the
+``onegpu`` command, a tradeoffs worker) changes anything.
 """
 from __future__ import annotations
 

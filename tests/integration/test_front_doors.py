@@ -99,8 +99,8 @@ def test_make_run_stopped_by_ctrl_c_a_closed_terminal_and_sigterm_resumes_to_the
 
     # The terminal closed during the resumed training: SIGHUP to make's job; train stops as on Ctrl-C.
     term.start(MAKE_RUN)
-    term.read_until(r"resuming from .*checkpoint-%d" % stopped)
-    term.read_until(r"^step %d/10 " % (stopped + 2))
+    term.read_until(rf"resuming from .*checkpoint-{stopped}")
+    term.read_until(rf"^step {stopped + 2}/10 ")
     term.hang_up()
     _wait_until_ended(project, 2)
     second = _train_runs(project)[-1]

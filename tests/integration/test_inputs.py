@@ -1,7 +1,8 @@
 """What params.yaml names (data.source, model.name_or_path) is a dependency DVC sees (data/inputs/*
 link to it): editing the CSV, JSONL, text directory or model directory makes `dvc status` name prepare or
 train (the CSV's `dvc repro` then reads the edited rows; a model directory trains under `dvc exp run`);
-unchanged inputs re-run nothing and `dvc status` says up to date. A queued/--temp experiment on an untracked file says to add it."""
+unchanged inputs re-run nothing and `dvc status` says up to date. A queued/--temp experiment on an untracked file
+says to add it."""
 from __future__ import annotations
 
 import csv

@@ -36,7 +36,7 @@ def _server(db, port):
             return p
         except OSError:
             if p.poll() is not None:
-                raise AssertionError("mlflow server exited")
+                raise AssertionError("mlflow server exited") from None
             time.sleep(0.5)
     p.kill()
     raise AssertionError("mlflow server did not start")

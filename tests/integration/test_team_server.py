@@ -126,10 +126,10 @@ def server(postgres, tmp_path):
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
-            except OSError:
+            except OSError as e:
                 if p.poll() is not None or time.monotonic() > deadline:
                     raise AssertionError("mlflow server did not start:\n"
-                                         + (tmp_path / "mlflow-server.log").read_text()[-4000:])
+                                         + (tmp_path / "mlflow-server.log").read_text()[-4000:]) from e
                 time.sleep(0.5)
         yield f"http://127.0.0.1:{port}", artifacts
     finally:

@@ -160,7 +160,8 @@ def test_ui_link_opens_training_runs_with_loss_in_model_training_view(tmp_path, 
         # at least 3/4 of the thumbnail's own background shows on the first screen (the whole strip, not a slice)
         thumb = tmp_path / "thumb.png"
         session_figure.plot_steps(ROWS_SHOWN, "", thumbnail=True).savefig(thumb)
-        assert _figure_pixels(shot) > 0.75 * _figure_pixels(thumb), "the training figure is not whole on the first screen"
+        assert _figure_pixels(shot) > 0.75 * _figure_pixels(thumb), (
+            "the training figure is not whole on the first screen")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

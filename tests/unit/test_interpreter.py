@@ -50,7 +50,8 @@ def test_python_m_onegpu_runs_tuned_and_freezes_at_exit_with_the_commands_exit_c
             "atexit.register(lambda: print('at exit', gc.get_threshold()[0], gc.get_freeze_count() > 0, "
             "signal.getsignal(signal.SIGTERM).__name__, signal.getsignal(signal.SIGHUP) == signal.SIG_IGN)); "
             "signal.signal(signal.SIGHUP, signal.SIG_IGN); "  # as nohup starts it
-            "sys.argv = ['onegpu', 'summary', '--params', 'missing.yaml']; runpy.run_module('onegpu', run_name='__main__')")
+            "sys.argv = ['onegpu', 'summary', '--params', 'missing.yaml']; "
+            "runpy.run_module('onegpu', run_name='__main__')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 2 and "onegpu summary: error:" in p.stderr, p.stderr
     # SIGTERM raises KeyboardInterrupt as Ctrl-C does; nohup's ignored SIGHUP stays ignored

@@ -13,7 +13,9 @@ def _write(tmp_path, name, data):
 
 def test_summary_prints_the_headline_and_the_next_commands(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "params.yaml").write_text("train:\n  per_device_train_batch_size: 8\n  gradient_accumulation_steps: 2\n")
+    (tmp_path / "params.yaml").write_text("train:\n"
+                                          "  per_device_train_batch_size: 8\n"
+                                          "  gradient_accumulation_steps: 2\n")
     _write(tmp_path, "metrics/train.json", {
         "train_loss": 1.3812, "train_samples_per_second": 17.21, "train_mem_peak_bytes": 1.25 * 2**30})
     _write(tmp_path, "metrics/eval.json", {"eval_loss": 0.3012, "eval_accuracy": 0.92})
@@ -25,7 +27,8 @@ def test_summary_prints_the_headline_and_the_next_commands(tmp_path, monkeypatch
     assert out[1] == "  test:  accuracy 0.9200 | loss 0.3012"
     assert out[2] == "  train: loss 1.3812 | 17.2 samples/s | peak 1.25 GiB | 8 x 2 per optimizer step"
     text = "\n".join(out)
-    for command in ("onegpu ui", "onegpu compare", "onegpu tradeoffs", "dvc exp run --queue", "dvc queue start -j 1", "dvc exp show"):
+    for command in ("onegpu ui", "onegpu compare", "onegpu tradeoffs", "dvc exp run --queue", "dvc queue start -j 1",
+                    "dvc exp show"):
         assert command in text, command
 
 

@@ -84,7 +84,8 @@ def _difference_panel(dax, g: GroupComparison) -> None:
                      **_run_style(i))
     tol = g.rows[1].tolerance
     dax.set_yscale("log")
-    dax.axhline(tol.rtol, color="red", linewidth=1, linestyle=":", label=f"tolerance {tol.rtol:g} ({g.rows[1].precision})")
+    dax.axhline(tol.rtol, color="red", linewidth=1, linestyle=":",
+                label=f"tolerance {tol.rtol:g} ({g.rows[1].precision})")
     dax.set_ylim(bottom=FLOOR / 2)
     dax.set_title(f"Relative loss difference from the reference {g.reference.split}  (key {g.key[:8]})",
                   fontsize=10)

@@ -67,7 +67,8 @@ def _cheapest(candidates: list) -> str:
         return ""
     lo = min(mem, key=lambda c: c.run.peak_memory_bytes)
     speed = f"{lo.run.samples_per_second:.1f} samples/s" + ("" if lo.speed_comparable else " under outside load")
-    text = f"Among the equivalent runs, the least memory: {lo.run.split} ({mib(lo.run.peak_memory_bytes, missing='?')}, {speed})"
+    text = (f"Among the equivalent runs, the least memory: {lo.run.split} "
+            f"({mib(lo.run.peak_memory_bytes, missing='?')}, {speed})")
     if len(fast) < 2:
         return text + "; no fastest: the others' speeds were measured under outside load."
     hi = max(fast, key=lambda c: c.run.samples_per_second)

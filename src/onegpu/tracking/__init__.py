@@ -4,7 +4,8 @@ ids (no global "active run").
 Modules, in dependency order (each imports only those above it):
 
 - :mod:`~onegpu.tracking.uri`: which store (the tracking URI, its checks, credentials redacted);
-- :mod:`~onegpu.tracking.spool`: writes that survive an outage (:func:`is_outage`, the spool, ``onegpu sync``'s replay);
+- :mod:`~onegpu.tracking.spool`: writes that survive an outage (:func:`is_outage`, the spool, ``onegpu sync``'s
+  replay);
 - :mod:`~onegpu.tracking.writer`: :class:`MetricBuffer`, per-step metrics written by a background thread;
 - :mod:`~onegpu.tracking.runs`: :class:`RunHandle` (one run's params, tags, metrics, artifacts, status), the run
   lifecycle (writer tags, re-opening, reaping orphans) and the tags every run carries;
@@ -40,7 +41,8 @@ from onegpu.tracking.store import EXPERIMENT_KIND, Tracker, connect, deleted_exp
 from onegpu.tracking.uri import check_reachable, redact
 from onegpu.tracking.writer import MetricBuffer
 
-__all__ = ["EXPERIMENT_KIND", "REPRODUCED_BY", "REPRODUCES_RUN_ID", "open_evaluation_run", "run_record", "STEP_SERIES", "KILLED_REASON", "TRUNCATED_PARAMS", "WRITER_HOST", "WRITER_PID", "WRITER_STARTED",
+__all__ = ["EXPERIMENT_KIND", "REPRODUCED_BY", "REPRODUCES_RUN_ID", "open_evaluation_run", "run_record", "STEP_SERIES",
+           "KILLED_REASON", "TRUNCATED_PARAMS", "WRITER_HOST", "WRITER_PID", "WRITER_STARTED",
            "MetricBuffer", "RunHandle", "Spool", "SpoolingWriter", "Tracker", "check_reachable", "connect",
            "deleted_experiment_message", "git_commit", "is_outage", "log_comparison", "metric_histories",
            "open_existing", "redact", "run_context_tags", "run_name", "step_window", "sync",

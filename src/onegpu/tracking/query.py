@@ -16,7 +16,8 @@ STEP_SERIES = ("loss", "grad_norm", "learning_rate", "step_time_s", "samples_per
 TRAINING = "tags.stage = 'train'"
 
 
-def metric_histories(tracker: Tracker, run_id: str, keys: tuple[str, ...] = STEP_SERIES) -> dict[str, list[tuple[int, float]]]:
+def metric_histories(tracker: Tracker, run_id: str,
+                     keys: tuple[str, ...] = STEP_SERIES) -> dict[str, list[tuple[int, float]]]:
     """Full per-step histories of ``keys`` for one run: ``{key: [(step, value), ...]}`` sorted by step;
     when a step was logged twice the later value wins. Keys the run never logged are left out."""
     out: dict[str, list[tuple[int, float]]] = {}
@@ -149,7 +150,8 @@ def log_comparison(tracker: Tracker, files: list[str | os.PathLike], run_ids: li
                    keys: list[str], summary: dict[str, float] | None = None, stage: str = "compare",
                    name: str | None = None) -> str:
     """Create a FINISHED comparison run (tag ``stage``, ``compare`` by default; ``equivalence_key`` when
-    the comparison covers one key; run name ``name``, by default ``compare[-<key>]``) whose artifacts are ``files`` (the report and its plots); return its id.
+    the comparison covers one key; run name ``name``, by default ``compare[-<key>]``) whose artifacts are
+    ``files`` (the report and its plots); return its id.
 
     Tags ``compare.run_ids`` and ``compare.keys`` name what was compared (comma-separated, truncated
     to MLflow's tag length); ``summary`` values are logged as metrics (counts of runs).

@@ -163,8 +163,9 @@ EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
 def _create_experiment(client, uri: str, name: str, location: str | None) -> str:
-    """Create experiment ``name``, of MLflow's machine-learning kind (:data:`EXPERIMENT_KIND`), and return its id; when another process created it since the look-up
-    (the file lock covers one project root only: clones sharing a tracking server race here), its id.
+    """Create experiment ``name``, of MLflow's machine-learning kind (:data:`EXPERIMENT_KIND`), and return its
+    id; when another process created it since the look-up (the file lock covers one project root only: clones
+    sharing a tracking server race here), its id.
 
     Raises:
         MlflowException: the create failed for another reason.

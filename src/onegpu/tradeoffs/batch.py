@@ -254,7 +254,7 @@ def measure(manifest: dict, fetch: Callable[[], dict[str, RunRecord]], budget: f
     ``dvc queue status`` by experiment name; ``pool``: where the combination trains (None: ``dvc exp
     run --temp``). A batch with a row missing recommends nothing.
     """
-    name_prefix, repeats = prefix(manifest["batch"]), manifest.get("repeats", 1)
+    repeats = manifest.get("repeats", 1)
     runs, states = fetch(), row_states(manifest, queued or {})
     rows = measure_rows(variants_of(manifest), runs, repeats, states)
     if manifest.get("steps"):  # probe rows skip evaluate by design

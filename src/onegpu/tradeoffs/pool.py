@@ -109,7 +109,7 @@ class Pool:
 
     def close(self) -> None:
         """Ask each worker to end (after its row), then make sure it has."""
-        for p, conn in self._workers.values():
+        for _, conn in self._workers.values():
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):

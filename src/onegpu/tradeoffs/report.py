@@ -213,8 +213,8 @@ def figure(rows: list[Row], title: str):
         ax.axvline(1.0, color="k", linestyle="--", linewidth=1)
         ax.set_xlabel(label)
         ax.set_xlim(0, max(vals + [1.0]) * 1.2)
-    fig.suptitle(f"{title}\nfilled: same training (exactly or up to dropout masks); hatched: within a precision's tolerance or a different "
-                 "training", fontsize=10)
+    fig.suptitle(f"{title}\nfilled: same training (exactly or up to dropout masks); hatched: within a precision's "
+                 "tolerance or a different training", fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -76,7 +76,8 @@ class GracefulStop:
             # group once bash exits; one event, not a second request)
             self.noted.append(signum)
             if self._phase == "after":
-                _say(f"{name}: the run's record is being written first (its steps, tags and figure); it stops after that")
+                _say(f"{name}: the run's record is being written first (its steps, tags and figure); "
+                     "it stops after that")
         elif self._phase == "loop" and self.checkpoints and self.requested is None:
             self.requested = signum
             _say(self._stop_line(name))
@@ -132,7 +133,8 @@ def resume_command() -> str:
     make = "MAKELEVEL" in os.environ
     if os.environ.get("DVC_EXP_NAME"):
         if f"{os.sep}.dvc{os.sep}tmp{os.sep}exps{os.sep}" in os.getcwd() + os.sep:
-            return "queueing the same experiment again (`dvc exp run --queue` with the same -S params, then `dvc queue start`)"
+            return ("queueing the same experiment again (`dvc exp run --queue` with the same -S params, "
+                    "then `dvc queue start`)")
         return "`make sft` again (the same `dvc exp run`)" if make else "the same `dvc exp run`"
     if os.environ.get("DVC_STAGE"):
         return "`make run` again (`dvc repro`)" if make else "`dvc repro`"

@@ -6,6 +6,7 @@ import pytest
 
 from onegpu import compare as eq
 from onegpu.compare import report
+from tests.tables import cells, row as _row
 
 KEY, SOLO = "abcdef0123456789", "ffff000011112222"
 
@@ -43,11 +44,6 @@ def comparison() -> eq.Comparison:
             eq.RunRecord(run_id="nokey".ljust(32, "2"), name="nokey")]
     return eq.compare(runs)
 
-
-from tests.tables import (
-    cells,  # noqa: E402
-    row as _row,
-)
 
 
 def test_markdown_sections_in_order(comparison):
@@ -127,7 +123,8 @@ def test_terminal_table(comparison):
     assert "4 runs; reference" not in text
     wrapped = report.terminal_table(comparison, width=60)
     assert "  4 runs; reference ref (8x1, fp32). 2 of 3 equivalent to it" in wrapped.splitlines()
-    assert all(len(line) <= 60 for line in wrapped.splitlines() if not line.startswith(("group", "  run", "  --", "  ref", "  ckpt", "  split", "  bad", "  solo")))
+    table_lines = ("group", "  run", "  --", "  ref", "  ckpt", "  split", "  bad", "  solo")
+    assert all(len(line) <= 60 for line in wrapped.splitlines() if not line.startswith(table_lines))
 
 
 def _loaded(name, micro, accum, share: float, sps: float):

@@ -147,7 +147,8 @@ def test_the_default_runs_key_is_unchanged_by_the_lora_mapping_and_the_added_key
     raw["train"].update(oom_retry=True, save_steps=None)
     cfg = config.from_container(raw)
     assert eqkey.equivalence_key(cfg, config.resolve(cfg), "abc") == PINNED_KEY
-    assert eqkey.run_config_hash(cfg, "abc") == eqkey.run_config_hash(config.from_container(copy.deepcopy(PINNED)), "abc")
+    pinned = config.from_container(copy.deepcopy(PINNED))
+    assert eqkey.run_config_hash(cfg, "abc") == eqkey.run_config_hash(pinned, "abc")
 
 
 def test_equivalence_fields_hold_resolved_batch_and_fingerprint():

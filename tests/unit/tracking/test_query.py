@@ -82,4 +82,5 @@ def test_the_comparison_run_is_finished_with_its_files_tags_and_counts(store, tm
     assert run.data.tags["equivalence_key"] == "abc1" + "0" * 12 and run.data.metrics == {"compare_runs": 2.0}
     assert [f.path for f in tr.client.list_artifacts(run_id)] == ["compare.md"]
     two = tr.client.get_run(tracking.log_comparison(tr, [], [a, b], ["k1", "k2"], stage="tradeoffs", name="t-1"))
-    assert two.info.run_name == "t-1" and "equivalence_key" not in two.data.tags and two.data.tags["stage"] == "tradeoffs"
+    assert two.info.run_name == "t-1" and "equivalence_key" not in two.data.tags
+    assert two.data.tags["stage"] == "tradeoffs"

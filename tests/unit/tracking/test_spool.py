@@ -18,7 +18,9 @@ def _rest_wrapped(cause: Exception) -> MlflowException:
         try:
             raise cause
         except Exception as e:
-            raise MlflowException(f"API request to http://h/api failed with exception {e}")
+            # As mlflow.utils.rest_utils raises it, without `from`: chained by __context__ only, the link
+            # is_outage must follow (`from e` would set __cause__ and test another path).
+            raise MlflowException(f"API request to http://h/api failed with exception {e}")  # noqa: B904
     except MlflowException as wrapped:
         return wrapped
 

@@ -55,7 +55,7 @@ def test_concurrent_connects_to_fresh_store_agree(fresh_root):
         out, err = p.communicate(timeout=180)
         assert p.returncode == 0, err
         assert "Traceback" not in err, err
-        line = [l for l in out.splitlines() if l.startswith("EXP ")]
+        line = [ln for ln in out.splitlines() if ln.startswith("EXP ")]
         assert len(line) == 1, out
         ids.append(line[0].split()[1])
     assert len(set(ids)) == 1, ids
@@ -332,7 +332,8 @@ def test_runs_left_running_by_a_killed_process_are_marked_killed_when_a_stage_op
     assert store.run_status(reused) == "KILLED"
     reason = store.client.get_run(orphan).data.tags[tracking.KILLED_REASON]
     assert reason.startswith("left RUNNING: its writer, process ") and f"on {host}, is gone" in reason
-    assert reason.endswith("killed outright: SIGKILL, e.g. the out-of-memory killer (see dmesg), a crash or a power loss)")
+    assert reason.endswith("killed outright: SIGKILL, e.g. the out-of-memory killer (see dmesg), a crash or a "
+                           "power loss)")
     assert "another process" in store.client.get_run(reused).data.tags[tracking.KILLED_REASON]
     for run_id in (alive, other_host, foreign, new):
         assert store.run_status(run_id) == "RUNNING", run_id

@@ -35,7 +35,8 @@ def test_a_row_whose_params_do_not_validate_stops_the_batch_naming_the_row(tmp_p
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(raw))
     cfg = config.from_container(raw)
-    with pytest.raises(UserError, match="row baseline \\(-S 'train.bf16=true'\\) does not validate: .*choose at most one"):
+    with pytest.raises(UserError,
+                       match="row baseline \\(-S 'train.bf16=true'\\) does not validate: .*choose at most one"):
         batch.plan(cfg, str(params), ("split",), ["train.bf16=true"], config.DeviceFacts())
     variants, _ = batch.plan(cfg, str(params), ("split",), ["model.dropout=0"], config.DeviceFacts())
     assert [v.overrides[0] for v in variants] == [("model.dropout", "0")] * 2
@@ -105,7 +106,6 @@ def test_rows_stopped_by_ctrl_c_are_stopped_in_the_report_and_the_wall_times_are
     batch.save("0101-000000", variants, [], {"steps": 10, "repeats": 1})
     monkeypatch.setattr(batch.queue, "run_rows", lambda prefix, rows, targets, force, window: (
         [batch.queue.Ran(f"{prefix}baseline", 0, 30.0), batch.queue.Ran(f"{prefix}{rows[1].name}", None, 4.0)], True))
-    cfg = config.from_container(defaults.params())
     assert batch.run("0101-000000", variants, 10, None) is True
     manifest = batch.load_plan(None)
     assert manifest["stopped"] == [variants[1].name] and manifest["wall_s"]["baseline"] == 30.0

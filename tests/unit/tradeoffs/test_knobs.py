@@ -37,11 +37,13 @@ def test_plan_on_cpu_for_the_defaults():
 
 
 def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
-    variants, skipped = knobs.plan(_cfg(), config.DeviceFacts(cuda=True, gpus=1, bf16=False, packages=frozenset({"bitsandbytes"})))
+    facts = config.DeviceFacts(cuda=True, gpus=1, bf16=False, packages=frozenset({"bitsandbytes"}))
+    variants, skipped = knobs.plan(_cfg(), facts)
     names = _names(variants)
     assert "fp16" in names and "bf16" not in names  # a GPU without bf16
     assert "tf32" in names and "adamw_bnb_8bit" in names and "cpu-allocator-system" not in names
-    assert [s.split(":")[0] for s in skipped] == ["allocator", "padding_free", "packing"]  # host memory is not the tensors' on a GPU
+    # host memory is not the tensors' on a GPU
+    assert [s.split(":")[0] for s in skipped] == ["allocator", "padding_free", "packing"]
 
 
 def test_plan_turns_off_what_is_on_and_splits_the_other_way():
@@ -67,7 +69,8 @@ def test_every_variant_validates_and_its_key_matches_what_it_expects():
     raw = defaults.params()
     base = config.from_container(raw)
     base_key = equivalence_key(base, config.resolve(base), "fp")
-    variants, _ = knobs.plan(base, config.DeviceFacts(cuda=True, gpus=1, bf16=True, packages=frozenset({"bitsandbytes"})))
+    facts = config.DeviceFacts(cuda=True, gpus=1, bf16=True, packages=frozenset({"bitsandbytes"}))
+    variants, _ = knobs.plan(base, facts)
     for v in variants:
         r = defaults.params()
         for k, val in v.overrides:
@@ -121,7 +124,8 @@ def test_common_overrides_go_first_in_every_variant():
     out = knobs.with_overrides(variants, [("model.dropout", "0")])
     assert [v.overrides for v in out] == [
         (("model.dropout", "0"),),
-        (("model.dropout", "0"), ("train.per_device_train_batch_size", "16"), ("train.gradient_accumulation_steps", "1"))]
+        (("model.dropout", "0"), ("train.per_device_train_batch_size", "16"),
+         ("train.gradient_accumulation_steps", "1"))]
 
 
 def _sft(**data) -> config.Config:

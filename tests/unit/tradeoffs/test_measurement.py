@@ -63,12 +63,14 @@ def test_dropout_masks_alone_make_a_row_same_in_expectation_and_a_candidate():
     split = _run("split-16x1", step_time=0.5, loss_scale=1.01,
                  params={"train.per_device_train_batch_size": "16", "train.gradient_accumulation_steps": "1"})
     split.tags.update(drop)
-    v = _variant("split-16x1", "split", overrides=(("model.dropout", "0.1"), ("train.per_device_train_batch_size", "16")))
+    v = _variant("split-16x1", "split",
+                 overrides=(("model.dropout", "0.1"), ("train.per_device_train_batch_size", "16")))
     row = measurement.measure_row(v, split, base)
     assert row.verdict == measurement.IN_EXPECTATION and row.same_training
     attn = _run("attn-eager", step_time=0.8, loss_scale=1.01, params={"model.attn_implementation": "eager"})
     attn.tags.update(drop)
-    va = _variant("attn-eager", "attention", overrides=(("model.dropout", "0.1"), ("model.attn_implementation", "eager")))
+    va = _variant("attn-eager", "attention",
+                  overrides=(("model.dropout", "0.1"), ("model.attn_implementation", "eager")))
     arow = measurement.measure_row(va, attn, base)
     assert arow.verdict == measurement.IN_EXPECTATION
     rec = recommend.recommend([measurement.measure_row(BASE, base, base), row, arow], None)
@@ -87,7 +89,8 @@ def test_a_row_with_some_repeats_measured_says_how_many_never_just_not_run():
     runs = {"baseline": _run("baseline"), "split-16x1": _run("split-16x1"), "baseline-r2": _run("baseline-r2")}
     runs["baseline-r2"].status = "KILLED"  # stopped during its training
     rows = measurement.measure_rows([BASE, split], runs, repeats=3)
-    assert [r.verdict for r in rows] == ["1 of 3 repeats measured, then stopped", "1 of 3 repeats measured, then not run"]
+    assert [r.verdict for r in rows] == ["1 of 3 repeats measured, then stopped",
+                                         "1 of 3 repeats measured, then not run"]
     assert all(r.run is None for r in rows)  # still no measurement: nothing is recommended from it
     assert recommend.completeness(rows) == (0, 2)
     text = tradeoffs_report.terminal(rows, recommend.recommend(rows, None), None)

@@ -88,7 +88,7 @@ def _trainer_worker(rank: int, port: int, out_dir: str, inject_rank: int) -> Non
     for name, injected in (("plain", -1), ("retried", inject_rank)):
         calls = []
 
-        def injector(step: int, rows: int) -> bool:
+        def injector(step: int, rows: int, calls: list = calls, injected: int = injected) -> bool:
             calls.append((step, rows))
             return rank == injected and step == 1 and rows == 4 and len(calls) == 2
 
@@ -297,5 +297,6 @@ def test_a_sigkill_torchrun_sent_after_its_grace_does_not_hide_the_first_error(f
     from onegpu import tracking
     tracker = tracking.connect("ddp-exp")
     _torchrun_with({1: (1, 0), 0: (-9, 31)}, {1: "ValueError: bad batch"}, tracker, monkeypatch)
-    with pytest.raises(distributed.RankFailed, match=r"^training process rank 1 of 2 failed \(ValueError: bad batch\)"):
+    with pytest.raises(distributed.RankFailed,
+                       match=r"^training process rank 1 of 2 failed \(ValueError: bad batch\)"):
         distributed.launch(2, ["train"])

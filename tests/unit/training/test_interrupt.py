@@ -32,7 +32,8 @@ def test_in_the_loop_the_first_signal_asks_for_a_stop_and_the_second_abandons_th
         with pytest.raises(KeyboardInterrupt) as e:
             _send(signum)
     assert e.value.signum == signum
-    assert str(e.value) == f"{signal.Signals(signum).name} stopped the optimizer step in progress, abandoned (no new checkpoint)"
+    assert str(e.value) == (f"{signal.Signals(signum).name} stopped the optimizer step in progress, abandoned "
+                            "(no new checkpoint)")
 
 
 def test_a_closed_terminals_second_sighup_is_the_same_event_not_a_second_request():
@@ -90,7 +91,8 @@ def test_sigterm_says_plainly_when_a_step_may_not_fit_a_schedulers_grace_period(
 @pytest.mark.parametrize("env, cwd, expected", [
     ({"DVC_STAGE": "train", "MAKELEVEL": "1"}, "/p", "`make run` again (`dvc repro`)"),
     ({"DVC_STAGE": "train"}, "/p", "`dvc repro`"),
-    ({"DVC_STAGE": "train", "DVC_EXP_NAME": "sft", "MAKELEVEL": "1"}, "/p", "`make sft` again (the same `dvc exp run`)"),
+    ({"DVC_STAGE": "train", "DVC_EXP_NAME": "sft", "MAKELEVEL": "1"}, "/p",
+     "`make sft` again (the same `dvc exp run`)"),
     ({"DVC_STAGE": "train", "DVC_EXP_NAME": "x"}, "/p", "the same `dvc exp run`"),
     ({"DVC_STAGE": "train", "DVC_EXP_NAME": "x"}, "/p/.dvc/tmp/exps/tmpab12", "queueing the same experiment again"),
     ({}, "/p", "`onegpu train` again"),

@@ -177,7 +177,8 @@ def test_a_sigkill_while_a_checkpoint_is_saved_leaves_the_previous_one_and_the_n
     monkeypatch.chdir(tmp_path)
     ref, rest = [], []
     _train(backend, checkpointing_request(backend, sink=lambda m, s: ref.append(m["loss"])))
-    _, rec = _train(backend, checkpointing_request(backend, ckpt, resume=kept, sink=lambda m, s: rest.append(m["loss"])))
+    _, rec = _train(backend, checkpointing_request(backend, ckpt, resume=kept,
+                                                   sink=lambda m, s: rest.append(m["loss"])))
     assert [r["step"] for r in rec.rows] == [1, 2, 3]
     assert rest == pytest.approx(ref[1:], abs=1e-6)  # steps 2 and 3, as the uninterrupted run took them
 
