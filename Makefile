@@ -15,7 +15,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: install run sft test test-quick lock clean
+.PHONY: install run sft lint test test-quick lock clean
 
 install: $(VENV)/.installed
 
@@ -81,10 +81,14 @@ sft: install
 PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, 2 * len(os.sched_getaffinity(0))))')
 PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 PYTEST_ARGS  ?=
-test: install
+# ruff (pyproject.toml's [tool.ruff]) first: a second, and a finding fails the suite before it starts.
+lint: install
+	$(BIN)/ruff check src tests bench
+
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
-test-quick: install
+test-quick: lint
 	$(BIN)/python -m pytest $(PYTEST_XDIST) -m "not slow" $(PYTEST_ARGS)
 
 # Re-pin requirements.lock to what the venv has now (torch stays unpinned: it is per machine).
