@@ -175,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
             from onegpu.tradeoffs.batch import PROBE_STEPS, REPEATS
             if args.full and args.steps:
                 raise UserError("--steps and --full exclude each other: a probe window of N steps, or the whole job")
-            tradeoffs.run(cfg, args.params, parse_knobs(args.knobs), queue_only=args.queue_only, report_only=args.report,
-                          batch=args.batch, combine=not args.no_combine, out_dir=args.out,
-                          overrides=args.overrides, steps=None if args.full else (args.steps or PROBE_STEPS),
-                          repeats=args.repeats or REPEATS)
+            tradeoffs.run(tradeoffs.Request(
+                cfg, args.params, parse_knobs(args.knobs), queue_only=args.queue_only, report_only=args.report,
+                batch=args.batch, combine=not args.no_combine, out_dir=args.out, overrides=tuple(args.overrides),
+                steps=None if args.full else (args.steps or PROBE_STEPS), repeats=args.repeats or REPEATS))
         elif args.command == "compare":
             from onegpu.stages import compare
             compare.run(args.experiment or cfg.tracking.experiment_name, key=args.key, run_ids=args.runs,

@@ -137,10 +137,26 @@ def test_tradeoffs_window_and_repeats_reach_the_stage(tmp_path, monkeypatch, arg
     from onegpu.stages import tradeoffs
     defaults.write_params(tmp_path)
     monkeypatch.chdir(tmp_path)
-    got = {}
-    monkeypatch.setattr(tradeoffs, "run", lambda cfg, params, knobs, **kw: got.update(kw))
+    got = []
+    monkeypatch.setattr(tradeoffs, "run", got.append)
     assert cli.main(["tradeoffs", *args]) == 0
-    assert (got["steps"], got["repeats"]) == (steps, repeats)
+    [req] = got
+    assert (req.steps, req.repeats, req.params, req.out_dir) == (steps, repeats, "params.yaml", "reports")
+    assert req.cfg.tracking.experiment_name == "onegpu"
+
+
+def test_tradeoffs_arguments_reach_the_stage_as_one_request(tmp_path, monkeypatch):
+    from onegpu import cli
+    from onegpu.stages import tradeoffs
+    defaults.write_params(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    got = []
+    monkeypatch.setattr(tradeoffs, "run", got.append)
+    assert cli.main(["tradeoffs", "--knobs", "split, packing", "-S", "model.dropout=0", "-S", "train.seed=7",
+                     "--report", "--batch", "b1", "--no-combine", "--out", "r2"]) == 0
+    assert got == [tradeoffs.Request(got[0].cfg, "params.yaml", ("split", "packing"), report_only=True, batch="b1",
+                                     combine=False, out_dir="r2", overrides=("model.dropout=0", "train.seed=7"))]
+    assert (got[0].cfg.model.dropout, got[0].cfg.train.seed) == (0, 7)  # the overrides applied to cfg too
 
 
 def test_tradeoffs_steps_and_full_exclude_each_other(tmp_path, monkeypatch, capsys):
