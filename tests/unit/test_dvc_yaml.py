@@ -209,12 +209,13 @@ def _env(fn: ast.AST, bound: dict) -> dict:
     return env
 
 
-def _bind(call: ast.Call, fn: ast.FunctionDef, env: dict) -> dict:
-    """``fn``'s parameters that ``call`` passes a config section to, with its path."""
+def _bind(call: ast.Call, fn: ast.FunctionDef, env: dict) -> dict[str, tuple[ast.AST, tuple[str, ...]]]:
+    """``fn``'s parameters that ``call`` passes a config value to: the argument and its path."""
     params = [a.arg for a in [*fn.args.posonlyargs, *fn.args.args]]
+    named = {a.arg for a in [*fn.args.args, *fn.args.kwonlyargs]}
     pairs = [(p, a) for p, a in zip(params, call.args) if not isinstance(a, ast.Starred)]
-    pairs += [(k.arg, k.value) for k in call.keywords if k.arg]
-    return {p: path for p, a in pairs if (path := _path(a, env)) in SCHEMA}
+    pairs += [(k.arg, k.value) for k in call.keywords if k.arg in named]
+    return {p: (a, path) for p, a in pairs if (path := _path(a, env)) in SCHEMA}
 
 
 def _property(path: tuple[str, ...], attr: str) -> ast.FunctionDef | None:
@@ -243,7 +244,7 @@ def _reads(m: _Module, fn: ast.AST, bound: dict, seen: set) -> set[str]:
         path = _path(node, env) if isinstance(getattr(node, "ctx", None), ast.Load) else None
         if path is None or path == ():
             if path == () and isinstance(call := m.parents.get(node), ast.Call) and (f := _callee(call, m)):
-                out |= _reads(*f, _bind(call, f[1], env), seen)
+                out |= _reads(*f, {p: path for p, (_, path) in _bind(call, f[1], env).items()}, seen)
             continue
         if path not in SCHEMA:
             out.add(".".join(path))  # a key
@@ -252,18 +253,25 @@ def _reads(m: _Module, fn: ast.AST, bound: dict, seen: set) -> set[str]:
         call = m.parents.get(parent) if isinstance(parent, ast.keyword) else parent
         if isinstance(parent, ast.Attribute) or _assigned(node, parent, m):
             continue  # a step of a longer chain, or an alias (_env)
-        if isinstance(call, ast.Call) and node is not call.func and (f := _callee(call, m)):
-            out |= _reads(*f, _bind(call, f[1], env), seen)
+        f = _callee(call, m) if isinstance(call, ast.Call) and node is not call.func else None
+        bound = _bind(call, f[1], env) if f else {}
+        if any(a is node for a, _ in bound.values()):
+            out |= _reads(*f, {p: path for p, (_, path) in bound.items()}, seen)
         else:
             out.add(".".join(path))  # a section handed to code the test cannot follow: all of it
     return out
 
 
 def _assigned(node: ast.AST, parent: ast.AST, m: _Module) -> bool:
-    """True when ``node`` is the value (or one value of a tuple) assigned to names."""
-    if isinstance(parent, ast.Tuple):
-        node, parent = parent, m.parents.get(parent)
-    return isinstance(parent, ast.Assign) and parent.value is node
+    """True when ``node`` is the value assigned to names (``t = cfg.train``), or its place's in a tuple
+    assigned to a tuple of names (``d, task = cfg.data, ...``): the aliases :func:`_env` follows."""
+    if not isinstance(parent, ast.Tuple):
+        return isinstance(parent, ast.Assign) and parent.value is node and all(
+            isinstance(t, ast.Name) for t in parent.targets)
+    tup, at, parent = parent, parent.elts.index(node), m.parents.get(parent)
+    return isinstance(parent, ast.Assign) and parent.value is tup and all(
+        isinstance(t, ast.Tuple) and len(t.elts) == len(tup.elts) and isinstance(t.elts[at], ast.Name)
+        for t in parent.targets)
 
 
 # Modules a stage imports only to check params, not to compute its outs: inputs checks the data's columns and
@@ -339,6 +347,7 @@ def run(c: Config, req, config: DataConfig):
     d, m = c.data, c.model
     build(max_length=c.data.max_length, model_cfg=c.model)
     check_source(DataConfig(source="x"))
+    req.kept = c.tracking  # not an alias this test follows: all of it
     if d.packing and req.cfg.data.padding_free and m.lora_adapters and config.seed:
         return t.optim, c.to_dict()
     return getattr(c.evaluate, "x"), cfg.tracking.experiment_name
@@ -352,6 +361,6 @@ def test_the_params_rule_follows_aliases_calls_and_properties():
     try:
         assert _module_reads(_MODULES["onegpu.sample"], set()) == {
             "model.n_layer", "train.seed", "data.max_length", "data.packing", "data.padding_free",
-            "model.lora", "model.lora.r", "train.optim", "evaluate", "tracking.experiment_name"}
+            "model.lora", "model.lora.r", "train.optim", "evaluate", "tracking", "tracking.experiment_name"}
     finally:
         del _MODULES["onegpu.sample"]
