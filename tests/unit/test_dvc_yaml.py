@@ -242,22 +242,20 @@ def _reads(m: _Module, fn: ast.AST, bound: dict, seen: set) -> set[str]:
             if (prop := _property(base, node.attr)) is not None:
                 out |= _reads(_module("onegpu.config"), prop, {"self": base}, seen)
         path = _path(node, env) if isinstance(getattr(node, "ctx", None), ast.Load) else None
-        if path is None or path == ():
-            if path == () and isinstance(call := m.parents.get(node), ast.Call) and (f := _callee(call, m)):
-                out |= _reads(*f, {p: path for p, (_, path) in _bind(call, f[1], env).items()}, seen)
+        if path is None:
             continue
         if path not in SCHEMA:
             out.add(".".join(path))  # a key
             continue
         parent = m.parents.get(node)
-        call = m.parents.get(parent) if isinstance(parent, ast.keyword) else parent
         if isinstance(parent, ast.Attribute) or _assigned(node, parent, m):
             continue  # a step of a longer chain, or an alias (_env)
+        call = m.parents.get(parent) if isinstance(parent, ast.keyword) else parent
         f = _callee(call, m) if isinstance(call, ast.Call) and node is not call.func else None
         bound = _bind(call, f[1], env) if f else {}
         if any(a is node for a, _ in bound.values()):
             out |= _reads(*f, {p: path for p, (_, path) in bound.items()}, seen)
-        else:
+        elif path:  # the whole Config handed on is not followed further (serialised, copied, or named cfg)
             out.add(".".join(path))  # a section handed to code the test cannot follow: all of it
     return out
 
@@ -317,8 +315,10 @@ def test_each_stage_declares_every_param_its_code_reads(stage):
 
     Not reads: config.py's own functions, unless the stage's code calls them (``resolve(cfg)``): every stage
     validates every section when it loads params.yaml, and a bad value stops it without changing any
-    output; the whole config serialised for the record (``cfg.to_dict()``: MLflow params, the equivalence
-    key, the resume hash), which names a run rather than changing it; modules in :data:`CHECKS_ONLY`.
+    output; the whole config handed to code outside onegpu, which serialises it for the record
+    (``flatten(cfg.to_dict())``: MLflow params, the equivalence key, the resume hash: they name a run, they
+    do not change it) or keeps it (``TrainRequest(cfg=cfg)``, read back as ``req.cfg`` above); modules in
+    :data:`CHECKS_ONLY`.
     The rule over-reads rather than misses: a module counts whole, as in the code deps (evaluate imports
     training/batches.py for its collator, so declares what the training rows there read as well).
     """
