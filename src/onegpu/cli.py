@@ -87,9 +87,8 @@ def _estimate_and_sync(sub) -> None:
 def _tradeoffs(sub) -> None:
     tr = sub.add_parser("tradeoffs", help="measure the single-GPU guide's knobs on your params: one DVC "
                                           "experiment per knob, a table, the fastest same-training configuration",
-                        description="Run the baseline (your params) and one DVC experiment per knob (split of "
-                                    "the effective batch, checkpointing, mixed precision, TF32, optimizer, "
-                                    "attention kernel, torch.compile, host allocator, LoRA) one at a time, each "
+                        description=f"Run the baseline (your params) and one DVC experiment per knob "
+                                    f"({', '.join(KNOBS)}) one at a time, each "
                                     "for a probe window of --steps optimizer steps (or --full), --repeats times "
                                     "in interleaved rounds, and report samples/s (median, min-max) and memory "
                                     "against the baseline, whether each keeps the same training, and the "
@@ -98,7 +97,7 @@ def _tradeoffs(sub) -> None:
                                     "run (tag stage=tradeoffs). Ctrl-C stops the row running and reports what "
                                     "was measured.")
     _params(tr)
-    tr.add_argument("--knobs", metavar="LIST", help=f"comma-separated subset of {','.join(KNOBS)} "
+    tr.add_argument("--knobs", metavar="LIST", help=f"a comma-separated subset of the knobs {', '.join(KNOBS)} "
                                                     "(default: all that apply)")
     tr.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a param for every experiment, the baseline too, as `dvc exp run -S` takes it "
@@ -143,46 +142,67 @@ def entry() -> int:
     return main()
 
 
+def _run_stage(args, cfg) -> None:
+    """A DVC stage, or ``estimate``: the model offline first when it is local, then the stage module's ``run``."""
+    from onegpu.models import loader
+    if loader.is_local(cfg.model.name_or_path):
+        loader.go_offline()  # before transformers/datasets are imported
+    import importlib
+    stage = importlib.import_module(f"onegpu.stages.{args.command}")
+    if args.command == "estimate":
+        stage.run(cfg, args.micro_batches, args.budget_gib)
+    else:
+        stage.run(cfg)
+
+
+def _run_ui(args, cfg) -> int:
+    from onegpu import ui
+    return ui.serve(cfg.tracking.experiment_name, args.host, args.port)
+
+
+def _run_sync(args, cfg) -> None:
+    from onegpu import paths, tracking
+    runs, records = tracking.sync()
+    print(f"onegpu sync: {records} spooled record(s) of {runs} run(s) written to "
+          f"{tracking.redact(paths.tracking_uri())}")
+
+
+def _run_summary(args, cfg) -> None:
+    from onegpu import summary
+    print(summary.text(cfg))
+
+
+def _run_tradeoffs(args, cfg) -> None:
+    from onegpu.errors import UserError
+    from onegpu.stages import tradeoffs
+    from onegpu.tradeoffs.batch import PROBE_STEPS, REPEATS
+    if args.full and args.steps:
+        raise UserError("--steps and --full exclude each other: a probe window of N steps, or the whole job")
+    tradeoffs.run(tradeoffs.Request(
+        cfg, args.params, parse_knobs(args.knobs), queue_only=args.queue_only, report_only=args.report,
+        batch=args.batch, combine=not args.no_combine, out_dir=args.out, overrides=tuple(args.overrides),
+        steps=None if args.full else (args.steps or PROBE_STEPS), repeats=args.repeats or REPEATS))
+
+
+def _run_compare(args, cfg) -> None:
+    from onegpu.stages import compare
+    compare.run(args.experiment or cfg.tracking.experiment_name, key=args.key, run_ids=args.runs,
+                exp_names=args.exp, out_dir=args.out)
+
+
+# Each command's handler, ``(args, cfg) -> exit code or None (0)``; the parser's commands are its keys.
+COMMANDS = {**dict.fromkeys((*STAGES, "estimate"), _run_stage), "ui": _run_ui, "sync": _run_sync,
+            "summary": _run_summary, "tradeoffs": _run_tradeoffs, "compare": _run_compare}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from onegpu.errors import UserError
     try:
         from onegpu import config
         cfg = config.load(args.params, getattr(args, "overrides", None))
-        if args.command in STAGES or args.command == "estimate":
-            from onegpu.models import loader
-            if loader.is_local(cfg.model.name_or_path):
-                loader.go_offline()  # before transformers/datasets are imported
-            import importlib
-            stage = importlib.import_module(f"onegpu.stages.{args.command}")
-            if args.command == "estimate":
-                stage.run(cfg, args.micro_batches, args.budget_gib)
-            else:
-                stage.run(cfg)
-        elif args.command == "ui":
-            from onegpu import ui
-            return ui.serve(cfg.tracking.experiment_name, args.host, args.port)
-        elif args.command == "sync":
-            from onegpu import paths, tracking
-            runs, records = tracking.sync()
-            print(f"onegpu sync: {records} spooled record(s) of {runs} run(s) written to "
-                  f"{tracking.redact(paths.tracking_uri())}")
-        elif args.command == "summary":
-            from onegpu import summary
-            print(summary.text(cfg))
-        elif args.command == "tradeoffs":
-            from onegpu.stages import tradeoffs
-            from onegpu.tradeoffs.batch import PROBE_STEPS, REPEATS
-            if args.full and args.steps:
-                raise UserError("--steps and --full exclude each other: a probe window of N steps, or the whole job")
-            tradeoffs.run(cfg, args.params, parse_knobs(args.knobs), queue_only=args.queue_only, report_only=args.report,
-                          batch=args.batch, combine=not args.no_combine, out_dir=args.out,
-                          overrides=args.overrides, steps=None if args.full else (args.steps or PROBE_STEPS),
-                          repeats=args.repeats or REPEATS)
-        elif args.command == "compare":
-            from onegpu.stages import compare
-            compare.run(args.experiment or cfg.tracking.experiment_name, key=args.key, run_ids=args.runs,
-                        exp_names=args.exp, out_dir=args.out)
+        if (code := COMMANDS[args.command](args, cfg)) is not None:
+            return code
     except UserError as e:
         # One line, whatever the message holds (a YAML parser's error spans several): scripts and
         # `dvc repro` logs show the whole problem on the line that names the stage.

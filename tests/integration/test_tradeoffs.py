@@ -27,8 +27,8 @@ def test_full_rows_and_probe_rows_give_the_same_verdicts(tmp_path, monkeypatch, 
     monkeypatch.setattr(recommend, "MIN_GAIN", -1.0)
     monkeypatch.setattr(recommend, "load_reason", lambda row, baseline=None: "")  # the suite loads the machine
     cfg = config.load("params.yaml")
-    full = {r.variant.name: r for r in stage.run(cfg, "params.yaml", ("split",), steps=None, repeats=1,
-                                                 combine=False)}
+    full = {r.variant.name: r for r in stage.run(stage.Request(cfg, "params.yaml", ("split",), steps=None,
+                                                               repeats=1, combine=False))}
     assert list(full) == ["baseline", "split-8x1"] and full["split-8x1"].verdict == tradeoffs.SAME_TRAINING
     for r in full.values():  # every optimizer step in MLflow, and evaluate ran
         assert [s for s, _ in r.run.series["loss"]] == [1, 2, 3] and "eval_loss" in r.run.metrics, r.variant.name
@@ -36,7 +36,8 @@ def test_full_rows_and_probe_rows_give_the_same_verdicts(tmp_path, monkeypatch, 
     assert "The whole job: each row trains the job to its end and evaluates it (`--full`)." in md
     assert "Each row is a DVC experiment of its own" in md
     # The probe window; LoRA, checkpointing and the host allocator only here, for the suite's time.
-    rows = stage.run(cfg, "params.yaml", ("split", "checkpointing", "allocator", "lora"), steps=2, repeats=1)
+    rows = stage.run(stage.Request(cfg, "params.yaml", ("split", "checkpointing", "allocator", "lora"), steps=2,
+                                   repeats=1))
     by = {r.variant.name: r for r in rows}
     assert list(by) == ["baseline", "split-8x1", "checkpointing", "cpu-allocator-system", "lora", "recommended"]
     assert {n: r.verdict for n, r in by.items() if n in full} == {n: r.verdict for n, r in full.items()}

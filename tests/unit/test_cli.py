@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -137,10 +138,46 @@ def test_tradeoffs_window_and_repeats_reach_the_stage(tmp_path, monkeypatch, arg
     from onegpu.stages import tradeoffs
     defaults.write_params(tmp_path)
     monkeypatch.chdir(tmp_path)
-    got = {}
-    monkeypatch.setattr(tradeoffs, "run", lambda cfg, params, knobs, **kw: got.update(kw))
+    got = []
+    monkeypatch.setattr(tradeoffs, "run", got.append)
     assert cli.main(["tradeoffs", *args]) == 0
-    assert (got["steps"], got["repeats"]) == (steps, repeats)
+    [req] = got
+    assert (req.steps, req.repeats, req.params, req.out_dir) == (steps, repeats, "params.yaml", "reports")
+    assert req.cfg.tracking.experiment_name == "onegpu"
+
+
+def test_tradeoffs_arguments_reach_the_stage_as_one_request(tmp_path, monkeypatch):
+    from onegpu import cli
+    from onegpu.stages import tradeoffs
+    defaults.write_params(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    got = []
+    monkeypatch.setattr(tradeoffs, "run", got.append)
+    assert cli.main(["tradeoffs", "--knobs", "split, packing", "-S", "model.dropout=0", "-S", "train.seed=7",
+                     "--report", "--batch", "b1", "--no-combine", "--out", "r2"]) == 0
+    assert got == [tradeoffs.Request(got[0].cfg, "params.yaml", ("split", "packing"), report_only=True, batch="b1",
+                                     combine=False, out_dir="r2", overrides=("model.dropout=0", "train.seed=7"))]
+    assert (got[0].cfg.model.dropout, got[0].cfg.train.seed) == (0, 7)  # the overrides applied to cfg too
+
+
+def test_tradeoffs_help_names_every_knob(capsys):
+    """The description and --knobs come from tradeoffs/knobs.py's KNOBS (a hand-typed list missed
+    padding_free and packing), each name whole (a comma-joined list wrapped mid-name)."""
+    from onegpu import cli
+    from onegpu.tradeoffs.knobs import KNOBS
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["tradeoffs", "--help"])
+    assert stop.value.code == 0
+    description, options = " ".join(capsys.readouterr().out.split()).split(" options: ")
+    knobs_help = options[options.index("--knobs LIST"):options.index("(default: all that apply)")]
+    for text in (description, knobs_help):
+        assert set(KNOBS) <= set(re.findall(r"\w+", text)), text
+
+
+def test_every_command_has_a_handler():
+    from onegpu import cli
+    [sub] = [a for a in cli._parser()._actions if a.dest == "command"]
+    assert set(sub.choices) == set(cli.COMMANDS)
 
 
 def test_tradeoffs_steps_and_full_exclude_each_other(tmp_path, monkeypatch, capsys):

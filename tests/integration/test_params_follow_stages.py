@@ -1,0 +1,127 @@
+"""Issue 31: each stage declares every param its code reads (tests/unit/test_dvc_yaml.py reads the code),
+so a change of one re-runs the stages it acts in. On a text causal-LM job (GPT-2 from config, BBC text,
+test_causal_lm.py's params and so its prepared copy): every key the params test finds for train and
+evaluate makes `dvc status` name that stage (no training), and `dvc exp run -S data.padding_free=true`
+and `-S data.packing=true`, which used to re-run prepare alone (the experiment showed the old training
+under the new value), each train a new model."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.unit.test_dvc_yaml import params_read_by
+
+from .conftest import dvc, runs
+from .test_causal_lm import CAUSAL
+
+pytestmark = pytest.mark.slow
+
+# A different value for keys whose type alone does not give one that onegpu accepts.
+OTHER = {"model.task": "sequence-classification", "model.name_or_path": "gpt2", "model.attn_implementation": "eager",
+         "model.lora.target_modules": ["c_attn"], "train.backend": "accelerate", "train.optim": "sgd",
+         "train.lr_scheduler_type": "cosine", "train.gradient_checkpointing_blocks": "mlp",
+         "train.cpu_allocator": "system", "train.torch_compile_mode": "default", "tracking.experiment_name": "other",
+         "train.effective_batch_size": 8, "train.max_steps": 5, "train.memory_budget_gib": 1.5,
+         "train.dataloader_pin_memory": True}
+# Keys whose other value is valid only with another key changed too (config.validate's combinations): the
+# params file that `dvc status` reads changes the key alone, the one onegpu validates both.
+COMPANION = {"model.task": ("model.name_or_path", "gpt2"), "train.torch_compile_mode": ("train.torch_compile", True),
+             **{f"train.{k}": ("train.gradient_checkpointing", True) for k in (
+                 "gradient_checkpointing_blocks", "gradient_checkpointing_kwargs.every_n_layers",
+                 "gradient_checkpointing_kwargs.use_reentrant")}}
+
+
+def _other(key: str, value):
+    """A value of ``key`` other than ``value`` (onegpu accepts it: the test validates it)."""
+    if key in OTHER:
+        return OTHER[key]
+    if isinstance(value, bool) or value is None:
+        return not value if isinstance(value, bool) else 10  # the null keys left are counts of steps
+    if isinstance(value, (int, float)):
+        return value * 2 if value else (1 if isinstance(value, int) else 0.1)
+    raise AssertionError(f"no other value for {key}: {value!r}")
+
+
+def _leaves(params: dict, key: str) -> dict:
+    """``key``'s value in ``params`` by dotted key, or each key under it when it names a mapping."""
+    value = params
+    for part in key.split("."):
+        value = value[part]
+    if not isinstance(value, dict):
+        return {key: value}
+    return {k: v for sub in value for k, v in _leaves(params, f"{key}.{sub}").items()}
+
+
+def _set(params: dict, key: str, value) -> dict:
+    out = yaml.safe_load(yaml.safe_dump(params))
+    *path, last = key.split(".")
+    node = out
+    for part in path:
+        node = node[part]
+    node[last] = value
+    return out
+
+
+def _changed_stages(project) -> set[str]:
+    """The stages `dvc status` names (DVC's API in this process: a fraction of the command's start-up)."""
+    from dvc.repo import Repo
+    with Repo(str(project)) as repo:
+        return {name.rsplit(":", 1)[-1] for name in repo.status()}
+
+
+@pytest.fixture(scope="module")
+def causal(tmp_path_factory, prepared):
+    """A copy of the causal-LM project prepared once per session, trained and evaluated here (dvc repro)."""
+    project = prepared(tmp_path_factory.mktemp("causal"), CAUSAL)
+    dvc(project, "repro")
+    return project
+
+
+def test_every_key_a_stage_reads_makes_dvc_status_name_it(causal):
+    from onegpu import config
+    params_file = causal / "params.yaml"
+    text = params_file.read_text()
+    params = yaml.safe_load(text)
+    assert _changed_stages(causal) == set()
+    keys = {}
+    for stage in ("train", "evaluate"):
+        for read in params_read_by(stage):
+            for key in _leaves(params, read):
+                keys.setdefault(key, set()).add(stage)
+    assert {"data.padding_free", "data.packing"} <= {k for k, s in keys.items() if "train" in s}
+    missed = {}
+    try:
+        for key, stages in sorted(keys.items()):
+            value = _other(key, _leaves(params, key)[key])
+            changed = _set(params, key, value)
+            config.from_container(_set(changed, *COMPANION[key]) if key in COMPANION else changed, key)
+            params_file.write_text(yaml.safe_dump(changed, sort_keys=False))
+            if stages - (named := _changed_stages(causal)):
+                missed[key] = (value, named)
+    finally:
+        params_file.write_text(text)
+    assert missed == {}, f"these keys, set as shown, left their stage up to date: {missed}"
+    assert _changed_stages(causal) == set()
+
+
+def _training_runs(project) -> list:
+    c, exp, all_runs = runs(project)
+    return sorted((r for r in all_runs if r.data.tags.get("stage") == "train"), key=lambda r: r.info.start_time)
+
+
+def test_padding_free_and_packing_each_retrain(causal):
+    before = _training_runs(causal)
+    # Train only (and what it needs): no assertion reads evaluate.
+    out = dvc(causal, "exp", "run", "train", "-n", "pf", "-S", "data.padding_free=true").stdout
+    assert "Running stage 'train'" in out, out
+    after_pf = _training_runs(causal)
+    assert len(after_pf) == len(before) + 1
+    assert after_pf[-1].data.params["data.padding_free"] == "True"
+    # From the workspace the first left (padding-free): packing is the one change.
+    out = dvc(causal, "exp", "run", "train", "-n", "pack", "-S", "data.packing=true").stdout
+    assert "Running stage 'train'" in out, out
+    after_pack = _training_runs(causal)
+    assert len(after_pack) == len(before) + 2
+    assert after_pack[-1].data.params["data.packing"] == "True"
+    # Packing trains on other rows: another number of them per step, another equivalence key.
+    assert after_pack[-1].data.tags["equivalence_key"] != after_pf[-1].data.tags["equivalence_key"]
