@@ -64,8 +64,8 @@ def resolve_model_path(name_or_path: str | None) -> str | None:
 def _check_hub(repo_id: str, timeout_s: float = 5.0) -> None:
     """Fail fast when a hub id can be neither downloaded nor read from the local HF cache.
 
-    Without this, an unreachable hub costs ~50 s of huggingface_hub retries and a screen of retry
-    lines before the error. Skipped when ``HF_HUB_OFFLINE`` is on or the id's config is cached
+    Without this, an unreachable hub costs a long wait of huggingface_hub retries
+    (``bench/results/measured_notes.md``) and a screen of retry lines before the error. Skipped when ``HF_HUB_OFFLINE`` is on or the id's config is cached
     (``from_pretrained`` then reads the cache).
     Raises:
         ModelError: ``repo_id`` is not a local directory and the hub endpoint (``HF_ENDPOINT``, default
