@@ -91,7 +91,8 @@ def latest_run_link(tracker: tracking.Tracker, base: str) -> str | None:
                                       order_by=["attributes.start_time DESC"])
     if not runs:
         return None
-    return f"{runs[0].info.run_name}: {tracker.runs_table_url(base)}/{runs[0].info.run_id}?workflowType=machine_learning"
+    url = f"{tracker.runs_table_url(base)}/{runs[0].info.run_id}?workflowType=machine_learning"
+    return f"{runs[0].info.run_name}: {url}"
 
 
 # Seconds the MLflow server may take to answer its /health address (a busy small machine's time:

@@ -11,8 +11,8 @@ and system CPU time on the default job: ``bench/cpu_allocator.py``, ``bench/resu
 caching allocator keeps device memory on a GPU: ``mallopt(M_MMAP_THRESHOLD, 1 GiB)`` (blocks below
 1 GiB come from the heap and are reused) and ``mallopt(M_TRIM_THRESHOLD, 2 GiB - 1)`` (free heap stays
 mapped): fewer page faults and more peak RSS (freed memory stays in the process), its speed against
-``system`` measured in ``bench/results/cpu_allocator.md``. ``system`` leaves glibc's defaults. Neither changes a computed value, only where its memory comes
-from, so the knob is outside the equivalence key.
+``system`` measured in ``bench/results/cpu_allocator.md``. ``system`` leaves glibc's defaults. Neither
+changes a computed value, only where its memory comes from, so the knob is outside the equivalence key.
 
 Sources: glibc mallopt(3) (``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``, and that setting either turns
 off the dynamic threshold); PyTorch's Performance Tuning Guide, "Switch Memory allocator" (for CPU
@@ -43,7 +43,7 @@ def _mallopt():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         fn = libc.mallopt
-        libc.gnu_get_libc_version  # glibc only: musl has no mallopt parameters of these numbers
+        _ = libc.gnu_get_libc_version  # glibc only: musl has no mallopt parameters of these numbers
     except (OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
