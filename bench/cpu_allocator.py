@@ -97,7 +97,7 @@ def report_lines(args, runs: dict) -> tuple[list[str], dict]:
                              "median step time", "minor page faults (training)", "system CPU", "user CPU",
                              "peak RSS (process)"], rows),
              "",
-             f"- caching / system, samples/s: **{ratio:.2f}x** (pairs: {', '.join(f'{x:.2f}' for x in pairs)}); "
+             f"- caching / system, samples/s: **{ratio_fmt(ratio)}** (pairs: {', '.join(f'{x:.2f}' for x in pairs)}); "
              f"page faults {med['system']['minor_faults'] / max(1, med['caching']['minor_faults']):.1f}x fewer; "
              f"peak RSS {'+' if more_rss >= 0 else ''}{mib(more_rss)} (freed memory stays in the process).",
              *[f"- {a} / system, samples/s: **{ratio_fmt(sps(a) / sps('system'))}**;"

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from bench import arms, environment, machine, reporting
-from onegpu.formatting import markdown_table
+from onegpu.formatting import markdown_table, ratio
 
 ARMS = {"CPython's defaults": [sys.executable, "-c", "import sys; from onegpu.cli import main; sys.exit(main())"],
         "onegpu command": [sys.executable, "-m", "onegpu"]}
@@ -81,7 +81,7 @@ def report_lines(args, runs: dict) -> list[str]:
                          f"{reporting.median(r['cpu_s'] for r in results):.2f}",
                          f"{reporting.median(r['wall_s'] for r in results):.2f}", *train])
         base, tuned = (reporting.median(r["cpu_s"] for r in by_arm[a]) for a in ARMS)
-        notes.append(f"- {stage}: the command's CPU time is **{tuned / base:.2f}x** CPython's defaults' "
+        notes.append(f"- {stage}: the command's CPU time is **{ratio(tuned / base)}** CPython's defaults' "
                      f"({base - tuned:.1f} s less per process).")
     losses = {r["train_loss"] for arm in runs["train"].values() for r in arm}
     notes.append(f"- train_loss in every train run: {', '.join(f'{x:.6f}' for x in sorted(losses))} "

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from onegpu.formatting import gib, markdown_table
+from onegpu.formatting import gib, markdown_table, ratio
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -173,7 +173,7 @@ def notes(args, rows: list[dict]) -> list[str]:
     if "eager" in by and "compile" in by:
         e, c = by["eager"], by["compile"]
         diff = max(abs(a - b) / abs(a) for a, b in zip(e["losses"], c["losses"]))
-        out.append(f"- torch.compile / eager: **{e['median_step_s'] / c['median_step_s']:.2f}x** the tokens/s; "
+        out.append(f"- torch.compile / eager: **{ratio(e['median_step_s'] / c['median_step_s'])}** the tokens/s; "
                    f"largest relative loss difference over the {len(e['losses'])} steps of the same training: "
                    f"{diff:.2e} (bf16 autocast rounds differently in fused kernels).")
     return out

@@ -16,7 +16,7 @@ Defaults = the default job (params.yaml as committed): packaged MiniLM-L6, 500 t
 from __future__ import annotations
 
 from bench import arms, environment, machine, reporting
-from onegpu.formatting import markdown_table, mib
+from onegpu.formatting import markdown_table, mib, ratio
 
 TARGET = 1.2
 
@@ -88,7 +88,7 @@ def report_lines(args, runs: dict, sps: dict, found: dict) -> list[str]:
         "repetitions (order alternating), step 1 excluded from samples/s.", "",
         markdown_table(["arm", "params", "samples/s per rep (steps 2..N)", "median", "median step time",
                         "step 1", "train time (median)", "peak RSS (process)"], rows), "",
-        f"- Recommended / default, samples/s: **{found['ratio']:.2f}x** (pairs: "
+        f"- Recommended / default, samples/s: **{ratio(found['ratio'])}** (pairs: "
         f"{', '.join(f'{x:.2f}' for x in found['pairs'])}).",
         f"- `onegpu compare` (first run of each arm): {'one equivalence key' if keys == 1 else f'{keys} keys'}, "
         f"verdict **{', '.join(found['verdicts']) or 'none'}**; the same pair with `model.dropout=0` "

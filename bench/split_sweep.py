@@ -14,7 +14,7 @@ run's RSS peak.
 from __future__ import annotations
 
 from bench import arms, environment, machine, reporting
-from onegpu.formatting import markdown_table, mib
+from onegpu.formatting import markdown_table, mib, ratio
 
 
 def parse_split(s: str) -> tuple[int, int]:
@@ -111,8 +111,8 @@ def report_lines(args, name: str, agg: dict, all_runs: list, cuda: bool) -> list
     v = verdict(agg)
     if v:
         f = v["4x16_over_1x64"]
-        lines.append(f"- 4 x 16 {'beats' if f > 1 else 'does not beat'} 1 x 64: **{f:.2f}x** the samples/s, at "
-                     f"{v['4x16_peak_over_1x64']:.2f}x the peak memory and {v['4x16_activations_over_1x64']:.1f}x "
+        lines.append(f"- 4 x 16 {'beats' if f > 1 else 'does not beat'} 1 x 64: **{ratio(f)}** the samples/s, at "
+                     f"{ratio(v['4x16_peak_over_1x64'])} the peak memory and {v['4x16_activations_over_1x64']:.1f}x "
                      "the activation bytes per micro-batch.")
     if best:
         lines.append(f"- Fastest split here: {' x '.join(map(str, parse_split(best)))}.")

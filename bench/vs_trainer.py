@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 
 from bench import arms, environment, machine, reporting
-from onegpu.formatting import markdown_table
+from onegpu.formatting import markdown_table, ratio
 
 TARGET = 1.0
 
@@ -199,7 +199,7 @@ def _loss_line(args, runs: dict) -> list[str]:
     l0, l1 = runs["plain"][0]["first_loss"], runs["ours"][0]["first_loss"]
     if not (args.accum > 1 and l1 and abs(l0 / l1 - args.accum) < 0.05 * args.accum):
         return []
-    return [f"- Not the same numbers: plain Trainer's step-1 loss ({l0:.4f}) and grad_norm are {l0 / l1:.2f}x ours "
+    return [f"- Not the same numbers: plain Trainer's step-1 loss ({l0:.4f}) and grad_norm are {ratio(l0 / l1)} ours "
             f"({l1:.4f}, ~ln 5 for a new 5-way head) = the accumulation count. BertForSequenceClassification's "
             "forward takes `**kwargs`, so Trainer passes `num_items_in_batch` and does not divide by "
             "`gradient_accumulation_steps`, but the model's mean loss ignores it: plain sums the micro-batch "
