@@ -26,7 +26,7 @@ Models: the packaged MiniLM-L6 (pretrained) and a deeper BERT built from the Min
 """
 from __future__ import annotations
 
-from bench import common
+from bench import arms, environment, machine, reporting
 from onegpu.formatting import markdown_table, mib
 
 # name -> (what the table calls it, train.* keys)
@@ -47,7 +47,7 @@ def frontier(points: dict[str, tuple[float, float]]) -> set[str]:
 
 
 def _args():
-    p = common.parser(__doc__.splitlines()[0], reps=3, steps=6, rows=200, micro=8, accum=1)
+    p = environment.parser(__doc__.splitlines()[0], reps=3, steps=6, rows=200, micro=8, accum=1)
     p.add_argument("--models", default="default,deep", help="comma-separated: default, deep")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from: {', '.join(ARMS)}")
     p.add_argument("--deep-layers", type=int, default=12, help="layers of the deeper BERT")
@@ -67,20 +67,20 @@ def measure_model(args, which: str, cfgs: dict, data: tuple) -> tuple[str, dict]
     """Every arm on one model (``default``: MiniLM-L6, ``deep``: a BERT from its config), the arms'
     order rotating. Returns the model's name and ``{arm: [run results]}``."""
     dsd, labels, tok, path = data
-    build, name = common.builder(cfgs["none"], labels, path, None if which == "default" else args.deep_layers,
+    build, name = arms.builder(cfgs["none"], labels, path, None if which == "default" else args.deep_layers,
                                  args.deep_hidden)
     print(f"{name}:")
-    runs = common.run_reps(
-        args, lambda rep: common.rotated(args.arm_names, rep),
-        lambda arm: common.train_or_oom(lambda: build(cfgs[arm]), tok, dsd, cfgs[arm], args.verbose),
-        common.training_line)
+    runs = arms.run_reps(
+        args, lambda rep: arms.rotated(args.arm_names, rep),
+        lambda arm: arms.train_or_oom(lambda: build(cfgs[arm]), tok, dsd, cfgs[arm], args.verbose),
+        arms.training_line)
     return name, runs
 
 
 def summarize(runs: dict) -> dict:
     """Per arm: medians over repetitions, the step-time overhead and activation reduction against
     ``none`` (None when either ran out of memory)."""
-    agg = {arm: common.medians(rs) for arm, rs in runs.items()}
+    agg = {arm: arms.medians(rs) for arm, rs in runs.items()}
     for a in agg.values():
         a["per_rep_median_step_s"] = [r["median_step_s"] for r in a.pop("ok")]
     base = agg["none"]
@@ -103,11 +103,11 @@ def _curve_rows(r: dict) -> list[list]:
         if a["oom"]:
             rows.append([r["name"], ARMS[arm][0], "OOM", "", "", "", "", "", ""])
             continue
-        rows.append([r["name"], ARMS[arm][0],
-                     ", ".join(f"{x:.3f}" for x in a["per_rep_median_step_s"]) + f" (median {a['median_step_s']:.3f} s)",
+        per_rep = ", ".join(f"{x:.3f}" for x in a["per_rep_median_step_s"])
+        reduction = "" if arm == "none" or not a["activation_reduction"] else f"{a['activation_reduction']:.1f}x less"
+        rows.append([r["name"], ARMS[arm][0], per_rep + f" (median {a['median_step_s']:.3f} s)",
                      "" if arm == "none" or a["overhead"] is None else f"{100 * a['overhead']:+.1f}%",
-                     f"{a['samples_per_second']:.1f}", mib(a["mem_activation_bytes"]),
-                     "" if arm == "none" or not a["activation_reduction"] else f"{a['activation_reduction']:.1f}x less",
+                     f"{a['samples_per_second']:.1f}", mib(a["mem_activation_bytes"]), reduction,
                      mib(a["train_mem_peak_bytes"]), "yes" if arm in r["frontier"] else "no"])
     return rows
 
@@ -132,7 +132,8 @@ def report_lines(args, results: dict, all_runs: list, cuda: bool) -> list[str]:
         f"`bench/checkpointing.py`: {args.micro} x {args.accum} per optimizer step, max_length {args.max_length}, "
         f"{'bf16 mixed precision' if args.bf16 else 'float32'}, {args.steps} optimizer steps per run, {args.reps} "
         "repetitions (arm order rotating), step 1 excluded. Rows per model from most to least activation "
-        "memory: the memory-against-step-time curve; \"on the frontier\": no other setting is both faster and smaller.",
+        "memory: the memory-against-step-time curve; \"on the frontier\": no other setting is both faster and "
+        "smaller.",
         "",
         markdown_table(["model", "checkpointing", "median step time per rep (s)", "step-time overhead",
                         "samples/s", "mem_activation_bytes (one micro-batch)", "activation reduction",
@@ -141,7 +142,7 @@ def report_lines(args, results: dict, all_runs: list, cuda: bool) -> list[str]:
     ]
     lines += [_overhead_line(r, arm) for r in results.values() for arm, a in r["arms"].items()
               if arm != "none" and a["overhead"] is not None and a["activation_reduction"]]
-    lines.append(f"- {common.load_note(all_runs)}")
+    lines.append(f"- {machine.load_note(all_runs)}")
     if not cuda:
         lines.append("- On CPU the process RSS peak is dominated by the model, optimizer states and allocator "
                      "caches, so it moves far less than the activation bytes; the activation column is the "
@@ -151,20 +152,20 @@ def report_lines(args, results: dict, all_runs: list, cuda: bool) -> list[str]:
 
 def main() -> None:
     args = _args()
-    common.setup()
+    environment.setup()
     import torch
-    cfgs = {a: common.make_cfg(args, micro=args.micro, accum=args.accum, **ARMS[a][1]) for a in args.arm_names}
-    data = common.data(cfgs["none"])
-    common.warm_up(args)
+    cfgs = {a: arms.make_cfg(args, micro=args.micro, accum=args.accum, **ARMS[a][1]) for a in args.arm_names}
+    data = arms.data(cfgs["none"])
+    arms.warm_up(args)
     results, all_runs = {}, []
     for which in [m.strip() for m in args.models.split(",") if m.strip()]:
         name, runs = measure_model(args, which, cfgs, data)
         agg = summarize(runs)
         ok = {arm: (a["median_step_s"], a["mem_activation_bytes"]) for arm, a in agg.items()
               if not a["oom"] and a["mem_activation_bytes"] is not None}
-        results[which] = {"name": name, "arms": agg, "frontier": sorted(frontier(ok)), "runs": common.without_rows(runs)}
+        results[which] = {"name": name, "arms": agg, "frontier": sorted(frontier(ok)), "runs": arms.without_rows(runs)}
         all_runs += [r for rs in runs.values() for r in rs]
-    common.report("checkpointing", args, "Activation checkpointing: step time against activation memory",
+    reporting.report("checkpointing", args, "Activation checkpointing: step time against activation memory",
                   report_lines(args, results, all_runs, torch.cuda.is_available()), {"results": results})
 
 

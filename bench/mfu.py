@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from onegpu.formatting import gib, markdown_table, ratio
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -156,14 +158,12 @@ def markdown(args, m: dict, rows: list[dict], peak: dict, measured: float) -> st
              f"`python -m bench.mfu`: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocabulary "
              f"{args.vocab}, micro-batch {args.batch} x {args.seq} tokens, {args.steps} timed steps after step 1 "
              f"and {args.warmup} warm-up; random init; model FLOPs {rows[0]['flops_per_token'] / 1e6:,.3g} M per "
-             "token (6N + 12 L d T).", "",
-             "| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
-    for r in rows:
-        mem = "n/a" if r["peak_mem_bytes"] is None else f"{r['peak_mem_bytes'] / 2**30:.1f} GiB"
-        mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        lines.append(f"| {r['arm']} | {r['median_step_s'] * 1e3:.1f} ms | {r['tokens_per_second']:,.0f} | "
-                     f"{r['model_flops_per_second'] / 1e12:.3g} | {mfu} | {r['mfu_vs_measured']:.1%} | "
-                     f"{r['step1_s']:.1f} s | {mem} | {r['losses'][0]:.4f} / {r['losses'][-1]:.4f} |")
+             "token (6N + 12 L d T).", ""]
+    cells = [[r["arm"], f"{r['median_step_s'] * 1e3:.1f} ms", f"{r['tokens_per_second']:,.0f}",
+              f"{r['model_flops_per_second'] / 1e12:.3g}", "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}",
+              f"{r['mfu_vs_measured']:.1%}", f"{r['step1_s']:.1f} s", gib(r["peak_mem_bytes"], missing="n/a"),
+              f"{r['losses'][0]:.4f} / {r['losses'][-1]:.4f}"] for r in rows]
+    lines.append(markdown_table(head, cells))
     return "\n".join(lines + [""] + notes(args, rows)) + "\n"
 
 
@@ -173,7 +173,7 @@ def notes(args, rows: list[dict]) -> list[str]:
     if "eager" in by and "compile" in by:
         e, c = by["eager"], by["compile"]
         diff = max(abs(a - b) / abs(a) for a, b in zip(e["losses"], c["losses"]))
-        out.append(f"- torch.compile / eager: **{e['median_step_s'] / c['median_step_s']:.2f}x** the tokens/s; "
+        out.append(f"- torch.compile / eager: **{ratio(e['median_step_s'] / c['median_step_s'])}** the tokens/s; "
                    f"largest relative loss difference over the {len(e['losses'])} steps of the same training: "
                    f"{diff:.2e} (bf16 autocast rounds differently in fused kernels).")
     return out

@@ -1,17 +1,17 @@
 """Padding-free batches against padded ones on the SFT example: tokens/s and memory, paired in one process.
 
-The model of ``make sft`` (docs/sft.md): the packaged SmolLM2-135M-Instruct, LoRA r=8, completion-only
-loss, on BBC headlines as prepare tokenizes them. ``--prompt lead`` (the default): the prompt is the
-instruction and the article's lead paragraph only (written as a prompt-completion JSON Lines file in a
-temporary folder, the topic as label), whose natural, uneven lengths leave real padding in a padded
-micro-batch; ``--prompt article``: ``make sft``'s own data (the whole article, cut to ``data.max_length``,
-so every row is about as long as the cap and there is almost no padding). Arms ``padded`` and ``padding_free`` take the same optimizer steps (same
-examples per micro-batch and step, accelerate backend) and alternate ABAB... for ``--reps`` rotations in
-one process. Per arm: non-padding tokens/s over optimizer steps 2..N (median of the rotations), the
-activations saved for one micro-batch (``mem_activation_bytes``: where padding costs memory), the
+The model of ``make sft`` (docs/sft.md): the packaged SmolLM2-135M-Instruct, LoRA r=8, completion-only loss,
+on BBC headlines as prepare tokenizes them. ``--prompt lead`` (the default): the prompt is the instruction and
+the article's lead paragraph only (written as a prompt-completion JSON Lines file in a temporary folder, the
+topic as label), whose natural, uneven lengths leave real padding in a padded micro-batch; ``--prompt
+article``: ``make sft``'s own data (the whole article, cut to ``data.max_length``, so every row is about as
+long as the cap and there is almost no padding). Arms ``padded`` and ``padding_free`` take the same optimizer
+steps (same examples per micro-batch and step, accelerate backend) and alternate ABAB... for ``--reps``
+rotations in one process. Per arm: non-padding tokens/s over optimizer steps 2..N (median of the rotations),
+the activations saved for one micro-batch (``mem_activation_bytes``: where padding costs memory), the
 process's peak RSS during the arm, and the first step's loss (the two arms' must agree: same training).
-Printed first: the share of padding the padded micro-batches held (micro-batches of the seeded order).
-Results go to ``bench/results/padding_free.{md,json}``; the machine's load average is printed with them.
+Printed first: the share of padding the padded micro-batches held (micro-batches of the seeded order). Results
+go to ``bench/results/padding_free.{md,json}``; the machine's load average is printed with them.
 
 Run: ``python -m bench.padding_free`` (``--prompt article`` for ``make sft``'s data).
 """
@@ -24,6 +24,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from onegpu.formatting import markdown_table, mib, ratio
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -60,7 +62,8 @@ def _data(args):
     from onegpu.models import loader
     cfg = _cfg(args, False)
     path = loader.resolve_model_path(cfg.model.name_or_path)
-    dsd, tok, stats, _ = pipeline.prepare(cfg, "prompt-completion", lambda texts: loader.load_tokenizer(path, "causal-lm"))
+    dsd, tok, stats, _ = pipeline.prepare(cfg, "prompt-completion",
+                                          lambda texts: loader.load_tokenizer(path, "causal-lm"))
     return dsd, tok, path, stats
 
 
@@ -133,14 +136,14 @@ def main() -> None:
             load.append(os.getloadavg()[0])
             r = runs[name][-1]
             print(f"rotation {rep + 1}/{args.reps} {name}: {r['tokens_per_second']:.0f} tokens/s, activations "
-                  f"{r['mem_activation_bytes'] / 2**20:.0f} MiB, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB, "
+                  f"{mib(r['mem_activation_bytes'])}, peak RSS {mib(r['peak_rss_bytes'])}, "
                   f"step-1 loss {r['first_loss']:.6f}", flush=True)
     _report(args, runs, share, stats, load)
 
 
 def _report(args, runs: dict, share: float, stats: dict, load: list[float]) -> None:
-    from bench.common import machine, machine_line
-    m = machine()
+    from bench import machine
+    m = machine.describe()
     med = {k: statistics.median(r["tokens_per_second"] for r in v) for k, v in runs.items()}
     act = {k: v[0]["mem_activation_bytes"] for k, v in runs.items()}
     rss = {k: max(r["peak_rss_bytes"] for r in v) for k, v in runs.items()}
@@ -149,21 +152,21 @@ def _report(args, runs: dict, share: float, stats: dict, load: list[float]) -> N
     lines = [f"# Padding-free against padded: SmolLM2-135M-Instruct, LoRA r=8, headlines ({len(runs['padded'])} "
              f"rotations, {args.steps} steps of {args.micro} x {args.accum}, max_length {args.max_length}, prompt "
              f"{'the lead paragraph' if args.prompt == 'lead' else 'the whole article'})", "",
-             machine_line(m), "",
+             machine.line(m), "",
              f"Padding in the padded micro-batches: {share:.1%} of their tokens. Largest relative difference of the "
              f"per-step losses between the arms: {same:.1e}. Load average during the runs: "
-             f"{min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores.", "",
-             "| arm | tokens/s (median) | vs padded | activations, one micro-batch (MiB) | peak RSS (MiB) |",
-             "| --- | --- | --- | --- | --- |"]
-    for k in ("padded", "padding_free"):
-        lines.append(f"| {k} | {med[k]:.0f} | {med[k] / med['padded']:.2f}x | {act[k] / 2**20:.0f} | {rss[k] / 2**20:.0f} |")
+             f"{min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores.", ""]
+    head = ["arm", "tokens/s (median)", "vs padded", "activations, one micro-batch (MiB)", "peak RSS (MiB)"]
+    lines.append(markdown_table(head, [[k, f"{med[k]:.0f}", ratio(med[k] / med["padded"]), mib(act[k], unit=False),
+                                        mib(rss[k], unit=False)] for k in ("padded", "padding_free")]))
     text = "\n".join(lines)
     print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "machine": m, "padding_share": share, "runs": runs,
-                                                    "load_average": load, "max_rel_loss_diff": same}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "machine": m, "padding_share": share,
+                                                    "runs": runs, "load_average": load, "max_rel_loss_diff": same},
+                                                   indent=1))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ run's RSS peak.
 """
 from __future__ import annotations
 
-from bench import common
-from onegpu.formatting import markdown_table, mib
+from bench import arms, environment, machine, reporting
+from onegpu.formatting import markdown_table, mib, ratio
 
 
 def parse_split(s: str) -> tuple[int, int]:
@@ -23,7 +23,7 @@ def parse_split(s: str) -> tuple[int, int]:
 
 
 def _args():
-    p = common.parser(__doc__.splitlines()[0], reps=2, steps=3, rows=200)
+    p = environment.parser(__doc__.splitlines()[0], reps=2, steps=3, rows=200)
     p.add_argument("--splits", default="64x1,16x4,4x16,1x64", help="micro x accumulation, comma-separated")
     p.add_argument("--layers", type=int, default=None,
                    help="use a BERT built from the MiniLM config with this many layers (random init) "
@@ -38,20 +38,20 @@ def _args():
 def measure(args, splits: list[str]) -> tuple[str, dict]:
     """Every split ``MxA``, smallest micro-batch first (then the reverse, alternating between
     repetitions). Returns the model's name and ``{split: [run results]}``."""
-    cfgs = {s: common.make_cfg(args, micro=parse_split(s)[0], accum=parse_split(s)[1],
+    cfgs = {s: arms.make_cfg(args, micro=parse_split(s)[0], accum=parse_split(s)[1],
                                checkpointing=args.checkpointing) for s in splits}
-    dsd, labels, tok, path = common.data(cfgs[splits[0]])
+    dsd, labels, tok, path = arms.data(cfgs[splits[0]])
     need = max(m * a for m, a in map(parse_split, splits)) * args.steps
     if len(dsd["train"]) < need:
         print(f"note: {len(dsd['train'])} training rows < {need} (effective batch x steps): the data wraps "
               "around and the epoch's last step may be partial")
-    common.warm_up(args)
+    arms.warm_up(args)
 
-    build, name = common.builder(cfgs[splits[0]], labels, path, args.layers, args.hidden)
+    build, name = arms.builder(cfgs[splits[0]], labels, path, args.layers, args.hidden)
     order = sorted(splits, key=lambda s: (parse_split(s)[0], -parse_split(s)[1]))  # smallest micro-batch first
-    runs = common.run_reps(args, lambda rep: order if rep % 2 == 0 else order[::-1],
-                           lambda s: common.train_or_oom(lambda: build(cfgs[s]), tok, dsd, cfgs[s], args.verbose),
-                           common.training_line)
+    runs = arms.run_reps(args, lambda rep: order if rep % 2 == 0 else order[::-1],
+                           lambda s: arms.train_or_oom(lambda: build(cfgs[s]), tok, dsd, cfgs[s], args.verbose),
+                           arms.training_line)
     return name, {s: runs[s] for s in splits}
 
 
@@ -62,9 +62,10 @@ def _tokens_per_second(rows: list[dict]) -> float:
 
 def summarize(runs: dict) -> dict:
     """Per split: medians over repetitions (samples/s, step time, tokens/s over steps 2..N, memory)."""
-    agg = {s: common.medians(rs) for s, rs in runs.items()}
+    agg = {s: arms.medians(rs) for s, rs in runs.items()}
     for a in agg.values():
-        a["tokens_per_second"] = common.median(_tokens_per_second(r["rows"]) for r in a.pop("ok") if len(r["rows"]) > 1)
+        a["tokens_per_second"] = reporting.median(_tokens_per_second(r["rows"])
+                                                  for r in a.pop("ok") if len(r["rows"]) > 1)
     return agg
 
 
@@ -110,24 +111,24 @@ def report_lines(args, name: str, agg: dict, all_runs: list, cuda: bool) -> list
     v = verdict(agg)
     if v:
         f = v["4x16_over_1x64"]
-        lines.append(f"- 4 x 16 {'beats' if f > 1 else 'does not beat'} 1 x 64: **{f:.2f}x** the samples/s, at "
-                     f"{v['4x16_peak_over_1x64']:.2f}x the peak memory and {v['4x16_activations_over_1x64']:.1f}x "
+        lines.append(f"- 4 x 16 {'beats' if f > 1 else 'does not beat'} 1 x 64: **{ratio(f)}** the samples/s, at "
+                     f"{ratio(v['4x16_peak_over_1x64'])} the peak memory and {v['4x16_activations_over_1x64']:.1f}x "
                      "the activation bytes per micro-batch.")
     if best:
         lines.append(f"- Fastest split here: {' x '.join(map(str, parse_split(best)))}.")
-    return lines + [f"- {common.load_note(all_runs)}"]
+    return lines + [f"- {machine.load_note(all_runs)}"]
 
 
 def main() -> None:
     args = _args()
-    common.setup()
+    environment.setup()
     import torch
     splits = [f"{m}x{a}" for m, a in (parse_split(s) for s in args.splits.split(",") if s.strip())]
     name, runs = measure(args, splits)
     agg = summarize(runs)
-    common.report("split_sweep", args, "Split sweep: one effective batch, four splits",
+    reporting.report("split_sweep", args, "Split sweep: one effective batch, four splits",
                   report_lines(args, name, agg, [r for v in runs.values() for r in v], torch.cuda.is_available()),
-                  {"model": name, "verdict": verdict(agg), "splits": agg, "runs": common.without_rows(runs)})
+                  {"model": name, "verdict": verdict(agg), "splits": agg, "runs": arms.without_rows(runs)})
 
 
 if __name__ == "__main__":

@@ -98,7 +98,8 @@ def check(root: Path, experiment: str = "onegpu", finished: bool = False) -> tup
     train = [r for r in runs if "train_runtime" in r.data.metrics]
     problems += [] if prep else ["no prepare run (tag stage=prepare)"]
     problems += [] if train else ["no training run (one with train_runtime)"]
-    problems += [f"prepare run {r.info.run_id[:8]} lacks {miss}" for r in prep if (miss := _missing(r.data.metrics, PREPARE))]
+    problems += [f"prepare run {r.info.run_id[:8]} lacks {miss}"
+                 for r in prep if (miss := _missing(r.data.metrics, PREPARE))]
     facts = {"uri": uri, "experiment": experiment, "prepare_runs": len(prep), "training_runs": []}
     for r in train:
         p, f = _training_problems(client, r, finished)

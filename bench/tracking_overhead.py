@@ -5,7 +5,7 @@ repetitions, off first in even ones). Both arms run ``onegpu.training.session.fi
 model init, data and config; they differ only in the metrics sink and what the train stage does around
 the loop:
 
-- tracked: what ``onegpu.stages.train`` does (``common.stage_run``): ``start_run`` + params + tags,
+- tracked: what ``onegpu.stages.train`` does (``arms.stage_run``): ``start_run`` + params + tags,
   the batched writer (``tracker.metric_buffer(run_id).add``) as the per-step sink, MLflow's
   system-metrics monitor (a background thread sampling every 5 s) around training, then the final
   ``flush``, the summary metrics and ``end_run``, into a temporary SQLite store;
@@ -36,7 +36,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from bench import common
+from bench import arms, environment, machine, reporting
 from onegpu.formatting import markdown_table
 
 TARGET = 1.02
@@ -76,7 +76,7 @@ def interleaved(tracker, cfg, labels, path, tok, dsd, verbose) -> dict:
     """One run with :class:`AlternatingSink`: step times after a writing step vs after a no-op step."""
     run_id = tracker.start_run(None, {"stage": "bench-interleaved"})
     buffer = tracker.metric_buffer(run_id)
-    res = common.train_once(common.pretrained_model(cfg, labels, path), tok, dsd, cfg,
+    res = arms.train_once(arms.pretrained_model(cfg, labels, path), tok, dsd, cfg,
                             sink=AlternatingSink(buffer), verbose=verbose, stage_like=True)
     buffer.flush()
     tracker.end_run(run_id)
@@ -115,7 +115,7 @@ def outlier_lines(runs: dict, load: str) -> list[str]:
 
 
 def _args():
-    p = common.parser(__doc__.splitlines()[0], reps=5, steps=30, rows=200, micro=4, accum=1)
+    p = environment.parser(__doc__.splitlines()[0], reps=5, steps=30, rows=200, micro=4, accum=1)
     p.add_argument("--interleaved-steps", type=int, default=60,
                    help="optimizer steps of the interleaved run (0: skip it)")
     p.add_argument("--load", default="", help="other load on the machine during the run, named in the report")
@@ -129,26 +129,26 @@ def measure(args) -> dict:
     direct cost: ``{"runs": {arm: [results]}, "inter": result or None, "per_step": s, "longest_add": s}``."""
     from onegpu import tracking
     tracker = tracking.connect("bench-tracking")  # <tmp>/mlflow.db: created here, outside any timing
-    cfg = common.make_cfg(args, micro=args.micro, accum=args.accum)
-    dsd, labels, tok, path = common.data(cfg)
-    common.warm_up(args)
+    cfg = arms.make_cfg(args, micro=args.micro, accum=args.accum)
+    dsd, labels, tok, path = arms.data(cfg)
+    arms.warm_up(args)
 
     def one(arm):
-        model = common.pretrained_model(cfg, labels, path)
+        model = arms.pretrained_model(cfg, labels, path)
         if arm == "tracked":
-            res = common.stage_run(tracker, model, tok, dsd, cfg, args.verbose)
+            res = arms.stage_run(tracker, model, tok, dsd, cfg, args.verbose)
         else:
-            res = common.train_once(model, tok, dsd, cfg, verbose=args.verbose, stage_like=True)
+            res = arms.train_once(model, tok, dsd, cfg, verbose=args.verbose, stage_like=True)
         res["outlier"] = outlier(res["rows"])
         return res
 
-    runs = common.run_reps(args, lambda rep: common.rotated(["tracked", "off"], rep), one, lambda res: (
+    runs = arms.run_reps(args, lambda rep: arms.rotated(["tracked", "off"], rep), one, lambda res: (
         f"median step {res['median_step_s']:.4f} s, mean {res['mean_step_s']:.4f} s, longest "
         f"{res['outlier']['max_step_s']:.4f} s (step {res['outlier']['max_at_step']}), wall {res['wall_s']:.1f} s"))
     inter = None
     if args.interleaved_steps > 1:
-        icfg = common.make_cfg(args, micro=args.micro, accum=args.accum, steps=args.interleaved_steps)
-        inter = common.clean_run(lambda: interleaved(tracker, icfg, labels, path, tok, dsd, args.verbose),
+        icfg = arms.make_cfg(args, micro=args.micro, accum=args.accum, steps=args.interleaved_steps)
+        inter = machine.clean_run(lambda: interleaved(tracker, icfg, labels, path, tok, dsd, args.verbose),
                                  args, "interleaved")
         print(f"interleaved: median step after a write {inter['median_after_write']:.4f} s, after a no-op "
               f"{inter['median_after_noop']:.4f} s", flush=True)
@@ -159,22 +159,24 @@ def measure(args) -> dict:
 def summarize(m: dict) -> dict:
     """Medians per arm, the ratios tracked/off (median and mean step, per pair), the one-off work."""
     runs = m["runs"]
-    med = {a: common.median(r["median_step_s"] for r in runs[a]) for a in runs}
-    mean = {a: common.median(r["mean_step_s"] for r in runs[a]) for a in runs}
+    med = {a: reporting.median(r["median_step_s"] for r in runs[a]) for a in runs}
+    mean = {a: reporting.median(r["mean_step_s"] for r in runs[a]) for a in runs}
     pairs = [t["median_step_s"] / o["median_step_s"] for t, o in zip(runs["tracked"], runs["off"])]
     return {"median": med, "mean": mean, "ratio": med["tracked"] / med["off"],
             "ratio_mean": mean["tracked"] / mean["off"], "pairs": pairs, "met": med["tracked"] / med["off"] <= TARGET,
-            "outside": common.median(r["outside_loop_s"] for r in runs["tracked"]),
+            "outside": reporting.median(r["outside_loop_s"] for r in runs["tracked"]),
             "direct_pct": 100 * m["per_step"] / med["off"]}
 
 
 # -- the report --------------------------------------------------------------------------------------
 
 def _arm_rows(runs: dict, s: dict) -> list[list]:
-    return [["tracking off (no-op sink)" if a == "off" else "full tracking (run, params, batched writer, system metrics)",
-             ", ".join(f"{r['median_step_s']:.4f}" for r in runs[a]), f"{s['median'][a]:.4f} s", f"{s['mean'][a]:.4f} s",
-             f"{common.median(r['samples_per_second'] for r in runs[a]):.1f}",
-             f"{common.median(r['wall_s'] for r in runs[a]):.1f} s"] for a in ("off", "tracked")]
+    return [["tracking off (no-op sink)" if a == "off"
+             else "full tracking (run, params, batched writer, system metrics)",
+             ", ".join(f"{r['median_step_s']:.4f}" for r in runs[a]), f"{s['median'][a]:.4f} s",
+             f"{s['mean'][a]:.4f} s",
+             f"{reporting.median(r['samples_per_second'] for r in runs[a]):.1f}",
+             f"{reporting.median(r['wall_s'] for r in runs[a]):.1f} s"] for a in ("off", "tracked")]
 
 
 def _findings(args, m: dict, s: dict) -> list[str]:
@@ -193,8 +195,9 @@ def _findings(args, m: dict, s: dict) -> list[str]:
         f"{s['median']['off']:.3f} s step; longest single `add` (what one step waited on tracking at most): "
         f"{m['longest_add'] * 1e3:.2f} ms.",
         f"- One-off tracking work outside the loop (start_run, params, tags, starting and stopping the "
-        f"system-metrics monitor, final flush, summary metrics, end_run): {s['outside']:.3f} s per run (not per step).",
-        f"- {common.load_note(m['runs']['tracked'] + m['runs']['off'])}"
+        f"system-metrics monitor, final flush, summary metrics, end_run): {s['outside']:.3f} s per run "
+        "(not per step).",
+        f"- {machine.load_note(m['runs']['tracked'] + m['runs']['off'])}"
         + (f" Load named by the operator: {args.load}." if args.load else ""),
     ]
 
@@ -226,15 +229,16 @@ def report_lines(args, m: dict, s: dict) -> list[str]:
 
 def main() -> None:
     args = _args()
-    common.setup()
+    environment.setup()
     m = measure(args)
     s = summarize(m)
     payload = {"interleaved": {k: v for k, v in m["inter"].items() if k != "rows"} if m["inter"] else None,
                "target_ratio_max": TARGET, "ratio_median_step": s["ratio"], "ratio_mean_step": s["ratio_mean"],
                "pair_ratios": s["pairs"], "target_met": s["met"], "sink_seconds_per_step": m["per_step"],
                "longest_add_s": m["longest_add"], "outside_loop_s": s["outside"], "median_step_s": s["median"],
-               "mean_step_s": s["mean"], "runs": common.without_rows(m["runs"])}
-    common.report("tracking_overhead", args, "Tracking overhead per optimizer step", report_lines(args, m, s), payload)
+               "mean_step_s": s["mean"], "runs": arms.without_rows(m["runs"])}
+    reporting.report("tracking_overhead", args, "Tracking overhead per optimizer step", report_lines(args, m, s),
+                     payload)
 
 
 if __name__ == "__main__":

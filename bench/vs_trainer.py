@@ -1,13 +1,13 @@
 """Against the peer: onegpu's train stage versus plain HF Trainer with report_to=["mlflow"].
 
 Both arms train the same model init (same seed), data, collator and TrainingArguments values
-(``onegpu.training.backends.hf_trainer.training_arguments``: logging_steps=1, no checkpoints, no evaluation) in one process,
-the order alternating between repetitions:
+(``onegpu.training.backends.hf_trainer.training_arguments``: logging_steps=1, no checkpoints, no evaluation)
+in one process, the order alternating between repetitions:
 
-- ours: what ``onegpu.stages.train`` does (``common.stage_run``): run + params + tags into MLflow,
-  ``onegpu.training.session.run`` with the trainer backend (``ExactLossTrainer``, the step-measurement callbacks, the activation probe at
-  train begin, Ctrl-C handling) with the batched MLflow writer as sink and MLflow's system-metrics
-  monitor running, then flush, summary metrics and end_run;
+- ours: what ``onegpu.stages.train`` does (``arms.stage_run``): run + params + tags into MLflow,
+  ``onegpu.training.session.run`` with the trainer backend (``ExactLossTrainer``, the step-measurement
+  callbacks, the activation probe at train begin, Ctrl-C handling) with the batched MLflow writer as sink
+  and MLflow's system-metrics monitor running, then flush, summary metrics and end_run;
 - plain: ``transformers.Trainer`` with the same arguments except ``report_to=["mlflow"]``, so HF's
   ``MLflowCallback`` starts the run, logs every TrainingArguments and model-config value as params and
   every step's logs (``log_metrics(..., synchronous=False)``), and ends the run; the store is a
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import time
 
-from bench import common
-from onegpu.formatting import markdown_table
+from bench import arms, environment, machine, reporting
+from onegpu.formatting import markdown_table, ratio
 
 TARGET = 1.0
 
@@ -49,7 +49,7 @@ def plain_run(model, tok, dsd, cfg, verbose: bool) -> dict:
     import tempfile
     resolved = resolve(cfg)
     out = tempfile.mkdtemp(prefix="plain-trainer-")
-    common.release_memory()
+    arms.release_memory()
     t0 = time.perf_counter()
     args = hf_trainer.training_arguments(cfg, out)
     args.report_to = ["mlflow"]
@@ -59,13 +59,13 @@ def plain_run(model, tok, dsd, cfg, verbose: bool) -> dict:
     assert any(isinstance(c, MLflowCallback) for c in trainer.callback_handler.callbacks)
     stamps = Stamps()
     trainer.add_callback(stamps)
-    with common.quiet(verbose):
+    with arms.quiet(verbose):
         trainer.train()
     wall = time.perf_counter() - t0
     times = [b - a for a, b in zip([stamps.t0] + stamps.t[:-1], stamps.t)]
     eff = resolved.effective_batch_size
     rows = [{"step": i, "step_time_s": t, "samples": eff} for i, t in enumerate(times, 1)]
-    res = common.steady(rows)
+    res = arms.steady(rows)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     res["params_logged"] = len({**model.config.to_dict(), **args.to_dict()})
     res.update(total_s=wall, wall_s=wall, first_loss=logs[0]["loss"] if logs else None,
@@ -79,7 +79,7 @@ def our_extras(cfg, labels, path, tok, dsd) -> dict:
     from onegpu.measure import memory
     from onegpu.training.batches import collator_for, model_inputs, probe_batch
     from onegpu.training.loss import loss_for
-    model = common.pretrained_model(cfg, labels, path)
+    model = arms.pretrained_model(cfg, labels, path)
     ds = model_inputs(dsd, cfg.model.task)["train"]
     batch = probe_batch(ds, collator_for(cfg.model.task, tok), cfg.train.per_device_train_batch_size)
     memory.activation_bytes(model, batch, loss_for(cfg.model.task))  # warm
@@ -117,17 +117,17 @@ def measure(args, tmp) -> tuple[dict, dict, object]:
     """The paired runs (ours and plain, the order alternating) and the directly timed extras of ours.
     Returns ``({arm: [results]}, extras, cfg)``."""
     tracker = _stores(tmp)
-    cfg = common.make_cfg(args, micro=args.micro, accum=args.accum)
-    dsd, labels, tok, path = common.data(cfg)
+    cfg = arms.make_cfg(args, micro=args.micro, accum=args.accum)
+    dsd, labels, tok, path = arms.data(cfg)
     eff = args.micro * args.accum
     if len(dsd["train"]) < eff * args.steps:
         print(f"note: {len(dsd['train'])} rows < {eff} x {args.steps}: the epoch ends with a partial step")
-    common.warm_up(args)
+    arms.warm_up(args)
 
     def one(arm):
-        model = common.pretrained_model(cfg, labels, path)
+        model = arms.pretrained_model(cfg, labels, path)
         if arm == "ours":
-            r = common.stage_run(tracker, model, tok, dsd, cfg, args.verbose)
+            r = arms.stage_run(tracker, model, tok, dsd, cfg, args.verbose)
             r.update(first_loss=r["rows"][0]["loss"], first_grad_norm=r["rows"][0]["grad_norm"],
                      samples=r["summary"]["train_samples"])
         else:
@@ -137,7 +137,7 @@ def measure(args, tmp) -> tuple[dict, dict, object]:
         r["outside_steps_s"] = r["total_s"] - sum(r["step_times_s"])
         return r
 
-    runs = common.run_reps(args, lambda rep: common.rotated(["ours", "plain"], rep), one, lambda res: (
+    runs = arms.run_reps(args, lambda rep: arms.rotated(["ours", "plain"], rep), one, lambda res: (
         f"{res['e2e_samples_per_second']:.2f} samples/s end to end, median step {res['median_step_s']:.4f} s, "
         f"wall {res['total_s']:.1f} s, first loss {res['first_loss']:.4f}"))
     return runs, our_extras(cfg, labels, path, tok, dsd), cfg
@@ -146,7 +146,7 @@ def measure(args, tmp) -> tuple[dict, dict, object]:
 def summarize(runs: dict) -> dict:
     """Medians per arm (end-to-end and steady samples/s, step time, wall, time outside the steps) and
     the ratios ours/plain."""
-    med = {k: {a: common.median(r[k] for r in runs[a]) for a in runs}
+    med = {k: {a: reporting.median(r[k] for r in runs[a]) for a in runs}
            for k in ("e2e_samples_per_second", "samples_per_second", "median_step_s", "total_s", "outside_steps_s")}
     ratio = med["e2e_samples_per_second"]["ours"] / med["e2e_samples_per_second"]["plain"]
     return {**med, "ratio": ratio, "met": ratio >= TARGET,
@@ -199,7 +199,7 @@ def _loss_line(args, runs: dict) -> list[str]:
     l0, l1 = runs["plain"][0]["first_loss"], runs["ours"][0]["first_loss"]
     if not (args.accum > 1 and l1 and abs(l0 / l1 - args.accum) < 0.05 * args.accum):
         return []
-    return [f"- Not the same numbers: plain Trainer's step-1 loss ({l0:.4f}) and grad_norm are {l0 / l1:.2f}x ours "
+    return [f"- Not the same numbers: plain Trainer's step-1 loss ({l0:.4f}) and grad_norm are {ratio(l0 / l1)} ours "
             f"({l1:.4f}, ~ln 5 for a new 5-way head) = the accumulation count. BertForSequenceClassification's "
             "forward takes `**kwargs`, so Trainer passes `num_items_in_batch` and does not divide by "
             "`gradient_accumulation_steps`, but the model's mean loss ignores it: plain sums the micro-batch "
@@ -226,20 +226,20 @@ def report_lines(args, runs: dict, extras: dict, s: dict, n_ours: int) -> list[s
                      f"in steady state the ratio is {s['ratio_steady']:.3f}"
                      + (" (within the run-to-run noise of this shared 2-core machine)."
                         if abs(1 - s["ratio_steady"]) < 0.02 else "."))
-    return lines + [f"- {common.load_note(runs['ours'] + runs['plain'])}"]
+    return lines + [f"- {machine.load_note(runs['ours'] + runs['plain'])}"]
 
 
 def main() -> None:
-    args = common.parser(__doc__.splitlines()[0], reps=5, steps=12, rows=200, micro=8, accum=2).parse_args()
-    tmp = common.setup()
+    args = environment.parser(__doc__.splitlines()[0], reps=5, steps=12, rows=200, micro=8, accum=2).parse_args()
+    tmp = environment.setup()
     runs, extras, cfg = measure(args, tmp)
     s = summarize(runs)
     from onegpu.config import flatten
     payload = {"target_ratio_min": TARGET, "ratio_e2e": s["ratio"], "ratio_steady": s["ratio_steady"],
                "target_met": s["met"], "e2e_samples_per_second": s["e2e_samples_per_second"],
                "steady_samples_per_second": s["samples_per_second"], "median_step_s": s["median_step_s"],
-               "wall_s": s["total_s"], "extras": extras, "runs": common.without_rows(runs)}
-    common.report("vs_trainer", args, "onegpu train stage against plain HF Trainer + MLflow",
+               "wall_s": s["total_s"], "extras": extras, "runs": arms.without_rows(runs)}
+    reporting.report("vs_trainer", args, "onegpu train stage against plain HF Trainer + MLflow",
                   report_lines(args, runs, extras, s, len(flatten(cfg.to_dict())) + 4), payload)
 
 

@@ -91,10 +91,12 @@ def latest_run_link(tracker: tracking.Tracker, base: str) -> str | None:
                                       order_by=["attributes.start_time DESC"])
     if not runs:
         return None
-    return f"{runs[0].info.run_name}: {tracker.runs_table_url(base)}/{runs[0].info.run_id}?workflowType=machine_learning"
+    url = f"{tracker.runs_table_url(base)}/{runs[0].info.run_id}?workflowType=machine_learning"
+    return f"{runs[0].info.run_name}: {url}"
 
 
-# Seconds the MLflow server may take to answer its /health address (a busy 2-core machine needs ~20 s).
+# Seconds the MLflow server may take to answer its /health address (a busy small machine's time:
+# bench/results/measured_notes.md).
 START_TIMEOUT_S = 120.0
 
 
@@ -144,8 +146,8 @@ def _server_command(uri: str, host: str, port: int) -> list[str]:
 
 
 # MLflow 3's server-side job runner (GenAI jobs: prompt optimisation, scorers) starts a runner and seven
-# huey consumer processes beside the UI (measured here: 1.8 s later to answer, ~20 s of CPU, ~1.5 GB);
-# nothing onegpu logs uses it. A value the user set is kept.
+# huey consumer processes beside the UI (what they cost: bench/results/measured_notes.md); nothing
+# onegpu logs uses it. A value the user set is kept.
 JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
 
 

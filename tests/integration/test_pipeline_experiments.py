@@ -42,7 +42,7 @@ def test_auto_micro_batch_keeps_the_effective_batch_and_the_losses(project):
 def test_exp_run_dotted_lora_rank_trains_lora(project):
     """`dvc exp run -S model.lora.r=8`, the form a user types first: a LoRA run (adapters only train,
     another equivalence key, the adapter saved), from params.yaml's mapping with r: 0. (Up to train: the
-    merged model's evaluation is tests/unit/test_lora.py's.)"""
+    merged model's evaluation is tests/unit/models/test_lora.py's.)"""
     run(["git", "checkout", "--", "."], project)
     dvc(project, "checkout", "--force")
     out = dvc(project, "exp", "run", "train", "-S", "model.lora.r=8").stdout

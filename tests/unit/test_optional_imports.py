@@ -20,8 +20,8 @@ import importlib, pkgutil, sys
 import onegpu
 mods = [m.name for m in pkgutil.walk_packages(onegpu.__path__, "onegpu.")
         if m.name != "onegpu.ui" and not m.name.endswith(".__main__")]
-mods += ["bench.common", "bench.mfu", "bench.store_check", "bench.gpu_models", "bench.split_sweep",
-         "bench.checkpointing", "bench.gpu_preflight"]
+mods += ["bench.arms", "bench.environment", "bench.machine", "bench.reporting", "bench.mfu", "bench.store_check",
+         "bench.gpu_models", "bench.split_sweep", "bench.checkpointing", "bench.gpu_preflight"]
 for m in mods:
     importlib.import_module(m)
 print(len(mods), sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[1:])))

@@ -4,7 +4,7 @@ TRL's dataset types (``trl.data_utils``, SFTTrainer): a ``messages`` column (a l
 per row: conversational language modelling), ``prompt`` + ``completion`` columns (prompt-completion; a cell
 may be a string or, conversational, a list of messages), else plain text in the text column. onegpu
 reads them the same way; its own copy of ``trl.data_utils.is_conversational`` exists because importing
-``trl.data_utils`` loads transformers and torch (4 s here), and this check must answer before any heavy
+``trl.data_utils`` loads transformers and torch (seconds), and this check must answer before any heavy
 import (:func:`onegpu.data.check.check_input`).
 """
 from __future__ import annotations

@@ -1,50 +1,9 @@
 """Model FLOPs and MFU (model FLOPs utilisation), and a finished training's speed in both (:func:`speed_metrics`).
 
-**Model FLOPs** of training count every matrix multiply of the forward pass twice (a multiply and an
-add per weight and token), and the backward pass as twice the forward (gradients with respect to the
-inputs and to the weights): 6 FLOPs per weight and token. This is the convention of Kaplan et al. 2020
-("Scaling Laws for Neural Language Models", sec. 2.1), PaLM (Chowdhery et al. 2022, appendix B: "6N +
-12LHQT") and Chinchilla (Hoffmann et al. 2022, appendix F); nanoGPT's ``estimate_mfu`` computes the same.
-For one run (:func:`train_flops`)::
-
-    6 * N_tok * tokens  +  12 * n_layer * d_model * sum(t_i^2)  +  6 * N_seq * examples
-
-* ``N_tok``: the weights applied to every token: every parameter except embedding *lookups* (token,
-  position and token-type tables: an indexed read, no multiply), **plus the output projection of a
-  language model even when it is tied to the input embedding** (the unembedding is a d_model x vocab
-  matmul on every token; Chinchilla appendix F counts it as "logits", PaLM's N and nanoGPT's N include
-  it). Biases and norm weights are in N as in Kaplan's and nanoGPT's count (under 1% here).
-* ``12 * n_layer * d_model * t``: per token, attention scores ``Q K^T`` and the weighted sum ``A V`` over
-  a context of ``t`` tokens, forward and backward (PaLM appendix B's ``12LHQT`` with ``H*Q = d_model``;
-  no halving for the causal mask, as in PaLM). ``t_i`` is the **non-padding** length of example i:
-  padding is not useful work (``tokens_per_second`` counts non-padding tokens too), so the attention
-  term over a run is ``12 L d * sum(t_i^2)``, not ``12 L d T`` at a padded or mean length.
-* ``N_seq``: weights applied once per *sequence*, not per token: a sequence classifier's pooler (when
-  the model has one) and its classification head, which read the first (or pooled) position only.
-
-Checkpointing's recomputed forward is *not* counted: this is MFU, not HFU (hardware FLOPs utilisation).
-
-**Frozen weights (LoRA).** The 6 per weight and token are 2 for the forward matmul, 2 for the gradient
-with respect to its input and 2 for the gradient with respect to the weight (Narayanan et al. 2021,
-"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", sec. 5.1: the
-backward pass is twice the forward "since we need to calculate the gradients with respect to both input
-and weight tensors"). A frozen weight needs no weight gradient, so it costs 4 (the LoRA paper, Hu et al.
-2021, sec. 4.2, measures 25% faster training of GPT-3 than full fine-tuning "as we do not need to
-calculate the gradient for the vast majority of the parameters"), and a weight that runs before every
-trainable parameter needs no input gradient either, so it costs 2. With ``6 N`` under LoRA, MFU would
-be overstated by up to 1.5x. :func:`matmul_counts` says which weights get which part;
-:func:`train_flops` sums ``2 (N + N_input_grad + N_weight_grad)`` per token (and per sequence for the
-head), which is ``6 N`` in full fine-tuning. The attention term keeps its full backward: LoRA's target
-modules match in every layer, so the gradient flows through every layer's attention but the first's
-(when the first adapter sits after layer 0's attention, or on ``Q`` only, that layer's unneeded
-attention gradients are still counted: at most ``8 d_model t`` per token, in one layer).
-
-**Device peak**: published dense peaks from the vendors' datasheets (:data:`PEAKS`), for the dtype the
-matmuls run in. A device not in the table (a CPU, say) has no datasheet figure here, so its peak is
-*measured* (:func:`measured_peak`) in a way that other processes' load cannot lower, and cached per
-machine with the time of the measurement; a later measurement only ever raises the cached value. An
-MFU above 1 means the peak is too low: it is measured again (:func:`mfu`), and if the MFU is still
-above 1 no MFU is reported, with the reason.
+Training FLOPs per run (:func:`train_flops`): ``6 * N_tok * tokens + 12 * n_layer * d_model * sum(t_i^2) +
+6 * N_seq * examples`` over non-padding lengths ``t_i``, frozen (LoRA) weights counted without the gradients
+they do not need (:func:`matmul_counts`); the device peak from datasheets (:data:`PEAKS`) or measured
+(:func:`measured_peak`). The counts, their sources and the peak's rules: docs/details.md, "Model FLOPs and MFU".
 """
 from __future__ import annotations
 
@@ -284,9 +243,8 @@ def measured_peak(device: str, dtype: str, refresh: bool = False, seconds: float
     repeated 512 x 512 matmuls (``2 * 512^3`` FLOPs each) timed by that thread's own CPU time
     (``time.thread_time``: time it was descheduled is not counted), and the best rate is multiplied by
     the thread count PyTorch trains with (``torch.get_num_threads()``), i.e. perfect scaling, an upper
-    bound. Measured here (2 cores): 185-187 GFLOP/s both quiet and with a busy loop on every core, where
-    wall-clock timing of a 2-thread matmul read 28-45 GFLOP/s under the same load. On CUDA the rate is
-    timed by wall clock after ``torch.cuda.synchronize``.
+    bound (quiet against loaded, and against wall-clock timing: ``bench/results/measured_notes.md``). On
+    CUDA the rate is timed by wall clock after ``torch.cuda.synchronize``.
 
     The cache (:func:`cache_file`) holds per machine, device, thread count and dtype the largest value
     ever measured, the time of that measurement and the number of measurements: a value is never

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 TAG = "onegpu.outside_load"
 METRIC = "train_outside_cpu_load"
-# Other processes' share of the CPUs from which a run counts as measured under load: a quiet machine's
-# daemons take ~1% of it; at 10% a training that uses every core loses about that much of its speed.
+# Other processes' share of the CPUs from which a run counts as measured under load: well above what a
+# quiet machine's daemons take (bench/results/measured_notes.md); at 10% a training that uses every core
+# loses about that much of its speed.
 UNDER_LOAD_SHARE = 0.10
 
 

@@ -64,9 +64,9 @@ def resolve_model_path(name_or_path: str | None) -> str | None:
 def _check_hub(repo_id: str, timeout_s: float = 5.0) -> None:
     """Fail fast when a hub id can be neither downloaded nor read from the local HF cache.
 
-    Without this, an unreachable hub costs ~50 s of huggingface_hub retries and a screen of retry
-    lines before the error. Skipped when ``HF_HUB_OFFLINE`` is on or the id's config is cached
-    (``from_pretrained`` then reads the cache).
+    Without this, an unreachable hub costs a long wait of huggingface_hub retries
+    (``bench/results/measured_notes.md``) and a screen of retry lines before the error. Skipped when
+    ``HF_HUB_OFFLINE`` is on or the id's config is cached (``from_pretrained`` then reads the cache).
     Raises:
         ModelError: ``repo_id`` is not a local directory and the hub endpoint (``HF_ENDPOINT``, default
             https://huggingface.co) does not accept a TCP connection within ``timeout_s``.
@@ -235,7 +235,7 @@ def build_classifier(path: str, labels: list[str], dropout: float | None, attn_i
     try:
         config = AutoConfig.from_pretrained(
             path, num_labels=len(labels), id2label=dict(enumerate(labels)),
-            label2id={l: i for i, l in enumerate(labels)})
+            label2id={lab: i for i, lab in enumerate(labels)})
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load a model config from {path!r}: {str(e).splitlines()[0]}") from None
     if dropout is not None:
@@ -333,7 +333,7 @@ def supports_checkpointing(model) -> bool:
 
 def load_trained(model_dir: str | os.PathLike, task: str = "sequence-classification"):
     """The trained model and tokenizer that the train stage saved under ``model_dir``."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     d = Path(model_dir)
     if not (d / "config.json").is_file():
         raise ModelError(f"{d} holds no trained model: run the train stage first (dvc repro)")

@@ -5,9 +5,9 @@ weights with per-block scales). transformers reads it with the ``gguf`` package
 (``from_pretrained(dir, gguf_file=...)``), dequantised to float32: ``LlamaForCausalLM``, 134,515,008
 parameters (30 layers, hidden 576, 9 query heads and 3 key/value heads of 64, SwiGLU MLP of 1,536, tied
 embeddings), vocabulary 49,152, SDPA attention, a ChatML chat template, pad = eos = ``<|im_end|>``.
-Reading the GGUF took 43-50 s on this 2-core machine under load (the tokenizer alone 30 s), so
+Reading the GGUF is slow (the tokenizer most of it; measured: ``bench/results/measured_notes.md``), so
 :func:`converted_dir` does it once and saves a safetensors copy (538 MB, float32) in the per-user cache,
-which loads in half a second. The copy's folder name carries a hash of the GGUF's bytes: another version
+which loads far faster. The copy's folder name carries a hash of the GGUF's bytes: another version
 of the package converts again. The package's own Python module is never imported (it plugs into the
 ``llm`` CLI and needs ``llama-cpp-python``, which ``make install`` leaves out with ``--no-deps``).
 """
@@ -56,7 +56,7 @@ def package_dir(name: str) -> Path:
 
 
 def gguf_digest(path: Path) -> str:
-    """First 16 hex digits of the SHA-256 of the GGUF file's bytes (0.1 s for 98 MB)."""
+    """First 16 hex digits of the SHA-256 of the GGUF file's bytes."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()[:16]
 

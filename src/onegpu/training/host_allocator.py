@@ -4,17 +4,15 @@ On a CPU, PyTorch takes tensor memory from the C library's ``malloc``. glibc's d
 that allocate little: a block above the mmap threshold (dynamic, at most 32 MiB) is its own ``mmap``,
 returned with ``munmap`` when the tensor is freed, and free memory at the top of the heap above the trim
 threshold goes back to the kernel. A training step frees and allocates the same activations and
-gradients every step, so the kernel maps and zero-fills the same pages again and again: on the default
-job (MiniLM-L6, 8 x 2, 32 optimizer steps) 2.0 million minor page faults and 4 s of system CPU time
-in 20 s of training.
+gradients every step, so the kernel maps and zero-fills the same pages again and again (minor page faults
+and system CPU time on the default job: ``bench/cpu_allocator.py``, ``bench/results/cpu_allocator.md``).
 
 ``caching`` (the default) keeps freed memory in the process for the next step, as PyTorch's CUDA
 caching allocator keeps device memory on a GPU: ``mallopt(M_MMAP_THRESHOLD, 1 GiB)`` (blocks below
 1 GiB come from the heap and are reused) and ``mallopt(M_TRIM_THRESHOLD, 2 GiB - 1)`` (free heap stays
-mapped). Measured on the default job on a 2-core CPU (``bench/cpu_allocator.py``): 12x fewer page
-faults, 1.06x the samples/s, and 187 MiB more peak RSS (freed memory stays in the process).
-``system`` leaves glibc's defaults. Neither changes a computed value, only where its memory comes
-from, so the knob is outside the equivalence key.
+mapped): fewer page faults and more peak RSS (freed memory stays in the process), its speed against
+``system`` measured in ``bench/results/cpu_allocator.md``. ``system`` leaves glibc's defaults. Neither
+changes a computed value, only where its memory comes from, so the knob is outside the equivalence key.
 
 Sources: glibc mallopt(3) (``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``, and that setting either turns
 off the dynamic threshold); PyTorch's Performance Tuning Guide, "Switch Memory allocator" (for CPU
@@ -45,7 +43,7 @@ def _mallopt():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         fn = libc.mallopt
-        libc.gnu_get_libc_version  # glibc only: musl has no mallopt parameters of these numbers
+        _ = libc.gnu_get_libc_version  # glibc only: musl has no mallopt parameters of these numbers
     except (OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

@@ -1,12 +1,11 @@
-"""Shared helpers for the bench/ scripts.
+"""A benchmark's arms: the bench setup's config, data and models, and their training runs.
 
 Each script builds a small but real setup in its own process: the packaged BBC News corpus read,
 de-duplicated, split and tokenized by :mod:`onegpu.data` with the packaged MiniLM tokenizer, a
 ``Config`` validated by :func:`onegpu.config.from_container`, and the real training code, driven
-through :mod:`onegpu.training.session` as the train stage drives it (:func:`~onegpu.training.session.run`
-for a tracked run, :func:`~onegpu.training.session.fit` for the training alone). Nothing is fetched from a hub, and the user's MLflow store
-is never touched: :func:`setup` points ``DVC_ROOT`` at a temporary directory (so ``tracking.connect``
-opens ``<tmp>/mlflow.db``), removes every ``MLFLOW_*`` variable, and deletes the directory at exit.
+through :mod:`onegpu.training.session` as the train stage drives it
+(:func:`~onegpu.training.session.run` for a tracked run, :func:`~onegpu.training.session.fit` for the
+training alone), in the process :func:`bench.environment.setup` isolated.
 
 Timing conventions used by every script:
 - ``step_time_s`` comes from :class:`onegpu.training.recorder.StepRecorder` (wall time from the end of
@@ -16,100 +15,17 @@ Timing conventions used by every script:
 """
 from __future__ import annotations
 
-import argparse
-import atexit
 import contextlib
-import datetime
 import gc
 import io
-import json
-import os
-import platform
-import shutil
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
+from bench.machine import clean_run
+from bench.reporting import median
 from onegpu.formatting import mib
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
-RESULTS = BENCH / "results"
-
-_TMP: Path | None = None
-
-
-# -- environment ------------------------------------------------------------------------------------
-
-def setup() -> Path:
-    """Isolate the process: offline hub, temporary project root and MLflow store, quiet progress bars.
-
-    Must run before transformers/datasets are imported. Returns the temporary directory (removed at exit).
-    """
-    global _TMP
-    if _TMP is not None:
-        return _TMP
-    from onegpu.models import loader
-    loader.go_offline()
-    for k in [k for k in os.environ if k.startswith(("MLFLOW_", "DVC_", "HF_MLFLOW_"))]:
-        del os.environ[k]
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ["TQDM_DISABLE"] = "1"          # no progress bars (same for every arm)
-    _TMP = Path(tempfile.mkdtemp(prefix="onegpu-bench-"))
-    (_TMP / "tmp").mkdir()
-    os.environ["DVC_ROOT"] = str(_TMP)        # tracking.connect -> sqlite:///<tmp>/mlflow.db
-    tempfile.tempdir = str(_TMP / "tmp")      # the trainer backend's scratch output_dir lands here too
-    atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
-    import signal
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # so atexit runs (timeout)
-    import logging
-    import warnings
-    warnings.filterwarnings("ignore")
-    logging.getLogger("mlflow").setLevel(logging.ERROR)
-    logging.getLogger("alembic").setLevel(logging.ERROR)
-    from datasets.utils.logging import disable_progress_bar
-    disable_progress_bar()
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    return _TMP
-
-
-def tmpdir() -> Path:
-    assert _TMP is not None, "call common.setup() first"
-    return _TMP
-
-
-# -- command line -----------------------------------------------------------------------------------
-
-def parser(description: str, *, reps: int, steps: int, max_length: int = 64, rows: int = 200,
-           micro: int | None = None, accum: int | None = None) -> argparse.ArgumentParser:
-    """The options every script has (each script adds its own)."""
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--reps", type=int, default=reps, help="repetitions (medians are reported)")
-    p.add_argument("--steps", type=int, default=steps, help="optimizer steps per run (step 1 is warm-up)")
-    p.add_argument("--max-length", type=int, default=max_length, help="tokens per example (truncation)")
-    p.add_argument("--rows", type=int, default=rows, help="training rows (data.max_train_samples)")
-    if micro is not None:
-        p.add_argument("--micro", type=int, default=micro, help="micro-batch (per_device_train_batch_size)")
-    if accum is not None:
-        p.add_argument("--accum", type=int, default=accum, help="gradient_accumulation_steps")
-    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (train.bf16; use on GPU)")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--tag", default="", help="suffix for the result files: results/<name>-<tag>.json")
-    p.add_argument("--verbose", action="store_true", help="show the Trainer's own output")
-    p.add_argument("--max-wait", type=float, default=120.0,
-                   help="seconds to wait, before each run, for other processes to stop using the CPU")
-    p.add_argument("--retries", type=int, default=2,
-                   help="reruns of a run during which other processes used more than "
-                        f"{CONTENTION_LIMIT} cores")
-    return p
-
-
-# -- data, config, models ---------------------------------------------------------------------------
 
 def make_cfg(args, *, micro: int, accum: int, steps: int | None = None, checkpointing: bool = False,
              overrides: tuple[str, ...] = (), **train) -> object:
@@ -173,7 +89,7 @@ def bert_from_config(cfg, labels, path, layers: int, hidden: int | None = None, 
         kw.update(hidden_size=hidden, num_attention_heads=heads or max(1, hidden // 64),
                   intermediate_size=4 * hidden)
     conf = AutoConfig.from_pretrained(path, num_labels=len(labels), id2label=dict(enumerate(labels)),
-                                      label2id={l: i for i, l in enumerate(labels)}, **kw)
+                                      label2id={lab: i for i, lab in enumerate(labels)}, **kw)
     set_seed(cfg.train.seed)
     return AutoModelForSequenceClassification.from_config(conf)
 
@@ -186,8 +102,6 @@ def describe_model(model) -> str:
     c = model.config
     return f"BERT {c.num_hidden_layers}L h{c.hidden_size} ({n_params(model) / 1e6:.1f} M params)"
 
-
-# -- running ----------------------------------------------------------------------------------------
 
 def noop_sink(metrics: dict, step: int) -> None:
     return None
@@ -324,7 +238,9 @@ def builder(cfg, labels, path, layers: int | None = None, hidden: int | None = N
     """``(build(cfg) -> model, name)``: the packaged MiniLM-L6 (``layers`` None) or a BERT of ``layers``
     layers (and ``hidden`` width) from its config, random init; the name for the report."""
     def build(c):
-        return pretrained_model(c, labels, path) if layers is None else bert_from_config(c, labels, path, layers, hidden)
+        if layers is None:
+            return pretrained_model(c, labels, path)
+        return bert_from_config(c, labels, path, layers, hidden)
     kind = "MiniLM-L6 (pretrained), " if layers is None else "from config, random init, "
     return build, kind + describe_model(build(cfg))
 
@@ -363,135 +279,3 @@ def warm_up(args) -> None:
     cfg = make_cfg(args, micro=2, accum=1, steps=2)
     dsd, labels, tok, path = data(cfg)
     train_once(pretrained_model(cfg, labels, path), tok, dsd, cfg, verbose=args.verbose)
-
-
-# -- other load on the machine ----------------------------------------------------------------------
-# A small shared machine runs other work (test suites, builds) now and then; a run that overlaps it is
-# measured again. "Other load" = what the train stage tags as outside load (tag onegpu.outside_load): the
-# whole machine's busy CPU time (psutil, steal included) less this process tree's, per second of wall
-# time, in cores.
-
-CONTENTION_LIMIT = 0.2
-
-
-class OtherLoad:
-    """``with OtherLoad() as load: ...`` then ``load.cores``: other processes' CPU use during the block
-    (this process and its children are not "other"; :class:`onegpu.measure.outside_load.Watch`)."""
-
-    def __enter__(self):
-        from onegpu.measure import outside_load
-        self._watch = outside_load.Watch()
-        self._watch.start()
-        return self
-
-    def __exit__(self, *exc):
-        figures = self._watch.stop()
-        self.cores = figures["cpu_busy"] if figures else 0.0
-        return False
-
-
-def wait_quiet(max_wait: float, limit: float = CONTENTION_LIMIT) -> float:
-    """Wait (up to ``max_wait`` s) until other processes use less than ``limit`` cores for 2 s in a row.
-
-    Returns the seconds waited.
-    """
-    t0 = time.perf_counter()
-    quiet_windows = 0
-    while time.perf_counter() - t0 < max_wait:
-        with OtherLoad() as load:
-            time.sleep(1.0)
-        quiet_windows = quiet_windows + 1 if load.cores < limit else 0
-        if quiet_windows >= 2:
-            break
-    return time.perf_counter() - t0
-
-
-def clean_run(fn, args, label: str = "") -> dict:
-    """``fn()`` (which builds its model and trains, returning a result dict) on a quiet machine.
-
-    Waits for quiet first; reruns (``args.retries`` times at most) when other processes used more than
-    :data:`CONTENTION_LIMIT` cores during the run. The result gets ``other_load_cores``, ``attempts``
-    and ``waited_s``.
-    """
-    waited, best = 0.0, None
-    for attempt in range(1 + max(0, args.retries)):
-        waited += wait_quiet(args.max_wait)
-        with OtherLoad() as load:
-            res = fn()
-        res["other_load_cores"] = round(load.cores, 3)
-        if best is None or res["other_load_cores"] < best["other_load_cores"]:
-            best = res  # if every attempt overlapped other work, keep the least disturbed one
-        if load.cores <= CONTENTION_LIMIT or attempt == max(0, args.retries):
-            break
-        print(f"  {label}: other processes used {load.cores:.2f} cores during the run; measuring again",
-              flush=True)
-    best.update(attempts=attempt + 1, waited_s=round(waited, 1))
-    return best
-
-
-def load_note(results: list[dict]) -> str:
-    """One line on other load: how many runs were measured again and the worst load kept."""
-    redone = sum(r.get("attempts", 1) - 1 for r in results)
-    worst = max((r.get("other_load_cores", 0.0) for r in results), default=0.0)
-    waited = sum(r.get("waited_s", 0.0) for r in results)
-    s = (f"Other load on the machine: runs measured again because other processes used > "
-         f"{CONTENTION_LIMIT} cores: {redone}; highest other load in a kept run: {worst:.2f} cores; "
-         f"waited {waited:.0f} s for quiet.")
-    if worst > CONTENTION_LIMIT:
-        s += " Some kept runs overlapped other work: treat their numbers with care."
-    return s
-
-
-# -- statistics and output --------------------------------------------------------------------------
-
-def median(xs) -> float:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _cpu_model() -> str:
-    from onegpu.measure.flops import cpu_model
-    return cpu_model() or platform.processor() or platform.machine()
-
-
-def machine() -> dict:
-    """What ran the benchmark: CPU model, cores, GPU, library versions, date."""
-    import mlflow
-    import torch
-    import transformers
-
-    from onegpu.measure import memory
-    info = {"cpu": _cpu_model(), "arch": platform.machine(), "cores": memory.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "cuda": torch.version.cuda if torch.cuda.is_available() else None,
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "mlflow": mlflow.__version__,
-            "date": datetime.date.today().isoformat()}
-    try:
-        with open("/proc/meminfo") as f:
-            info["ram_gib"] = round(int(f.readline().split()[1]) / 2**20)
-    except (OSError, ValueError, IndexError):
-        pass
-    return info
-
-
-def machine_line(m: dict) -> str:
-    dev = f"GPU {m['gpu']} (CUDA {m['cuda']})" if m.get("gpu") else "no GPU"
-    ram = f", {m['ram_gib']} GiB RAM" if m.get("ram_gib") else ""
-    return (f"Machine: {m['cpu']} ({m['arch']}), {m['cores']} cores (torch threads {m['torch_threads']}){ram}, "
-            f"{dev}; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
-            f"mlflow {m['mlflow']}; {m['date']}")
-
-
-def report(name: str, args, title: str, lines: list[str], payload: dict) -> None:
-    """Print the Markdown (title, machine line, tables, notes) and write results/<name>[-tag].json/.md."""
-    m = machine()
-    stem = f"{name}-{args.tag}" if getattr(args, "tag", "") else name
-    md = "\n".join([f"### {title}", "", machine_line(m), "", *lines]).rstrip() + "\n"
-    print("\n" + md)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": name, "machine": m, "args": vars(args), **payload}
-    (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    (RESULTS / f"{stem}.md").write_text(md)
-    print(f"wrote {RESULTS / (stem + '.json')} and .md")

@@ -197,7 +197,8 @@ def test_speed_metrics_of_a_training_divide_its_model_flops_by_its_time_and_the_
     # two processes, each on its own H200: each device's share against its bf16 datasheet peak
     assert metrics["train_mfu"] == pytest.approx(total / 8.0 / 2 / 989e12)
     assert params == {"device_peak_flops.source": "datasheet"} and tags == {}
-    assert flops.speed_metrics(model, {"train_samples": 0, "train_runtime": 0.0}, 1, "no", "cpu", "cpu") == ({}, {}, {})
+    empty = {"train_samples": 0, "train_runtime": 0.0}
+    assert flops.speed_metrics(model, empty, 1, "no", "cpu", "cpu") == ({}, {}, {})
 
 
 def test_speed_metrics_without_a_trustworthy_peak_leave_mfu_out_and_say_why(minilm):

@@ -16,8 +16,8 @@ pytest.importorskip("peft")
 from onegpu.config import Resolved, from_container  # noqa: E402
 from onegpu.equivalence import equivalence_key  # noqa: E402
 from onegpu.errors import ConfigError  # noqa: E402
-from onegpu.measure import memory
-from onegpu.models import loader, lora
+from onegpu.measure import memory  # noqa: E402
+from onegpu.models import loader, lora  # noqa: E402
 from onegpu.training import autobatch  # noqa: E402
 from onegpu.training.backends.base import TrainRequest  # noqa: E402
 from tests import defaults  # noqa: E402

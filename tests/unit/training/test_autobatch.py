@@ -12,9 +12,9 @@ from onegpu.models import loader
 from onegpu.training import autobatch, batches
 from onegpu.training.backends import accelerate as accel, hf_trainer
 from onegpu.training.backends.base import TrainRequest
+from onegpu.training.loss import classification_loss
 
 BACKENDS = pytest.mark.parametrize("backend", [hf_trainer, accel], ids=["trainer", "accelerate"])
-from onegpu.training.loss import classification_loss
 
 LABELS = ["a", "b", "c"]
 
@@ -116,7 +116,8 @@ def test_estimate_predicts_measured_activation_bytes_within_15_percent(tokenizer
     ds = Dataset.from_dict({"text": texts, "label": [0, 1, 2, 0, 1, 2, 0, 1]})
     enc = tokenizer(texts, truncation=True, max_length=64)
     ds = ds.add_column("input_ids", enc["input_ids"]).add_column("attention_mask", enc["attention_mask"])
-    ds = ds.add_column("token_type_ids", enc["token_type_ids"]).add_column("length", [len(x) for x in enc["input_ids"]])
+    ds = ds.add_column("token_type_ids", enc["token_type_ids"])
+    ds = ds.add_column("length", [len(x) for x in enc["input_ids"]])
     rows = ds.rename_column("label", "labels").remove_columns("text")
     collator = batches.collator_for("sequence-classification", tokenizer)
     est = autobatch.estimate(model, rows, collator, loss_fn, [8], "adamw_torch", False, loader.enable_checkpointing)

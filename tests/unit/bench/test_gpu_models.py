@@ -32,7 +32,8 @@ def test_standin_weights_load_as_the_packaged_architecture(standin):
     model = loader.build_classifier(str(standin), ["a", "b"], None, None)
     real = loader.build_classifier(loader.resolve_model_path("packaged:all-MiniLM-L6-v2"), ["a", "b"], None, None)
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in real.parameters())
-    w, r = model.bert.encoder.layer[0].attention.self.query.weight, real.bert.encoder.layer[0].attention.self.query.weight
+    w = model.bert.encoder.layer[0].attention.self.query.weight
+    r = real.bert.encoder.layer[0].attention.self.query.weight
     assert not w.allclose(r)  # random, not the pretrained weights
     size = (standin / "model.safetensors").stat().st_mtime_ns
     gpu_models.write_standin_weights(seed=0)
