@@ -4,9 +4,10 @@ Each script builds a small but real setup in its own process: the packaged BBC N
 de-duplicated, split and tokenized by :mod:`onegpu.data` with the packaged MiniLM tokenizer, a
 ``Config`` validated by :func:`onegpu.config.from_container`, and the real training code, driven
 through :mod:`onegpu.training.session` as the train stage drives it (:func:`~onegpu.training.session.run`
-for a tracked run, :func:`~onegpu.training.session.fit` for the training alone). Nothing is fetched from a hub, and the user's MLflow store
-is never touched: :func:`setup` points ``DVC_ROOT`` at a temporary directory (so ``tracking.connect``
-opens ``<tmp>/mlflow.db``), removes every ``MLFLOW_*`` variable, and deletes the directory at exit.
+for a tracked run, :func:`~onegpu.training.session.fit` for the training alone). Nothing is fetched from a hub,
+and the user's MLflow store is never touched: :func:`setup` points ``DVC_ROOT`` at a temporary directory (so
+``tracking.connect`` opens ``<tmp>/mlflow.db``), removes every ``MLFLOW_*`` variable, and deletes the directory at
+exit.
 
 Timing conventions used by every script:
 - ``step_time_s`` comes from :class:`onegpu.training.recorder.StepRecorder` (wall time from the end of
@@ -139,16 +140,13 @@ def data(cfg):
 
     Cached per (max_length, rows, seed) within the process.
     """
-    from onegpu import data as odata
+    from onegpu.data import formats, pipeline
     from onegpu.models import loader
     key = (cfg.data.max_length, cfg.data.max_train_samples, cfg.data.seed)
     if key not in _DATA:
         path = loader.resolve_model_path(cfg.model.name_or_path)
         tokenizer = loader.load_tokenizer(path, cfg.model.task)
-        raw = odata.read(cfg.data, cfg.model.task)
-        texts, labels, _ = odata.deduplicate(raw)
-        dsd = odata.split(texts, labels, cfg.data, cfg.model.task)
-        dsd = odata.tokenize(dsd, tokenizer, cfg.data.max_length, cfg.model.task)
+        dsd, _, _, _ = pipeline.prepare(cfg, formats.TEXT, lambda texts: tokenizer)
         _DATA[key] = (dsd, dsd["train"].features["label"].names, tokenizer, path)
     return _DATA[key]
 
@@ -173,7 +171,7 @@ def bert_from_config(cfg, labels, path, layers: int, hidden: int | None = None, 
         kw.update(hidden_size=hidden, num_attention_heads=heads or max(1, hidden // 64),
                   intermediate_size=4 * hidden)
     conf = AutoConfig.from_pretrained(path, num_labels=len(labels), id2label=dict(enumerate(labels)),
-                                      label2id={l: i for i, l in enumerate(labels)}, **kw)
+                                      label2id={name: i for i, name in enumerate(labels)}, **kw)
     set_seed(cfg.train.seed)
     return AutoModelForSequenceClassification.from_config(conf)
 
@@ -324,7 +322,9 @@ def builder(cfg, labels, path, layers: int | None = None, hidden: int | None = N
     """``(build(cfg) -> model, name)``: the packaged MiniLM-L6 (``layers`` None) or a BERT of ``layers``
     layers (and ``hidden`` width) from its config, random init; the name for the report."""
     def build(c):
-        return pretrained_model(c, labels, path) if layers is None else bert_from_config(c, labels, path, layers, hidden)
+        if layers is None:
+            return pretrained_model(c, labels, path)
+        return bert_from_config(c, labels, path, layers, hidden)
     kind = "MiniLM-L6 (pretrained), " if layers is None else "from config, random init, "
     return build, kind + describe_model(build(cfg))
 

@@ -5,10 +5,10 @@ loss, on BBC headlines as prepare tokenizes them. ``--prompt lead`` (the default
 instruction and the article's lead paragraph only (written as a prompt-completion JSON Lines file in a
 temporary folder, the topic as label), whose natural, uneven lengths leave real padding in a padded
 micro-batch; ``--prompt article``: ``make sft``'s own data (the whole article, cut to ``data.max_length``,
-so every row is about as long as the cap and there is almost no padding). Arms ``padded`` and ``padding_free`` take the same optimizer steps (same
-examples per micro-batch and step, accelerate backend) and alternate ABAB... for ``--reps`` rotations in
-one process. Per arm: non-padding tokens/s over optimizer steps 2..N (median of the rotations), the
-activations saved for one micro-batch (``mem_activation_bytes``: where padding costs memory), the
+so every row is about as long as the cap and there is almost no padding). Arms ``padded`` and ``padding_free``
+take the same optimizer steps (same examples per micro-batch and step, accelerate backend) and alternate ABAB...
+for ``--reps`` rotations in one process. Per arm: non-padding tokens/s over optimizer steps 2..N (median of the
+rotations), the activations saved for one micro-batch (``mem_activation_bytes``: where padding costs memory), the
 process's peak RSS during the arm, and the first step's loss (the two arms' must agree: same training).
 Printed first: the share of padding the padded micro-batches held (micro-batches of the seeded order).
 Results go to ``bench/results/padding_free.{md,json}``; the machine's load average is printed with them.
@@ -43,13 +43,13 @@ def _cfg(args, padding_free: bool):
 def write_leads(folder: Path) -> Path:
     """The packaged headlines with each prompt cut to the instruction and the article's first paragraph,
     as ``folder/leads.jsonl`` (prompt, completion, label = topic)."""
-    from onegpu.data import instructions
-    data = instructions.read_headlines()
+    from onegpu.data import prompt_completion as pc
+    data = pc.headlines()
     out = folder / "leads.jsonl"
     with out.open("w") as f:
-        for row, label in zip(data.rows, data.labels):
-            lead = row["prompt"].removeprefix(instructions.HEADLINE_INSTRUCTION).split("\n\n")[0]
-            f.write(json.dumps({"prompt": instructions.HEADLINE_INSTRUCTION + lead if lead else "",
+        for row, label in zip(data.records(), data.labels):
+            lead = row["prompt"].removeprefix(pc.HEADLINE_INSTRUCTION).split("\n\n")[0]
+            f.write(json.dumps({"prompt": pc.HEADLINE_INSTRUCTION + lead if lead else "",
                                 "completion": row["completion"], "label": label}) + "\n")
     return out
 
@@ -60,7 +60,8 @@ def _data(args):
     from onegpu.models import loader
     cfg = _cfg(args, False)
     path = loader.resolve_model_path(cfg.model.name_or_path)
-    dsd, tok, stats, _ = pipeline.prepare(cfg, "prompt-completion", lambda texts: loader.load_tokenizer(path, "causal-lm"))
+    dsd, tok, stats, _ = pipeline.prepare(cfg, "prompt-completion",
+                                          lambda texts: loader.load_tokenizer(path, "causal-lm"))
     return dsd, tok, path, stats
 
 
@@ -156,14 +157,16 @@ def _report(args, runs: dict, share: float, stats: dict, load: list[float]) -> N
              "| arm | tokens/s (median) | vs padded | activations, one micro-batch (MiB) | peak RSS (MiB) |",
              "| --- | --- | --- | --- | --- |"]
     for k in ("padded", "padding_free"):
-        lines.append(f"| {k} | {med[k]:.0f} | {med[k] / med['padded']:.2f}x | {act[k] / 2**20:.0f} | {rss[k] / 2**20:.0f} |")
+        lines.append(f"| {k} | {med[k]:.0f} | {med[k] / med['padded']:.2f}x | {act[k] / 2**20:.0f} "
+                     f"| {rss[k] / 2**20:.0f} |")
     text = "\n".join(lines)
     print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "machine": m, "padding_share": share, "runs": runs,
-                                                    "load_average": load, "max_rel_loss_diff": same}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "machine": m, "padding_share": share,
+                                                    "runs": runs, "load_average": load, "max_rel_loss_diff": same},
+                                                   indent=1))
 
 
 if __name__ == "__main__":
