@@ -6,7 +6,7 @@ turns under ``data.assistant_only_loss`` (a conversation without one is then ref
 from __future__ import annotations
 
 from onegpu.config import Config
-from onegpu.data import formats
+from onegpu.data import chat, formats, tokens
 from onegpu.data.base import Rows
 from onegpu.data.instructions import InstructionReader
 
@@ -34,6 +34,14 @@ class MessagesReader(InstructionReader):
 
     def needs(self, cfg: Config) -> str:
         return "a non-empty messages list of role/content turns"
+
+    def tokenize(self, dsd, tokenizer, cfg: Config):
+        """As :meth:`InstructionReader.tokenize`. Raises DataError (before any row): ``data.max_length`` above
+        the model's limit; a tokenizer without a chat template."""
+        tokens.check_limit(tokenizer, cfg.data.max_length)
+        if not chat.has_template(tokenizer):
+            chat.messages(tokenizer, [], cfg.data.max_length, False)  # raises the one-line error
+        return super().tokenize(dsd, tokenizer, cfg)
 
 
 READER = MessagesReader()

@@ -17,7 +17,7 @@ def tokenize(dsd, tokenizer, max_length: int, task: str = "sequence-classificati
     Raises:
         DataError: ``max_length`` is above the tokenizer's ``model_max_length`` (the model's limit).
     """
-    _check_limit(tokenizer, max_length)
+    check_limit(tokenizer, max_length)
     eos = tokenizer.eos_token if task == "causal-lm" and tokenizer.eos_token else ""
 
     def fn(batch):
@@ -43,13 +43,11 @@ def tokenize_instructions(dsd, tokenizer, d, fmt: str):
         were dropped, ``dropped`` counts them over all splits; ``truncated`` counts rows whose prompt (or
         conversation) was cut.
     Raises:
-        DataError: ``max_length`` above the model's limit; messages data and no chat template; no row of a
-            split fits ``data.max_length``.
+        DataError: ``max_length`` above the model's limit; no row of a split fits ``data.max_length``;
+            a row the tokenizer cannot render (:mod:`onegpu.data.chat`).
     """
     from onegpu.data import chat
-    _check_limit(tokenizer, d.max_length)
-    if fmt == formats.MESSAGES and not chat.has_template(tokenizer):
-        chat.messages(tokenizer, [], d.max_length, False)  # raises the one-line error
+    check_limit(tokenizer, d.max_length)
     only = chat.completion_only(d.completion_only_loss, fmt)
     columns = formats.COLUMNS[fmt]
 
@@ -72,7 +70,8 @@ def tokenize_instructions(dsd, tokenizer, d, fmt: str):
     return dsd, dropped, truncated
 
 
-def _check_limit(tokenizer, max_length: int) -> None:
+def check_limit(tokenizer, max_length: int) -> None:
+    """Raises DataError when ``max_length`` (``data.max_length``) is above the tokenizer's ``model_max_length``."""
     limit = getattr(tokenizer, "model_max_length", None)
     if isinstance(limit, int) and limit < NO_LIMIT and max_length > limit:
         raise DataError(f"data.max_length={max_length} is longer than the model's limit of {limit} tokens "

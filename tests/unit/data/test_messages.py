@@ -44,3 +44,17 @@ def test_messages_without_an_assistant_turn_under_assistant_only_loss(tmp_path):
                                               {"messages": [{"role": "user", "content": "only a question"}]}])
     with pytest.raises(DataError, match="line 2 has no assistant turn"):
         messages.READER.read(cfg(path, assistant_only_loss=True))
+
+
+def test_messages_and_a_tokenizer_without_a_chat_template_is_one_line_before_any_row(monkeypatch):
+    from datasets import DatasetDict
+
+    from onegpu.data import splits
+    from tests.unit import test_padding_free as tp
+    tok = tp.tokenizer()
+    monkeypatch.setattr(tok, "chat_template", None)
+    msgs = [[{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]]
+    dsd = DatasetDict(train=splits.dataset({"messages": msgs}, ["text"], ["text"]))
+    with pytest.raises(DataError, match=r"the data is messages \(role/content turns\) but the tokenizer has no chat "
+                                        "template"):
+        messages.READER.tokenize(dsd, tok, cfg("d.jsonl", max_length=64))
