@@ -55,16 +55,13 @@ def data(cfg):
 
     Cached per (max_length, rows, seed) within the process.
     """
-    from onegpu import data as odata
+    from onegpu.data import formats, pipeline
     from onegpu.models import loader
     key = (cfg.data.max_length, cfg.data.max_train_samples, cfg.data.seed)
     if key not in _DATA:
         path = loader.resolve_model_path(cfg.model.name_or_path)
         tokenizer = loader.load_tokenizer(path, cfg.model.task)
-        raw = odata.read(cfg.data, cfg.model.task)
-        texts, labels, _ = odata.deduplicate(raw)
-        dsd = odata.split(texts, labels, cfg.data, cfg.model.task)
-        dsd = odata.tokenize(dsd, tokenizer, cfg.data.max_length, cfg.model.task)
+        dsd, _, _, _ = pipeline.prepare(cfg, formats.TEXT, lambda texts: tokenizer)
         _DATA[key] = (dsd, dsd["train"].features["label"].names, tokenizer, path)
     return _DATA[key]
 

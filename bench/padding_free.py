@@ -45,13 +45,13 @@ def _cfg(args, padding_free: bool):
 def write_leads(folder: Path) -> Path:
     """The packaged headlines with each prompt cut to the instruction and the article's first paragraph,
     as ``folder/leads.jsonl`` (prompt, completion, label = topic)."""
-    from onegpu.data import instructions
-    data = instructions.read_headlines()
+    from onegpu.data import prompt_completion as pc
+    data = pc.headlines()
     out = folder / "leads.jsonl"
     with out.open("w") as f:
-        for row, label in zip(data.rows, data.labels):
-            lead = row["prompt"].removeprefix(instructions.HEADLINE_INSTRUCTION).split("\n\n")[0]
-            f.write(json.dumps({"prompt": instructions.HEADLINE_INSTRUCTION + lead if lead else "",
+        for row, label in zip(data.records(), data.labels):
+            lead = row["prompt"].removeprefix(pc.HEADLINE_INSTRUCTION).split("\n\n")[0]
+            f.write(json.dumps({"prompt": pc.HEADLINE_INSTRUCTION + lead if lead else "",
                                 "completion": row["completion"], "label": label}) + "\n")
     return out
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from onegpu.data import formats
 from onegpu.errors import DataError
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # the label of a position without a target (the loss skips it): defined here only
 
 
 def has_template(tokenizer) -> bool:
@@ -154,7 +154,8 @@ def messages(tokenizer, msgs: list[dict], max_length: int, assistant_only: bool)
     """
     if not has_template(tokenizer):
         raise DataError("the data is messages (role/content turns) but the tokenizer has no chat template: use a "
-                        "model whose tokenizer has one (e.g. packaged:SmolLM2-135M-Instruct) or prompt-completion data")
+                        "model whose tokenizer has one (e.g. packaged:SmolLM2-135M-Instruct) or prompt-completion "
+                        "data")
     ids, mask, last_start = [], [], 0
     for text, is_turn in _pieces(tokenizer, msgs, assistant_only):
         piece = _ids(tokenizer, text) if text else []

@@ -1,54 +1,26 @@
 """The data's form checked first, before any heavy import, any MLflow run or any output: one function,
 :func:`check_input`, that the pipeline's first stage calls (and prepare again).
 
-It reads only the header of a CSV, the first record of a JSON Lines file or the schema of a Parquet file
-(standard library; pyarrow's footer reader for Parquet), so a file without its label column, instruction
+It reads only the header of a CSV (pandas, the parser prepare reads the file with), the first record of a
+JSON Lines file (standard library) or the schema of a Parquet file (pyarrow's footer reader):
+:func:`onegpu.data.files.header`. So a file without its label column, instruction
 data without a completion, or a ``messages`` cell that is no list of messages fails in well under a second
 with one line, instead of after prepare has loaded its libraries and opened a run. What only the whole
 file shows (a bad cell on row 900) is found by prepare's reading, which also runs before its run opens.
 """
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 from onegpu.config import PACKAGED_HEADLINES, Config
-from onegpu.data import formats
-from onegpu.data.sources import check_source, json_line, source_kind
+from onegpu.data import files, formats
 from onegpu.errors import DataError
-
-
-def _header(path: Path) -> tuple[list[str], dict | None]:
-    """The column names of ``path`` and its first record where the format gives one cheaply (JSON Lines).
-
-    Raises:
-        DataError: an empty file, a CSV without a header line, a first JSON line that is not an object.
-    """
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-        try:
-            return list(pq.read_schema(path).names), None
-        except Exception as e:  # pyarrow's ArrowInvalid and friends: not a Parquet file
-            raise DataError(f"data.source={str(path)!r}: cannot read it as Parquet: "
-                            f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
-    with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
-        if suffix == ".jsonl":
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    rec = json_line(line, n, str(path))
-                    return list(rec), rec
-            raise DataError(f"data.source={str(path)!r}: the file holds no JSON line")
-        row = next(csv.reader(f), None)
-    if not row:
-        raise DataError(f"data.source={str(path)!r}: the file is empty (a CSV needs a header line)")
-    return row, None
 
 
 def _table_format(cfg: Config, path: Path) -> str:
     """The format of table ``path`` for ``cfg``'s task; raises DataError for missing columns."""
     d, task = cfg.data, cfg.model.task
-    columns, first = _header(path)
+    columns, first = files.header(path)
     fmt = formats.detect(columns) if task == "causal-lm" else formats.TEXT
     listed = ", ".join(map(str, columns))
     if fmt == formats.TEXT:
@@ -70,14 +42,14 @@ def check_input(cfg: Config) -> str:
     (:data:`~onegpu.data.formats.TEXT`, ``PROMPT_COMPLETION`` or ``MESSAGES``).
 
     Raises:
-        DataError: the source is missing or of the wrong kind (:func:`~onegpu.data.sources.check_source`);
+        DataError: the source is missing or of the wrong kind (:func:`~onegpu.data.files.check_source`);
             a column the task needs is missing; a first ``messages`` cell that is not a list of role/content
             (or has no assistant turn under ``data.assistant_only_loss``); ``data.completion_only_loss: true``
             on data without completions; ``data.assistant_only_loss: true`` on data without ``messages``.
     """
     d = cfg.data
-    check_source(d)
-    kind = source_kind(d.source)
+    files.check_source(d)
+    kind = files.source_kind(d.source)
     if d.source == PACKAGED_HEADLINES:
         fmt = formats.PROMPT_COMPLETION
     elif kind in ("package", "directory"):

@@ -2,23 +2,27 @@
 from __future__ import annotations
 
 import hashlib
+import json
+from collections.abc import Callable
 
 from onegpu.data.splits import SPLITS
 
 
-def fingerprint(dsd) -> str:
-    """SHA-256 (first 16 hex digits) over every split's texts and labels, in order."""
+def fingerprint(dsd, texts: Callable) -> str:
+    """SHA-256 (first 16 hex digits) over every split's rows and labels, in order; ``texts(split)`` gives each
+    row as one string (the reader's row key: the text, or an instruction row's sorted-key JSON)."""
     h = hashlib.sha256()
     for s in SPLITS:
-        for t, l in zip(dsd[s]["text"], dsd[s]["label"]):
-            h.update(f"{s}\t{l}\t{t}\n".encode())
+        for t, label in zip(texts(dsd[s]), dsd[s]["label"]):
+            h.update(f"{s}\t{label}\t{t}\n".encode())
     return h.hexdigest()[:16]
 
 
-def stats(dsd, *, rows_read: int, dropped: dict[str, int], undecodable: int, max_length: int) -> dict:
+def stats(dsd, texts: Callable, *, rows_read: int, dropped: dict[str, int], undecodable: int, max_length: int) -> dict:
     """Rows per split and label, token-length percentiles per split, and what was dropped.
 
-    ``rows_dropped`` holds the rows dropped per reason (:func:`deduplicate`); ``rows_kept`` = rows read
+    ``texts``: as for :func:`fingerprint`. ``rows_dropped`` holds the rows dropped per reason
+    (:meth:`onegpu.data.base.Reader.deduplicate` and tokenization); ``rows_kept`` = rows read
     minus all of them, before the splits' caps (``data.max_*_samples``). ``duplicates_removed`` repeats
     ``rows_dropped["duplicate"]``. Token lengths are counted after truncation to ``max_length``;
     ``truncated_share`` is the share of rows that hit the limit.
@@ -28,7 +32,7 @@ def stats(dsd, *, rows_read: int, dropped: dict[str, int], undecodable: int, max
     out: dict = {"rows_read": rows_read, "rows_kept": rows_read - sum(dropped.values()),
                  "rows_dropped": dict(dropped), "duplicates_removed": dropped.get("duplicate", 0),
                  "undecodable_files": undecodable,
-                 "labels": names, "max_length": max_length, "fingerprint": fingerprint(dsd), "splits": {}}
+                 "labels": names, "max_length": max_length, "fingerprint": fingerprint(dsd, texts), "splits": {}}
     for s in SPLITS:
         lengths = np.asarray(dsd[s]["length"])
         lab = np.bincount(np.asarray(dsd[s]["label"]), minlength=len(names))
@@ -58,3 +62,12 @@ def metrics(stats: dict, undecodable: int) -> dict:
                         f"length_p50_{s}": st["length_p50"], f"length_p90_{s}": st["length_p90"],
                         f"truncated_share_{s}": st["truncated_share"]})
     return metrics
+
+
+def table(ds, columns: tuple[str, ...]):
+    """One split as the MLflow dataset input shows it: a pandas DataFrame of the data ``columns`` (a list of
+    messages as its JSON text) and ``label`` (the label names)."""
+    import pandas as pd  # heavy: only when a run logs its data
+    names = ds.features["label"].names
+    cells = {c: [v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for v in ds[c]] for c in columns}
+    return pd.DataFrame({**cells, "label": [names[i] for i in ds["label"]]})

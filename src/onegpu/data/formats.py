@@ -15,9 +15,13 @@ from onegpu.errors import DataError
 
 TEXT, PROMPT_COMPLETION, MESSAGES = "text", "prompt-completion", "messages"
 ROLES = ("system", "user", "assistant", "tool")
-# Why a row of instruction data is not used (counted per reason, as DROP_REASONS for text).
-SFT_DROP_REASONS = {PROMPT_COMPLETION: ("empty_prompt", "empty_completion", "duplicate", "completion_too_long"),
-                    MESSAGES: ("empty_messages", "duplicate", "no_target_after_truncation")}
+# Each format's data columns: a reader keeps them as columns through the splits and tokenization.
+COLUMNS = {TEXT: ("text",), PROMPT_COMPLETION: ("prompt", "completion"), MESSAGES: ("messages",)}
+# Why a row read from the source is not used, per format, in the order they are tested (a row counts once;
+# the last of an instruction format's is counted by tokenization).
+DROP_REASONS = {TEXT: ("empty_text", "empty_label", "duplicate"),
+                PROMPT_COMPLETION: ("empty_prompt", "empty_completion", "duplicate", "completion_too_long"),
+                MESSAGES: ("empty_messages", "duplicate", "no_target_after_truncation")}
 
 
 def detect(columns) -> str:

@@ -1,13 +1,14 @@
-"""Prepare's work on the data, apart from MLflow: read, de-duplicate, split, tokenize, write."""
+"""Prepare's work on the data, apart from MLflow: read, de-duplicate, split, tokenize, write; and the
+estimate's sample, made by the same code. Nothing here knows a data format: the reader of the format
+(:mod:`onegpu.data.readers`) does each step."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from onegpu.config import Config
-from onegpu.data import formats, instructions, sources
+from onegpu.data import readers, splits
+from onegpu.data.base import Reader, Rows
 from onegpu.data.describe import stats
-from onegpu.data.splits import deduplicate, split
-from onegpu.data.tokens import tokenize, tokenize_instructions
 from onegpu.errors import DataError
 
 
@@ -17,54 +18,60 @@ def drop_summary(dropped: dict[str, int]) -> str:
     return f"{sum(dropped.values())} dropped" + (f" ({', '.join(parts)})" if parts else "")
 
 
+def _kept(cfg: Config, reader: Reader) -> tuple[Rows, Rows, dict[str, int]]:
+    """``(rows read, rows kept, {reason: rows dropped})``. Raises DataError when no row is kept."""
+    raw = reader.read(cfg)
+    kept, dropped = reader.deduplicate(raw)
+    if not len(kept):
+        raise DataError(f"data.source={cfg.data.source!r}: no row has {reader.needs(cfg)} ({len(raw)} rows read, "
+                        f"{drop_summary(dropped)})")
+    return raw, kept, dropped
+
+
 def prepare(cfg: Config, fmt: str, make_tokenizer: Callable):
-    """Read, de-duplicate, split and tokenize ``data.source`` (text rows, or instruction rows with their
-    loss masks), without MLflow or writing anything.
+    """Read, de-duplicate, split and tokenize ``data.source`` with the reader of ``fmt`` (text rows, or
+    instruction rows with their loss masks), without MLflow or writing anything.
 
     Args:
         fmt: the data's format (:func:`onegpu.data.check.check_input`).
         make_tokenizer: ``train texts -> tokenizer`` (the model's, or one trained on the texts).
     Returns:
-        ``(dsd, tokenizer, stats, raw)``: the tokenized ``DatasetDict``, the tokenizer, the stats
-        (:func:`onegpu.data.describe.stats` plus ``format`` and ``prompts_truncated``), what was read.
+        ``(dsd, tokenizer, stats, raw)``: the tokenized ``DatasetDict`` (the format's columns, ``label``,
+        the token columns), the tokenizer, the stats (:func:`onegpu.data.describe.stats` plus ``format``
+        and ``prompts_truncated``), the :class:`~onegpu.data.base.Rows` read.
     Raises:
         DataError: data that cannot be used (see the readers, the splits and tokenization).
     """
-    task = cfg.model.task
-    sft = fmt != formats.TEXT
-    raw = instructions.read(cfg.data) if sft else sources.read(cfg.data, task)
-    if sft:
-        rows, labels, dropped = instructions.deduplicate(raw)
-        texts = [instructions.key(r) for r in rows]
-        n_read = len(raw.rows)
-    else:
-        texts, labels, dropped = deduplicate(raw)
-        n_read = len(raw.texts)
-    if not texts:
-        raise _nothing_left(cfg, fmt, n_read, dropped)
-    dsd = split(texts, labels, cfg.data, task)
-    tokenizer = make_tokenizer(dsd["train"]["text"])
-    truncated = 0
-    if sft:
-        dsd, too_long, truncated = tokenize_instructions(dsd, tokenizer, cfg.data, fmt)
-        dropped[formats.SFT_DROP_REASONS[fmt][-1]] += too_long
-    else:
-        dsd = tokenize(dsd, tokenizer, cfg.data.max_length, task)
-    described = stats(dsd, rows_read=n_read, dropped=dropped, undecodable=raw.undecodable,
-                       max_length=cfg.data.max_length)
+    reader = readers.reader(fmt)
+    raw, kept, dropped = _kept(cfg, reader)
+    dsd = reader.split(kept, cfg)
+    tokenizer = make_tokenizer(reader.texts(dsd["train"]))
+    dsd, more, truncated = reader.tokenize(dsd, tokenizer, cfg)
+    for reason, n in more.items():
+        dropped[reason] += n
+    described = stats(dsd, reader.texts, rows_read=len(raw), dropped=dropped, undecodable=raw.undecodable,
+                      max_length=cfg.data.max_length)
     described.update(format=fmt, prompts_truncated=truncated)
     return dsd, tokenizer, described, raw
 
 
-def _nothing_left(cfg: Config, fmt: str, n_read: int, dropped: dict[str, int]) -> DataError:
-    """The error for a source none of whose rows is kept, in the columns of its format."""
-    d = cfg.data
-    needs = {formats.PROMPT_COMPLETION: "a non-blank prompt and a non-blank completion",
-             formats.MESSAGES: "a non-empty messages list of role/content turns"}.get(fmt)
-    if needs is None:
-        needs = (f"a non-blank text in data.text_column={d.text_column!r} and a label in "
-                 f"data.label_column={d.label_column!r}")
-    return DataError(f"data.source={d.source!r}: no row has {needs} ({n_read} rows read, {drop_summary(dropped)})")
+def sample(cfg: Config, fmt: str, make_tokenizer: Callable, n: int):
+    """The first ``n`` kept rows of ``data.source`` (read and de-duplicated as :func:`prepare` does, not
+    split) tokenized as prepare tokenizes them, as the ``train`` split of a ``DatasetDict`` (``label`` a
+    ``ClassLabel`` over every kept row's labels, as in prepare's splits): ``onegpu estimate``'s rows when
+    prepare has not run. Returns ``(dsd, tokenizer)``; ``make_tokenizer`` gets the sample's texts.
+
+    Raises:
+        DataError: as :func:`prepare` (no row kept; none of the sample fits ``data.max_length``).
+    """
+    from datasets import DatasetDict
+    reader = readers.reader(fmt)
+    _, kept, _ = _kept(cfg, reader)
+    head = kept.head(n)
+    ds = splits.dataset(head.columns, head.labels, sorted(set(kept.labels)))
+    tokenizer = make_tokenizer(reader.texts(ds))
+    dsd, _, _ = reader.tokenize(DatasetDict(train=ds), tokenizer, cfg)
+    return dsd, tokenizer
 
 
 def tokenizer_maker(cfg: Config) -> Callable:

@@ -5,20 +5,6 @@ from onegpu.config import DataConfig
 from onegpu.errors import DataError
 
 SPLITS = ("train", "validation", "test")
-# Why a row read from the source is not used, in the order they are tested (a row counts once).
-DROP_REASONS = ("empty_text", "empty_label", "duplicate")
-
-
-def deduplicate(raw: RawData) -> tuple[list[str], list[str], dict[str, int]]:
-    """Drop rows with an empty text, then rows with an empty label, then exact repeats of a text
-    (the first kept), in that order; each dropped row counts under one reason.
-
-    Returns:
-        texts, labels kept (in source order), and ``{reason: rows}`` for every reason in
-        :data:`DROP_REASONS` (zeros included); kept + sum(dropped) == rows read.
-    """
-    return drop_rows(raw.texts, raw.labels, DROP_REASONS, str,
-                     lambda t, lab: "empty_text" if not t else "empty_label" if not lab else None)
 
 
 def drop_rows(items: list, labels: list, reasons, key, empty) -> tuple[list, list, dict[str, int]]:
@@ -39,19 +25,42 @@ def drop_rows(items: list, labels: list, reasons, key, empty) -> tuple[list, lis
     return kept, kept_labels, dropped
 
 
-def split(texts: list[str], labels: list[str], cfg: DataConfig, task: str = "sequence-classification"):
+def dataset(columns: dict[str, list], labels: list[str], names: list[str]):
+    """A ``datasets.Dataset`` of ``columns`` (each a list of cells, one per row) and ``label`` (a
+    ``ClassLabel`` over ``names``).
+
+    Raises:
+        DataError: a column whose cells are not all of one type (strings in some rows, lists of messages
+            in others), which an Arrow column cannot hold.
+    """
+    import pyarrow as pa
+    from datasets import ClassLabel, Dataset
+    try:
+        ds = Dataset.from_dict({**columns, "label": labels})
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"the columns {', '.join(columns)} must each hold cells of one type (all strings, or all "
+                        f"lists of role/content messages): {first_line}") from None
+    return ds.cast_column("label", ClassLabel(names=names))
+
+
+def split(columns: dict[str, list], labels: list[str], cfg: DataConfig, task: str = "sequence-classification"):
     """Seeded train/validation/test split with ``datasets``, stratified by label, then the caps.
 
-    Causal LM accepts a single label (then the split is not stratified).
+    Causal LM accepts a single label (then the split is not stratified). Which rows go where depends on
+    the labels, the seed and the sizes only, never on the cells.
 
+    Args:
+        columns: the format's data columns (``text``; ``prompt`` + ``completion``; ``messages``), one cell per row.
+        labels: one string per row.
     Returns:
-        ``datasets.DatasetDict`` with splits train/validation/test, columns ``text`` (str) and
-        ``label`` (``ClassLabel`` over the sorted label names).
+        ``datasets.DatasetDict`` with splits train/validation/test, the ``columns`` and ``label``
+        (``ClassLabel`` over the sorted label names).
     Raises:
-        DataError: fewer than two labels, or a label with too few rows to appear in every split.
+        DataError: no row; fewer than two labels, or a label with too few rows to appear in every split.
     """
-    from datasets import ClassLabel, Dataset, DatasetDict
-    if not texts:
+    from datasets import DatasetDict
+    if not labels:
         raise DataError(f"data.source={cfg.source!r}: no row has a non-blank text in data.text_column="
                         f"{cfg.text_column!r}")
     names = sorted(set(labels))
@@ -62,7 +71,7 @@ def split(texts: list[str], labels: list[str], cfg: DataConfig, task: str = "seq
     few = {n: c for n, c in counts.items() if c < 3}
     if few:
         raise DataError(f"labels with fewer than 3 rows cannot appear in train, validation and test: {few}")
-    ds = Dataset.from_dict({"text": texts, "label": labels}).cast_column("label", ClassLabel(names=names))
+    ds = dataset(columns, labels, names)
     held = cfg.validation_size + cfg.test_size
     strat = "label" if len(names) > 1 else None
     try:
@@ -78,7 +87,7 @@ def split(texts: list[str], labels: list[str], cfg: DataConfig, task: str = "seq
                     out[s] = _stratified_head(out[s], cfg.max_eval_samples, cfg.seed)
     except ValueError as e:  # datasets/sklearn: a split too small for the number of labels
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DataError(f"cannot split {len(texts)} rows with {len(names)} labels stratified into train, "
+        raise DataError(f"cannot split {len(labels)} rows with {len(names)} labels stratified into train, "
                         f"validation and test (data.validation_size={cfg.validation_size}, "
                         f"data.test_size={cfg.test_size}, data.max_train_samples={cfg.max_train_samples}, "
                         f"data.max_eval_samples={cfg.max_eval_samples}): {first_line}") from None

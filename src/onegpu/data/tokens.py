@@ -1,6 +1,7 @@
 """Tokenization of the split texts (unpadded; padding happens per micro-batch in the collator)."""
 from __future__ import annotations
 
+from onegpu.data import formats
 from onegpu.errors import DataError
 
 # A tokenizer model_max_length at or above this means "no limit" (transformers uses 1e30 when unset).
@@ -16,7 +17,7 @@ def tokenize(dsd, tokenizer, max_length: int, task: str = "sequence-classificati
     Raises:
         DataError: ``max_length`` is above the tokenizer's ``model_max_length`` (the model's limit).
     """
-    _check_limit(tokenizer, max_length)
+    check_limit(tokenizer, max_length)
     eos = tokenizer.eos_token if task == "causal-lm" and tokenizer.eos_token else ""
 
     def fn(batch):
@@ -28,10 +29,11 @@ def tokenize(dsd, tokenizer, max_length: int, task: str = "sequence-classificati
 
 
 def tokenize_instructions(dsd, tokenizer, d, fmt: str):
-    """Instruction rows (the ``text`` column holds each row as JSON, :func:`onegpu.data.instructions.key`)
-    as ``input_ids``, ``attention_mask``, ``labels`` (-100 where the loss is masked), ``length``,
-    ``prompt_length`` (tokens before the completion) and ``reference`` (the answer's text), at most
-    ``d.max_length`` (``data.max_length``) tokens each: :mod:`onegpu.data.chat`.
+    """Instruction rows (the format's columns, :data:`onegpu.data.formats.COLUMNS`: ``prompt`` and
+    ``completion``, or ``messages``) as ``input_ids``, ``attention_mask``, ``labels`` (``IGNORE_INDEX`` where
+    the loss is masked), ``length``, ``prompt_length`` (tokens before the completion) and ``reference`` (the
+    answer's text), at most ``d.max_length`` (``data.max_length``) tokens each: :mod:`onegpu.data.chat`.
+    The format's columns and ``label`` stay.
 
     Args:
         d: ``data`` params (``max_length``, ``completion_only_loss``, ``assistant_only_loss``).
@@ -41,19 +43,16 @@ def tokenize_instructions(dsd, tokenizer, d, fmt: str):
         were dropped, ``dropped`` counts them over all splits; ``truncated`` counts rows whose prompt (or
         conversation) was cut.
     Raises:
-        DataError: ``max_length`` above the model's limit; messages data and no chat template; no row of a
-            split fits ``data.max_length``.
+        DataError: ``max_length`` above the model's limit; no row of a split fits ``data.max_length``;
+            a row the tokenizer cannot render (:mod:`onegpu.data.chat`).
     """
-    import json
-
     from onegpu.data import chat
-    _check_limit(tokenizer, d.max_length)
-    if fmt == "messages" and not chat.has_template(tokenizer):
-        chat.messages(tokenizer, [], d.max_length, False)  # raises the one-line error
+    check_limit(tokenizer, d.max_length)
     only = chat.completion_only(d.completion_only_loss, fmt)
+    columns = formats.COLUMNS[fmt]
 
     def fn(ex):
-        row = json.loads(ex["text"])
+        row = {c: ex[c] for c in columns}
         out = chat.tokenize_row(tokenizer, row, d.max_length, only, d.assistant_only_loss)
         if out is None:
             return {"input_ids": [], "attention_mask": [], "labels": [], "prompt_length": 0, "truncated": False,
@@ -71,7 +70,8 @@ def tokenize_instructions(dsd, tokenizer, d, fmt: str):
     return dsd, dropped, truncated
 
 
-def _check_limit(tokenizer, max_length: int) -> None:
+def check_limit(tokenizer, max_length: int) -> None:
+    """Raises DataError when ``max_length`` (``data.max_length``) is above the tokenizer's ``model_max_length``."""
     limit = getattr(tokenizer, "model_max_length", None)
     if isinstance(limit, int) and limit < NO_LIMIT and max_length > limit:
         raise DataError(f"data.max_length={max_length} is longer than the model's limit of {limit} tokens "

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import time
 
-from datasets import ClassLabel, Dataset, DatasetDict, load_from_disk
+from datasets import load_from_disk
 from datasets.utils.logging import disable_progress_bar
 
 from onegpu import config, data, paths
 from onegpu.config import Config
+from onegpu.data import pipeline
 from onegpu.formatting import GiB
 from onegpu.measure import memory
 from onegpu.models import loader
@@ -23,28 +24,20 @@ from onegpu.training.loss import loss_for
 from onegpu.training.session import build_model, check_flattened
 
 DEFAULT_MICRO_BATCHES = [1, 2, 4, 8, 16, 32, 64]
+SAMPLE_ROWS = 256  # rows read from data.source when prepare has not run
 
 
 def _rows(cfg: Config, tokenizer_path: str | None):
     """Rows for ``onegpu estimate``: ``(DatasetDict, tokenizer, where they came from)``: data/processed
-    when prepare has run, else the first 256 de-duplicated rows of ``data.source``, tokenized as prepare
-    does (a byte-level BPE trained on them for a model built from config, ``tokenizer_path`` None)."""
-    task = cfg.model.task
+    when prepare has run, else prepare's own reading of the first :data:`SAMPLE_ROWS` kept rows of
+    ``data.source`` (:func:`onegpu.data.pipeline.sample`: its reader, de-duplication and tokenization, a
+    byte-level BPE trained on them for a model built from config)."""
     if paths.PROCESSED.is_dir():
         tok_path = str(paths.TOKENIZER) if tokenizer_path is None else tokenizer_path
-        return load_from_disk(str(paths.PROCESSED)), loader.load_tokenizer(tok_path, task), "data/processed"
+        return load_from_disk(str(paths.PROCESSED)), loader.load_tokenizer(tok_path, cfg.model.task), "data/processed"
     fmt = data.check_input(cfg)
-    if fmt != "text":  # instruction data: prepare's rows with their masks and truncation (nothing written)
-        from onegpu.data import pipeline
-        dsd, tokenizer, _, _ = pipeline.prepare(cfg, fmt, lambda texts: loader.load_tokenizer(tokenizer_path, task))
-        return dsd, tokenizer, f"{cfg.data.source} ({fmt}, as prepare would write it)"
-    texts, labels, _ = data.deduplicate(data.read(cfg.data, task))
-    ds = Dataset.from_dict({"text": texts[:256], "label": labels[:256]}).cast_column(
-        "label", ClassLabel(names=sorted(set(labels))))
-    tokenizer = (loader.train_bpe_tokenizer(texts[:256], cfg.model.vocab_size) if tokenizer_path is None
-                 else loader.load_tokenizer(tokenizer_path, task))
-    dsd = data.tokenize(DatasetDict(train=ds), tokenizer, cfg.data.max_length, task)
-    return dsd, tokenizer, f"{cfg.data.source} (first {len(ds)} rows)"
+    dsd, tokenizer = pipeline.sample(cfg, fmt, pipeline.tokenizer_maker(cfg), SAMPLE_ROWS)
+    return dsd, tokenizer, f"{cfg.data.source} (first {len(dsd['train'])} rows, {fmt}, as prepare makes them)"
 
 
 def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float | None = None) -> dict:

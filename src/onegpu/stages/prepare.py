@@ -2,15 +2,15 @@
 
 Logs a run of its own (tag ``stage=prepare``): ``prepare_runtime`` (s), ``prepare_rows_per_second``
 (rows read / runtime), ``prepare_mem_peak_bytes`` (process RSS peak), ``rows_read``, ``rows_kept`` and
-``rows_dropped_<reason>`` per reason (``data.DROP_REASONS``, or for instruction data
-``data.formats.SFT_DROP_REASONS``), ``prompts_truncated``, the stats (artifact ``stats.json``), and
-each split as an MLflow dataset input.
+``rows_dropped_<reason>`` per reason (``data.DROP_REASONS`` of the data's format), ``prompts_truncated``,
+the stats (artifact ``stats.json``), and each split as an MLflow dataset input (the format's columns and the
+label names).
 """
 from __future__ import annotations
 
 from onegpu import data, paths, tracking
 from onegpu.config import Config, flatten
-from onegpu.data import pipeline
+from onegpu.data import describe, formats, pipeline
 from onegpu.measure import memory
 from onegpu.models import loader
 
@@ -45,11 +45,11 @@ def run(cfg: Config) -> dict:
         sections = {k: v for k, v in cfg.to_dict().items() if k in ("data", "model", "tracking")}
         tracker.log_params(run_id, flatten(sections))
         pipeline.write(dsd, tokenizer if cfg.model.name_or_path is None else None, stats)
-        metrics = {**cost(), **data.describe.metrics(stats, raw.undecodable)}
+        metrics = {**cost(), **describe.metrics(stats, raw.undecodable)}
         _log_data(tracker, run_id, cfg, dsd, stats, metrics, raw.source)
     rows = {s: st["rows"] for s, st in stats["splits"].items()}
-    print(f"prepare: {stats['rows_read']} rows read ({fmt}), {pipeline.drop_summary(stats['rows_dropped'])}, splits {rows}, "
-          f"{metrics['prepare_runtime']:.1f} s -> {paths.PROCESSED}")
+    print(f"prepare: {stats['rows_read']} rows read ({fmt}), {pipeline.drop_summary(stats['rows_dropped'])}, "
+          f"splits {rows}, {metrics['prepare_runtime']:.1f} s -> {paths.PROCESSED}")
     return stats
 
 
@@ -58,10 +58,8 @@ def _log_data(tracker, run_id: str, cfg: Config, dsd, stats: dict, metrics: dict
     tracker.log_metrics(run_id, metrics)
     tracker.set_tags(run_id, {"data.fingerprint": stats["fingerprint"]})
     tracker.log_dict(run_id, stats, "stats.json")
-    names = stats["labels"]
     for s in data.SPLITS:
-        df = dsd[s].select_columns(["text", "label"]).to_pandas()
-        df["label"] = df["label"].map(lambda i: names[i])
+        df = describe.table(dsd[s], formats.COLUMNS[stats["format"]])
         tracker.log_dataset(run_id, df, name=f"{cfg.data.source}-{s}", source=source,
                             context={"train": "training", "validation": "validation", "test": "test"}[s],
                             targets="label")

@@ -4,10 +4,11 @@ Shared by both backends, the ``auto`` finder, ``onegpu estimate`` and evaluation
 """
 from __future__ import annotations
 
+from onegpu.data.chat import IGNORE_INDEX
+
 # Columns the model consumes; prepare's other columns (text, length) are dropped before training.
 # Instruction data brings its own ``labels`` (-100 where the loss is masked); packed rows ``seq_lengths``.
 MODEL_COLUMNS = ("input_ids", "attention_mask", "token_type_ids", "labels", "seq_lengths")
-IGNORE_INDEX = -100
 
 
 def model_inputs(dsd, task: str = "sequence-classification"):

@@ -13,7 +13,7 @@ target and labels are counted over ``labels[..., 1:]`` (as in transformers' ``Fo
 """
 from __future__ import annotations
 
-IGNORE_INDEX = -100
+from onegpu.data.chat import IGNORE_INDEX  # the labels' mask value is data's (data makes the labels)
 
 
 def count_items(labels, task: str):

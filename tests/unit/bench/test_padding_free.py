@@ -15,12 +15,12 @@ def test_padding_share_counts_each_micro_batch_padded_to_its_longest():
 
 
 def test_lead_rows_keep_the_instruction_the_first_paragraph_and_the_headline(tmp_path):
-    from onegpu.data import instructions
+    from onegpu.data import prompt_completion as pc
     rows = [json.loads(line) for line in write_leads(tmp_path).read_text().splitlines()]
-    full = instructions.read_headlines()
-    assert len(rows) == len(full.rows) and {r["label"] for r in rows} == set(full.labels)
-    first, whole = rows[0], full.rows[0]
-    assert first["completion"] == whole["completion"] and first["prompt"].startswith(instructions.HEADLINE_INSTRUCTION)
-    lead = first["prompt"].removeprefix(instructions.HEADLINE_INSTRUCTION)
+    full = pc.headlines()
+    assert len(rows) == len(full) and {r["label"] for r in rows} == set(full.labels)
+    first, whole = rows[0], full.records()[0]
+    assert first["completion"] == whole["completion"] and first["prompt"].startswith(pc.HEADLINE_INSTRUCTION)
+    lead = first["prompt"].removeprefix(pc.HEADLINE_INSTRUCTION)
     assert lead and "\n\n" not in lead and whole["prompt"].startswith(first["prompt"] + "\n\n")
     assert len(whole["prompt"]) > 3 * len(first["prompt"])  # the article is much longer than its lead

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import warnings
 
 import pytest
@@ -17,11 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from onegpu.config import from_container  # noqa: E402
-from onegpu.models import lora
-from onegpu.training import (
-    autobatch,  # noqa: E402
-    checkpointing,  # noqa: E402
-)
+from onegpu.models import lora  # noqa: E402
+from onegpu.training import autobatch, checkpointing  # noqa: E402
 from onegpu.training.batches import collator_for, model_inputs  # noqa: E402
 from onegpu.training.loss import classification_loss  # noqa: E402
 from tests.unit.tiny import WORDS, tiny_bert, tokenizer  # noqa: E402
@@ -150,3 +148,38 @@ def test_estimate_stage_says_which_precision_and_attention_it_estimated_for(monk
                                      "train": {"optim": "adafactor"}}, source="test"), [MICRO])
     assert "precision fp32, attention eager" in capsys.readouterr().out.splitlines()[0]
     assert est["rows"][0]["activations"] < 0.8 * fp32["rows"][0]["activations"]
+
+
+@pytest.mark.parametrize("fmt", ["text", "prompt-completion"])
+def test_without_prepared_data_the_estimate_sees_prepares_own_rows(tmp_path, monkeypatch, fmt):
+    """Issue 31: the estimate's sample is prepare's reading, de-duplication and tokenization of the first
+    rows (``pipeline.sample``), so each of its rows equals prepare's row for the same source row."""
+    from onegpu import paths
+    from onegpu.data import pipeline
+    from onegpu.stages import estimate as stage
+    from tests.unit.training import test_batches as tp
+    monkeypatch.setattr(paths, "PROCESSED", tmp_path / "no-processed-data")
+    if fmt == "text":
+        cfg = from_container({"data": {"max_train_samples": None}}, source="test")  # bbcnews, packaged MiniLM
+        maker, column = pipeline.tokenizer_maker(cfg), "text"
+    else:
+        rows = [{"prompt": f"Question {i}: " + "why " * (i % 7) + "?", "completion": f"Answer {i}"}
+                for i in range(300)]
+        source = tmp_path / "d.jsonl"
+        source.write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:5]))
+        cfg = from_container({"data": {"source": str(source), "max_length": 48, "max_train_samples": None},
+                              "model": {"task": "causal-lm", "name_or_path": None}}, source="test")
+        tok = tp.tokenizer()
+        maker, column = (lambda texts: tok), "prompt"
+        monkeypatch.setattr(pipeline, "tokenizer_maker", lambda cfg: maker)
+    dsd, _, where = stage._rows(cfg, None)
+    assert len(dsd["train"]) == stage.SAMPLE_ROWS and where.endswith(f"(first 256 rows, {fmt}, as prepare makes them)")
+    sample, _ = pipeline.sample(cfg, fmt, maker, stage.SAMPLE_ROWS)
+    assert dsd["train"].to_dict() == sample["train"].to_dict()
+    prepared, _, _, _ = pipeline.prepare(cfg, fmt, maker)
+    by_row = {r[column]: r for s in prepared.values() for r in s}
+    assert prepared["train"].features["label"] == dsd["train"].features["label"]
+    common = [r for r in dsd["train"] if r[column] in by_row]
+    assert len(common) > 100
+    for r in common:
+        assert r == by_row[r[column]]  # the same ids, masks, labels, lengths (and prompt length, reference)

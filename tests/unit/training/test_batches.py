@@ -43,8 +43,9 @@ def dataset(n: int = 16, max_length: int = 64, completion_only=None):
     from datasets import ClassLabel, Dataset, DatasetDict
 
     from onegpu.config import DataConfig
-    from onegpu.data import instructions, tokenize_instructions
-    ds = Dataset.from_dict({"text": [instructions.key(r) for r in rows(n)], "label": ["text"] * n})
+    from onegpu.data import tokenize_instructions
+    ds = Dataset.from_dict({"prompt": [r["prompt"] for r in rows(n)], "completion": [r["completion"] for r in rows(n)],
+                            "label": ["text"] * n})
     ds = ds.cast_column("label", ClassLabel(names=["text"]))
     d = DataConfig(max_length=max_length, completion_only_loss=completion_only)
     out, dropped, _ = tokenize_instructions(DatasetDict(train=ds), tokenizer(), d, "prompt-completion")

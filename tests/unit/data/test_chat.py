@@ -13,7 +13,7 @@ SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, train
 
 @pytest.fixture(scope="module")
 def tok():
-    from tests.unit import test_padding_free as tp
+    from tests.unit.training import test_batches as tp
     return tp.tokenizer()
 
 
@@ -135,3 +135,15 @@ def test_a_template_that_does_not_render_turns_one_after_another_is_refused(tok,
         chat.messages(tok, msgs, 200, assistant_only)
     assert str(e.value) == (f"{key}: the chat template does not render a conversation as its turns one after "
                             f"another, so the assistant turns cannot be found; {fix}")
+
+
+def test_ignore_index_is_defined_once_in_data_and_training_uses_it():
+    """The labels' "no target" value: data makes the labels, training/ imports it (issue 31)."""
+    from pathlib import Path
+
+    import onegpu
+    from onegpu.training import batches, loss
+    src = Path(onegpu.__file__).parent
+    defined = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if "IGNORE_INDEX = " in p.read_text())
+    assert defined == ["data/chat.py"]
+    assert loss.IGNORE_INDEX is batches.IGNORE_INDEX is chat.IGNORE_INDEX == -100
