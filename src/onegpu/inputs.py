@@ -26,8 +26,8 @@ import json
 import os
 from pathlib import Path
 
-from onegpu import data
 from onegpu.config import Config, DataConfig
+from onegpu.data import files
 from onegpu.errors import ModelError
 from onegpu.models import loader
 
@@ -40,12 +40,12 @@ def data_target(source: str) -> Path:
     """The path ``data.source`` names: the packaged corpus's installed folder, or the file or folder.
 
     Raises:
-        DataError: as :func:`onegpu.data.check_source` (missing, not tracked in a queued experiment's
+        DataError: as :func:`onegpu.data.files.check_source` (missing, not tracked in a queued experiment's
             clone, wrong kind of file).
     """
-    data.check_source(DataConfig(source=source))
-    if data.source_kind(source) == "package":
-        return data.bbcnews_dir()
+    files.check_source(DataConfig(source=source))
+    if files.source_kind(source) == "package":
+        return files.bbcnews_dir()
     return Path(source).expanduser()
 
 
@@ -62,7 +62,7 @@ def model_target(name_or_path: str | None) -> Path | dict:
     from onegpu.models import packaged
     if name_or_path in packaged.GGUF:  # the package's GGUF file, not its cached conversion (none is made here)
         return packaged.package_dir(name_or_path) / packaged.GGUF[name_or_path][1]
-    untracked = data.untracked_in_clone("model.name_or_path", name_or_path, f"`dvc add {name_or_path}`")
+    untracked = files.untracked_in_clone("model.name_or_path", name_or_path, f"`dvc add {name_or_path}`")
     if untracked:
         raise ModelError(untracked)
     resolved = loader.resolve_model_path(name_or_path)

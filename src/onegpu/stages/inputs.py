@@ -7,14 +7,15 @@ data or the model changed (see :mod:`onegpu.inputs`). Each link is replaced atom
 """
 from __future__ import annotations
 
-from onegpu import data, inputs
+from onegpu import inputs
 from onegpu.config import Config
+from onegpu.data import check
 from onegpu.measure import memory
 
 
 def run(cfg: Config) -> dict[str, str]:
     watch = memory.Stopwatch()
-    data.check_input(cfg)  # the data's columns and form, before anything is linked or written
+    check.check_input(cfg)  # the data's columns and form, before anything is linked or written
     found = inputs.link(cfg)
     print(f"inputs: data.source {cfg.data.source} -> {found['data.source']}, model.name_or_path "
           f"{cfg.model.name_or_path} -> {found['model.name_or_path']} ({watch.total():.2f} s; "
