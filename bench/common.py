@@ -3,9 +3,9 @@
 Each script builds a small but real setup in its own process: the packaged BBC News corpus read,
 de-duplicated, split and tokenized by :mod:`onegpu.data` with the packaged MiniLM tokenizer, a
 ``Config`` validated by :func:`onegpu.config.from_container`, and the real training code, driven
-through :mod:`onegpu.training.session` as the train stage drives it (:func:`~onegpu.training.session.run`
-for a tracked run, :func:`~onegpu.training.session.fit` for the training alone). Nothing is fetched from a hub, and the user's MLflow store
-is never touched: :func:`setup` points ``DVC_ROOT`` at a temporary directory (so ``tracking.connect``
+as the train stage drives it (:func:`~onegpu.training.tracked_run.run` for a tracked run,
+:func:`~onegpu.training.session.fit` for the training alone). Nothing is fetched from a hub, and the user's
+MLflow store is never touched: :func:`setup` points ``DVC_ROOT`` at a temporary directory (so ``tracking.connect``
 opens ``<tmp>/mlflow.db``), removes every ``MLFLOW_*`` variable, and deletes the directory at exit.
 
 Timing conventions used by every script:
@@ -173,7 +173,7 @@ def bert_from_config(cfg, labels, path, layers: int, hidden: int | None = None, 
         kw.update(hidden_size=hidden, num_attention_heads=heads or max(1, hidden // 64),
                   intermediate_size=4 * hidden)
     conf = AutoConfig.from_pretrained(path, num_labels=len(labels), id2label=dict(enumerate(labels)),
-                                      label2id={l: i for i, l in enumerate(labels)}, **kw)
+                                      label2id={name: i for i, name in enumerate(labels)}, **kw)
     set_seed(cfg.train.seed)
     return AutoModelForSequenceClassification.from_config(conf)
 
@@ -258,16 +258,16 @@ def train_once(model, tokenizer, dsd, cfg, sink=noop_sink, verbose: bool = False
 
 
 def stage_run(tracker, model, tok, dsd, cfg, verbose: bool = False) -> dict:
-    """The train stage's run, :func:`onegpu.training.session.run`, into ``tracker``'s store with the given
+    """The train stage's run, :func:`onegpu.training.tracked_run.run`, into ``tracker``'s store with the given
     model (saving outputs is left out): start_run with the stage's tags, params, model tags, the batched
     writer as the per-step sink, MLflow's system-metrics monitor around training, flush, summary metrics.
     ``total_s`` = the whole of it; ``outside_loop_s`` = the part outside the backend's training loop."""
-    from onegpu.training import session
+    from onegpu.training import tracked_run
     plan = _plan(cfg, dsd)
     release_memory()  # the harness's own clean-up, before the clock starts
     t0 = time.perf_counter()
     with quiet(verbose):
-        result = session.run(plan, tracker, dsd, built=(model, tok))
+        result = tracked_run.run(plan, tracker, dsd, built=(model, tok))
     total = time.perf_counter() - t0
     res = _result(result.steps, result.train_s)
     logged = len(tracker.client.get_metric_history(result.run_id, "loss"))
@@ -324,7 +324,9 @@ def builder(cfg, labels, path, layers: int | None = None, hidden: int | None = N
     """``(build(cfg) -> model, name)``: the packaged MiniLM-L6 (``layers`` None) or a BERT of ``layers``
     layers (and ``hidden`` width) from its config, random init; the name for the report."""
     def build(c):
-        return pretrained_model(c, labels, path) if layers is None else bert_from_config(c, labels, path, layers, hidden)
+        if layers is None:
+            return pretrained_model(c, labels, path)
+        return bert_from_config(c, labels, path, layers, hidden)
     kind = "MiniLM-L6 (pretrained), " if layers is None else "from config, random init, "
     return build, kind + describe_model(build(cfg))
 

@@ -1,13 +1,13 @@
 """Against the peer: onegpu's train stage versus plain HF Trainer with report_to=["mlflow"].
 
 Both arms train the same model init (same seed), data, collator and TrainingArguments values
-(``onegpu.training.backends.hf_trainer.training_arguments``: logging_steps=1, no checkpoints, no evaluation) in one process,
-the order alternating between repetitions:
+(``onegpu.training.backends.hf_trainer.training_arguments``: logging_steps=1, no checkpoints, no evaluation) in one
+process, the order alternating between repetitions:
 
 - ours: what ``onegpu.stages.train`` does (``common.stage_run``): run + params + tags into MLflow,
-  ``onegpu.training.session.run`` with the trainer backend (``ExactLossTrainer``, the step-measurement callbacks, the activation probe at
-  train begin, Ctrl-C handling) with the batched MLflow writer as sink and MLflow's system-metrics
-  monitor running, then flush, summary metrics and end_run;
+  ``onegpu.training.tracked_run.run`` with the trainer backend (``ExactLossTrainer``, the step-measurement
+  callbacks, the activation probe at train begin, Ctrl-C handling) with the batched MLflow writer as sink and
+  MLflow's system-metrics monitor running, then flush, summary metrics and end_run;
 - plain: ``transformers.Trainer`` with the same arguments except ``report_to=["mlflow"]``, so HF's
   ``MLflowCallback`` starts the run, logs every TrainingArguments and model-config value as params and
   every step's logs (``log_metrics(..., synchronous=False)``), and ends the run; the store is a

@@ -35,7 +35,7 @@ from onegpu.errors import UserError
 VIEW_KEY = "onegpu-training-runs"  # the saved view's key: tag mlflow.sharedViewState.<VIEW_KEY>
 EXPERIMENT_KIND = tracking.EXPERIMENT_KIND  # set on a new experiment too (tracking.store); here for older ones
 # Columns of the runs table, in this order (metrics no training run has are left out). Memory and speed
-# come as the train stage's tags in people's units (training.session.TABLE_TAGS: "1.46 GiB",
+# come as the train stage's tags in people's units (training.run_tags.TABLE_TAGS: "1.46 GiB",
 # "2.53 samples/s", "71% of 2 CPUs"): MLflow prints the metrics raw (1572425728, nine-digit floats).
 # The split and the knobs that are on are in the tag config ("bs4x4-fp32-ckpt"; with `auto`, the split
 # it chose): one column instead of the five params of the split, checkpointing and backend, so the costs
@@ -91,7 +91,8 @@ def latest_run_link(tracker: tracking.Tracker, base: str) -> str | None:
                                       order_by=["attributes.start_time DESC"])
     if not runs:
         return None
-    return f"{runs[0].info.run_name}: {tracker.runs_table_url(base)}/{runs[0].info.run_id}?workflowType=machine_learning"
+    url = f"{tracker.runs_table_url(base)}/{runs[0].info.run_id}?workflowType=machine_learning"
+    return f"{runs[0].info.run_name}: {url}"
 
 
 # Seconds the MLflow server may take to answer its /health address (a busy 2-core machine needs ~20 s).

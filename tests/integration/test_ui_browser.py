@@ -31,7 +31,7 @@ def _free_port() -> int:
 def _fill_store(root: Path) -> list[str]:
     """A prepare run, two training runs (tags and metrics as the stages log them) and a comparison run."""
     from onegpu import tracking
-    from onegpu.training import session
+    from onegpu.training import closing_record, run_tags
     tr = tracking.connect("onegpu", root=root)
     prep = tr.start_run("prepare-run", {"stage": "prepare"})
     tr.log_metrics(prep, {"prepare_runtime": 1.0, "prepare_rows_per_second": 100.0, "prepare_mem_peak_bytes": 1e8})
@@ -52,8 +52,8 @@ def _fill_store(root: Path) -> list[str]:
         tr.log_metrics(rid, {**summary, "eval_loss": 0.5})
         # what the train stage logs at its end: the figure as the run's description, the table's tags
         load = {"cpu_busy": 1.42, "cpus": 2, "share": 0.71, "loadavg": [12.0, 12.5], "window_s": 60.0}
-        tr.set_tags(rid, {"config": f"bs{micro}x{accum}-fp32", **session.table_tags(summary)})
-        session._log_closing(tr, rid, rows, load, False, f"bs{micro}x{accum}-fp32")
+        tr.set_tags(rid, {"config": f"bs{micro}x{accum}-fp32", **run_tags.table_tags(summary)})
+        closing_record.log_closing(tr, rid, rows, load, False, f"bs{micro}x{accum}-fp32")
         tr.end_run(rid)
         ids.append(rid)
     tracking.log_comparison(tr, [], ids, ["k" * 16])
@@ -160,7 +160,8 @@ def test_ui_link_opens_training_runs_with_loss_in_model_training_view(tmp_path, 
         # at least 3/4 of the thumbnail's own background shows on the first screen (the whole strip, not a slice)
         thumb = tmp_path / "thumb.png"
         session_figure.plot_steps(ROWS_SHOWN, "", thumbnail=True).savefig(thumb)
-        assert _figure_pixels(shot) > 0.75 * _figure_pixels(thumb), "the training figure is not whole on the first screen"
+        whole = _figure_pixels(shot) > 0.75 * _figure_pixels(thumb)
+        assert whole, "the training figure is not whole on the first screen"
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
