@@ -93,7 +93,6 @@ def test_the_plan_carries_the_flattened_params_and_the_model_path_computed_once(
 
 
 def test_build_model_runs_both_checkpointing_checks_through_one_function(monkeypatch):
-    from onegpu.errors import ModelError
     from onegpu.training import checkpointing
     seen = []
     monkeypatch.setattr(checkpointing, "check", lambda model, train: seen.append(type(model).__name__))
@@ -102,23 +101,6 @@ def test_build_model_runs_both_checkpointing_checks_through_one_function(monkeyp
                                     "n_head": 2}, "train": {"gradient_checkpointing": True}}, source="test")
     model, _ = session.build_model(cfg, None, {}, tokenizer())
     assert seen == ["GPT2LMHeadModel"] and model.config.n_layer == 1
-    monkeypatch.undo()
-    blocks = from_container({"train": {"gradient_checkpointing": True, "gradient_checkpointing_blocks": "mlp"}},
-                            source="test")
-    with pytest.raises(ModelError, match="gradient_checkpointing_blocks: 'mlp' needs a BERT-style encoder"):
-        checkpointing.check(_NoLayers(), blocks.train)
-    _NoLayers.supports_gradient_checkpointing = False
-    with pytest.raises(ModelError, match="_NoLayers does not support activation checkpointing; set it to false"):
-        checkpointing.check(_NoLayers(), blocks.train)
-    checkpointing.check(_NoLayers(), from_container({}, source="test").train)  # off: nothing to check
-
-
-class _NoLayers:
-    """A model that supports checkpointing but has neither BERT layers nor GPT-2 blocks."""
-    supports_gradient_checkpointing = True
-
-    def modules(self):
-        return iter(())
 
 
 def _imported_modules(path: Path) -> set[str]:
