@@ -41,9 +41,11 @@ def test_the_auto_finder_probes_under_the_trainings_precision(tmp_path, monkeypa
     assert micro == 4 and seen["mixed_precision"] == "bf16"
 
 
-def _tiny_run(root, tokenizer, dsd, fail_at: int | None = None, **train):
+def _tiny_run(root, tokenizer, dsd, fail_at: int | None = None, run: dict | None = None, **train):
     """tracked_run.run of a 2-layer BERT on the 32-row dsd into ``root``'s store; ``fail_at``: the sink raises
-    at that optimizer step (a failing training). Returns (run id, MlflowClient)."""
+    at that optimizer step (a failing training); ``run``: more arguments of tracked_run.run. Returns (run id,
+    MlflowClient)."""
+    run = run or {}
     from onegpu import tracking
     from tests.unit.tiny import tiny_bert
     cfg = _cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=3, **train)
@@ -66,7 +68,7 @@ def _tiny_run(root, tokenizer, dsd, fail_at: int | None = None, **train):
         with pytest.raises(RuntimeError, match="boom"):
             tracked_run.run(plan, tracker, dsd, built=(tiny_bert(), tokenizer))
         return tracker.client.search_runs([tracker.experiment_id])[0].info.run_id, tracker.client
-    return tracked_run.run(plan, tracker, dsd, built=(tiny_bert(), tokenizer)).run_id, tracker.client
+    return tracked_run.run(plan, tracker, dsd, built=(tiny_bert(), tokenizer), **run).run_id, tracker.client
 
 
 def test_a_training_run_logs_its_outside_load_its_figure_and_a_name_from_its_params(fresh_root, tokenizer, dsd):
@@ -157,3 +159,18 @@ def test_a_full_disk_while_logging_the_runs_figure_fails_the_run_naming_the_arti
     (run,) = client.search_runs([client.get_experiment_by_name("test").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["error.type"] == "DiskFullError"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]  # every step kept
+
+
+def test_a_probe_row_of_tradeoffs_is_named_by_the_batch_and_gets_no_figure_and_no_checkpoints(fresh_root, tokenizer,
+                                                                                              dsd):
+    """``onegpu tradeoffs``' worker: the row's own name, the outside load kept (the batch's report reads
+    it), no figure (the report plots the rows), no checkpoint folder written or tidied."""
+    from onegpu.measure import outside_load
+    from onegpu.training import figure
+    run_id, client = _tiny_run(fresh_root, tokenizer, dsd, run={"name": "row-3", "probe": True})
+    run = client.get_run(run_id)
+    assert run.info.run_name == "row-3" and run.data.tags[run_tags.CONFIG_TAG] == "bs4x2-fp32"
+    assert outside_load.TAG in run.data.tags and figure.NOTE_TAG not in run.data.tags
+    assert figure.FIGURE not in [a.path for a in client.list_artifacts(run_id)]
+    assert not (fresh_root / ".onegpu" / "checkpoints").exists()
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2, 3]
