@@ -3,8 +3,8 @@
 Each script builds a small but real setup in its own process: the packaged BBC News corpus read,
 de-duplicated, split and tokenized by :mod:`onegpu.data` with the packaged MiniLM tokenizer, a
 ``Config`` validated by :func:`onegpu.config.from_container`, and the real training code, driven
-through :mod:`onegpu.training.session` as the train stage drives it
-(:func:`~onegpu.training.session.run` for a tracked run, :func:`~onegpu.training.session.fit` for the
+as the train stage drives it
+(:func:`~onegpu.training.tracked_run.run` for a tracked run, :func:`~onegpu.training.session.fit` for the
 training alone), in the process :func:`bench.environment.setup` isolated.
 
 Timing conventions used by every script:
@@ -169,16 +169,16 @@ def train_once(model, tokenizer, dsd, cfg, sink=noop_sink, verbose: bool = False
 
 
 def stage_run(tracker, model, tok, dsd, cfg, verbose: bool = False) -> dict:
-    """The train stage's run, :func:`onegpu.training.session.run`, into ``tracker``'s store with the given
+    """The train stage's run, :func:`onegpu.training.tracked_run.run`, into ``tracker``'s store with the given
     model (saving outputs is left out): start_run with the stage's tags, params, model tags, the batched
     writer as the per-step sink, MLflow's system-metrics monitor around training, flush, summary metrics.
     ``total_s`` = the whole of it; ``outside_loop_s`` = the part outside the backend's training loop."""
-    from onegpu.training import session
+    from onegpu.training import tracked_run
     plan = _plan(cfg, dsd)
     release_memory()  # the harness's own clean-up, before the clock starts
     t0 = time.perf_counter()
     with quiet(verbose):
-        result = session.run(plan, tracker, dsd, built=(model, tok))
+        result = tracked_run.run(plan, tracker, dsd, built=(model, tok))
     total = time.perf_counter() - t0
     res = _result(result.steps, result.train_s)
     logged = len(tracker.client.get_metric_history(result.run_id, "loss"))

@@ -5,7 +5,7 @@ Both arms train the same model init (same seed), data, collator and TrainingArgu
 in one process, the order alternating between repetitions:
 
 - ours: what ``onegpu.stages.train`` does (``arms.stage_run``): run + params + tags into MLflow,
-  ``onegpu.training.session.run`` with the trainer backend (``ExactLossTrainer``, the step-measurement
+  ``onegpu.training.tracked_run.run`` with the trainer backend (``ExactLossTrainer``, the step-measurement
   callbacks, the activation probe at train begin, Ctrl-C handling) with the batched MLflow writer as sink
   and MLflow's system-metrics monitor running, then flush, summary metrics and end_run;
 - plain: ``transformers.Trainer`` with the same arguments except ``report_to=["mlflow"]``, so HF's

@@ -1,60 +1,85 @@
 """Test-split metrics: accuracy and macro F1 for classification, token loss and perplexity for causal LM,
-and for instruction data also greedy generations scored by ROUGE-L.
+and for instruction data also greedy generations scored by ROUGE-L; which of them comes from the data's
+kind through one table (:data:`METRICS`), not a branch per format.
 
 Every figure is exact over the split: the loss is the mean over all examples (classification) or all
-target tokens (causal LM), not a mean of per-batch means.
+target tokens (causal LM), not a mean of per-batch means. Each split is read in batches of
+``evaluate.per_device_eval_batch_size`` under ``torch.no_grad()`` with the model in eval mode (no HF
+``Trainer``: only the trainer backend uses it). torch, transformers, scikit-learn and matplotlib (heavy) are
+imported where they are used.
 """
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
+from onegpu import interpreter
 from onegpu.config import Config
+from onegpu.measure import memory
+from onegpu.training.batches import CausalLMCollator, model_inputs
+from onegpu.training.loss import causal_lm_loss, classification_loss, count_items
 
 SHOWN = 3  # generations the evaluate stage prints (instruction data); all are in the run's generations.json
 
 
-def predict(model, tokenizer, dataset, cfg: Config):
-    """Run a classifier over ``dataset`` (prepared columns) with HF ``Trainer`` and return its
-    ``PredictionOutput``.
-
-    Its ``metrics`` hold ``eval_loss`` (mean cross-entropy per example,
-    :func:`onegpu.training.loss.classification_loss`), ``eval_runtime`` (seconds),
-    ``eval_samples_per_second``; ``predictions`` are logits ``(rows, num_labels)``; ``label_ids`` the gold ids.
-    """
-    import tempfile
-
-    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
-
-    from onegpu.measure import memory
-    from onegpu.training.batches import model_inputs
-    from onegpu.training.loss import loss_for
-    with tempfile.TemporaryDirectory(prefix="onegpu-eval-") as out:  # Trainer wants one; nothing is saved
-        args = TrainingArguments(output_dir=out, per_device_eval_batch_size=cfg.evaluate.per_device_eval_batch_size,
-                                 report_to="none", remove_unused_columns=False, bf16_full_eval=False,
-                                 disable_tqdm=True, dataloader_pin_memory=memory.cuda_available())
-        trainer = Trainer(model=model, args=args, data_collator=DataCollatorWithPadding(tokenizer),
-                          processing_class=tokenizer, compute_loss_func=loss_for("sequence-classification"))
-        return trainer.predict(model_inputs(dataset), metric_key_prefix="eval")
+@dataclass
+class Prediction:
+    """A classifier over one split: ``logits`` float32 ``(rows, num_labels)`` on the CPU, ``labels`` the
+    gold class ids int64 ``(rows,)``, ``loss`` the mean cross-entropy per example (nats,
+    :func:`onegpu.training.loss.classification_loss`, summed in float64 over the split), ``runtime`` (s)."""
+    logits: object
+    labels: object
+    loss: float
+    runtime: float
 
 
-def classifier_metrics(model, tokenizer, dataset, cfg: Config) -> tuple[dict, list[int], list[int]]:
-    """Predict the split with HF Trainer; return metrics, gold and predicted class ids.
+def predict(model, tokenizer, dataset, cfg: Config, device: str | None = None) -> Prediction:
+    """Run a classifier over ``dataset`` (prepared columns: ``input_ids``, ``attention_mask``, ``label``)
+    in order, in batches of ``evaluate.per_device_eval_batch_size`` padded by ``DataCollatorWithPadding``,
+    on ``device`` (None: :func:`onegpu.measure.memory.default_device`), under ``torch.no_grad()`` in eval
+    mode. Returns its :class:`Prediction`."""
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import DataCollatorWithPadding
+    device = device or memory.default_device()
+    batches = DataLoader(model_inputs(dataset), batch_size=cfg.evaluate.per_device_eval_batch_size,
+                         collate_fn=DataCollatorWithPadding(tokenizer), pin_memory=memory.cuda_available())
+    model.to(device).eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    items = torch.zeros((), dtype=torch.int64, device=device)
+    logits, labels = [], []
+    start = time.perf_counter()
+    with torch.no_grad():
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            gold = batch.pop("labels")
+            out = model(**batch)
+            total += classification_loss(out, gold, num_items_in_batch=1).double()  # the batch's sum
+            items += count_items(gold, "sequence-classification")
+            logits.append(out.logits.float().cpu())
+            labels.append(gold.cpu())
+    loss = float(total / items)
+    return Prediction(torch.cat(logits), torch.cat(labels), loss, time.perf_counter() - start)
 
-    Metrics: ``eval_loss`` (mean cross-entropy per example), ``eval_accuracy``, ``eval_f1_macro``
+
+def classifier_metrics(model, tokenizer, dataset, cfg: Config, device: str | None = None
+                       ) -> tuple[dict, list[int], list[int]]:
+    """Predict the split (:func:`predict`); return metrics, gold and predicted class ids.
+
+    Metrics: ``eval_loss`` (mean cross-entropy per example, nats), ``eval_accuracy``, ``eval_f1_macro``
     (scikit-learn), ``eval_runtime`` (s), ``eval_samples_per_second``, ``eval_rows``.
     """
-    import numpy as np
     from sklearn.metrics import accuracy_score, f1_score
 
-    out = predict(model, tokenizer, dataset, cfg)
-    pred = np.asarray(out.predictions).argmax(-1)
-    gold = np.asarray(out.label_ids)
-    metrics = {"eval_loss": out.metrics["eval_loss"],
+    out = predict(model, tokenizer, dataset, cfg, device)
+    pred = out.logits.argmax(-1).numpy()
+    gold = out.labels.numpy()
+    metrics = {"eval_loss": out.loss,
                "eval_accuracy": float(accuracy_score(gold, pred)),
                "eval_f1_macro": float(f1_score(gold, pred, average="macro")),
-               "eval_runtime": out.metrics["eval_runtime"],
-               "eval_samples_per_second": out.metrics["eval_samples_per_second"],
+               "eval_runtime": out.runtime,
+               "eval_samples_per_second": len(gold) / out.runtime,
                "eval_rows": len(gold)}
     return metrics, gold.tolist(), pred.tolist()
 
@@ -67,9 +92,6 @@ def causal_lm_metrics(model, tokenizer, dataset, cfg: Config, device: str) -> di
     """
     import torch
     from torch.utils.data import DataLoader
-
-    from onegpu.training.batches import CausalLMCollator, model_inputs
-    from onegpu.training.loss import causal_lm_loss, count_items
     ds = model_inputs(dataset, "causal-lm")
     loader = DataLoader(ds, batch_size=cfg.evaluate.per_device_eval_batch_size,
                         collate_fn=CausalLMCollator(tokenizer))
@@ -146,26 +168,56 @@ def sft_metrics(model, tokenizer, dataset, cfg: Config, device: str) -> tuple[di
     return metrics, table
 
 
-def metrics(model, tokenizer, test, cfg: Config, device: str) -> tuple[dict, dict | None, list[int], list[int]]:
-    """The test split's metrics for the task: ``(metrics, generations table or None, gold, predicted)``
-    (gold and predicted label ids for a classifier; empty for a causal LM). Instruction data (a
-    ``reference`` column) adds generation and ROUGE-L (:func:`sft_metrics`). The measured loop collects
-    garbage as in any PyTorch process, as training's does (:func:`onegpu.interpreter.settle`)."""
-    from onegpu import interpreter
-    interpreter.settle()
-    if cfg.model.task == "causal-lm" and "reference" in test.column_names:
-        return (*sft_metrics(model, tokenizer, test, cfg, device), [], [])
-    if cfg.model.task == "causal-lm":
-        return causal_lm_metrics(model, tokenizer, test, cfg, device), None, [], []
-    scores, gold, pred = classifier_metrics(model, tokenizer, test, cfg)
+def _classified(model, tokenizer, test, cfg: Config, device: str):
+    scores, gold, pred = classifier_metrics(model, tokenizer, test, cfg, device)
     return scores, None, gold, pred
+
+
+def _language_modelled(model, tokenizer, test, cfg: Config, device: str):
+    return causal_lm_metrics(model, tokenizer, test, cfg, device), None, [], []
+
+
+def _instructed(model, tokenizer, test, cfg: Config, device: str):
+    return (*sft_metrics(model, tokenizer, test, cfg, device), [], [])
+
+
+# The data's kind -> its metrics, each returning (metrics, generations table or None, gold, predicted). The
+# kind is (model.task, whether the test split has instruction data's `reference` column, which prepare writes).
+METRICS = {("sequence-classification", False): _classified, ("sequence-classification", True): _classified,
+           ("causal-lm", False): _language_modelled, ("causal-lm", True): _instructed}
+
+
+def metrics(model, tokenizer, test, cfg: Config, device: str) -> tuple[dict, dict | None, list[int], list[int]]:
+    """The test split's metrics for the data's kind (:data:`METRICS`): ``(metrics, generations table or
+    None, gold, predicted)`` (gold and predicted label ids for a classifier; empty for a causal LM).
+    Instruction data (a ``reference`` column) adds generation and ROUGE-L (:func:`sft_metrics`). The
+    measured loop collects garbage as in any PyTorch process, as training's does
+    (:func:`onegpu.interpreter.settle`)."""
+    interpreter.settle()
+    return METRICS[cfg.model.task, "reference" in test.column_names](model, tokenizer, test, cfg, device)
+
+
+# The evaluate stage's last line per task: what it measured, in the task's words.
+RESULT_LINES = {
+    "causal-lm": lambda m: (f"loss {m['eval_loss']:.4f} nats/token, perplexity {m['eval_perplexity']:.1f} on "
+                            f"{m['eval_tokens']} test tokens"
+                            + (f", ROUGE-L {m['eval_rouge_l']:.3f}" if "eval_rouge_l" in m else "")),
+    "sequence-classification": lambda m: (f"accuracy {m['eval_accuracy']:.4f}, f1_macro {m['eval_f1_macro']:.4f}, "
+                                          f"loss {m['eval_loss']:.4f} on {m['eval_rows']} test rows"),
+}
+
+
+def result_line(task: str, metrics: dict, run_id: str) -> str:
+    """``evaluate: <the task's figures>; MLflow run <run_id> finished`` (:data:`RESULT_LINES`)."""
+    return f"evaluate: {RESULT_LINES[task](metrics)}; MLflow run {run_id} finished"
 
 
 def generations_text(table: dict, metrics: dict, max_new_tokens: int) -> str:
     """The first :data:`SHOWN` test generations beside their references, for the terminal (``table`` and
     ``metrics``: :func:`sft_metrics`'s)."""
-    lines = [f"evaluate: greedy generations (at most {max_new_tokens} new tokens) for {len(table['generation'])} test "
-             f"prompts in {metrics['eval_generation_runtime']:.0f} s; the first {min(SHOWN, len(table['generation']))} "
+    rows = len(table["generation"])
+    lines = [f"evaluate: greedy generations (at most {max_new_tokens} new tokens) for {rows} test "
+             f"prompts in {metrics['eval_generation_runtime']:.0f} s; the first {min(SHOWN, rows)} "
              "(all: generations.json in the MLflow run):"]
     for ref, gen, score in list(zip(table["reference"], table["generation"], table["rouge_l"]))[:SHOWN]:
         lines.append(f"  reference:  {ref}\n  generated:  {' '.join(gen.split())}   (ROUGE-L {score:.2f})")

@@ -31,7 +31,7 @@ def _free_port() -> int:
 def _fill_store(root: Path) -> list[str]:
     """A prepare run, two training runs (tags and metrics as the stages log them) and a comparison run."""
     from onegpu import tracking
-    from onegpu.training import session
+    from onegpu.training import closing_record, run_tags
     tr = tracking.connect("onegpu", root=root)
     prep = tr.start_run("prepare-run", {"stage": "prepare"})
     tr.log_metrics(prep, {"prepare_runtime": 1.0, "prepare_rows_per_second": 100.0, "prepare_mem_peak_bytes": 1e8})
@@ -52,8 +52,8 @@ def _fill_store(root: Path) -> list[str]:
         tr.log_metrics(rid, {**summary, "eval_loss": 0.5})
         # what the train stage logs at its end: the figure as the run's description, the table's tags
         load = {"cpu_busy": 1.42, "cpus": 2, "share": 0.71, "loadavg": [12.0, 12.5], "window_s": 60.0}
-        tr.set_tags(rid, {"config": f"bs{micro}x{accum}-fp32", **session.table_tags(summary)})
-        session._log_closing(tr, rid, rows, load, False, f"bs{micro}x{accum}-fp32")
+        tr.set_tags(rid, {"config": f"bs{micro}x{accum}-fp32", **run_tags.table_tags(summary)})
+        closing_record.log_closing(tr, rid, rows, load, False, f"bs{micro}x{accum}-fp32")
         tr.end_run(rid)
         ids.append(rid)
     tracking.log_comparison(tr, [], ids, ["k" * 16])

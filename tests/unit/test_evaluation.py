@@ -1,11 +1,21 @@
-"""onegpu.evaluation: what the evaluate stage measures, and under which interpreter settings."""
+"""onegpu.evaluation: what the evaluate stage measures (the same figures HF Trainer's predict gave, now
+from a plain batched loop), which metrics each kind of data gets, and under which interpreter settings."""
 from __future__ import annotations
 
+import ast
+import functools
 import gc
+import math
 import types
+import warnings
+from pathlib import Path
+
+import pytest
 
 from onegpu import evaluation, interpreter
 from onegpu.config import from_container
+
+GROUPS = ("market shares bank rates growth", "team final match crowd won", "film reviews opened sang new")
 
 
 def test_the_evaluation_loop_runs_with_cpythons_collector_after_the_commands_start_up(monkeypatch, collector):
@@ -18,3 +28,113 @@ def test_the_evaluation_loop_runs_with_cpythons_collector_after_the_commands_sta
     interpreter.start()
     evaluation.metrics(None, None, types.SimpleNamespace(column_names=["text", "label"]), cfg, "cpu")
     assert seen == [(interpreter.DEFAULT_THRESHOLD, True)]
+
+
+def test_each_kind_of_data_gets_its_metrics_from_the_table(monkeypatch):
+    """No branch on the data's format: (task, a `reference` column) picks the metric function."""
+    calls = []
+    monkeypatch.setattr(evaluation, "classifier_metrics",
+                        lambda *a: calls.append("classifier") or ({"c": 1}, [0], [1]))
+    monkeypatch.setattr(evaluation, "causal_lm_metrics", lambda *a: calls.append("causal") or {"l": 1})
+    monkeypatch.setattr(evaluation, "sft_metrics", lambda *a: calls.append("sft") or ({"s": 1}, {"generation": []}))
+    text = types.SimpleNamespace(column_names=["input_ids", "label"])
+    instructions = types.SimpleNamespace(column_names=["input_ids", "label", "reference", "prompt_length"])
+    cls = from_container({}, source="test")
+    lm = from_container({"model": {"task": "causal-lm", "name_or_path": None}}, source="test")
+    assert evaluation.metrics(None, None, text, cls, "cpu") == ({"c": 1}, None, [0], [1])
+    assert evaluation.metrics(None, None, text, lm, "cpu") == ({"l": 1}, None, [], [])
+    assert evaluation.metrics(None, None, instructions, lm, "cpu") == ({"s": 1}, {"generation": []}, [], [])
+    assert calls == ["classifier", "causal", "sft"]
+
+
+def test_evaluation_imports_no_hf_trainer():
+    """Issue 31: only the trainer backend imports HF Trainer; evaluation predicts with its own loop."""
+    names = set()
+    for node in ast.walk(ast.parse(Path(evaluation.__file__).read_text())):
+        if isinstance(node, ast.ImportFrom):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    assert not names & {"Trainer", "TrainingArguments", "transformers.Trainer"}
+
+
+@functools.cache
+def _trained():
+    """A tiny BERT trained 40 steps on 30 rows whose label follows their words, so it predicts more than
+    one class (an untrained one predicts the same class for every row); the rows tokenized as prepare does."""
+    from datasets import ClassLabel, Dataset, DatasetDict
+
+    from onegpu.data import tokenize
+    from onegpu.training.backends import accelerate
+    from onegpu.training.backends.base import TrainRequest
+    from tests.unit.tiny import tiny_bert, tokenizer
+    texts = [" ".join((GROUPS[i % 3].split() * 6)[i % 5: i % 5 + 2 + (7 * i) % 20]) for i in range(30)]
+    labels = [["business", "sport", "entertainment"][i % 3] for i in range(30)]
+    ds = Dataset.from_dict({"text": texts, "label": labels}).cast_column(
+        "label", ClassLabel(names=["business", "entertainment", "sport"]))
+    dsd = tokenize(DatasetDict(train=ds), tokenizer(), max_length=32)
+    cfg = from_container({"model": {"dropout": 0.0}, "train": {
+        "backend": "accelerate", "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
+        "max_steps": 40, "learning_rate": 3e-3, "seed": 7, "logging_steps": 100}}, source="test")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = accelerate.train(TrainRequest(tiny_bert(), tokenizer(), dsd, cfg, sink=lambda m, s: None))
+    return model, dsd["train"]
+
+
+@pytest.mark.parametrize(("batch", "trainer_loss"), [(4, 0.6658152937889099), (7, 0.6658154129981995)])
+def test_classifier_metrics_are_the_ones_hf_trainers_predict_gave(batch, trainer_loss):
+    """The values HF Trainer's predict gave on this model and split (measured on the code before issue 31,
+    batches of 4 and of 7, the last one short): the same loss within float32 rounding (Trainer averaged
+    float32 batch means, the loop sums per example in float64), the same predictions, accuracy and F1."""
+    pytest.importorskip("torch")
+    from tests.unit.tiny import tokenizer
+    model, split = _trained()
+    cfg = from_container({"evaluate": {"per_device_eval_batch_size": batch}}, source="test")
+    metrics, gold, pred = evaluation.classifier_metrics(model, tokenizer(), split, cfg, "cpu")
+    assert metrics["eval_loss"] == pytest.approx(trainer_loss, abs=1e-6)
+    assert gold == [0, 2, 1] * 10 and pred == [0, 2, 0] * 10  # as Trainer's predictions were
+    assert metrics["eval_accuracy"] == 2 / 3 and metrics["eval_f1_macro"] == pytest.approx(5 / 9, abs=1e-12)
+    assert metrics["eval_rows"] == 30 and metrics["eval_runtime"] > 0
+    assert metrics["eval_samples_per_second"] == pytest.approx(30 / metrics["eval_runtime"])
+
+
+def test_the_classifier_loss_is_the_mean_over_examples_of_each_rows_own_cross_entropy():
+    """Exact over the split: one row at a time, unpadded, gives the same mean loss and the same logits."""
+    torch = pytest.importorskip("torch")
+    from tests.unit.tiny import tokenizer
+    model, split = _trained()
+    out = evaluation.predict(model, tokenizer(), split, from_container({}, source="test"), "cpu")
+    assert out.logits.shape == (30, 3) and out.logits.dtype == torch.float32 and out.labels.tolist() == split["label"]
+    losses = []
+    with torch.no_grad():
+        for i, row in enumerate(split):
+            logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0]
+            assert torch.allclose(logits, out.logits[i], atol=1e-5)
+            losses.append(float(torch.nn.functional.cross_entropy(logits, torch.tensor(row["label"]))))
+    assert out.loss == pytest.approx(sum(losses) / len(losses), abs=1e-6)
+
+
+def test_causal_lm_metrics_are_the_token_mean_loss_and_its_perplexity():
+    """Every target token counts once, whatever the batching: batches of 3 give the loss of one row at a
+    time, summed over the rows' tokens (position t predicts token t+1)."""
+    torch = pytest.importorskip("torch")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from onegpu.data import tokenize
+    from tests.unit.tiny import dataset, tokenizer
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=tokenizer().vocab_size, n_positions=64, n_embd=32, n_layer=1,
+                                       n_head=2, pad_token_id=tokenizer().pad_token_id))
+    split = tokenize(dataset(10), tokenizer(), max_length=32, task="causal-lm")["train"]
+    cfg = from_container({"evaluate": {"per_device_eval_batch_size": 3}}, source="test")
+    m = evaluation.causal_lm_metrics(model, tokenizer(), split, cfg, "cpu")
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for ids, types_ in zip(split["input_ids"], split["token_type_ids"]):  # the collator passes both
+            logits = model(input_ids=torch.tensor([ids]), token_type_ids=torch.tensor([types_])).logits[0, :-1]
+            total += float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
+            tokens += len(ids) - 1
+    assert m["eval_tokens"] == tokens and m["eval_rows"] == 10
+    assert m["eval_loss"] == pytest.approx(total / tokens, abs=1e-5)
+    assert m["eval_perplexity"] == pytest.approx(math.exp(m["eval_loss"]))

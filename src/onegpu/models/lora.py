@@ -9,8 +9,10 @@ also trains (and saves) the new classification head (``modules_to_save``: ``clas
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
+from onegpu import paths
 from onegpu.config import LoraConfig
 from onegpu.errors import ModelError
 
@@ -79,14 +81,26 @@ def trainable_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def save(model, adapter_dir: str | os.PathLike):
-    """Save the adapter (``save_pretrained`` of the peft model: ``adapter_config.json`` and
-    ``adapter_model.safetensors``, with the head for classification) to ``adapter_dir``, then merge it.
+def save(model, tokenizer, adapter_dir: str | os.PathLike):
+    """The trained model's adapter side, as the train stage writes ``models/``.
+
+    With adapters (:func:`is_peft`): the adapter as trained (``save_pretrained`` of the peft model:
+    ``adapter_config.json`` and ``adapter_model.safetensors``, with the head for classification) and the
+    ``tokenizer`` into ``adapter_dir``, atomically (:func:`onegpu.paths.atomic_dir`), then the adapter
+    merged. Without: a stale ``adapter_dir`` (an earlier LoRA run's, not this model's) removed.
 
     Returns:
-        The merged plain ``transformers`` model (``merge_and_unload``: ``W + (alpha / r) B @ A`` in each
-        targeted layer), which computes what the adapter model computes. ``model`` itself is merged in
-        place and must not be used as a peft model afterwards.
+        The plain ``transformers`` model to save as the model: the merged one (``merge_and_unload``:
+        ``W + (alpha / r) B @ A`` in each targeted layer, which computes what the adapter model computes;
+        ``model`` itself is merged in place and must not be used as a peft model afterwards), or ``model``.
+    Raises:
+        onegpu.errors.DiskFullError: the disk filled while writing.
     """
-    model.save_pretrained(str(Path(adapter_dir)))
-    return model.merge_and_unload()
+    if not is_peft(model):
+        shutil.rmtree(adapter_dir, ignore_errors=True)
+        return model
+    with paths.atomic_dir(Path(adapter_dir)) as tmp:
+        model.save_pretrained(str(tmp))
+        merged = model.merge_and_unload()
+        tokenizer.save_pretrained(tmp)
+    return merged

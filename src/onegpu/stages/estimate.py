@@ -47,10 +47,10 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     task = cfg.model.task
     path = loader.resolve_model_path(cfg.model.name_or_path)
     dsd, tokenizer, where = _rows(cfg, path)
-    check_flattened(cfg)  # padding-free / packing on a model that cannot keep sequences apart
+    check_flattened(cfg, path)  # padding-free / packing on a model that cannot keep sequences apart
     # as the train stage builds it: the attention kernel (eager saves the attention probabilities, SDPA
     # does not) and LoRA (grads and optimizer states then exist for the adapters only)
-    model, _ = build_model(cfg, {"labels": dsd["train"].features["label"].names}, tokenizer)
+    model, _ = build_model(cfg, path, {"labels": dsd["train"].features["label"].names}, tokenizer)
     loader.no_kv_cache(model)  # as training runs it
     rows = training_rows(dsd, task, cfg)
     est = autobatch.estimate(model, rows, train_collator(cfg, tokenizer), loss_for(task),

@@ -57,14 +57,7 @@ def run(cfg: Config) -> dict:
               f"run {run_id} here reproduces it (tag {tracking.REPRODUCES_RUN_ID})")
     if table is not None:
         print(evaluation.generations_text(table, metrics, cfg.evaluate.max_new_tokens))
-    if task == "causal-lm":
-        print(f"evaluate: loss {metrics['eval_loss']:.4f} nats/token, perplexity {metrics['eval_perplexity']:.1f} "
-              f"on {metrics['eval_tokens']} test tokens"
-              + (f", ROUGE-L {metrics['eval_rouge_l']:.3f}" if "eval_rouge_l" in metrics else "")
-              + f"; MLflow run {run_id} finished")
-    else:
-        print(f"evaluate: accuracy {metrics['eval_accuracy']:.4f}, f1_macro {metrics['eval_f1_macro']:.4f}, "
-              f"loss {metrics['eval_loss']:.4f} on {metrics['eval_rows']} test rows; MLflow run {run_id} finished")
+    print(evaluation.result_line(task, metrics, run_id))
     return metrics
 
 
@@ -72,4 +65,5 @@ def _write_predictions(gold, pred, names) -> None:
     """plots/predictions.csv (actual, predicted label names): DVC's confusion plot reads it.
 
     Causal LM has no classes: the file then holds the header alone."""
-    paths.write_csv_atomic(paths.PREDICTIONS, ["actual", "predicted"], ((names[g], names[p]) for g, p in zip(gold, pred)))
+    paths.write_csv_atomic(paths.PREDICTIONS, ["actual", "predicted"],
+                           ((names[g], names[p]) for g, p in zip(gold, pred)))

@@ -3,17 +3,17 @@
 Opens the training run (one per training configuration) and ends it when the stage ends: SCHEDULED
 (trained; its evaluation is still to come), or FAILED/KILLED on an error or a stop. ``evaluate``
 re-opens the same run, logs into it and ends it FINISHED; the run id is kept in ``models/mlflow_run.json``.
-No run is RUNNING unless a process writes to it. The run itself: :mod:`onegpu.training.session`.
+No run is RUNNING unless a process writes to it. The run itself: :mod:`onegpu.training.tracked_run`.
 """
 from __future__ import annotations
 
-import shutil
 import sys
 
 from onegpu import paths, tracking
 from onegpu.config import Config
 from onegpu.measure import outside_load
-from onegpu.training import distributed, recorder, session
+from onegpu.models import lora
+from onegpu.training import distributed, prepared, recorder, session, tracked_run
 
 # metrics/train.json (`dvc exp show`, `dvc metrics diff`): these headline figures only, so a sweep's
 # table fits a terminal next to the params that vary. Everything else (runtime, memory breakdown, FLOP/s,
@@ -33,26 +33,20 @@ def run(cfg: Config) -> dict:
     distributed.check_world(cfg.train.num_processes)
     plan = session.plan(cfg)  # device and precision checks first, then data/stats.json
     from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar between the progress lines (checkpoints, models/)
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar between progress lines (checkpoints, models/)
     main = distributed.is_main()  # rank 0 alone writes MLflow and the outputs
     tracker = tracking.connect(cfg.tracking.experiment_name) if main else distributed.NullTracker()
     with distributed.failure_note():
-        result = session.run(plan, tracker, session.load_processed(), save=_write_outputs if main else None)
+        result = tracked_run.run(plan, tracker, prepared.load_processed(), save=_write_outputs if main else None)
     distributed.print_main(recorder.closing_line(result.summary, result.plan.resolved, result.plan.device,
                                                  result.plan.budget, result.run_id))
     return result.summary
 
 
-def _write_outputs(result: session.TrainResult) -> None:
-    """models/ (model, tokenizer, run file; with model.lora also adapter/), plots/train_steps.csv and metrics/train.json, each atomically."""
-    model = result.model
-    from onegpu.models import lora
-    if lora.is_peft(model):  # the adapter as trained, then the merged model that evaluate loads
-        with paths.atomic_dir(paths.ADAPTER_DIR) as tmp:
-            model = lora.save(model, tmp)
-            result.tokenizer.save_pretrained(tmp)
-    else:
-        shutil.rmtree(paths.ADAPTER_DIR, ignore_errors=True)  # a LoRA run's adapter is not this model's
+def _write_outputs(result: tracked_run.TrainResult) -> None:
+    """models/ (model, tokenizer, run file; with model.lora also adapter/), plots/train_steps.csv and
+    metrics/train.json, each atomically."""
+    model = lora.save(result.model, result.tokenizer, paths.ADAPTER_DIR)  # the merged model is what evaluate loads
     with paths.atomic_dir(paths.MODEL_DIR) as tmp:
         _save_model(model, tmp, result.saved_config)
         result.tokenizer.save_pretrained(tmp)

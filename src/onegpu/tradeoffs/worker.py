@@ -1,7 +1,7 @@
 """One worker process of ``onegpu tradeoffs``' probe rows (:mod:`onegpu.tradeoffs.pool` starts it).
 
 It trains the rows it is sent one at a time, in the project root, into the project's MLflow store, as the
-train stage would (:func:`onegpu.training.session.run`: the same run, tags, per-step series and figure),
+train stage would (:func:`onegpu.training.tracked_run.run`: the same run, tags, per-step series and figure),
 with four differences: the prepared data is made in memory once per worker for each distinct set of the
 params prepare reads (:func:`onegpu.data.pipeline.prepare`, the same function the prepare stage writes
 to disk), nothing is written to ``models/``, ``metrics/`` or ``plots/``, no resumable checkpoint is
@@ -78,13 +78,13 @@ def train_row(spec: dict, cache: dict) -> None:
     """
     from onegpu import tracking
     from onegpu.config import load
-    from onegpu.training import session
+    from onegpu.training import session, tracked_run
     cfg = load(spec["params"], spec["overrides"])
     dsd, tokenizer, stats = prepared(cfg, cache)
     plan = dataclasses.replace(session.plan(cfg, stats), resume=None)
     _reset_process_state()
     tracker = tracking.connect(cfg.tracking.experiment_name)
-    session.run(plan, tracker, dsd, name=spec["name"], probe=True, tokenizer=tokenizer)
+    tracked_run.run(plan, tracker, dsd, name=spec["name"], probe=True, tokenizer=tokenizer)
 
 
 def main(conn, offline: bool) -> None:

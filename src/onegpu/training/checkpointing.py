@@ -67,6 +67,22 @@ def enable(model, train) -> None:
             layer.feed_forward_chunk = _one_argument(wrapped)
 
 
+def check(model, train) -> None:
+    """Both checks of ``train.gradient_checkpointing`` on a built ``model`` (a no-op when it is off):
+    the model supports activation checkpointing at all (:func:`onegpu.models.loader.supports_checkpointing`)
+    and the granularity ``train.gradient_checkpointing_blocks`` asks for (:func:`check_supported`).
+
+    Raises:
+        ModelError: either check fails (one line naming the key to change).
+    """
+    if not train.gradient_checkpointing:
+        return
+    if not loader.supports_checkpointing(model):
+        raise ModelError(f"train.gradient_checkpointing: {type(model).__name__} does not support "
+                         "activation checkpointing; set it to false")
+    check_supported(model, train)
+
+
 def check_supported(model, train) -> list:
     """The layers :func:`enable` will use for ``train.gradient_checkpointing_blocks``.
 

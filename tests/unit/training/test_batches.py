@@ -251,7 +251,7 @@ def test_a_model_that_builds_its_own_mask_is_refused_for_padding_free(monkeypatc
     cfg.data.packing = key == "packing"
     message = rf"^params.yaml: data.{key}: GPT2LMHeadModel builds its attention mask itself.*set data.{key}: false$"
     with pytest.raises(ConfigError, match=message):
-        session.check_flattened(cfg)
+        session.check_flattened(cfg, loader.resolve_model_path(cfg.model.name_or_path))
     monkeypatch.chdir(tmp_path)  # no data/stats.json: the refusal comes first
     with pytest.raises(ConfigError, match=message):
         session.plan(cfg, facts=cfgmod.DeviceFacts())

@@ -232,3 +232,26 @@ def test_estimate_reports_the_configured_granularity():
     assert full["activations"] == attn["activations"]  # without checkpointing: the same model
     assert full["activations_checkpointed"] < attn["activations_checkpointed"] < attn["activations"], col
     assert attn["total"] - full["total"] == attn["activations_checkpointed"] - full["activations_checkpointed"]
+
+
+class _NoLayers:
+    """A model that says it supports checkpointing but has neither BERT layers nor GPT-2 blocks."""
+    supports_gradient_checkpointing = True
+
+    def modules(self):
+        return iter(())
+
+
+def test_check_runs_both_checks_of_a_built_model_in_one_function():
+    """Issue 31: whether the model supports activation checkpointing at all and whether it has the layers
+    the configured granularity needs, both in checkpointing.check (build_model calls it once)."""
+    with pytest.raises(ModelError, match="gradient_checkpointing_blocks: 'mlp' needs a BERT-style encoder"):
+        checkpointing.check(_NoLayers(), train_cfg(blocks="mlp"))
+    checkpointing.check(_NoLayers(), train_cfg(blocks="layer"))  # transformers' own: no layers to find
+    checkpointing.check(tiny_bert(), train_cfg(blocks="attention"))
+    unsupported = _NoLayers()
+    unsupported.supports_gradient_checkpointing = False
+    with pytest.raises(ModelError, match="^train.gradient_checkpointing: _NoLayers does not support activation "
+                                         "checkpointing; set it to false$"):
+        checkpointing.check(unsupported, train_cfg(blocks="layer"))
+    checkpointing.check(unsupported, train_cfg(on=False))  # off: nothing to check

@@ -1,13 +1,17 @@
-"""The training session's plan (onegpu.training.session.plan): layout once, key, resume point."""
+"""The training session (onegpu.training.session): the plan (layout once, key, resume point, the params
+and model path computed once), the training loop's interpreter settings, and the module's shape: it
+trains and nothing else (no tracking import, under 250 lines)."""
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 
-from onegpu.config import Resolved, from_container  # noqa: E402
+from onegpu.config import Resolved, flatten, from_container  # noqa: E402
 from onegpu.equivalence import equivalence_key  # noqa: E402
 from onegpu.training import session  # noqa: E402
 from onegpu.training.resume import STATE_FILE  # noqa: E402
@@ -53,100 +57,6 @@ def test_a_combination_the_machine_cannot_run_stops_the_plan_before_the_data_is_
     assert session.plan(_cfg(), STATS, facts=gpu).device == "cuda:0"
 
 
-def test_the_auto_finder_probes_under_the_trainings_precision(tmp_path, monkeypatch, tokenizer, dsd):
-    """With bf16 the finder must probe under autocast (bf16 activations are smaller, so a larger
-    micro-batch fits); the session used to call it without the precision."""
-    from onegpu.training import autobatch
-    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
-    seen = {}
-
-    def finder(*args, **kw):
-        seen.update(kw)
-        return 4, []
-    monkeypatch.setattr(autobatch, "find_micro_batch", finder)
-
-    class Tracker:
-        def log_dict(self, *a):
-            pass
-
-        def log_text(self, *a):
-            pass
-    import torch
-    plan = session.plan(_cfg(**AUTO, bf16=True), STATS)
-    micro = session._find_micro_batch(torch.nn.Linear(2, 2), tokenizer, dsd, plan, Tracker(), "run")
-    assert micro == 4 and seen["mixed_precision"] == "bf16"
-
-
-def _tiny_run(root, tokenizer, dsd, fail_at: int | None = None, **train):
-    """session.run of a 2-layer BERT on the 32-row dsd into ``root``'s store; ``fail_at``: the sink raises
-    at that optimizer step (a failing training). Returns (run id, MlflowClient)."""
-    from onegpu import tracking
-    from tests.unit.tiny import tiny_bert
-    cfg = _cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=3, **train)
-    plan = session.plan(cfg, {"fingerprint": "f" * 16, "labels": dsd["train"].features["label"].names})
-    tracker = tracking.connect("test", root=root)
-    if fail_at is not None:
-        real = tracker.metric_buffer
-
-        def failing_buffer(run_id, *a, **kw):
-            buffer = real(run_id, *a, **kw)
-            add = buffer.add
-
-            def add_then_fail(metrics, step):
-                add(metrics, step)
-                if step == fail_at:
-                    raise RuntimeError("boom")
-            buffer.add = add_then_fail
-            return buffer
-        tracker.metric_buffer = failing_buffer
-        with pytest.raises(RuntimeError, match="boom"):
-            session.run(plan, tracker, dsd, built=(tiny_bert(), tokenizer))
-        return tracker.client.search_runs([tracker.experiment_id])[0].info.run_id, tracker.client
-    return session.run(plan, tracker, dsd, built=(tiny_bert(), tokenizer)).run_id, tracker.client
-
-
-def test_a_training_run_logs_its_outside_load_its_figure_and_a_name_from_its_params(fresh_root, tokenizer, dsd):
-    """Issue 20 items 3 and 8: the run carries what other processes took of the machine while it trained
-    (tag onegpu.outside_load, metric train_outside_cpu_load), a PNG of loss/grad_norm/memory/speed per step,
-    and, outside a DVC experiment, a name from its settings instead of MLflow's random one."""
-    from onegpu.measure import outside_load
-    from onegpu.training import figure
-    run_id, client = _tiny_run(fresh_root, tokenizer, dsd, gradient_checkpointing=True)
-    run = client.get_run(run_id)
-    info = outside_load.parse(run.data.tags[outside_load.TAG])
-    assert info["cpus"] >= 1 and info["cpu_busy"] >= 0 and info["window_s"] > 0
-    assert run.data.metrics[outside_load.METRIC] == info["cpu_busy"]
-    assert run.info.run_name == "bs4x2-fp32-ckpt" == run.data.tags[session.CONFIG_TAG]
-    png = [a.path for a in client.list_artifacts(run_id)]
-    assert figure.FIGURE in png and figure.THUMBNAIL in png
-    # the run page's description shows the figure; the runs table gets memory and speed in people's units
-    assert run.data.tags["mlflow.note.content"].startswith(
-        f'<a href="get-artifact?path={figure.FIGURE}&amp;run_uuid={run_id}"><img src="get-artifact?path='
-        f'{figure.THUMBNAIL}&amp;run_uuid={run_id}"')
-    assert run.data.tags["memory"].endswith(("MiB", "GiB"))
-    assert run.data.tags["speed"] == f"{run.data.metrics['train_samples_per_second']:.2f} samples/s"
-    assert run.data.tags["outside_load"] == f"{info['share']:.0%} of {info['cpus']} CPUs"
-    # a new experiment is MLflow's machine-learning kind, so its UI opens on the training runs
-    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
-
-
-def test_a_failed_training_still_logs_the_figure_of_the_steps_it_measured(fresh_root, tokenizer, dsd):
-    from onegpu.measure import outside_load
-    from onegpu.training import figure
-    run_id, client = _tiny_run(fresh_root, tokenizer, dsd, fail_at=2)
-    run = client.get_run(run_id)
-    assert run.info.status == "FAILED"
-    assert figure.FIGURE in [a.path for a in client.list_artifacts(run_id)]
-    assert outside_load.TAG in run.data.tags
-
-
-def test_config_name_names_the_split_the_precision_and_the_knobs_that_are_on():
-    assert session.config_name(_cfg(per_device_train_batch_size=4, gradient_accumulation_steps=4)) == "bs4x4-fp32"
-    assert session.config_name(_cfg(**AUTO, bf16=True, backend="accelerate")) == "bsauto-eff8-bf16-accelerate"
-    lora = from_container({"model": {"lora": {"r": 8}}, "train": {"optim": "adafactor"}}, source="test")
-    assert session.config_name(lora) == "bs8x1-fp32-lora-r8-adafactor"
-
-
 def test_the_training_loop_runs_with_cpythons_collector_after_the_commands_start_up(tmp_path, monkeypatch,
                                                                                    collector):
     """`onegpu train` starts with onegpu.interpreter's start-up threshold; the backend's loop (the measured
@@ -166,56 +76,49 @@ def test_the_training_loop_runs_with_cpythons_collector_after_the_commands_start
     assert seen == [(interpreter.DEFAULT_THRESHOLD, True)]
 
 
-class _Killed(BaseException):
-    """Stands for SIGTERM's default action (the process ends at once) in this test process."""
 
 
-def test_a_sigterm_while_a_failed_run_is_closed_waits_until_its_steps_error_and_figure_are_written(
-        fresh_root, tokenizer, dsd, monkeypatch):
-    """Issue 30: a rank's collective fails (the sink raises at step 2) and torchrun's closing SIGTERM
-    arrives while the run's record is written: the signal waits, so the FAILED run keeps its own error,
-    every step it measured and its figure."""
-    import os
-    import signal
-
-    from onegpu.training import figure
-
-    def killed(signum, frame):
-        raise _Killed()
-    real_closing = session._log_closing
-
-    def closing_with_sigterm(*a, **kw):
-        os.kill(os.getpid(), signal.SIGTERM)  # torchrun stops the surviving ranks
-        return real_closing(*a, **kw)
-    monkeypatch.setattr(session, "_log_closing", closing_with_sigterm)
-    old = signal.signal(signal.SIGTERM, killed)
-    try:
-        run_id, client = _tiny_run(fresh_root, tokenizer, dsd, fail_at=2)
-    finally:
-        signal.signal(signal.SIGTERM, old)
-    run = client.get_run(run_id)
-    assert run.info.status == "FAILED" and run.data.tags["error.type"] == "RuntimeError"
-    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
-    assert figure.FIGURE in [a.path for a in client.list_artifacts(run_id)]
+def test_the_plan_carries_the_flattened_params_and_the_model_path_computed_once(tmp_path, monkeypatch):
+    """plan() flattens the config and resolves model.name_or_path once; the tracked run logs
+    ``plan.params`` and builds from ``plan.model_path`` instead of computing them again."""
+    from onegpu.models import loader
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    calls = []
+    real = loader.resolve_model_path
+    monkeypatch.setattr(loader, "resolve_model_path", lambda name: calls.append(name) or real(name))
+    cfg = _cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    plan = session.plan(cfg, STATS)
+    assert calls == [cfg.model.name_or_path] and plan.model_path == real(cfg.model.name_or_path)
+    assert plan.params == flatten(cfg.to_dict()) and plan.params["train.per_device_train_batch_size"] == 4
 
 
-def test_a_full_disk_while_logging_the_runs_figure_fails_the_run_naming_the_artifact_and_the_free_space(
-        fresh_root, tokenizer, dsd, monkeypatch):
-    import errno
+def test_build_model_runs_both_checkpointing_checks_through_one_function(monkeypatch):
+    from onegpu.training import checkpointing
+    seen = []
+    monkeypatch.setattr(checkpointing, "check", lambda model, train: seen.append(type(model).__name__))
+    from tests.unit.tiny import tokenizer
+    cfg = from_container({"model": {"task": "causal-lm", "name_or_path": None, "n_layer": 1, "n_embd": 32,
+                                    "n_head": 2}, "train": {"gradient_checkpointing": True}}, source="test")
+    model, _ = session.build_model(cfg, None, {}, tokenizer())
+    assert seen == ["GPT2LMHeadModel"] and model.config.n_layer == 1
 
-    from mlflow import MlflowClient
 
-    from onegpu.errors import DiskFullError
-    from onegpu.training import figure
+def _imported_modules(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            out |= {node.module or ""} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
 
-    def full(*a, **kw):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(MlflowClient, "log_figure", full)
-    with pytest.raises(DiskFullError) as e:
-        _tiny_run(fresh_root, tokenizer, dsd)
-    assert "no space left on the device writing mlartifacts/" in str(e.value)
-    assert f"/{figure.FIGURE} (" in str(e.value) and " free of " in str(e.value)
-    client = MlflowClient(tracking_uri=f"sqlite:///{fresh_root / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("test").experiment_id])
-    assert run.info.status == "FAILED" and run.data.tags["error.type"] == "DiskFullError"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]  # every step kept
+
+def test_the_session_only_trains_it_imports_no_tracking_module_and_is_short():
+    """Issue 31: the MLflow run's life is tracked_run's; session.py imports no onegpu.tracking module (not
+    even inside a function) nor the modules that log into a run, and stays under 250 lines."""
+    path = Path(session.__file__)
+    names = _imported_modules(path)
+    assert not {n for n in names if n == "onegpu.tracking" or n.startswith("onegpu.tracking.")}, names
+    assert "mlflow" not in {n.split(".")[0] for n in names}
+    assert not names & {"onegpu.training.tracked_run", "onegpu.training.run_tags", "onegpu.training.closing_record"}
+    assert len(path.read_text().splitlines()) < 250

@@ -21,7 +21,8 @@ from tests.unit.tiny import LOSS_TOL, NORM_TOL, dataset, interrupt_at_step_2, ti
 @functools.cache
 def run(backend: str, micro: int, accum: int, n: int = 24, max_steps: int = 3, epochs: float = 1.0,
         optim: str = "adamw_torch", lr: float = 1e-3, warmup: float = 0.0, max_grad_norm: float = 1.0,
-        checkpointing: bool = False, attn: str | None = None, extra: tuple = ()) -> tuple[list[dict], list[str], bool, dict]:
+        checkpointing: bool = False, attn: str | None = None,
+        extra: tuple = ()) -> tuple[list[dict], list[str], bool, dict]:
     """Train a fresh, identically seeded tiny BERT (attention kernel ``attn``; ``extra``: more
     ``(train key, value)`` pairs).
 
@@ -152,7 +153,8 @@ def test_accelerate_stop_and_resume_gives_the_uninterrupted_losses_and_weights(t
         return BertForSequenceClassification(config)
 
     ref = []
-    ref_model, _ = accel.train(TrainRequest(build(), tokenizer(), dataset(24), cfg, lambda m, s: ref.append(m["loss"])))
+    ref_model, _ = accel.train(TrainRequest(build(), tokenizer(), dataset(24), cfg,
+                                            lambda m, s: ref.append(m["loss"])))
     ckpt = tmp_path / "ckpt"
     first, resume = interrupt_at_step_2(
         lambda sink, **kw: accel.train(TrainRequest(build(), tokenizer(), dataset(24), cfg, sink, **kw)), ckpt)
@@ -167,8 +169,8 @@ def test_accelerate_stop_and_resume_gives_the_uninterrupted_losses_and_weights(t
 
 
 def test_trainer_backend_leaves_no_scratch_folders(tmp_path, monkeypatch):
-    """Training without a checkpoint folder and predicting each need a Trainer output_dir: both are
-    temporary and removed (they were left in /tmp, one per evaluate and per training run)."""
+    """Training without a checkpoint folder needs a Trainer output_dir: it is temporary and removed (it was
+    left in /tmp, one per training run); evaluation's prediction needs none (it has no Trainer)."""
     import tempfile
 
     from onegpu.evaluation import predict
@@ -178,7 +180,7 @@ def test_trainer_backend_leaves_no_scratch_folders(tmp_path, monkeypatch):
                                                               "logging_steps": 100}})
     model, _ = hf_trainer.train(TrainRequest(tiny_bert(), tokenizer(), dataset(8), cfg, sink=lambda m, s: None))
     out = predict(model, tokenizer(), dataset(8)["train"], cfg)
-    assert out.predictions.shape == (8, 3)
+    assert out.logits.shape == (8, 3)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -196,7 +198,8 @@ def test_accelerate_backend_and_recorder_import_no_hf_trainer():
 
     import onegpu.training
     root = Path(onegpu.training.__file__).parent
-    for rel in ("backends/accelerate.py", "recorder.py", "batches.py", "interrupt.py", "session.py"):
+    for rel in ("backends/accelerate.py", "recorder.py", "batches.py", "interrupt.py", "session.py", "tracked_run.py",
+                "run_tags.py", "closing_record.py", "prepared.py"):
         names = set()
         for node in ast.walk(ast.parse((root / rel).read_text())):
             if isinstance(node, ast.ImportFrom):

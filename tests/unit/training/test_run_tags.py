@@ -1,0 +1,21 @@
+"""What a training run says about itself (onegpu.training.run_tags): its name from its settings, the
+runs table's tags in people's units."""
+from __future__ import annotations
+
+from onegpu.config import from_container
+from onegpu.training import run_tags
+
+AUTO = {"per_device_train_batch_size": "auto", "effective_batch_size": 8, "memory_budget_gib": 1}
+
+
+def _cfg(**train):
+    return from_container({"train": train}, source="test")
+
+
+def test_config_name_names_the_split_the_precision_and_the_knobs_that_are_on():
+    assert run_tags.config_name(_cfg(per_device_train_batch_size=4, gradient_accumulation_steps=4)) == "bs4x4-fp32"
+    assert run_tags.config_name(_cfg(**AUTO, bf16=True, backend="accelerate")) == "bsauto-eff8-bf16-accelerate"
+    lora = from_container({"model": {"lora": {"r": 8}}, "train": {"optim": "adafactor"}}, source="test")
+    assert run_tags.config_name(lora) == "bs8x1-fp32-lora-r8-adafactor"
+
+
