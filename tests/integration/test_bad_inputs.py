@@ -206,7 +206,8 @@ CASES = [
          _set(**{"data.test_size": 1.5})),
     Case("range-max-steps", "train", ("train.max_steps", "-1", "positive integer"), _set(**{"train.max_steps": 0})),
     Case("range-max-length", "prepare", ("data.max_length", "from 8 to 8192", "4"), _set(**{"data.max_length": 4})),
-    Case("range-not-finite", "train", ("train.learning_rate", "finite"), _set(**{"train.learning_rate": float("nan")})),
+    Case("range-not-finite", "train", ("train.learning_rate", "finite"),
+         _set(**{"train.learning_rate": float("nan")})),
     Case("choice-optimizer", "train", ("train.optim", "adamw_torch", "'adamw_8bit'"),
          _set(**{"train.optim": "adamw_8bit"})),
     Case("accumulation-does-not-give-effective-batch", "train",
@@ -267,8 +268,9 @@ CASES = [
          _set(**{"data.source": "texts.csv"}), lambda d: (d / "texts.csv").mkdir()),
 
     # ---- instruction data (issue 21 item 9): one line naming the row or the rule, before any run ---------
-    Case("sft-messages-cell-not-a-list", "prepare", ("data.source='d.jsonl'", "line 3", "messages cell is a dict, not a list"),
-         _set(**SFT_JSONL), lambda d: _write_jsonl(d / "d.jsonl", [TURNS] * 2 + [{"messages": {"role": "user", "content": "hi"}}])),
+    Case("sft-messages-cell-not-a-list", "prepare",
+         ("data.source='d.jsonl'", "line 3", "messages cell is a dict, not a list"), _set(**SFT_JSONL),
+         lambda d: _write_jsonl(d / "d.jsonl", [TURNS] * 2 + [{"messages": {"role": "user", "content": "hi"}}])),
     Case("sft-messages-cell-a-string", "prepare", ("line 3", "messages cell is a string ('just text'), not a list"),
          _set(**SFT_JSONL), lambda d: _write_jsonl(d / "d.jsonl", [TURNS] * 2 + [{"messages": "just text"}])),
     Case("sft-completions-all-empty", "prepare",
@@ -276,7 +278,8 @@ CASES = [
          _set(**SFT_JSONL), lambda d: _write_jsonl(d / "d.jsonl", [{"prompt": f"p {i}", "completion": ""}
                                                                  for i in range(3)])),
     Case("sft-message-without-content", "prepare", ("line 2", "messages[0] has keys ['role', 'text']"),
-         _set(**SFT_JSONL), lambda d: _write_jsonl(d / "d.jsonl", [TURNS, {"messages": [{"role": "user", "text": "x"}]}])),
+         _set(**SFT_JSONL),
+         lambda d: _write_jsonl(d / "d.jsonl", [TURNS, {"messages": [{"role": "user", "text": "x"}]}])),
     Case("sft-no-assistant-turn", "prepare", ("line 4 has no assistant turn", "data.assistant_only_loss"),
          _set(**SFT_JSONL, **{"data.assistant_only_loss": True}),
          lambda d: _write_jsonl(d / "d.jsonl", [TURNS] * 3 + [{"messages": [{"role": "user", "content": "q?"}]}])),

@@ -26,7 +26,8 @@ def test_sft_on_the_packaged_smollm2_trains_evaluates_and_generates(tmp_path):
     p = make_project(tmp_path, SFT)
     out = dvc(p, "repro", timeout=1200)
     log = out.stdout + out.stderr
-    assert "packaged model: converting SmolLM2-135M-Instruct.Q4_1.gguf" in log  # once, by the first stage that needs it
+    # once, by the first stage that needs it
+    assert "packaged model: converting SmolLM2-135M-Instruct.Q4_1.gguf" in log
     assert log.count("packaged model: model converted") == 1
     stats = json.loads((p / "data" / "stats.json").read_text())
     assert stats["format"] == "prompt-completion" and stats["rows_dropped"]["duplicate"] == 98

@@ -59,7 +59,8 @@ def tiny_bert(attn: str | None = None):
     import torch
     from transformers import BertConfig, BertForSequenceClassification
     torch.manual_seed(0)
-    config = BertConfig(**({} if attn is None else {"attn_implementation": attn}),vocab_size=tokenizer().vocab_size, hidden_size=32, num_hidden_layers=2,
+    config = BertConfig(**({} if attn is None else {"attn_implementation": attn}),
+                        vocab_size=tokenizer().vocab_size, hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=64, num_labels=3,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                         pad_token_id=tokenizer().pad_token_id)

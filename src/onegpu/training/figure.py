@@ -1,7 +1,8 @@
 """The per-run figure: loss, gradient norm, peak memory and speed per optimizer step, one PNG that the
 train stage logs as the run's artifact :data:`FIGURE` (MLflow's run page previews it under Artifacts)
-and shows as the run's description (:func:`description`), on top of the run page's Overview tab. Drawn at the end of training, and also when the
-training failed or was stopped, with the steps measured until then (the title says so).
+and shows as the run's description (:func:`description`), on top of the run page's Overview tab. Drawn at the
+end of training, and also when the training failed or was stopped, with the steps measured until then
+(the title says so).
 matplotlib's Agg backend; no MLflow here.
 """
 from __future__ import annotations

@@ -58,8 +58,8 @@ def make_optimizer(model, cfg: Config):
     """The optimizer ``train.optim`` names, with Trainer's defaults for it.
 
     Source: ``transformers/trainer_optimizer.py`` (``_get_adamw_torch``, ``_get_sgd``, ``_get_adagrad``,
-    ``_get_rmsprop``, ``_get_adafactor``, ``_get_bitsandbytes_optimizer``) with ``TrainingArguments``' defaults: AdamW betas (0.9, 0.999),
-    eps 1e-8; the others take torch's defaults and only ``lr``.
+    ``_get_rmsprop``, ``_get_adafactor``, ``_get_bitsandbytes_optimizer``) with ``TrainingArguments``' defaults:
+    AdamW betas (0.9, 0.999), eps 1e-8; the others take torch's defaults and only ``lr``.
     """
     import torch
     t = cfg.train

@@ -252,7 +252,8 @@ class Progress(TrainerCallback):
     def on_train_begin(self, args, state, control, **kw):
         world = args.world_size
         distributed.print_main(
-              f"train: {state.max_steps} optimizer steps of {args.train_batch_size * args.gradient_accumulation_steps * world}"
+              f"train: {state.max_steps} optimizer steps of "
+              f"{args.train_batch_size * args.gradient_accumulation_steps * world}"
               f" examples ({args.train_batch_size} x {args.gradient_accumulation_steps}"
               f"{f' x {world} processes' if world > 1 else ''}) on {args.device}; "
               f"progress every {self.every} steps, every step goes to MLflow")
