@@ -28,3 +28,18 @@ def test_no_function_is_over_60_lines():
 def test_stage_modules_are_thin():
     long = {p.name: len(p.read_text().splitlines()) for p in (REPO / "src/onegpu/stages").glob("*.py")}
     assert {name: n for name, n in long.items() if n > MAX_STAGE} == {}
+
+
+def _private_imports(root: Path) -> list[str]:
+    """``from onegpu.<module> import _name``: a module's private name used by another module."""
+    out = []
+    for f in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("onegpu"):
+                out += [f"{f.relative_to(REPO)}:{node.lineno} {a.name}" for a in node.names
+                        if a.name.startswith("_")]
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert _private_imports(REPO / "src") == []

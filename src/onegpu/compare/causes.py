@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from onegpu.compare.records import RunRecord, _float, _int
+from onegpu.compare.records import RunRecord, as_float, as_int
 
 # Knobs outside the equivalence key (or, for train.optim, values it treats as one) that change the kernels
 # or precision of the same mathematics: (param, value when not logged, why the losses can move).
@@ -55,8 +55,8 @@ DROPOUT = "dropout"
 
 def _dropout(r: RunRecord) -> float:
     # The model's largest dropout probability (tag set by the train stage); else the params override.
-    v = _float(r.tags.get("model.dropout_max"))
-    return v if v is not None else (_float(r.params.get("model.dropout")) or 0.0)
+    v = as_float(r.tags.get("model.dropout_max"))
+    return v if v is not None else (as_float(r.params.get("model.dropout")) or 0.0)
 
 
 def _param(r: RunRecord, key: str, default: str) -> str:
@@ -90,8 +90,8 @@ def dropout_with_another_kernel(run: RunRecord, reference: RunRecord) -> Iterabl
 
 def batchnorm_with_another_split(run: RunRecord, reference: RunRecord) -> Iterable[str]:
     """BatchNorm layers and another micro-batch: statistics per micro-batch."""
-    bn = max(_int(run.tags.get("model.batchnorm_layers")) or 0,
-             _int(reference.tags.get("model.batchnorm_layers")) or 0)
+    bn = max(as_int(run.tags.get("model.batchnorm_layers")) or 0,
+             as_int(reference.tags.get("model.batchnorm_layers")) or 0)
     if bn > 0 and run.micro_batch != reference.micro_batch:
         yield (f"{bn} BatchNorm layer(s) with a different micro-batch ({_micro_batches(run, reference)}): mean "
                "and variance are computed per micro-batch, so the forward pass itself differs")

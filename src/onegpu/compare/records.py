@@ -18,14 +18,16 @@ def _bool(v) -> bool:
     return str(v).strip().lower() in ("true", "1", "yes")
 
 
-def _int(v) -> int | None:
+def as_int(v) -> int | None:
+    """An MLflow param or tag (a string) as an int; None when missing or not a number."""
     try:
         return int(float(str(v)))
     except (TypeError, ValueError):
         return None
 
 
-def _float(v) -> float | None:
+def as_float(v) -> float | None:
+    """An MLflow param or tag (a string) as a finite float; None when missing, not a number or not finite."""
     try:
         x = float(str(v))
     except (TypeError, ValueError):
@@ -64,7 +66,7 @@ class RunRecord:
         """``(first, last)`` milliseconds since the epoch of training's optimizer steps: the tags
         ``onegpu.train_start_ms``/``onegpu.train_end_ms`` the train stage sets, else ``window`` (the
         store's step-metric timestamps, for runs from before those tags); None when unknown."""
-        a, b = _int(self.tags.get("onegpu.train_start_ms")), _int(self.tags.get("onegpu.train_end_ms"))
+        a, b = as_int(self.tags.get("onegpu.train_start_ms")), as_int(self.tags.get("onegpu.train_end_ms"))
         if a is not None and b is not None:
             return a, b
         return tuple(self.window) if self.window else None
@@ -109,17 +111,17 @@ class RunRecord:
     @property
     def micro_batch(self) -> int | None:
         """Examples per micro-batch (forward/backward pass), as resolved by the train stage."""
-        return _int(self.params.get(RESOLVED_MICRO_BATCH, self.params.get("train.per_device_train_batch_size")))
+        return as_int(self.params.get(RESOLVED_MICRO_BATCH, self.params.get("train.per_device_train_batch_size")))
 
     @property
     def accumulation(self) -> int | None:
         """Micro-batches per optimizer step."""
-        return _int(self.params.get(RESOLVED_ACCUMULATION, self.params.get("train.gradient_accumulation_steps")))
+        return as_int(self.params.get(RESOLVED_ACCUMULATION, self.params.get("train.gradient_accumulation_steps")))
 
     @property
     def effective_batch(self) -> int | None:
         """Examples per optimizer step."""
-        v = _int(self.params.get(RESOLVED_EFFECTIVE_BATCH))
+        v = as_int(self.params.get(RESOLVED_EFFECTIVE_BATCH))
         if v is None and self.micro_batch and self.accumulation:
             v = self.micro_batch * self.accumulation
         return v
