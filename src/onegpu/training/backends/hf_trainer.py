@@ -94,7 +94,6 @@ def training_arguments(cfg: Config, output_dir: str) -> TrainingArguments:
         eval_strategy="no",
         report_to="none",
         remove_unused_columns=False,
-        per_device_eval_batch_size=cfg.evaluate.per_device_eval_batch_size,
     )
 
 
