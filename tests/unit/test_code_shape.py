@@ -43,3 +43,13 @@ def _private_imports(root: Path) -> list[str]:
 
 def test_no_module_imports_another_modules_private_names():
     assert _private_imports(REPO / "src") == []
+
+
+# The top level holds entry points and foundations only (ARCHITECTURE.md); a feature's modules go in its package.
+TOP_LEVEL = {"cli", "config", "errors", "evaluation", "formatting", "inputs", "interpreter", "net", "paths",
+             "summary", "ui"}
+
+
+def test_the_top_level_holds_at_most_11_modules_and_these():
+    top = {p.stem for p in (REPO / "src/onegpu").glob("*.py")} - {"__init__", "__main__"}
+    assert top == TOP_LEVEL and len(top) <= 11
