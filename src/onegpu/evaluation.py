@@ -18,7 +18,7 @@ from onegpu import interpreter
 from onegpu.config import Config
 from onegpu.measure import memory
 from onegpu.training.batches import CausalLMCollator, model_inputs
-from onegpu.training.loss import causal_lm_loss, classification_loss, count_items
+from onegpu.training.loss import count_items, loss_for
 
 SHOWN = 3  # generations the evaluate stage prints (instruction data); all are in the run's generations.json
 
@@ -42,25 +42,38 @@ def predict(model, tokenizer, dataset, cfg: Config, device: str | None = None) -
     import torch
     from torch.utils.data import DataLoader
     from transformers import DataCollatorWithPadding
-    device = device or memory.default_device()
     batches = DataLoader(model_inputs(dataset), batch_size=cfg.evaluate.per_device_eval_batch_size,
                          collate_fn=DataCollatorWithPadding(tokenizer), pin_memory=memory.cuda_available())
+    logits, labels = [], []
+
+    def keep(out, gold) -> None:
+        logits.append(out.logits.float().cpu())
+        labels.append(gold.cpu())
+
+    loss, _, runtime = _summed_loss(model, batches, "sequence-classification", device or memory.default_device(), keep)
+    return Prediction(torch.cat(logits), torch.cat(labels), loss, runtime)
+
+
+def _summed_loss(model, batches, task: str, device: str, keep=None) -> tuple[float, int, float]:
+    """The loss of ``task`` summed over every item of ``batches`` (float64) under ``torch.no_grad()`` in
+    eval mode, divided once by the item count: ``(mean loss, items, seconds)``. ``keep(out, labels)`` sees
+    each batch's model output (the classifier's logits)."""
+    import torch
+    loss_fn = loss_for(task)
     model.to(device).eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     items = torch.zeros((), dtype=torch.int64, device=device)
-    logits, labels = [], []
     start = time.perf_counter()
     with torch.no_grad():
         for batch in batches:
             batch = {k: v.to(device) for k, v in batch.items()}
             gold = batch.pop("labels")
             out = model(**batch)
-            total += classification_loss(out, gold, num_items_in_batch=1).double()  # the batch's sum
-            items += count_items(gold, "sequence-classification")
-            logits.append(out.logits.float().cpu())
-            labels.append(gold.cpu())
-    loss = float(total / items)
-    return Prediction(torch.cat(logits), torch.cat(labels), loss, time.perf_counter() - start)
+            total += loss_fn(out, gold, num_items_in_batch=1).double()  # the batch's sum
+            items += count_items(gold, task)
+            if keep is not None:
+                keep(out, gold)
+    return float(total / items), int(items), time.perf_counter() - start
 
 
 def classifier_metrics(model, tokenizer, dataset, cfg: Config, device: str | None = None
@@ -90,26 +103,13 @@ def causal_lm_metrics(model, tokenizer, dataset, cfg: Config, device: str) -> di
     Metrics: ``eval_loss`` (nats per target token), ``eval_perplexity`` = exp(eval_loss),
     ``eval_runtime`` (s), ``eval_samples_per_second``, ``eval_tokens``, ``eval_rows``.
     """
-    import torch
     from torch.utils.data import DataLoader
     ds = model_inputs(dataset, "causal-lm")
     loader = DataLoader(ds, batch_size=cfg.evaluate.per_device_eval_batch_size,
                         collate_fn=CausalLMCollator(tokenizer))
-    model.to(device).eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    items = torch.zeros((), dtype=torch.int64, device=device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        for batch in loader:
-            batch = {k: v.to(device) for k, v in batch.items()}
-            labels = batch.pop("labels")
-            out = model(**batch)
-            total += causal_lm_loss(out, labels, num_items_in_batch=1).double()
-            items += count_items(labels, "causal-lm")
-    loss = float(total / items)
-    runtime = time.perf_counter() - start
+    loss, tokens, runtime = _summed_loss(model, loader, "causal-lm", device)
     return {"eval_loss": loss, "eval_perplexity": math.exp(loss), "eval_runtime": runtime,
-            "eval_samples_per_second": len(ds) / runtime, "eval_tokens": int(items), "eval_rows": len(ds)}
+            "eval_samples_per_second": len(ds) / runtime, "eval_tokens": tokens, "eval_rows": len(ds)}
 
 
 def generate(model, tokenizer, dataset, max_new_tokens: int, batch_size: int, device: str) -> list[str]:

@@ -72,19 +72,17 @@ def test_jsonl_numbers_booleans_and_null_keep_json_spelling(tmp_path):
     assert len(texts) + sum(dropped.values()) == len(raw.columns["text"]) == 11
 
 
-def test_jsonl_nested_value_and_bad_line_name_the_line(tmp_path):
+@pytest.mark.parametrize("content, message", [
+    ('{"text": "a", "label": "x"}\n{"text": "b", "label": ["x"]}\n',
+     r"data.label_column='label': line 2 holds a JSON list"),
+    ('{"text": "a", "label": "x"}\n[1, 2]\n', r"line 2 is a JSON list; each line must be an object"),
+    ('{"text": "a", "label": "x"}\n{"text": oops}\n', r"cannot parse line 2 as JSON"),
+    ('{"body": "a", "label": "x"}\n', r"data.text_column='text' is not a field .* \(fields: body, label\)"),
+])
+def test_jsonl_nested_value_and_bad_line_name_the_line(tmp_path, content, message):
     p = tmp_path / "d.jsonl"
-    p.write_text('{"text": "a", "label": "x"}\n{"text": "b", "label": ["x"]}\n')
-    with pytest.raises(DataError, match=r"data.label_column='label': line 2 holds a JSON list"):
-        read(str(p))
-    p.write_text('{"text": "a", "label": "x"}\n[1, 2]\n')
-    with pytest.raises(DataError, match=r"line 2 is a JSON list; each line must be an object"):
-        read(str(p))
-    p.write_text('{"text": "a", "label": "x"}\n{"text": oops}\n')
-    with pytest.raises(DataError, match=r"cannot parse line 2 as JSON"):
-        read(str(p))
-    p.write_text('{"body": "a", "label": "x"}\n')
-    with pytest.raises(DataError, match=r"data.text_column='text' is not a field .* \(fields: body, label\)"):
+    p.write_text(content)
+    with pytest.raises(DataError, match=message):
         read(str(p))
 
 
