@@ -133,6 +133,14 @@ def _pieces(tokenizer, msgs: list[dict], assistant_only: bool) -> list[tuple[str
     return pieces + [(full[done:], False)]
 
 
+def require_template(tokenizer) -> None:
+    """Raises DataError (one line) when the tokenizer has no chat template, which messages data needs."""
+    if not has_template(tokenizer):
+        raise DataError("the data is messages (role/content turns) but the tokenizer has no chat template: use a "
+                        "model whose tokenizer has one (e.g. packaged:SmolLM2-135M-Instruct) or prompt-completion "
+                        "data")
+
+
 def messages(tokenizer, msgs: list[dict], max_length: int, assistant_only: bool) -> dict | None:
     """One ``messages`` row as ``input_ids`` (list[int], at most ``max_length``), ``labels`` (list[int] as
     long: the ids, -100 outside the assistant turns under ``assistant_only``), ``prompt_length`` (int: the
@@ -152,10 +160,7 @@ def messages(tokenizer, msgs: list[dict], max_length: int, assistant_only: bool)
         DataError: the tokenizer has no chat template; the template does not render the conversation as
             its turns one after another (assistant turns cannot be found).
     """
-    if not has_template(tokenizer):
-        raise DataError("the data is messages (role/content turns) but the tokenizer has no chat template: use a "
-                        "model whose tokenizer has one (e.g. packaged:SmolLM2-135M-Instruct) or prompt-completion "
-                        "data")
+    require_template(tokenizer)
     ids, mask, last_start = [], [], 0
     for text, is_turn in _pieces(tokenizer, msgs, assistant_only):
         piece = _ids(tokenizer, text) if text else []

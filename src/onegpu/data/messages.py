@@ -39,8 +39,7 @@ class MessagesReader(InstructionReader):
         """As :meth:`InstructionReader.tokenize`. Raises DataError (before any row): ``data.max_length`` above
         the model's limit; a tokenizer without a chat template."""
         tokens.check_limit(tokenizer, cfg.data.max_length)
-        if not chat.has_template(tokenizer):
-            chat.messages(tokenizer, [], cfg.data.max_length, False)  # raises the one-line error
+        chat.require_template(tokenizer)
         return super().tokenize(dsd, tokenizer, cfg)
 
 
