@@ -146,6 +146,9 @@ class TrainConfig:
     torch_compile: bool = False           # torch.compile the model (inductor)
     torch_compile_mode: str | None = None  # default | reduce-overhead | max-autotune; null = torch's default
     cpu_allocator: str = "caching"        # CPU training: keep freed memory for the next step | system (glibc's)
+    # causal LM: the output layer and the loss only at target positions, in tiles (TRL's fused LM head);
+    # false = the whole (micro_batch, seq_len, vocab) logits
+    fused_lm_head: bool = True
 
     @property
     def mixed_precision(self) -> str:

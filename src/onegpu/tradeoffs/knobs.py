@@ -196,11 +196,20 @@ def packing(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
                     "packing (examples packed into rows of data.max_length; a step counts rows)")]
 
 
+def fused_lm_head(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
+    """The fused LM head the other way (causal LM only): the targets' logits in tiles, or the whole
+    ``(micro_batch, seq_len, vocab)`` logits; the same loss over the same targets, outside the equivalence key."""
+    if cfg.model.task != "causal-lm":
+        return f"causal LM only: model.task is {cfg.model.task}, whose output layer is one row per example"
+    return [_toggle("fused-lm-head", "fused_lm_head", "train.fused_lm_head", not cfg.train.fused_lm_head, SAME,
+                    "the fused LM head (logits only at target positions, in tiles)")]
+
+
 # The knob names (`--knobs` takes these), in the guide's order, and the function of each.
 KNOBS: dict[str, Callable[[Config, DeviceFacts], list[Variant] | str]] = {
     "split": split, "checkpointing": checkpointing, "precision": precision, "tf32": tf32,
     "optimizer": optimizer, "attention": attention, "compile": torch_compile, "allocator": allocator, "lora": lora,
-    "padding_free": padding_free, "packing": packing,
+    "padding_free": padding_free, "packing": packing, "fused_lm_head": fused_lm_head,
 }
 
 

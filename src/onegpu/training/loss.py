@@ -14,6 +14,7 @@ target and labels are counted over ``labels[..., 1:]`` (as in transformers' ``Fo
 from __future__ import annotations
 
 from onegpu.data.chat import IGNORE_INDEX  # the labels' mask value is data's (data makes the labels)
+from onegpu.training import lm_head
 
 
 def count_items(labels, task: str):
@@ -52,20 +53,24 @@ def causal_lm_loss(outputs, labels, num_items_in_batch=None):
     """Next-token cross-entropy summed over the micro-batch's target tokens, divided by the step's count.
 
     Args:
-        outputs: model output with ``logits`` ``(micro_batch, seq_len, vocab)``.
+        outputs: model output with ``logits`` ``(micro_batch, seq_len, vocab)``, or a model's
+            :class:`onegpu.training.lm_head.HiddenStates` (``train.fused_lm_head``: the same sum, over the
+            targets' logits only, :func:`onegpu.training.lm_head.target_nll`).
         labels: ``(micro_batch, seq_len)`` int64 token ids, unshifted, -100 at padding.
         num_items_in_batch: target tokens (``labels[..., 1:] != -100``) over all micro-batches of the
             optimizer step; None = this micro-batch's.
     Returns:
         0-dim float32 tensor: this micro-batch's share of the step's mean token loss.
     """
+    if num_items_in_batch is None:
+        num_items_in_batch = count_items(labels, "causal-lm")
+    if isinstance(outputs, lm_head.HiddenStates):  # train.fused_lm_head: the targets' logits only, in tiles
+        return lm_head.target_nll(outputs, labels) / num_items_in_batch
     import torch.nn.functional as F
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
     shift_logits = logits[..., :-1, :].float().reshape(-1, logits.shape[-1])
     shift_labels = labels[..., 1:].reshape(-1).to(shift_logits.device)
     total = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    if num_items_in_batch is None:
-        num_items_in_batch = count_items(labels, "causal-lm")
     return total / num_items_in_batch
 
 

@@ -22,7 +22,7 @@ from onegpu.equivalence import equivalence_key, run_config_hash
 from onegpu.errors import ConfigError
 from onegpu.measure import memory
 from onegpu.models import loader, lora
-from onegpu.training import autobatch, checkpointing, distributed, host_allocator, prepared
+from onegpu.training import autobatch, checkpointing, distributed, host_allocator, lm_head, prepared
 from onegpu.training.backends import base
 from onegpu.training.batches import flattened
 from onegpu.training.interrupt import GracefulStop
@@ -107,11 +107,13 @@ def build_model(cfg: Config, model_path: str | None, stats: dict, tokenizer=None
     config); ``stats``: needs ``labels`` (a classifier's classes); ``tokenizer``: None loads the model's
     (or prepare's, for a model built from config).
 
-    With ``model.lora`` the model is a ``peft.PeftModel`` (:func:`onegpu.models.lora.apply`).
+    With ``model.lora`` the model is a ``peft.PeftModel`` (:func:`onegpu.models.lora.apply`). A causal LM
+    with ``train.fused_lm_head`` returns hidden states in train mode (:func:`onegpu.training.lm_head.attach`).
     Raises:
         ModelError: ``train.gradient_checkpointing`` on a model that does not support it (or its
             ``gradient_checkpointing_blocks``, :func:`onegpu.training.checkpointing.check`); LoRA target
-            modules that match nothing.
+            modules that match nothing; ``train.fused_lm_head`` on a causal LM whose logits it would not
+            reproduce (:func:`onegpu.training.lm_head.check`).
     """
     from transformers import set_seed  # heavy: estimate and the launcher import this module too
     task = cfg.model.task
@@ -126,6 +128,9 @@ def build_model(cfg: Config, model_path: str | None, stats: dict, tokenizer=None
     checkpointing.check(model, cfg.train)
     if cfg.model.lora_adapters is not None:
         model = lora.apply(model, cfg.model.lora_adapters, task, cfg.train.gradient_checkpointing)
+    if task == "causal-lm" and cfg.train.fused_lm_head:
+        lm_head.check(model, f"model.name_or_path {cfg.model.name_or_path or 'null (built from config)'}")
+        lm_head.attach(model)
     return model, tokenizer
 
 

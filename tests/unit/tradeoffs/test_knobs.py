@@ -32,8 +32,8 @@ def test_plan_on_cpu_for_the_defaults():
                                          "-S", "train.gradient_accumulation_steps=1"]
     assert by["baseline"].set_args == []
     assert by["lora"].set_args == ["-S", "model.lora.r=8"]  # the dotted form a user types
-    # tf32: a no-op on CPU; padding-free and packing: causal LM only
-    assert [s.split(":")[0] for s in skipped] == ["tf32", "padding_free", "packing"]
+    # tf32: a no-op on CPU; padding-free, packing and the fused LM head: causal LM only
+    assert [s.split(":")[0] for s in skipped] == ["tf32", "padding_free", "packing", "fused_lm_head"]
 
 
 def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
@@ -43,7 +43,7 @@ def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
     assert "fp16" in names and "bf16" not in names  # a GPU without bf16
     assert "tf32" in names and "adamw_bnb_8bit" in names and "cpu-allocator-system" not in names
     # host memory is not the tensors' on a GPU
-    assert [s.split(":")[0] for s in skipped] == ["allocator", "padding_free", "packing"]
+    assert [s.split(":")[0] for s in skipped] == ["allocator", "padding_free", "packing", "fused_lm_head"]
 
 
 def test_plan_turns_off_what_is_on_and_splits_the_other_way():
@@ -155,3 +155,17 @@ def test_padding_free_and_packing_rows_only_for_a_causal_lm_and_their_keys():
                                                                                            "no-padding-free"]
     _, skipped = knobs.plan(_sft(packing=True), CPU, knobs=("padding_free", "packing"))
     assert [s.split(":")[0] for s in skipped] == ["padding_free"]
+
+
+def test_the_fused_lm_head_row_only_for_a_causal_lm_and_the_baselines_key():
+    """The fused LM head is the same training (the baseline's key), turned off when on (the default) and on
+    when off; a classifier gets no row, with the reason."""
+    _, skipped = knobs.plan(_cfg(), CPU, knobs=("fused_lm_head",))
+    assert len(skipped) == 1 and skipped[0].startswith("fused_lm_head: causal LM only")
+    base = _sft()
+    variants, _ = knobs.plan(base, CPU, knobs=("fused_lm_head",))
+    assert [(v.name, v.overrides, v.expect) for v in variants[1:]] == [
+        ("no-fused-lm-head", (("train.fused_lm_head", "false"),), knobs.SAME)]
+    off = config.from_container({**base.to_dict(), "train": {**base.to_dict()["train"], "fused_lm_head": False}})
+    assert equivalence_key(off, config.resolve(off), "fp") == equivalence_key(base, config.resolve(base), "fp")
+    assert _names(knobs.plan(off, CPU, knobs=("fused_lm_head",))[0]) == ["baseline", "fused-lm-head"]

@@ -269,8 +269,9 @@ def test_the_first_micro_batch_holds_one_row_for_each_example_padding_free():
 
 def _two_process_worker(rank: int, port: int, out_dir: str) -> None:
     """Rank ``rank`` of 2 gloo processes: 2 steps of 2 x 2 per process, padding-free, completion-only, on
-    each backend in turn (one process group: a pair of spawned processes costs more than the trainings).
-    Writes ``rank<r>.json``: ``{backend: the steps' step, loss, grad_norm, targets, samples}``."""
+    each backend in turn, whole logits then the fused LM head (one process group: a pair of spawned
+    processes costs more than the trainings). Writes ``rank<r>.json``: ``{"<backend>[ fused]": the steps'
+    step, loss, grad_norm, targets, samples}``."""
     import os
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -279,25 +280,31 @@ def _two_process_worker(rank: int, port: int, out_dir: str) -> None:
     from onegpu.training import distributed
     from onegpu.training.backends import base
     distributed.TIMEOUT_S = 60
+    from onegpu.training import lm_head
     out = {}
-    for backend in ("trainer", "accelerate"):
+    for backend, fused in (("trainer", False), ("accelerate", False), ("trainer", True), ("accelerate", True)):
         cfg = config(backend, 2, 2, padding_free=True, num_processes=2)
+        model = tiny_llama()
+        if fused:
+            lm_head.attach(model)
         _, steps = importlib.import_module(base.REGISTRY[backend]).train(
-            base.TrainRequest(tiny_llama(), tokenizer(), dataset(), cfg, sink=lambda m, s: None))
-        out[backend] = [{k: r[k] for k in ("step", "loss", "grad_norm", "targets", "samples")} for r in steps.rows]
+            base.TrainRequest(model, tokenizer(), dataset(), cfg, sink=lambda m, s: None))
+        out[backend + " fused" * fused] = [{k: r[k] for k in ("step", "loss", "grad_norm", "targets", "samples")}
+                                           for r in steps.rows]
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(out, f)
 
 
 @pytest.mark.slow
 def test_two_processes_take_the_one_process_steps_on_both_backends(tmp_path):
-    """2 gloo processes x 2 x 2 (padding-free) = 1 process 2 x 4, on each backend: the step's completion
-    tokens are summed over the processes before each divides (trl PR #3538's bug: per-device means)."""
+    """2 gloo processes x 2 x 2 (padding-free) = 1 process 2 x 4, on each backend, with the whole logits and
+    with the fused LM head (:mod:`onegpu.training.lm_head`): the step's completion tokens are summed over the
+    processes before each divides (trl PR #3538's bug: per-device means)."""
     from tests.unit.training import test_distributed as td
     ranks = td._spawn(_two_process_worker, tmp_path)
-    for backend in ("trainer", "accelerate"):
+    for backend in ("trainer", "accelerate", "trainer fused", "accelerate fused"):
         assert ranks[0][backend] == ranks[1][backend], backend  # every rank logs the whole step
-        assert_same_steps(ranks[0][backend], train(backend, 2, 4, True))
+        assert_same_steps(ranks[0][backend], train(backend.split()[0], 2, 4, True))
 
 
 def _lora_run(checkpointing: bool, reentrant: bool = False, bf16: bool = False) -> tuple:

@@ -1,0 +1,150 @@
+"""The fused LM head (``train.fused_lm_head``) is the same training as the whole logits: per optimizer step,
+loss and grad_norm within 1e-5 relative (fp32) on both backends, accumulation splits, padding-free,
+packing, LoRA with activation checkpointing; bf16 within bf16's tolerance (2 processes: test_batches'
+two-process test). It reproduces each kind of output layer (tied or not, a logit scale, a soft-cap) or
+refuses the model in one line, and keeps no ``(positions x vocab)`` logits for backward.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onegpu.errors import ModelError  # noqa: E402
+from onegpu.training import lm_head  # noqa: E402
+from tests.unit.training import test_batches as tb  # noqa: E402
+
+
+@functools.cache
+def _steps(backend: str, micro: int, accum: int, fused: bool, flat: str = "", lora: bool = False,
+           checkpointing: bool = False, bf16: bool = False) -> tuple:
+    """The steps of a tiny Llama run (tb's data and config); ``flat``: "" | padding_free | packing."""
+    from accelerate.state import AcceleratorState
+
+    from onegpu.config import LoraConfig
+    from onegpu.models import lora as lora_mod
+    from onegpu.training.backends import base
+    extra = {"gradient_checkpointing": checkpointing, "bf16": bf16}
+    cfg = tb.config(backend, micro, accum, padding_free=flat == "padding_free", **extra)
+    cfg.data.packing = flat == "packing"
+    model = tb.tiny_llama()
+    if lora:
+        torch.manual_seed(1)
+        model = lora_mod.apply(model, LoraConfig(r=4, alpha=8.0), "causal-lm", checkpointing)
+    if fused:
+        lm_head.check(model, "tiny")
+        lm_head.attach(model)
+    AcceleratorState._reset_state(True)  # Accelerate keeps one mixed-precision setting per process
+    try:
+        _, steps = importlib.import_module(base.REGISTRY[backend]).train(
+            base.TrainRequest(model, tb.tokenizer(), tb.dataset(), cfg, sink=lambda m, s: None))
+    finally:
+        AcceleratorState._reset_state(True)
+    return tuple(steps.rows)
+
+
+@pytest.mark.parametrize("backend,micro,accum,flat", [
+    ("accelerate", 2, 4, ""), ("trainer", 2, 4, ""), ("accelerate", 8, 1, ""), ("trainer", 4, 2, "padding_free"),
+    ("accelerate", 2, 4, "padding_free"), ("accelerate", 2, 2, "packing"), ("trainer", 2, 2, "packing")])
+def test_the_fused_head_takes_the_whole_logits_steps(backend, micro, accum, flat):
+    tb.assert_same_steps(_steps(backend, micro, accum, True, flat), _steps(backend, micro, accum, False, flat))
+
+
+def test_the_fused_head_under_lora_and_checkpointing_takes_the_whole_logits_steps():
+    fused = _steps("accelerate", 2, 2, True, "padding_free", lora=True, checkpointing=True)
+    tb.assert_same_steps(fused, _steps("accelerate", 2, 2, False, "padding_free", lora=True))
+
+
+def test_the_fused_head_under_bf16_autocast_is_within_bf16_tolerance():
+    fused = _steps("accelerate", 2, 2, True, "padding_free", bf16=True)
+    whole = _steps("accelerate", 2, 2, False, "padding_free", bf16=True)
+    assert [r["targets"] for r in fused] == [r["targets"] for r in whole]
+    assert [r["loss"] for r in fused] == pytest.approx([r["loss"] for r in whole], rel=1e-2)
+
+
+def _kind(name: str):
+    """A tiny causal LM of each kind of output layer, built from config (vocab 300, hidden 32)."""
+    import transformers as tf
+    small = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, head_dim=8)
+    kinds = {
+        "gpt2-tied": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(
+            vocab_size=300, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "llama-untied": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**small, tie_word_embeddings=False)),
+        "gemma2-softcap": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**small, final_logit_softcapping=0.5,
+                                                                       attn_implementation="eager")),
+        "granite-logits-scaling": lambda: tf.GraniteForCausalLM(tf.GraniteConfig(**small, logits_scaling=4.0)),
+        "cohere-logit-scale": lambda: tf.CohereForCausalLM(tf.CohereConfig(**small, logit_scale=0.25)),
+    }
+    torch.manual_seed(0)
+    return kinds[name]()
+
+
+@pytest.mark.parametrize("name", ["gpt2-tied", "llama-untied", "gemma2-softcap", "granite-logits-scaling",
+                                  "cohere-logit-scale"])
+def test_each_kind_of_output_layer_gives_the_whole_logits_loss_and_gradients(name):
+    """The summed next-token loss and every parameter's gradient equal the whole logits' within 1e-5."""
+    from onegpu.training.loss import causal_lm_loss
+    model = _kind(name).train()
+    ids = torch.randint(0, 300, (3, 12), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :7] = -100  # a prompt
+    labels[2, 9:] = -100  # padding
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = causal_lm_loss(model(input_ids=ids), labels)
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    whole, whole_grads = loss_and_grads()
+    lm_head.check(model, name)
+    lm_head.attach(model)
+    assert isinstance(model(input_ids=ids), lm_head.HiddenStates)
+    fused, fused_grads = loss_and_grads()
+    assert fused == pytest.approx(whole, rel=1e-5)
+    for n, g in whole_grads.items():
+        torch.testing.assert_close(fused_grads[n], g, rtol=1e-4, atol=1e-6, msg=n)
+    assert model.eval()(input_ids=ids).logits.shape == (3, 12, 300)  # eval mode: the model's own forward
+
+
+def test_a_transform_the_config_does_not_name_is_refused():
+    import transformers as tf
+
+    class Doubled(tf.LlamaForCausalLM):  # a logit multiplier under a name no config key gives
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+    torch.manual_seed(0)
+    model = Doubled(tf.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ModelError, match=r"^doubled \(llama\): its logits are not its output layer's .*"
+                                         r"set train.fused_lm_head: false"):
+        lm_head.check(model, "doubled")
+
+
+def test_a_lora_adapted_output_layer_is_refused():
+    from onegpu.config import LoraConfig
+    from onegpu.models import lora
+    model = lora.apply(_kind("llama-untied"), LoraConfig(r=2, target_modules=["lm_head"]), "causal-lm", False)
+    with pytest.raises(ModelError, match=r"its output layer is .*not a plain Linear.*fused_lm_head: false"):
+        lm_head.check(model, "lora-head")
+
+
+def test_backward_keeps_no_logits_sized_tensor():
+    """Bytes saved for backward by one micro-batch of 3 x 12 tokens, 30 targets, vocab 300: the whole
+    logits path keeps its float32 log-softmax (3 x 11 x 300 x 4 bytes at least); the fused one nothing of
+    a vocab-sized width (gathered hidden states, a log-sum-exp per target)."""
+    from onegpu.measure import memory
+    from onegpu.training.loss import causal_lm_loss
+    model = _kind("llama-untied")
+    ids = torch.randint(0, 300, (3, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    whole = memory.saved_bytes(model, batch, causal_lm_loss)["activations"]
+    lm_head.attach(model)
+    fused = memory.saved_bytes(model, batch, causal_lm_loss)["activations"]
+    assert whole - fused >= 3 * 11 * 300 * 4
