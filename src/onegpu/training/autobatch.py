@@ -235,14 +235,33 @@ def estimate(model, dataset, collator, loss_fn, micro_batches: list[int], optim:
     enable_checkpointing(model)
     ckpt = activation_line(model, dataset, collator, loss_fn, device, mixed_precision)
     weights = ckpt[3] if checkpointing else plain[3]
-    per_row = logits_bytes(model, plain[2], mixed_precision)
+    logits = logits_term(model, _batch(dataset, collator, longest_rows(dataset, 1), device), mixed_precision, device)
     rows = []
     for m in micro_batches:
         a, c = plain[0] + plain[1] * m, ckpt[0] + ckpt[1] * m
         rows.append({"micro_batch": m, "activations": int(a), "activations_checkpointed": int(c),
-                     "logits": per_row * m,
-                     "total": int(sum(states.values()) + weights + (c if checkpointing else a) + per_row * m)})
+                     "logits": logits(m),
+                     "total": int(sum(states.values()) + weights + (c if checkpointing else a) + logits(m))})
     return {"states": states, "autocast_weights": int(weights), "length": plain[2], "rows": rows}
+
+
+def logits_term(model, probe: dict, mixed_precision: str = "no", device: str = "cpu"):
+    """``m -> bytes``: the output layer's and the loss's memory beyond the saved activations for a
+    micro-batch of ``m`` rows like ``probe`` (one collated row, the longest). The whole logits grow with
+    the rows (:func:`logits_bytes`); under ``train.fused_lm_head`` (:func:`onegpu.training.lm_head.attached`)
+    the tiles' temporaries for the targets of ``m`` such rows (:func:`onegpu.training.lm_head.transient_bytes`;
+    the gathered hidden states it saves are in the activations already)."""
+    from onegpu.training import lm_head
+    from onegpu.training.loss import count_items
+    if not lm_head.attached(model):
+        per_row = logits_bytes(model, int(probe["input_ids"].shape[-1]), mixed_precision)
+        return lambda m: per_row * m
+    head = model.get_output_embeddings()
+    vocab, hidden = head.weight.shape
+    targets = int(count_items(probe["labels"], "causal-lm"))
+    compute = 4 if mixed_precision == "no" else 2
+    return lambda m: lm_head.transient_bytes(targets * m, vocab, hidden, compute, head.weight.requires_grad,
+                                             str(device).startswith("cuda"))
 
 
 def logits_bytes(model, length: int, mixed_precision: str = "no") -> int:
@@ -270,7 +289,7 @@ def format_estimate(est: dict, budget: int | None, checkpointing: bool) -> str:
                "whatever the micro-batch)" if copies else "")
             + f"; activations at padded length {est['length']} "
             f"(checkpointing {'on' if checkpointing else 'off'} in params)")
-    columns = ["micro-batch", "activations (MiB)", "with checkpointing (MiB)", "logits and their fp32 copy (MiB)",
+    columns = ["micro-batch", "activations (MiB)", "with checkpointing (MiB)", "logits and the loss (MiB)",
                "total as configured (MiB)"]
     fitting = [r["micro_batch"] for r in est["rows"] if budget is not None and r["total"] <= budget * SAFETY]
     rows = [[r["micro_batch"], mib(r["activations"], unit=False), mib(r["activations_checkpointed"], unit=False),

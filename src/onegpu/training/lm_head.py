@@ -24,6 +24,11 @@ from onegpu.errors import ModelError
 # Vocabulary columns per tile (TRL's default is 32,768; a smaller tile bounds the CPU fallback's float32
 # temporaries, several per tile, at 4,096 x 8,192 x 4 bytes = 128 MiB each).
 VOCAB_PER_TILE = 8192
+# Target positions per tile: TRL's kernel's own (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE).
+TOKENS_PER_TILE = 4096
+# Tile-sized float32 temporaries alive at once in the CPU fallback's backward tile (trl's _backward_tile:
+# the recomputed logits, their transform, log-probabilities, probabilities, the one-hot and the gradient).
+CPU_TILE_TEMPORARIES = 8
 # Largest |difference| of :func:`check`'s logits from the model's own, relative to their largest magnitude.
 CHECK_REL = 1e-4
 
@@ -74,9 +79,9 @@ def attach(model) -> None:
     Idempotent. Call :func:`check` first for a model you did not build: it refuses an output layer this
     path would not reproduce.
     """
-    inner = _inner(model)
-    if getattr(inner, "_onegpu_full_forward", None) is not None:
+    if attached(model):
         return
+    inner = _inner(model)
     inner._onegpu_full_forward = inner.forward
     inner.forward = types.MethodType(_forward, inner)
 
@@ -135,3 +140,24 @@ def target_nll(outputs: HiddenStates, labels):
     log_probs = ChunkedLogProbFunction.apply(hidden[mask], head.weight, head.bias, targets[mask], 1.0,
                                              VOCAB_PER_TILE, softcap, scale, ("log_probs",))[0]
     return -log_probs.sum()
+
+
+def transient_bytes(targets: int, vocab: int, hidden: int, compute_bytes: int, head_trains: bool,
+                    cuda: bool) -> int:
+    """Bytes :func:`target_nll` allocates beyond what it saves for backward, at its peak (the backward of
+    its largest tile), for ``targets`` target positions.
+
+    A tile of ``min(targets, TOKENS_PER_TILE) x min(vocab, VOCAB_PER_TILE)`` logits in the compute dtype
+    (``compute_bytes``: 2 under bf16/fp16 autocast, else 4); on a CPU, ``CPU_TILE_TEMPORARIES`` float32
+    temporaries of that size too (on CUDA, TRL's Triton kernels work in the tile itself); the float32
+    gradient of the gathered hidden states (``targets x hidden``) and, when the output layer trains
+    (``head_trains``; a tied embedding too), a float32 gradient of its weight (``vocab x hidden``).
+    """
+    tile = min(targets, TOKENS_PER_TILE) * min(vocab, VOCAB_PER_TILE)
+    per_element = compute_bytes + (0 if cuda else 4 * CPU_TILE_TEMPORARIES)
+    return int(tile * per_element + 4 * targets * hidden + (4 * vocab * hidden if head_trains else 0))
+
+
+def attached(model) -> bool:
+    """Whether :func:`attach` patched ``model`` (or the model inside its PEFT wrapper)."""
+    return getattr(_inner(model), "_onegpu_full_forward", None) is not None
