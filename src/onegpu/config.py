@@ -149,6 +149,7 @@ class TrainConfig:
     # causal LM: the output layer and the loss only at target positions, in tiles (TRL's fused LM head);
     # false = the whole (micro_batch, seq_len, vocab) logits
     fused_lm_head: bool = True
+    activation_offloading: bool = False   # saved activations to pinned host memory and back (TRL's name; CUDA)
 
     @property
     def mixed_precision(self) -> str:
@@ -566,6 +567,9 @@ DEVICE_CHECKS: tuple[tuple[str, Callable[[Config, DeviceFacts], bool], str], ...
      "flash_attention_2 needs the flash_attn package, which is not installed; use sdpa, eager or null"),
     ("model.attn_implementation", lambda c, f: c.model.attn_implementation == "flash_attention_2" and not f.cuda,
      f"flash_attention_2 {_NO_GPU}; use sdpa, eager or null"),
+    ("train.activation_offloading", lambda c, f: c.train.activation_offloading and not f.cuda,
+     f"activation offloading moves saved activations from the GPU to host memory and {_NO_GPU} (on a CPU they "
+     "are in host memory already); set train.activation_offloading: false"),
     # TF32 is a CUDA matmul mode: a no-op on a CPU (fp32 there), so it passes without CUDA.
     ("train.tf32", lambda c, f: c.train.tf32 and f.cuda and not f.tf32,
      "{f.name} has no TF32 (needs an Ampere or newer GPU); set train.tf32: false"),

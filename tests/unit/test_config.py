@@ -402,6 +402,8 @@ GPU = config.DeviceFacts(cuda=True, gpus=2, name="NVIDIA T4", bf16=False, tf32=F
     ({}, {"attn_implementation": "flash_attention_2"}, config.DeviceFacts(packages=frozenset({"flash_attn"})),
      "model.attn_implementation", "flash_attention_2 needs a CUDA GPU"),
     ({"tf32": True}, {}, GPU, "train.tf32", "NVIDIA T4 has no TF32 (needs an Ampere or newer GPU)"),
+    ({"activation_offloading": True}, {}, CPU, "train.activation_offloading",
+     "moves saved activations from the GPU to host memory and needs a CUDA GPU"),
 ])
 def test_a_combination_the_device_cannot_run_is_one_line_naming_the_key(train, model, facts, key, words):
     cfg = config.from_container({"train": train, "model": model}, source="test")
@@ -416,6 +418,7 @@ def test_a_combination_the_device_cannot_run_is_one_line_naming_the_key(train, m
     ({"tf32": True}, {}, CPU),  # TF32 is a no-op on a CPU
     ({"bf16": True}, {}, CPU),  # CPU autocast
     ({"num_processes": 2, "fp16": True}, {}, GPU),
+    ({"activation_offloading": True}, {}, GPU),
     ({"optim": "adamw_bnb_8bit"}, {"attn_implementation": "flash_attention_2"},
      config.DeviceFacts(cuda=True, gpus=1, packages=frozenset({"bitsandbytes", "flash_attn"}))),
 ])

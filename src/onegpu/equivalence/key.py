@@ -69,6 +69,7 @@ NOT_IN_EQUIVALENCE_KEY = {
     "train.torch_compile_mode": "how torch.compile tunes its kernels, not what they compute",
     "train.dataloader_pin_memory": "where host batches live before the copy to the device, not their values",
     "train.torch_empty_cache_steps": "returns cached allocator blocks to the device; no arithmetic changes",
+    "train.activation_offloading": "moves the tensors saved for backward to host memory and back; the same values",
     "train.fused_lm_head": "the same next-token loss summed over the same targets, their logits computed in tiles "
                            "instead of all positions' at once (other summation order)",
     "train.cpu_allocator": "whether freed host memory stays in the process or goes back to the kernel; "

@@ -28,7 +28,7 @@ from functools import partial
 
 from onegpu.config import Config
 from onegpu.measure import memory
-from onegpu.training import checkpointing, distributed, oom
+from onegpu.training import activation_offloading, checkpointing, distributed, oom
 from onegpu.training.backends.base import TrainRequest
 from onegpu.training.batches import probe_batch, train_collator, train_set
 from onegpu.training.interrupt import Interrupted
@@ -99,14 +99,15 @@ def schedule(len_dataloader: int, cfg: Config) -> tuple[int, int, int]:
 
 
 def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, loss_fn, pieces: int,
-                      oom_injector, step: int):
+                      oom_injector, step: int, offload=None):
     """Forward and backward over one optimizer step's micro-batches, each cut into ``pieces`` pieces.
 
     Returns this rank's share of the step's loss (a 0-d tensor on the device, not synced): the sum of
     the pieces' losses, each already divided by the step's item count over all ranks ``num_items``.
     Gradients are all-reduced (under DDP) only after the last piece (``accelerator.no_sync`` before);
     each piece's backward is scaled by the number of processes, since DDP averages the ranks' gradients
-    where the step's loss sums them. ``labels`` stay in the inputs.
+    where the step's loss sums them. ``labels`` stay in the inputs. ``offload``: the context each piece's
+    forward and backward run in (:func:`onegpu.training.activation_offloading.context`; None: none).
     Raises:
         torch.OutOfMemoryError: a piece did not fit (or ``oom_injector`` said so).
     """
@@ -114,12 +115,13 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
     parts = [p for inputs in micro_batches for p in oom.cut(inputs, pieces)]
     step_loss = torch.zeros((), device=accelerator.device)
     scale = accelerator.num_processes
+    offload = offload or contextlib.nullcontext()
     for i, piece in enumerate(parts):
         last = i == len(parts) - 1
         accelerator.sync_gradients = last  # as Trainer sets it; the optimizer steps only when True
         oom.injected(oom_injector, step, piece)
         features = {k: v for k, v in piece.items() if k != "labels"}
-        with contextlib.nullcontext() if last else accelerator.no_sync(model):
+        with contextlib.nullcontext() if last else accelerator.no_sync(model), offload:
             loss = loss_fn(model(**features), piece["labels"], num_items)  # this piece's share of the mean
             accelerator.backward(loss * scale if scale > 1 else loss)  # Accelerate's accumulation count is 1
         step_loss += loss.detach()
@@ -140,6 +142,7 @@ class _Loop:
     steps_per_epoch: int
     epochs: int
     plateau: bool
+    offload: object  # the forward/backward context of train.activation_offloading
 
 
 def _build(req: TrainRequest) -> _Loop:
@@ -197,7 +200,7 @@ def _build(req: TrainRequest) -> _Loop:
                               num_training_steps=total_steps)
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)  # stepped by eval only
     return _Loop(accelerator, model, optimizer, scheduler, loader, rows, collator, total_steps,
-                 steps_per_epoch, epochs, plateau)
+                 steps_per_epoch, epochs, plateau, activation_offloading.context(model, t.activation_offloading))
 
 
 def _plain(lp: _Loop):
@@ -289,7 +292,7 @@ def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> No
             while True:  # more than once only after an out-of-memory error (train.oom_retry)
                 try:
                     step_loss = _forward_backward(lp.accelerator, lp.model, micro_batches, num_items, loss_fn,
-                                                  pieces, req.oom_injector, step + 1)
+                                                  pieces, req.oom_injector, step + 1, lp.offload)
                     break
                 except torch.OutOfMemoryError as e:
                     rows = max(oom.rows(b) for b in micro_batches)

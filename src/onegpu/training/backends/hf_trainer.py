@@ -17,7 +17,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from onegpu.config import Config
 from onegpu.measure import memory
-from onegpu.training import checkpointing, distributed, oom
+from onegpu.training import activation_offloading as offloading, checkpointing, distributed, oom
 from onegpu.training.backends.base import TrainRequest
 from onegpu.training.batches import probe_batch, train_collator, train_set
 from onegpu.training.loss import count_items, loss_for
@@ -112,8 +112,10 @@ class ExactLossTrainer(Trainer):
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, task: str = "sequence-classification", counter: BatchCounter | None = None,
-                 oom_retry: bool = False, oom_injector=None, **kwargs):
+                 oom_retry: bool = False, oom_injector=None, activation_offloading: bool = False, **kwargs):
         super().__init__(*args, compute_loss_func=loss_for(task), **kwargs)
+        # train.activation_offloading: each micro-batch's forward and backward in it, as SFTTrainer does
+        self.offload = offloading.context(self.model, activation_offloading)
         self.task = task
         self.counter = counter
         self.oom_retry = oom_retry
@@ -160,13 +162,14 @@ class ExactLossTrainer(Trainer):
         self._step_inputs.append(inputs)
         while True:
             try:
-                return self._pieces_step(model, inputs, num_items_in_batch)
+                with self.offload:
+                    return self._pieces_step(model, inputs, num_items_in_batch)
             except torch.OutOfMemoryError as e:
                 self._recover(model, inputs, e)
                 try:
                     counter, self.counter = self.counter, None  # earlier pieces were counted already
                     for past in self._step_inputs[:-1]:
-                        with self._no_sync(model):  # as when they first ran: they only accumulate
+                        with self._no_sync(model), self.offload:  # as when they first ran: they only accumulate
                             self._pieces_step(model, past, num_items_in_batch)
                 finally:
                     self.counter = counter
@@ -312,7 +315,8 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     collator = train_collator(cfg, req.tokenizer)
     trainer = ExactLossTrainer(
         model=req.model, args=args, train_dataset=train_ds, data_collator=collator, processing_class=req.tokenizer,
-        counter=counter, task=task, oom_retry=t.oom_retry, oom_injector=req.oom_injector)
+        counter=counter, task=task, oom_retry=t.oom_retry, oom_injector=req.oom_injector,
+        activation_offloading=t.activation_offloading)
     steps = StepRecorder(req.sink, args.device, counter)
     steps.events = trainer.oom_events
     if resume is not None:
