@@ -67,6 +67,8 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     print(f"memory estimate for {type(model).__name__}, precision {precision}, attention "
           f"{loader.attention_kernel(model)}, optimizer {cfg.train.optim}{lora_note}, rows from {where}:")
     print(autobatch.format_estimate(est, budget, cfg.train.gradient_checkpointing))
+    if cfg.train.activation_offloading:
+        print(autobatch.offloading_line(est, cfg.train.gradient_checkpointing))
     print(f"({time.perf_counter() - start:.1f} s; CUDA adds its context and allocator slack, the CPU process "
           "its libraries: compare with mem_activation_bytes, not peak RSS)")
     if cfg.train.num_processes > 1:

@@ -205,11 +205,20 @@ def fused_lm_head(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
                     "the fused LM head (logits only at target positions, in tiles)")]
 
 
+def activation_offloading(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
+    """Activation offloading the other way (CUDA only): the saved activations in host memory; the same values."""
+    if not facts.cuda:
+        return "CUDA only (on a CPU the activations are in host memory already)"
+    return [_toggle("offloading", "activation_offloading", "train.activation_offloading",
+                    not cfg.train.activation_offloading, SAME, "activation offloading to host memory")]
+
+
 # The knob names (`--knobs` takes these), in the guide's order, and the function of each.
 KNOBS: dict[str, Callable[[Config, DeviceFacts], list[Variant] | str]] = {
     "split": split, "checkpointing": checkpointing, "precision": precision, "tf32": tf32,
     "optimizer": optimizer, "attention": attention, "compile": torch_compile, "allocator": allocator, "lora": lora,
     "padding_free": padding_free, "packing": packing, "fused_lm_head": fused_lm_head,
+    "activation_offloading": activation_offloading,
 }
 
 

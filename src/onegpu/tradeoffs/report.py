@@ -29,6 +29,7 @@ GUIDE = {
     "lora": "PEFT: no / yes",
     "padding_free": "not in the guide (TRL's padding_free: no compute or memory on padding)",
     "packing": "not in the guide (TRL's packing: no padding, other examples per step)",
+    "activation_offloading": "not in the guide (TRL's activation_offloading: device memory for PCIe traffic)",
     "fused_lm_head": "not in the guide (TRL's fused LM head, Liger's fused linear cross-entropy: no whole logits)",
 }
 

@@ -279,6 +279,16 @@ def logits_bytes(model, length: int, mixed_precision: str = "no") -> int:
     return int(length * weight.shape[0] * (own + 4 + 4))
 
 
+def offloading_line(est: dict, checkpointing: bool) -> str:
+    """What ``train.activation_offloading`` saves on the device, per micro-batch of the estimate: its
+    activations (as configured: checkpointed or not) move to pinned host memory during each step; the
+    device keeps the few in flight (TRL's context holds at most 5) and everything else in the total."""
+    key = "activations_checkpointed" if checkpointing else "activations"
+    saved = ", ".join(f"{mib(r[key])} at {r['micro_batch']}" for r in est["rows"])
+    return (f"train.activation_offloading: the activations move to pinned host memory during each step, so the "
+            f"device needs about that much less than the total: {saved} (PCIe traffic instead; CUDA only)")
+
+
 def format_estimate(est: dict, budget: int | None, checkpointing: bool) -> str:
     """The estimate as a Markdown table, with the largest micro-batch that fits ``budget`` (bytes)."""
     s = est["states"]

@@ -33,7 +33,8 @@ def test_plan_on_cpu_for_the_defaults():
     assert by["baseline"].set_args == []
     assert by["lora"].set_args == ["-S", "model.lora.r=8"]  # the dotted form a user types
     # tf32: a no-op on CPU; padding-free, packing and the fused LM head: causal LM only
-    assert [s.split(":")[0] for s in skipped] == ["tf32", "padding_free", "packing", "fused_lm_head"]
+    assert [s.split(":")[0] for s in skipped] == ["tf32", "padding_free", "packing", "fused_lm_head",
+                                                  "activation_offloading"]
 
 
 def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
@@ -42,6 +43,7 @@ def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
     names = _names(variants)
     assert "fp16" in names and "bf16" not in names  # a GPU without bf16
     assert "tf32" in names and "adamw_bnb_8bit" in names and "cpu-allocator-system" not in names
+    assert "offloading" in names and next(v for v in variants if v.name == "offloading").expect == knobs.SAME
     # host memory is not the tensors' on a GPU
     assert [s.split(":")[0] for s in skipped] == ["allocator", "padding_free", "packing", "fused_lm_head"]
 

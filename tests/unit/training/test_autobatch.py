@@ -185,3 +185,12 @@ def test_finder_probes_under_the_trainings_bf16_autocast(tokenizer, dsd):
     assert micro == 16 and probes[-1].peak_bytes == states + bf16, probes
     assert autobatch.find_micro_batch(model, ds, collator, classification_loss, 32, budget,
                                       "adamw_torch", "cpu")[0] == 8
+
+
+def test_the_offloading_line_names_the_activations_each_micro_batch_moves_off_the_device():
+    est = {"rows": [{"micro_batch": 2, "activations": 3 * 2**20, "activations_checkpointed": 2**20},
+                    {"micro_batch": 4, "activations": 6 * 2**20, "activations_checkpointed": 2 * 2**20}]}
+    line = autobatch.offloading_line(est, checkpointing=False)
+    assert line.startswith("train.activation_offloading: the activations move to pinned host memory")
+    assert "3 MiB at 2, 6 MiB at 4" in line
+    assert "1 MiB at 2, 2 MiB at 4" in autobatch.offloading_line(est, checkpointing=True)
