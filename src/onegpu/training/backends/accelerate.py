@@ -58,8 +58,10 @@ def make_optimizer(model, cfg: Config):
     """The optimizer ``train.optim`` names, with Trainer's defaults for it.
 
     Source: ``transformers/trainer_optimizer.py`` (``_get_adamw_torch``, ``_get_sgd``, ``_get_adagrad``,
-    ``_get_rmsprop``, ``_get_adafactor``, ``_get_bitsandbytes_optimizer``) with ``TrainingArguments``' defaults:
-    AdamW betas (0.9, 0.999), eps 1e-8; the others take torch's defaults and only ``lr``.
+    ``_get_rmsprop``, ``_get_adafactor``, ``_get_bitsandbytes_optimizer``, ``_get_torchao_optimizer``) with
+    ``TrainingArguments``' defaults: AdamW betas (0.9, 0.999), eps 1e-8 (torchao's AdamW8bit/AdamW4bit also
+    ``block_size=256``, Trainer's default for both, where AdamW4bit's own is 128, and no bf16 stochastic
+    rounding); the others take torch's defaults and only ``lr``.
     """
     import torch
     t = cfg.train
@@ -80,6 +82,11 @@ def make_optimizer(model, cfg: Config):
         import bitsandbytes as bnb
         return bnb.optim.AdamW(groups, lr=t.learning_rate, betas=(0.9, 0.999), eps=1e-8, optim_bits=8,
                                is_paged=False)
+    if t.optim in ("adamw_torch_8bit", "adamw_torch_4bit"):  # _get_torchao_optimizer: block_size 256 for both
+        from torchao.optim import AdamW4bit, AdamW8bit
+        cls = AdamW8bit if t.optim == "adamw_torch_8bit" else AdamW4bit
+        return cls(groups, lr=t.learning_rate, betas=(0.9, 0.999), eps=1e-8, block_size=256,
+                   bf16_stochastic_round=False)
     raise ValueError(f"train.optim={t.optim!r} is not supported by the accelerate backend")
 
 
