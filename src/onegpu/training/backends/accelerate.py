@@ -33,7 +33,7 @@ from onegpu.training.backends.base import TrainRequest
 from onegpu.training.batches import probe_batch, train_collator, train_set
 from onegpu.training.interrupt import Interrupted
 from onegpu.training.loss import count_items, loss_for
-from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
+from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
 from onegpu.training.resume import load_loop_state, load_rng, save_loop_state
 
 # Parameter names that get no weight decay: Trainer.get_decay_parameter_names (transformers/trainer.py).
@@ -260,6 +260,8 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
           f"accelerate: {lp.total_steps} optimizer steps of {micro * accum * world} examples "
           f"({micro} x {accum}{procs}), {len(lp.train_set)} examples, {lp.epochs} epoch(s), {lp.accelerator.device}, "
           f"mixed precision {lp.accelerator.mixed_precision}")
+    if note := first_step_note(t.optim):
+        distributed.print_main(note)
     start = 0
     if resume is not None:  # weights, optimizer, scheduler; the data position and RNG in _run
         load_loop_state(resume.path, _plain(lp), lp.optimizer, lp.scheduler)
