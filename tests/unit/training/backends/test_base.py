@@ -170,6 +170,33 @@ def test_accelerate_stop_and_resume_gives_the_uninterrupted_losses_and_weights(t
     assert max(float((v - want[k]).abs().max()) for k, v in model.state_dict().items()) <= 1e-6
 
 
+@pytest.mark.slow  # three trainings per backend: ~10 s each
+@pytest.mark.parametrize("backend", ["trainer", "accelerate"])
+def test_low_bit_adamw_stop_and_resume_gives_the_uninterrupted_losses(backend, tmp_path, monkeypatch):
+    """torchao's quantised states (tensor subclasses) go into the checkpoint and come back: stopped after
+    step 2 (accelerate) or 3 (Trainer) of 5 and resumed, the 8-bit AdamW run has the uninterrupted run's
+    losses exactly (eager step)."""
+    pytest.importorskip("torchao")
+    import importlib
+
+    from onegpu.training.backends import base
+    monkeypatch.chdir(tmp_path)
+    module = importlib.import_module(base.REGISTRY[backend])
+    cfg = from_container({"model": {"dropout": 0.0},
+                          "train": {"backend": backend, "per_device_train_batch_size": 4, "optim": "adamw_torch_8bit",
+                                    "gradient_accumulation_steps": 2, "max_steps": 5, "logging_steps": 100}})
+
+    def train(sink, **kw):
+        return module.train(TrainRequest(tiny_bert(None, 128), tokenizer(), dataset(24), cfg, sink, **kw))
+    ref, rest = [], []
+    with torch.compiler.set_stance("force_eager"):
+        train(lambda m, s: ref.append(m["loss"]))
+        first, resume = interrupt_at_step_2(train, tmp_path / "ckpt")
+        assert resume is not None and resume.step == (2 if backend == "accelerate" else 3)  # Trainer: one later
+        train(lambda m, s: rest.append(m["loss"]), checkpoint_dir=tmp_path / "ckpt", resume=resume)
+    assert first + rest == ref and len(ref) == 5
+
+
 def test_trainer_backend_leaves_no_scratch_folders(tmp_path, monkeypatch):
     """Training without a checkpoint folder needs a Trainer output_dir: it is temporary and removed (it was
     left in /tmp, one per training run); evaluation's prediction needs none (it has no Trainer)."""
