@@ -42,7 +42,11 @@ LR_SCHEDULERS = (
 # The subset of transformers.training_args.OptimizerNames that needs no extra package.
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
 # OptimizerNames that need an optional package (checked before training: check_device).
-OPTIMIZERS_EXTRA = ("adamw_bnb_8bit",)  # bitsandbytes' 8-bit AdamW (needs bitsandbytes and CUDA)
+# torchao's AdamW8bit / AdamW4bit (needs torchao; CPU or CUDA); their step is torch.compile'd on first use.
+TORCHAO_OPTIMIZERS = ("adamw_torch_8bit", "adamw_torch_4bit")
+OPTIMIZERS_EXTRA = ("adamw_bnb_8bit",) + TORCHAO_OPTIMIZERS  # adamw_bnb_8bit: bitsandbytes (needs it and CUDA)
+# The optimizers whose AdamW states are quantised (8 or 4 bits per value, block-wise scales): bits by name.
+LOW_BIT_OPTIMIZERS = {"adamw_bnb_8bit": 8, "adamw_torch_8bit": 8, "adamw_torch_4bit": 4}
 # transformers' attn_implementation values onegpu accepts (null = the model's default).
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 # torch.compile modes (TrainingArguments.torch_compile_mode).
@@ -524,7 +528,7 @@ def validate(cfg: Config, source: str = "params") -> None:
 # -- the machine: combinations this device cannot run ------------------------------------------------
 
 # Optional packages that a params value needs (DeviceFacts.packages says which are installed).
-OPTIONAL_PACKAGES = ("bitsandbytes", "flash_attn")
+OPTIONAL_PACKAGES = ("bitsandbytes", "flash_attn", "torchao")
 
 
 @dataclass(frozen=True)
@@ -562,6 +566,8 @@ DEVICE_CHECKS: tuple[tuple[str, Callable[[Config, DeviceFacts], bool], str], ...
      + _OTHER_OPTIMIZERS),
     ("train.optim", lambda c, f: c.train.optim == "adamw_bnb_8bit" and not f.cuda,
      f"adamw_bnb_8bit (bitsandbytes) {_NO_GPU}; {_OTHER_OPTIMIZERS}"),
+    ("train.optim", lambda c, f: c.train.optim in TORCHAO_OPTIMIZERS and "torchao" not in f.packages,
+     "{t.optim} needs the torchao package, which is not installed (pip install torchao); or " + _OTHER_OPTIMIZERS),
     ("model.attn_implementation",
      lambda c, f: c.model.attn_implementation == "flash_attention_2" and "flash_attn" not in f.packages,
      "flash_attention_2 needs the flash_attn package, which is not installed; use sdpa, eager or null"),

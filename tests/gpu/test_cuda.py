@@ -123,6 +123,19 @@ def test_8bit_adamw_trains_where_bitsandbytes_is_installed(tokenizer, dsd, tmp_p
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
 
 
+@pytest.mark.parametrize("optim", ["adamw_torch_8bit", "adamw_torch_4bit"])
+def test_torchao_low_bit_adamw_takes_the_same_steps_on_both_backends_on_cuda(tokenizer, dsd, tmp_path, monkeypatch,
+                                                                             optim):
+    """torchao's AdamW8bit/AdamW4bit on CUDA (its step compiled for the GPU): 3 finite steps, the same on
+    both backends within fp32's tolerance (the model's feed-forward weights, 8,192 elements, are quantised)."""
+    pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
+    import math
+    monkeypatch.chdir(tmp_path)
+    a, b = _losses(tokenizer, dsd, 4, 2, hf_trainer, optim=optim), _losses(tokenizer, dsd, 4, 2, accel, optim=optim)
+    assert len(a) == 3 and all(math.isfinite(x) for x in a), a
+    assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-5, (a, b)
+
+
 def test_outside_load_finds_no_other_process_on_a_gpu_this_process_alone_uses():
     """Issue 20 item 3 on a GPU: this process's own CUDA context is not "another process" (pynvml, where
     installed; else the count is unknown, None)."""

@@ -104,6 +104,8 @@ BAD = [
     # the single-GPU guide's knobs (issue 12)
     ("tf32-not-bool", {"train.tf32": "maybe"}, "train.tf32", ["true or false"]),
     ("optim-8bit-typo", {"train.optim": "adamw_8bit"}, "train.optim", ["'adamw_8bit'", "adamw_bnb_8bit"]),
+    ("optim-2bit", {"train.optim": "adamw_torch_2bit"}, "train.optim",
+     ["'adamw_torch_2bit'", "adamw_torch_8bit", "adamw_torch_4bit"]),
     ("attn-nope", {"model.attn_implementation": "flash"}, "model.attn_implementation",
      ["'flash'", "eager", "sdpa", "flash_attention_2"]),
     ("compile-not-bool", {"train.torch_compile": "yes please"}, "train.torch_compile", ["true or false"]),
@@ -397,6 +399,9 @@ GPU = config.DeviceFacts(cuda=True, gpus=2, name="NVIDIA T4", bf16=False, tf32=F
     ({"optim": "adamw_bnb_8bit"}, {}, GPU, "train.optim", "needs the bitsandbytes package"),
     ({"optim": "adamw_bnb_8bit"}, {}, config.DeviceFacts(packages=frozenset({"bitsandbytes"})), "train.optim",
      "adamw_bnb_8bit (bitsandbytes) needs a CUDA GPU"),
+    ({"optim": "adamw_torch_8bit"}, {}, GPU, "train.optim",
+     "adamw_torch_8bit needs the torchao package, which is not installed (pip install torchao)"),
+    ({"optim": "adamw_torch_4bit"}, {}, CPU, "train.optim", "adamw_torch_4bit needs the torchao package"),
     ({}, {"attn_implementation": "flash_attention_2"}, GPU, "model.attn_implementation",
      "flash_attention_2 needs the flash_attn package"),
     ({}, {"attn_implementation": "flash_attention_2"}, config.DeviceFacts(packages=frozenset({"flash_attn"})),
@@ -421,6 +426,8 @@ def test_a_combination_the_device_cannot_run_is_one_line_naming_the_key(train, m
     ({"activation_offloading": True}, {}, GPU),
     ({"optim": "adamw_bnb_8bit"}, {"attn_implementation": "flash_attention_2"},
      config.DeviceFacts(cuda=True, gpus=1, packages=frozenset({"bitsandbytes", "flash_attn"}))),
+    ({"optim": "adamw_torch_8bit"}, {}, config.DeviceFacts(packages=frozenset({"torchao"}))),  # torchao: CPU too
+    ({"optim": "adamw_torch_4bit"}, {}, config.DeviceFacts(packages=frozenset({"torchao"}))),
 ])
 def test_combinations_the_device_runs_pass(train, model, facts):
     config.check_device(config.from_container({"train": train, "model": model}, source="test"), facts)

@@ -55,13 +55,30 @@ def interrupt_at_step_2(train, ckpt):
     return first, latest_checkpoint(ckpt)
 
 
-def tiny_bert(attn: str | None = None):
+def tiny_bert(attn: str | None = None, intermediate_size: int = 64):
+    """A 2-layer BERT classifier (hidden 32), seeded. ``intermediate_size`` 128 makes each layer's two
+    feed-forward weights 4,096 elements: large enough for the low-bit optimizers to quantise their states."""
     import torch
     from transformers import BertConfig, BertForSequenceClassification
     torch.manual_seed(0)
     config = BertConfig(**({} if attn is None else {"attn_implementation": attn}),
                         vocab_size=tokenizer().vocab_size, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64, num_labels=3,
+                        num_attention_heads=2, intermediate_size=intermediate_size, max_position_embeddings=64,
+                        num_labels=3,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                         pad_token_id=tokenizer().pad_token_id)
     return BertForSequenceClassification(config)
+
+
+def low_bit_step(optim: str):
+    """One eager step of torchao's ``AdamW8bit``/``AdamW4bit`` (block size 256, as Trainer builds them) on a
+    256x256 + 256x64 Linear stack with biases; returns (model, optimizer)."""
+    import torch
+    from torchao.optim import AdamW4bit, AdamW8bit
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64))
+    opt = (AdamW8bit if optim == "adamw_torch_8bit" else AdamW4bit)(model.parameters(), lr=1e-3, block_size=256)
+    model(torch.randn(4, 256)).square().mean().backward()
+    with torch.compiler.set_stance("force_eager"):  # the states' bytes do not depend on the compiled step
+        opt.step()
+    return model, opt

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from onegpu.compare.records import RunRecord, as_float, as_int
+from onegpu.config import LOW_BIT_OPTIMIZERS
 
 # Knobs outside the equivalence key (or, for train.optim, values it treats as one) that change the kernels
 # or precision of the same mathematics: (param, value when not logged, why the losses can move).
@@ -118,8 +119,22 @@ def kernel_knobs(run: RunRecord, reference: RunRecord) -> Iterable[str]:
     """Each knob of :data:`KERNEL_KNOBS` whose value differs."""
     for knob, default, why in KERNEL_KNOBS:
         a, b = _param(run, knob, default), _param(reference, knob, default)
+        if knob == "train.optim" and {a, b} & LOW_BIT_OPTIMIZERS.keys():
+            continue  # not a kernel: quantised_optimizer_states says why
         if a != b:
             yield f"{knob} differs ({a} vs {b}): {why}"
+
+
+def quantised_optimizer_states(run: RunRecord, reference: RunRecord) -> Iterable[str]:
+    """A low-bit AdamW (:data:`onegpu.config.LOW_BIT_OPTIMIZERS`: bitsandbytes' or torchao's 8-bit, torchao's
+    4-bit) on one side only, or with other bits: its moments are quantised, so its steps differ by design."""
+    a, b = _param(run, "train.optim", "adamw_torch"), _param(reference, "train.optim", "adamw_torch")
+    low = [(name, LOW_BIT_OPTIMIZERS[name]) for name in (a, b) if name in LOW_BIT_OPTIMIZERS]
+    if a != b and low:
+        states = "; ".join(f"{name} keeps AdamW's two moments quantised to {bits} bits (block-wise, one fp32 "
+                           "scale per block)" for name, bits in low)
+        yield (f"train.optim differs ({a} vs {b}): {states}, so its steps differ from fp32 AdamW's by design "
+               "(another training with its own equivalence key, not a rounding difference)")
 
 
 def instruction_data(run: RunRecord, reference: RunRecord) -> Iterable[str]:
@@ -151,7 +166,8 @@ def other_code(run: RunRecord, reference: RunRecord) -> Iterable[str]:
 # Every cause, in the order the report lists them.
 CAUSES: tuple[Callable[[RunRecord, RunRecord], Iterable[str]], ...] = (
     instruction_data, dropout_with_another_split, dropout_with_another_kernel, batchnorm_with_another_split,
-    mixed_precision, gpu_kernels, kernel_knobs, another_backend, another_device, other_code,
+    mixed_precision, gpu_kernels, kernel_knobs, quantised_optimizer_states, another_backend, another_device,
+    other_code,
 )
 
 

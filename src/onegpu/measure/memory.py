@@ -145,11 +145,27 @@ def _storage_key(t) -> tuple:
     return (s.device.type, s.device.index, s.data_ptr())
 
 
+def _plain_tensors(t):
+    """``t`` itself, or for a wrapper tensor subclass (torchao's ``OptimState8bit``/``OptimState4bit``,
+    a ``DTensor``) the plain tensors that hold its data (8-bit: ``codes`` uint8 of the logical shape,
+    ``scale`` fp32 per block, ``qmap`` fp32 lookup table), found through ``__tensor_flatten__``, nested
+    subclasses unwrapped too. Such a wrapper has no storage of its own: its ``untyped_storage()`` is a
+    placeholder of the logical shape's size (fp32 for a 4-bit state) with no data pointer."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    if not is_traceable_wrapper_subclass(t):
+        yield t
+        return
+    names, _ = t.__tensor_flatten__()
+    for name in names:
+        yield from _plain_tensors(getattr(t, name))
+
+
 def tensors_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a view or a shared tensor counts once)."""
+    """Bytes of the distinct storages behind ``tensors`` (a view or a shared tensor counts once; a wrapper
+    tensor subclass by the storages of the plain tensors inside it: :func:`_plain_tensors`)."""
     seen: dict = {}
-    for t in tensors:
-        if t is None or not hasattr(t, "untyped_storage"):
+    for t in (p for x in tensors if x is not None for p in _plain_tensors(x)):
+        if not hasattr(t, "untyped_storage"):
             continue
         k = _storage_key(t)
         seen[k] = max(seen.get(k, 0), t.untyped_storage().nbytes())
@@ -163,8 +179,10 @@ def state_bytes(model, optimizer=None) -> dict[str, int]:
     optimizer states (AdamW's ``exp_avg``/``exp_avg_sq``: 2 x the trainable parameters in fp32) exist.
     Optimizer bytes are read from the optimizer's real state, whatever its shape and dtype: Adafactor's
     factored row and column moments, bitsandbytes' uint8 states with their fp32 block maxima (a buffer
-    shared between parameters, such as its quantization map, counts once). Per-parameter state buffers
-    only; 0-dim counters (AdamW's ``step``, Adafactor's ``RMS``) are left out.
+    shared between parameters, such as its quantization map, counts once), torchao's 8-bit and 4-bit
+    states (``adamw_torch_8bit``/``4bit``) by the codes, block scales and quantization map inside them, not
+    by their fp32 logical shape. Per-parameter state buffers only; 0-dim counters (AdamW's ``step``,
+    Adafactor's ``RMS``) are left out.
     Returns:
         ``mem_params_bytes``, ``mem_grads_bytes``, ``mem_optimizer_bytes`` (int, bytes).
     """

@@ -118,7 +118,8 @@ def tf32(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
 
 
 def optimizer(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
-    """The other AdamW kernel (the same update), Adafactor (or AdamW), and 8-bit AdamW on CUDA."""
+    """The other AdamW kernel (the same update), Adafactor (or AdamW), 8-bit AdamW (bitsandbytes' on CUDA with
+    bitsandbytes, else torchao's where it is installed, CPU too) and torchao's 4-bit AdamW."""
     optim, out = cfg.train.optim, []
     if optim in ("adamw_torch", "adamw_torch_fused"):
         other = "adamw_torch" if optim == "adamw_torch_fused" else "adamw_torch_fused"
@@ -128,9 +129,15 @@ def optimizer(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     out.append(Variant(other, "optimizer", (("train.optim", other),), DIFFERENT,
                        "Adafactor (factored second moments, less optimizer memory)" if other == "adafactor"
                        else "AdamW"))
-    if facts.cuda and "bitsandbytes" in facts.packages and optim != "adamw_bnb_8bit":
+    bnb = facts.cuda and "bitsandbytes" in facts.packages
+    if bnb and optim != "adamw_bnb_8bit":
         out.append(Variant("adamw_bnb_8bit", "optimizer", (("train.optim", "adamw_bnb_8bit"),), DIFFERENT,
                            "8-bit AdamW states (bitsandbytes)"))
+    for bits in ((4,) if bnb else (8, 4)) if "torchao" in facts.packages else ():
+        name = f"adamw_torch_{bits}bit"
+        if optim != name:
+            out.append(Variant(name, "optimizer", (("train.optim", name),), DIFFERENT,
+                               f"{bits}-bit AdamW states (torchao)"))
     return out
 
 

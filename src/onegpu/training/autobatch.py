@@ -54,6 +54,22 @@ def longest_rows(dataset, n: int) -> list[int]:
     return order[:n] if n <= len(order) else (order * (n // len(order) + 1))[:n]
 
 
+# torchao's low-bit AdamW as Trainer (and the accelerate backend) builds it: block size 256 for both.
+TORCHAO_BLOCK, TORCHAO_MIN_SIZE = 256, 4096
+TORCHAO_QMAP_ENTRIES = {8: 256, 4: 16}  # fp32 entries of each state's own quantization map
+
+
+def torchao_state_bytes(numel: int, bits: int) -> int:
+    """Bytes of torchao's ``AdamW8bit`` (``bits`` 8) or ``AdamW4bit`` (4) states for one parameter of
+    ``numel`` elements (``torchao/optim/adam.py``, ``_new_buffer``): a tensor of at least 4,096 elements
+    whose count is a multiple of the block size (256) keeps ``exp_avg`` and ``exp_avg_sq`` quantised, each
+    ``numel * bits / 8`` bytes of codes, one fp32 scale per block and its own fp32 quantization map (256
+    entries at 8 bits, 16 at 4); any other stays two fp32 buffers (``2 * numel * 4``)."""
+    if numel < TORCHAO_MIN_SIZE or numel % TORCHAO_BLOCK:
+        return 2 * numel * 4
+    return 2 * (numel * bits // 8 + 4 * (numel // TORCHAO_BLOCK) + 4 * TORCHAO_QMAP_ENTRIES[bits])
+
+
 def optimizer_state_bytes(model, optim: str) -> int:
     """Predicted bytes of optimizer states for the trainable parameters, kept in fp32 as torch does.
 
@@ -65,7 +81,8 @@ def optimizer_state_bytes(model, optim: str) -> int:
     out, as in :func:`onegpu.measure.memory.state_bytes`. ``adamw_bnb_8bit`` (bitsandbytes ``Optimizer2State``
     with ``optim_bits=8``): two uint8 states plus one fp32 absmax per block of 256 for each of them on
     tensors of at least ``min_8bit_size`` = 4096 elements, two fp32 states on smaller ones (the two
-    shared 256-entry quantization maps are left out).
+    shared 256-entry quantization maps are left out). ``adamw_torch_8bit`` / ``adamw_torch_4bit`` (torchao):
+    :func:`torchao_state_bytes`, about a quarter / an eighth of AdamW's on large tensors.
     """
     import math
     total = 0
@@ -75,6 +92,8 @@ def optimizer_state_bytes(model, optim: str) -> int:
         n = p.numel()
         if optim == "adamw_bnb_8bit":
             total += 2 * (n + 4 * math.ceil(n / 256)) if n >= 4096 else 2 * n * 4
+        elif optim in ("adamw_torch_8bit", "adamw_torch_4bit"):
+            total += torchao_state_bytes(n, 8 if optim == "adamw_torch_8bit" else 4)
         elif optim.startswith("adamw"):
             total += 2 * n * 4
         elif optim in ("adagrad", "rmsprop"):

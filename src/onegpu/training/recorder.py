@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Callable
 
+from onegpu.config import TORCHAO_OPTIMIZERS
 from onegpu.errors import UserError
 from onegpu.formatting import duration, gib, mib
 from onegpu.measure import memory
@@ -259,15 +260,29 @@ def progress_line(step: int, total: int, rows: list[dict], device) -> str:
 
     Example: ``step 20/32 | loss 1.2034 | 41.3 samples/s | 0.39 s/step | peak 1.69 GiB RSS | 5 s left``.
     Memory is the step's peak: the CUDA allocator's on a GPU, the process RSS on a CPU (:mod:`onegpu.measure.memory`).
-    Time left: mean step time of the rows so far x steps to go.
+    Time left: mean step time of the rows after this process's first (which holds warm-up, as in
+    :func:`steady_samples_per_second`: compilation, such as torchao's optimizer step) x steps to go; the
+    first row's when it is the only one.
     """
     row = rows[-1]
     where = "allocated" if memory.is_cuda(device) else "RSS"
-    mean = sum(r["step_time_s"] for r in rows) / len(rows)
+    steady = rows[1:] or rows
+    mean = sum(r["step_time_s"] for r in steady) / len(steady)
     left = max(total - step, 0) * mean
     return (f"step {step}/{total} | loss {row['loss']:.4f} | {row.get('samples_per_second', 0):.1f} samples/s | "
             f"{row['step_time_s']:.2f} s/step | peak {gib(row.get('mem_peak_bytes', 0))} {where} | "
             f"{duration(left)} left")
+
+
+def first_step_note(optim) -> str | None:
+    """The terminal line before the first step for an optimizer that compiles its step on first use
+    (``train.optim`` in :data:`onegpu.config.TORCHAO_OPTIMIZERS`: torchao's ``torch.compile``, once per
+    parameter shape), else None. ``optim``: the name, or transformers' ``OptimizerNames`` member."""
+    name = getattr(optim, "value", optim)
+    if name not in TORCHAO_OPTIMIZERS:
+        return None
+    return (f"{name}: torchao compiles its optimizer step during step 1 (tens of seconds on a CPU); "
+            "the time left and the steady-state throughput leave step 1 out")
 
 
 def closing_line(summary: dict, layout, device: str, budget: int | None, run_id: str) -> str:

@@ -63,6 +63,24 @@ def test_compare_names_the_knob_that_differs_when_runs_diverge(param, value, nam
     assert not any(param in cause for cause in same.causes), same.causes
 
 
+@pytest.mark.parametrize("optim,bits", [("adamw_torch_8bit", 8), ("adamw_torch_4bit", 4), ("adamw_bnb_8bit", 8)])
+def test_low_bit_adamw_against_adamw_names_the_quantised_states(optim, bits):
+    ref = _with(record("fp32", 64, 1), **{"train.optim": "adamw_torch"})
+    run = _with(record("low", 64, 1, loss=drifted(2), key="another key"), **{"train.optim": optim})
+    c = eq.compare_run(run, ref)
+    optim_causes = [x for x in c.causes if "train.optim" in x]
+    assert optim_causes == [
+        f"train.optim differs ({optim} vs adamw_torch): {optim} keeps AdamW's two moments quantised to {bits} bits "
+        "(block-wise, one fp32 scale per block), so its steps differ from fp32 AdamW's by design (another "
+        "training with its own equivalence key, not a rounding difference)"], c.causes
+    # 8-bit against 4-bit: both named; the same low-bit optimizer on both sides is no cause
+    both = eq.compare_run(_with(record("4", 64, 1), **{"train.optim": "adamw_torch_4bit"}),
+                          _with(record("8", 64, 1), **{"train.optim": "adamw_torch_8bit"}))
+    assert [x for x in both.causes if "quantised to 4 bits" in x and "adamw_torch_8bit keeps" in x], both.causes
+    same = eq.compare_run(_with(record("s", 64, 1, loss=drifted(2)), **{"train.optim": optim}), run)
+    assert not any("train.optim" in x for x in same.causes), same.causes
+
+
 def test_padding_free_is_the_same_training_compared_within_fp32_tolerance():
     ref = _with(record("padded", 8, 2), **{"data.padding_free": False})
     # equal losses up to summation order: equivalent at the fp32 tolerance, and padding_free is no cause

@@ -88,7 +88,7 @@ def test_equivalence_key_ignores_the_attention_kernel(raw, attn):
     assert "model.attn_implementation" in eqkey.NOT_IN_EQUIVALENCE_KEY
 
 
-@pytest.mark.parametrize("optim", ["adafactor", "adamw_bnb_8bit", "sgd"])
+@pytest.mark.parametrize("optim", ["adafactor", "adamw_bnb_8bit", "adamw_torch_8bit", "adamw_torch_4bit", "sgd"])
 def test_another_optimizer_is_another_training(raw, optim):
     assert _key(raw, optim=optim) != _key(raw, optim="adamw_torch")
 

@@ -1,10 +1,12 @@
 """The memory breakdown (onegpu.measure.memory) on the packaged default model."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from onegpu.measure import memory
 from onegpu.training.loss import classification_loss
+from tests.unit.tiny import low_bit_step
 
 
 def test_checkpointing_cuts_activation_bytes_at_least_3x_on_the_default_model(minilm):
@@ -49,6 +51,21 @@ def test_tensors_bytes_counts_a_storage_once():
     assert memory.tensors_bytes([t, t[:10], t.view(10, 100)]) == 4000
 
 
+@pytest.mark.parametrize("optim,bits,qmap", [("adamw_torch_8bit", 8, 256), ("adamw_torch_4bit", 4, 16)])
+def test_state_bytes_count_torchaos_low_bit_states_by_their_storage(optim, bits, qmap):
+    """torchao's quantised states are tensor subclasses that look like fp32 tensors of the parameter's shape;
+    their bytes are the codes (``bits`` per value), one fp32 scale per block of 256 and an fp32 quantization
+    map of ``qmap`` entries, per state (exp_avg and exp_avg_sq). The biases (256 and 64 elements, below
+    torchao's 4,096) keep two fp32 states."""
+    pytest.importorskip("torchao")
+    model, opt = low_bit_step(optim)
+    quantised = sum(2 * (n * bits // 8 + 4 * n // 256 + 4 * qmap) for n in (256 * 256, 256 * 64))
+    b = memory.state_bytes(model, opt)
+    assert b["mem_optimizer_bytes"] == quantised + 2 * 4 * (256 + 64)
+    assert b["mem_optimizer_bytes"] == {8: 173056, 4: 87296}[bits]  # fp32 AdamW: 657920
+    assert b["mem_params_bytes"] == b["mem_grads_bytes"] == 4 * (256 * 256 + 256 + 256 * 64 + 64)
+
+
 def test_state_bytes_read_adafactors_factored_moments(minilm):
     from transformers.optimization import Adafactor
 
@@ -88,8 +105,8 @@ def test_device_facts_name_the_optional_packages_installed(monkeypatch):
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "flash_attn" else None if name == "bitsandbytes"
-                        else real(name, *a))
+                        lambda name, *a: object() if name == "flash_attn"
+                        else None if name in ("bitsandbytes", "torchao") else real(name, *a))
     monkeypatch.setattr(memory, "cuda_available", lambda: False)
     facts = memory.device_facts()
     assert facts.packages == frozenset({"flash_attn"}) and not facts.cuda and facts.gpus == 0

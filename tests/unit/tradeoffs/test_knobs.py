@@ -48,6 +48,31 @@ def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
     assert [s.split(":")[0] for s in skipped] == ["allocator", "padding_free", "packing", "fused_lm_head"]
 
 
+def test_torchao_adds_8bit_and_4bit_adamw_where_bitsandbytes_is_not_usable():
+    """On a CPU with torchao: its 8-bit and 4-bit AdamW, each another training (another equivalence key);
+    on CUDA with bitsandbytes the 8-bit row is bitsandbytes' and torchao adds only its 4-bit one."""
+    raw = defaults.params()
+    base = config.from_container(raw)
+    cpu = config.DeviceFacts(packages=frozenset({"torchao"}))
+    rows = [v for v in knobs.plan(base, cpu, knobs=("optimizer",))[0] if "bit" in v.name]
+    assert [(v.name, v.overrides, v.expect) for v in rows] == [
+        ("adamw_torch_8bit", (("train.optim", "adamw_torch_8bit"),), knobs.DIFFERENT),
+        ("adamw_torch_4bit", (("train.optim", "adamw_torch_4bit"),), knobs.DIFFERENT)]
+    keys = set()
+    for v in rows:
+        r = defaults.params()
+        for k, val in v.overrides:
+            config.apply_override(r, f"{k}={val}")
+        cfg = config.from_container(r)
+        config.check_device(cfg, cpu)  # the row runs on this machine
+        keys.add(equivalence_key(cfg, config.resolve(cfg), "fp"))
+    assert len(keys) == 2 and equivalence_key(base, config.resolve(base), "fp") not in keys
+    gpu = config.DeviceFacts(cuda=True, gpus=1, packages=frozenset({"bitsandbytes", "torchao"}))
+    assert [v.name for v in knobs.optimizer(base, gpu) if "bit" in v.name] == ["adamw_bnb_8bit", "adamw_torch_4bit"]
+    assert [v.name for v in knobs.optimizer(_cfg(optim="adamw_torch_8bit"), cpu) if "bit" in v.name] == [
+        "adamw_torch_4bit"]
+
+
 def test_plan_turns_off_what_is_on_and_splits_the_other_way():
     variants, skipped = knobs.plan(_cfg(gradient_checkpointing=True, bf16=True, torch_compile=True,
                                             per_device_train_batch_size=8, gradient_accumulation_steps=1), CPU)

@@ -94,11 +94,26 @@ ROWS = [{"step": s, "loss": 2.0 - 0.1 * s, "samples_per_second": 40.0 + s, "step
 
 
 def test_progress_line_names_step_loss_speed_memory_and_time_left():
-    # mean step time 0.75 s x 36 steps to go = 27 s
+    # mean step time after the first (warm-up) row: 0.8 s x 36 steps to go = 28.8 s
     assert progress_line(4, 40, ROWS, "cpu") == (
-        "step 4/40 | loss 1.6000 | 44.0 samples/s | 0.90 s/step | peak 1.50 GiB RSS | 27 s left")
-    # On a GPU the memory is the allocator's; long waits in minutes (4000 x 0.75 s = 50 min)
-    assert progress_line(4, 4004, ROWS, "cuda:0").endswith("| peak 1.50 GiB allocated | 50.0 min left")
+        "step 4/40 | loss 1.6000 | 44.0 samples/s | 0.90 s/step | peak 1.50 GiB RSS | 29 s left")
+    # On a GPU the memory is the allocator's; long waits in minutes (4000 x 0.8 s = 53.3 min)
+    assert progress_line(4, 4004, ROWS, "cuda:0").endswith("| peak 1.50 GiB allocated | 53.3 min left")
+    # a first step of 20 s (torchao compiling its optimizer step) does not inflate the time left
+    slow_first = [{**ROWS[0], "step_time_s": 20.0}, *ROWS[1:]]
+    assert progress_line(4, 40, slow_first, "cpu").endswith("| 29 s left")
+    assert progress_line(1, 40, slow_first[:1], "cpu").endswith("| 13.0 min left")  # 39 x 20 s: all it knows
+
+
+def test_first_step_note_only_for_optimizers_that_compile_their_step():
+    from transformers.training_args import OptimizerNames
+
+    from onegpu.training.recorder import first_step_note
+    assert first_step_note("adamw_torch_4bit") == (
+        "adamw_torch_4bit: torchao compiles its optimizer step during step 1 (tens of seconds on a CPU); "
+        "the time left and the steady-state throughput leave step 1 out")
+    assert first_step_note(OptimizerNames.ADAMW_TORCH_8BIT).startswith("adamw_torch_8bit: torchao compiles")
+    assert first_step_note("adamw_torch") is None and first_step_note(OptimizerNames.ADAMW_BNB) is None
 
 
 @pytest.mark.parametrize("backend", ["trainer", "accelerate"])

@@ -33,7 +33,7 @@ from onegpu.training.backends.base import TrainRequest
 from onegpu.training.batches import probe_batch, train_collator, train_set
 from onegpu.training.interrupt import Interrupted
 from onegpu.training.loss import count_items, loss_for
-from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
+from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
 from onegpu.training.resume import load_loop_state, load_rng, save_loop_state
 
 # Parameter names that get no weight decay: Trainer.get_decay_parameter_names (transformers/trainer.py).
@@ -58,8 +58,10 @@ def make_optimizer(model, cfg: Config):
     """The optimizer ``train.optim`` names, with Trainer's defaults for it.
 
     Source: ``transformers/trainer_optimizer.py`` (``_get_adamw_torch``, ``_get_sgd``, ``_get_adagrad``,
-    ``_get_rmsprop``, ``_get_adafactor``, ``_get_bitsandbytes_optimizer``) with ``TrainingArguments``' defaults:
-    AdamW betas (0.9, 0.999), eps 1e-8; the others take torch's defaults and only ``lr``.
+    ``_get_rmsprop``, ``_get_adafactor``, ``_get_bitsandbytes_optimizer``, ``_get_torchao_optimizer``) with
+    ``TrainingArguments``' defaults: AdamW betas (0.9, 0.999), eps 1e-8 (torchao's AdamW8bit/AdamW4bit also
+    ``block_size=256``, Trainer's default for both, where AdamW4bit's own is 128, and no bf16 stochastic
+    rounding); the others take torch's defaults and only ``lr``.
     """
     import torch
     t = cfg.train
@@ -80,6 +82,11 @@ def make_optimizer(model, cfg: Config):
         import bitsandbytes as bnb
         return bnb.optim.AdamW(groups, lr=t.learning_rate, betas=(0.9, 0.999), eps=1e-8, optim_bits=8,
                                is_paged=False)
+    if t.optim in ("adamw_torch_8bit", "adamw_torch_4bit"):  # _get_torchao_optimizer: block_size 256 for both
+        from torchao.optim import AdamW4bit, AdamW8bit
+        cls = AdamW8bit if t.optim == "adamw_torch_8bit" else AdamW4bit
+        return cls(groups, lr=t.learning_rate, betas=(0.9, 0.999), eps=1e-8, block_size=256,
+                   bf16_stochastic_round=False)
     raise ValueError(f"train.optim={t.optim!r} is not supported by the accelerate backend")
 
 
@@ -256,6 +263,8 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
           f"accelerate: {lp.total_steps} optimizer steps of {micro * accum * world} examples "
           f"({micro} x {accum}{procs}), {len(lp.train_set)} examples, {lp.epochs} epoch(s), {lp.accelerator.device}, "
           f"mixed precision {lp.accelerator.mixed_precision}")
+    if note := first_step_note(t.optim):
+        distributed.print_main(note)
     start = 0
     if resume is not None:  # weights, optimizer, scheduler; the data position and RNG in _run
         load_loop_state(resume.path, _plain(lp), lp.optimizer, lp.scheduler)

@@ -21,7 +21,7 @@ from onegpu.training import activation_offloading as offloading, checkpointing, 
 from onegpu.training.backends.base import TrainRequest
 from onegpu.training.batches import probe_batch, train_collator, train_set
 from onegpu.training.loss import count_items, loss_for
-from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
+from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
 from onegpu.training.resume import complete
 
 # Whole-layer checkpointing through Trainer: transformers' current name is ``activation_checkpointing``
@@ -259,6 +259,8 @@ class Progress(TrainerCallback):
               f" examples ({args.train_batch_size} x {args.gradient_accumulation_steps}"
               f"{f' x {world} processes' if world > 1 else ''}) on {args.device}; "
               f"progress every {self.every} steps, every step goes to MLflow")
+        if note := first_step_note(args.optim):
+            distributed.print_main(note)
 
     def on_log(self, args, state, control, logs=None, **kw):
         step = state.global_step

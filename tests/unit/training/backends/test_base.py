@@ -22,9 +22,10 @@ from tests.unit.tiny import LOSS_TOL, NORM_TOL, dataset, interrupt_at_step_2, ti
 def run(backend: str, micro: int, accum: int, n: int = 24, max_steps: int = 3, epochs: float = 1.0,
         optim: str = "adamw_torch", lr: float = 1e-3, warmup: float = 0.0, max_grad_norm: float = 1.0,
         checkpointing: bool = False, attn: str | None = None,
-        extra: tuple = ()) -> tuple[list[dict], list[str], bool, dict]:
-    """Train a fresh, identically seeded tiny BERT (attention kernel ``attn``; ``extra``: more
-    ``(train key, value)`` pairs).
+        extra: tuple = (), intermediate: int = 64, compiled: bool = True) -> tuple[list[dict], list[str], bool, dict]:
+    """Train a fresh, identically seeded tiny BERT (attention kernel ``attn``; feed-forward width
+    ``intermediate``; ``extra``: more ``(train key, value)`` pairs); ``compiled`` False runs every
+    ``torch.compile`` call eagerly (torch's ``force_eager`` stance: torchao's low-bit AdamW step).
 
     Returns the StepRecorder rows, the warnings raised, whether the trained model has activation
     checkpointing on, and the recorder's memory breakdown (bytes).
@@ -41,9 +42,10 @@ def run(backend: str, micro: int, accum: int, n: int = 24, max_steps: int = 3, e
     from onegpu.training.backends import base
     module = importlib.import_module(base.REGISTRY[backend])
     sunk = []
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, torch.compiler.set_stance(
+            "default" if compiled else "force_eager"):
         warnings.simplefilter("always")
-        model, steps = module.train(base.TrainRequest(tiny_bert(attn), tokenizer(), dataset(n), cfg,
+        model, steps = module.train(base.TrainRequest(tiny_bert(attn, intermediate), tokenizer(), dataset(n), cfg,
                                                       sink=lambda m, s: sunk.append((s, m))))
     assert [s for s, _ in sunk] == [r["step"] for r in steps.rows]
     assert not hasattr(model, "module"), "the returned model must be unwrapped"
@@ -168,6 +170,33 @@ def test_accelerate_stop_and_resume_gives_the_uninterrupted_losses_and_weights(t
     assert max(float((v - want[k]).abs().max()) for k, v in model.state_dict().items()) <= 1e-6
 
 
+@pytest.mark.slow  # three trainings per backend: ~10 s each
+@pytest.mark.parametrize("backend", ["trainer", "accelerate"])
+def test_low_bit_adamw_stop_and_resume_gives_the_uninterrupted_losses(backend, tmp_path, monkeypatch):
+    """torchao's quantised states (tensor subclasses) go into the checkpoint and come back: stopped after
+    step 2 (accelerate) or 3 (Trainer) of 5 and resumed, the 8-bit AdamW run has the uninterrupted run's
+    losses exactly (eager step)."""
+    pytest.importorskip("torchao")
+    import importlib
+
+    from onegpu.training.backends import base
+    monkeypatch.chdir(tmp_path)
+    module = importlib.import_module(base.REGISTRY[backend])
+    cfg = from_container({"model": {"dropout": 0.0},
+                          "train": {"backend": backend, "per_device_train_batch_size": 4, "optim": "adamw_torch_8bit",
+                                    "gradient_accumulation_steps": 2, "max_steps": 5, "logging_steps": 100}})
+
+    def train(sink, **kw):
+        return module.train(TrainRequest(tiny_bert(None, 128), tokenizer(), dataset(24), cfg, sink, **kw))
+    ref, rest = [], []
+    with torch.compiler.set_stance("force_eager"):
+        train(lambda m, s: ref.append(m["loss"]))
+        first, resume = interrupt_at_step_2(train, tmp_path / "ckpt")
+        assert resume is not None and resume.step == (2 if backend == "accelerate" else 3)  # Trainer: one later
+        train(lambda m, s: rest.append(m["loss"]), checkpoint_dir=tmp_path / "ckpt", resume=resume)
+    assert first + rest == ref and len(ref) == 5
+
+
 def test_trainer_backend_leaves_no_scratch_folders(tmp_path, monkeypatch):
     """Training without a checkpoint folder needs a Trainer output_dir: it is temporary and removed (it was
     left in /tmp, one per training run); evaluation's prediction needs none (it has no Trainer)."""
@@ -239,6 +268,47 @@ def test_adafactor_and_fused_adamw_take_the_same_steps_on_both_backends(optim):
     adamw_mem = run("trainer", 4, 2)[3]
     ratio = hf_mem["mem_optimizer_bytes"] / adamw_mem["mem_optimizer_bytes"]
     assert (ratio < 0.2) if optim == "adafactor" else ratio == 1.0, ratio
+
+
+LOW_BIT = pytest.mark.parametrize("optim", ["adamw_torch_8bit", "adamw_torch_4bit"])
+
+
+def low_bit_pair(optim: str, compiled: bool):
+    """Both backends' rows and memory breakdowns with torchao's ``optim`` on the tiny BERT whose four
+    feed-forward weights (4,096 elements each) get quantised states; the rest stays fp32 in torchao."""
+    pytest.importorskip("torchao")
+    hf, _, _, hf_mem = run("trainer", 4, 2, optim=optim, intermediate=128, compiled=compiled)
+    acc, _, _, acc_mem = run("accelerate", 4, 2, optim=optim, intermediate=128, compiled=compiled)
+    assert col(hf, "step") == col(acc, "step") == [1, 2, 3]
+    assert max_diff(hf, acc, "loss") <= LOSS_TOL, (col(hf, "loss"), col(acc, "loss"))
+    assert max_diff(hf, acc, "grad_norm") <= NORM_TOL, (col(hf, "grad_norm"), col(acc, "grad_norm"))
+    return hf, acc, hf_mem, acc_mem
+
+
+@LOW_BIT
+def test_low_bit_adamw_takes_the_same_steps_on_both_backends(optim):
+    """Trainer builds torchao's AdamW8bit/AdamW4bit by name, the accelerate backend with Trainer's kwargs: the
+    same steps (run eagerly here, 2-4 s; the compiled step is the slow test below), and the same optimizer
+    bytes, which are the estimate's: 89,600 (8-bit) / 113,664 (4-bit) fewer than fp32 AdamW's 8,043,544."""
+    from onegpu.training import autobatch
+    from tests.unit.tiny import tiny_bert
+    hf, acc, hf_mem, acc_mem = low_bit_pair(optim, compiled=False)
+    adamw = run("accelerate", 4, 2, intermediate=128, compiled=False)
+    assert hf_mem["mem_optimizer_bytes"] == acc_mem["mem_optimizer_bytes"]
+    assert hf_mem["mem_optimizer_bytes"] == autobatch.optimizer_state_bytes(tiny_bert(None, 128), optim)
+    saved = {"adamw_torch_8bit": 89600, "adamw_torch_4bit": 113664}[optim]
+    assert adamw[3]["mem_optimizer_bytes"] - hf_mem["mem_optimizer_bytes"] == saved
+    # quantised states: not fp32 AdamW's steps, but close over 3 steps at lr 1e-3 (distance <= 1e-4)
+    assert col(acc, "grad_norm") != col(adamw[0], "grad_norm")
+    assert max_diff(acc, adamw[0], "loss") <= 1e-4
+
+
+@pytest.mark.slow  # torchao compiles its step on first use: ~15-30 s on a 2-core CPU
+@LOW_BIT
+def test_low_bit_adamw_compiled_step_takes_the_same_steps_on_both_backends(optim):
+    hf, acc, *_ = low_bit_pair(optim, compiled=True)
+    eager = low_bit_pair(optim, compiled=False)[1]
+    assert max_diff(acc, eager, "loss") <= LOSS_TOL and max_diff(acc, eager, "grad_norm") <= NORM_TOL
 
 
 def test_fused_adamw_is_the_same_training_as_adamw_within_fp32_tolerance():
