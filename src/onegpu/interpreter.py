@@ -42,8 +42,23 @@ def start() -> None:
     _starting = True
     tolerate_lost_streams()
     stop_on_signals()
+    quiet_optional_kernels()
     gc.set_threshold(*START_THRESHOLD)
     atexit.register(gc.freeze)
+
+
+# Loggers of import-time lines about kernels onegpu never calls: torchao (imported by transformers
+# whenever it is installed, for train.optim adamw_torch_8bit/4bit) says "Failed to load ..._C_mxfp8...so"
+# for its prebuilt CUDA/other-Python extensions, and its enum registrations make torch's pytree log a
+# deprecation per enum. Warnings only: their errors still show.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_optional_kernels() -> None:
+    """Only errors from :data:`QUIET_LOGGERS` (four lines in every stage otherwise, none about the work)."""
+    import logging
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def settle() -> None:

@@ -111,3 +111,15 @@ def test_sigterm_ends_a_command_as_ctrl_c_does_with_128_plus_the_signal(tmp_path
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=60) == 128 + signal.SIGTERM
     assert "onegpu summary: interrupted by SIGTERM" in p.stderr.read()
+
+
+def test_a_command_prints_no_import_time_lines_about_kernels_it_never_calls():
+    """transformers imports torchao when it is installed (train.optim adamw_torch_8bit/4bit): its warnings
+    about prebuilt extensions for other Pythons and GPUs, and torch's pytree deprecations they trigger,
+    were four lines in every stage's output; a command keeps their errors only."""
+    import logging
+    code = ("from onegpu import interpreter\ninterpreter.start()\nfrom transformers import PreTrainedModel\n"
+            "import logging\nprint(logging.getLogger('torchao').getEffectiveLevel())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(logging.ERROR)]
+    assert "Failed to load" not in out.stderr and "Enum subclass" not in out.stderr, out.stderr
