@@ -54,11 +54,20 @@ def start() -> None:
 QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
+# torch's warning when it compiles torchao's optimizer step (a tensor subclass without a cache hash):
+# about torch's compile cache, not the training.
+QUIET_WARNINGS = (r".* does not implement _stable_hash_for_caching",)
+
+
 def quiet_optional_kernels() -> None:
-    """Only errors from :data:`QUIET_LOGGERS` (four lines in every stage otherwise, none about the work)."""
+    """Only errors from :data:`QUIET_LOGGERS` (four lines in every stage otherwise, none about the work),
+    and none of :data:`QUIET_WARNINGS` (two more in the first step of a torchao optimizer)."""
     import logging
+    import warnings
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    for message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
 def settle() -> None:
