@@ -35,6 +35,31 @@ PREDICTIONS = Path("plots/predictions.csv")
 GENERATIONS = Path("plots/generations.csv")  # instruction data: reference and generated answer per test row
 
 
+DVC_LOCK = Path("dvc.lock")
+
+
+def dvc_out_hash(out: str | os.PathLike, lock: str | os.PathLike = DVC_LOCK) -> str | None:
+    """The hash DVC recorded for the stage output ``out`` (``data/processed``) in ``lock`` (its ``md5``,
+    ``<hex>.dir`` for a folder), or None where the lock file or that output is not there (yet)."""
+    import yaml
+    try:
+        stages = (yaml.safe_load(Path(lock).read_text()) or {}).get("stages", {})
+    except (OSError, yaml.YAMLError):
+        return None
+    for stage in stages.values():
+        for o in stage.get("outs", []) or []:
+            if o.get("path") == str(out):
+                return o.get("md5")
+    return None
+
+
+def dvc_version(out: str | os.PathLike = PROCESSED) -> str:
+    """The DVC-tracked ``out`` at its recorded hash: ``data/processed@<md5>.dir`` (``dvc get``/``dvc exp
+    apply`` bring that version back), or the path alone before DVC recorded it."""
+    md5 = dvc_out_hash(out)
+    return f"{out}@{md5}" if md5 else str(out)
+
+
 def project_root(cwd: str | os.PathLike | None = None) -> Path:
     """The user's repository.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from .conftest import BIN, dvc, runs
 
@@ -38,6 +39,18 @@ def test_repro_logs_prepare_and_one_complete_training_run(project):
     assert len(train) == 1
     run = c.get_run(train[0].info.run_id)
     assert run.info.status == "FINISHED"
+    # Issue 33: the training run's datasets are prepare's (same names and digests; the UI links the runs),
+    # with their contexts, the DVC-tracked source at its hash and the row counts; evaluate adds the test split.
+    prepared = {d.dataset.name: d.dataset for d in c.get_run(prep[0].info.run_id).inputs.dataset_inputs}
+    md5 = next(o["md5"] for o in yaml.safe_load((project / "dvc.lock").read_text())["stages"]["prepare"]["outs"]
+               if o["path"] == "data/processed")
+    got = {d.dataset.name: (d.dataset.digest, {t.key: t.value for t in d.tags}, d.dataset.source,
+                            json.loads(d.dataset.profile)["num_rows"]) for d in run.inputs.dataset_inputs}
+    assert got == {f"bbcnews-{s}": (prepared[f"bbcnews-{s}"].digest,
+                                    {"mlflow.data.context": ctx, "onegpu.dvc_out": f"data/processed@{md5}"},
+                                    prepared[f"bbcnews-{s}"].source, n)
+                   for s, ctx, n in (("train", "training", 24), ("validation", "validation", 16),
+                                     ("test", "evaluation", 16))}
     for key in STEP_METRICS:
         history = c.get_metric_history(run.info.run_id, key)
         assert sorted(m.step for m in history) == list(range(1, MAX_STEPS + 1)), key

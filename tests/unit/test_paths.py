@@ -186,3 +186,17 @@ def test_atomic_writes_leave_no_half_file_on_a_full_disk(tmp_path):
             f.write("{")
             raise OSError(28, "No space left on device")
     assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
+
+
+def test_dvc_version_names_the_output_at_the_hash_dvc_lock_records(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert paths.dvc_out_hash("data/processed") is None and paths.dvc_version() == "data/processed"  # no lock yet
+    (tmp_path / "dvc.lock").write_text(
+        "schema: '2.0'\nstages:\n  prepare:\n    cmd: onegpu prepare\n    outs:\n"
+        "    - path: data/stats.json\n      hash: md5\n      md5: 0123\n"
+        "    - path: data/processed\n      hash: md5\n      md5: f4d782aab4dd724956fbb541cddc5d95.dir\n")
+    assert paths.dvc_out_hash("data/processed") == "f4d782aab4dd724956fbb541cddc5d95.dir"
+    assert paths.dvc_version() == "data/processed@f4d782aab4dd724956fbb541cddc5d95.dir"
+    assert paths.dvc_out_hash("models") is None
+    (tmp_path / "dvc.lock").write_text("stages: [unclosed")
+    assert paths.dvc_out_hash("data/processed") is None  # a lock DVC is rewriting: no version, no failure

@@ -71,3 +71,12 @@ def table(ds, columns: tuple[str, ...]):
     names = ds.features["label"].names
     cells = {c: [v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for v in ds[c]] for c in columns}
     return pd.DataFrame({**cells, "label": [names[i] for i in ds["label"]]})
+
+
+def inputs(dsd, fmt: str, source_name: str, contexts: dict[str, str]) -> list[tuple]:
+    """The MLflow dataset inputs of ``contexts`` (split -> MLflow context, e.g. ``{"train": "training"}``):
+    ``(DataFrame, name, context)`` each, the DataFrame :func:`table` of the split in the format's columns
+    (:data:`onegpu.data.formats.COLUMNS`) and the name ``<data.source>-<split>``. prepare, the training
+    run and evaluate log the same split the same way, so MLflow gives it the same digest in each run."""
+    from onegpu.data import formats
+    return [(table(dsd[s], formats.COLUMNS[fmt]), f"{source_name}-{s}", c) for s, c in contexts.items()]

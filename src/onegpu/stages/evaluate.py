@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from onegpu import evaluation, paths, tracking
 from onegpu.config import Config, flatten
+from onegpu.data import describe
 from onegpu.errors import DataError
 from onegpu.measure import memory
 from onegpu.models import loader
@@ -34,7 +35,9 @@ def run(cfg: Config) -> dict:
         hf_logging.disable_progress_bar()  # no "Loading weights" bar in the pipeline's output
 
         model, tokenizer = loader.load_trained(paths.MODEL_DIR, task)
-        test = load_from_disk(str(paths.PROCESSED))["test"]
+        processed = load_from_disk(str(paths.PROCESSED))
+        test = processed["test"]
+        _log_test_input(tracker, run_id, cfg, processed)
         device = memory.default_device()
         if reproduces:  # the training run's tag names the device it trained on; this one evaluated here
             tracker.set_tags(run_id, {"device": memory.device_name(device)})
@@ -59,6 +62,16 @@ def run(cfg: Config) -> dict:
         print(evaluation.generations_text(table, metrics, cfg.evaluate.max_new_tokens))
     print(evaluation.result_line(task, metrics, run_id))
     return metrics
+
+
+def _log_test_input(tracker, run_id: str, cfg: Config, processed) -> None:
+    """The test split as the run's MLflow dataset input (context ``evaluation``; prepare's name and digest,
+    :func:`onegpu.data.describe.inputs`), where data/stats.json names prepare's format."""
+    fmt = paths.read_json(paths.STATS).get("format") if paths.STATS.is_file() else None
+    version = paths.dvc_version()
+    for df, name, context in describe.inputs(processed, fmt, cfg.data.source, {"test": "evaluation"}) if fmt else []:
+        tracker.log_dataset(run_id, df, name=name, source=version, context=context, targets="label",
+                            tags={tracking.DVC_OUT_TAG: version})
 
 
 def _write_predictions(gold, pred, names) -> None:

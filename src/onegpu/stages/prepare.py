@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from onegpu import data, paths, tracking
 from onegpu.config import Config, flatten
-from onegpu.data import describe, formats, pipeline
+from onegpu.data import describe, pipeline
 from onegpu.measure import memory
 from onegpu.models import loader
 
@@ -58,8 +58,6 @@ def _log_data(tracker, run_id: str, cfg: Config, dsd, stats: dict, metrics: dict
     tracker.log_metrics(run_id, metrics)
     tracker.set_tags(run_id, {"data.fingerprint": stats["fingerprint"]})
     tracker.log_dict(run_id, stats, "stats.json")
-    for s in data.SPLITS:
-        df = describe.table(dsd[s], formats.COLUMNS[stats["format"]])
-        tracker.log_dataset(run_id, df, name=f"{cfg.data.source}-{s}", source=source,
-                            context={"train": "training", "validation": "validation", "test": "test"}[s],
-                            targets="label")
+    contexts = {"train": "training", "validation": "validation", "test": "test"}
+    for df, name, context in describe.inputs(dsd, stats["format"], cfg.data.source, contexts):
+        tracker.log_dataset(run_id, df, name=name, source=source, context=context, targets="label")

@@ -24,6 +24,7 @@ from onegpu.tracking.query import (
                                    training_runs_named,
 )
 from onegpu.tracking.runs import (
+                                   DVC_OUT_TAG,
                                    KILLED_REASON,
                                    TRUNCATED_PARAMS,
                                    WRITER_HOST,
@@ -42,7 +43,7 @@ from onegpu.tracking.uri import check_reachable, redact
 from onegpu.tracking.writer import MetricBuffer
 
 __all__ = ["EXPERIMENT_KIND", "REPRODUCED_BY", "REPRODUCES_RUN_ID", "open_evaluation_run", "run_record", "STEP_SERIES",
-           "KILLED_REASON", "TRUNCATED_PARAMS", "WRITER_HOST", "WRITER_PID", "WRITER_STARTED",
+           "DVC_OUT_TAG", "KILLED_REASON", "TRUNCATED_PARAMS", "WRITER_HOST", "WRITER_PID", "WRITER_STARTED",
            "MetricBuffer", "RunHandle", "Spool", "SpoolingWriter", "Tracker", "check_reachable", "connect",
            "deleted_experiment_message", "git_commit", "is_outage", "log_comparison", "metric_histories",
            "open_existing", "redact", "run_context_tags", "run_name", "step_window", "sync",

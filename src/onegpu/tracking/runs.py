@@ -31,6 +31,8 @@ WRITER_HOST, WRITER_PID, WRITER_STARTED = "onegpu.writer.host", "onegpu.writer.p
 KILLED_REASON = "onegpu.killed_reason"
 # Tag on a run whose param value was cut at MLflow's limit: the keys, comma-separated.
 TRUNCATED_PARAMS = "onegpu.truncated_params"
+# A dataset input's tag: the DVC-tracked version the run read the split from (``data/processed@<md5>.dir``).
+DVC_OUT_TAG = "onegpu.dvc_out"
 
 
 def writer_tags() -> dict[str, str]:
@@ -227,8 +229,11 @@ class RunHandle:
         with self._artifact(artifact_file):
             self.client.log_table(self.run_id, data=data, artifact_file=artifact_file)
 
-    def log_dataset(self, df, name: str, source: str, context: str, targets: str | None = None) -> None:
-        """Record a pandas DataFrame as an MLflow dataset input (schema, digest, source) of the run."""
+    def log_dataset(self, df, name: str, source: str, context: str, targets: str | None = None,
+                    tags: dict[str, str] | None = None) -> None:
+        """Record a pandas DataFrame as an MLflow dataset input (schema, digest, source) of the run, with its
+        ``context`` and ``tags`` as the input's tags. MLflow keeps one dataset per name and digest in an
+        experiment: its source is the one first logged (prepare's, for a split); ``tags`` are this run's."""
         import warnings
 
         import mlflow.data
@@ -236,8 +241,8 @@ class RunHandle:
         with warnings.catch_warnings():  # "source can be interpreted in multiple ways": both are local
             warnings.simplefilter("ignore", UserWarning)
             ds = mlflow.data.from_pandas(df, source=source, name=name, targets=targets)
-        self.client.log_inputs(self.run_id, [DatasetInput(ds._to_mlflow_entity(),
-                                                          [InputTag("mlflow.data.context", context)])])
+        input_tags = [InputTag("mlflow.data.context", context)] + [InputTag(k, v) for k, v in (tags or {}).items()]
+        self.client.log_inputs(self.run_id, [DatasetInput(ds._to_mlflow_entity(), input_tags)])
 
     @contextmanager
     def system_metrics(self, interval_s: float = 5.0, resume: bool = False):

@@ -112,8 +112,9 @@ class Tracker:
     def log_table(self, run_id: str, data: dict[str, list], artifact_file: str) -> None:
         self.run(run_id).log_table(data, artifact_file)
 
-    def log_dataset(self, run_id: str, df, name: str, source: str, context: str, targets: str | None = None) -> None:
-        self.run(run_id).log_dataset(df, name, source, context, targets)
+    def log_dataset(self, run_id: str, df, name: str, source: str, context: str, targets: str | None = None,
+                    tags: dict[str, str] | None = None) -> None:
+        self.run(run_id).log_dataset(df, name, source, context, targets, tags)
 
     def system_metrics(self, run_id: str, interval_s: float = 5.0, resume: bool = False):
         return self.run(run_id).system_metrics(interval_s, resume)
