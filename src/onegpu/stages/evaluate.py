@@ -37,7 +37,9 @@ def run(cfg: Config) -> dict:
         model, tokenizer = loader.load_trained(paths.MODEL_DIR, task)
         processed = load_from_disk(str(paths.PROCESSED))
         test = processed["test"]
-        _log_test_input(tracker, run_id, cfg, processed)
+        if (fmt := paths.read_json(paths.STATS).get("format") if paths.STATS.is_file() else None) is not None:
+            tracker.log_data_inputs(run_id, describe.inputs(processed, fmt, cfg.data.source, {"test": "evaluation"}),
+                                    paths.dvc_version())
         device = memory.default_device()
         if reproduces:  # the training run's tag names the device it trained on; this one evaluated here
             tracker.set_tags(run_id, {"device": memory.device_name(device)})
@@ -62,16 +64,6 @@ def run(cfg: Config) -> dict:
         print(evaluation.generations_text(table, metrics, cfg.evaluate.max_new_tokens))
     print(evaluation.result_line(task, metrics, run_id))
     return metrics
-
-
-def _log_test_input(tracker, run_id: str, cfg: Config, processed) -> None:
-    """The test split as the run's MLflow dataset input (context ``evaluation``; prepare's name and digest,
-    :func:`onegpu.data.describe.inputs`), where data/stats.json names prepare's format."""
-    fmt = paths.read_json(paths.STATS).get("format") if paths.STATS.is_file() else None
-    version = paths.dvc_version()
-    for df, name, context in describe.inputs(processed, fmt, cfg.data.source, {"test": "evaluation"}) if fmt else []:
-        tracker.log_dataset(run_id, df, name=name, source=version, context=context, targets="label",
-                            tags={tracking.DVC_OUT_TAG: version})
 
 
 def _write_predictions(gold, pred, names) -> None:

@@ -116,6 +116,13 @@ class Tracker:
                     tags: dict[str, str] | None = None) -> None:
         self.run(run_id).log_dataset(df, name, source, context, targets, tags)
 
+    def log_data_inputs(self, run_id: str, inputs: list[tuple], version: str) -> None:
+        """Each ``(DataFrame, name, context)`` of ``inputs`` as a dataset input of the run, targets ``label``,
+        read from ``version`` (``data/processed@<DVC md5>``: the source where MLflow has no dataset of that
+        name and digest yet, else it keeps the first one's, and the input's tag ``onegpu.dvc_out``)."""
+        for df, name, context in inputs:
+            self.log_dataset(run_id, df, name, version, context, "label", {runs.DVC_OUT_TAG: version})
+
     def system_metrics(self, run_id: str, interval_s: float = 5.0, resume: bool = False):
         return self.run(run_id).system_metrics(interval_s, resume)
 

@@ -112,7 +112,9 @@ def _run(plan: TrainPlan, tracker, dsd, run_id: str, rows: list, stop: GracefulS
     with tracker.guard(run_id, finish="SCHEDULED", context=context), _flushed(buffer), \
             closing_record(tracker, run_id, rows, load, config_name(plan.cfg), figure_too=not probe):
         tracker.log_params(run_id, plan.params)
-        log_data_inputs(tracker, run_id, plan, dsd)
+        if "format" in plan.stats:  # the splits it trains on, as prepare's run logged them (same digests)
+            tracker.log_data_inputs(run_id, describe.inputs(dsd, plan.stats["format"], plan.cfg.data.source,
+                                                            TRAINING_INPUTS), paths.dvc_version())
         model, tokenizer = built or session.build_model(plan.cfg, plan.model_path, plan.stats, tokenizer)
         tracker.set_tags(run_id, loader.describe(model))
         # Training switches the KV cache off (Trainer and checkpointing); the saved model gets it back.
@@ -135,25 +137,10 @@ def _run(plan: TrainPlan, tracker, dsd, run_id: str, rows: list, stop: GracefulS
     return result
 
 
-# The splits a training run reads, and their MLflow dataset contexts.
+# The splits a training run reads, and their MLflow dataset contexts (Tracker.log_data_inputs: prepare's
+# names and tables, so the same digests; the DVC-tracked version read as the input's tag).
 TRAINING_INPUTS = {"train": "training", "validation": "validation"}
 
-
-
-def log_data_inputs(tracker, run_id: str, plan: TrainPlan, dsd) -> None:
-    """The prepared train and validation splits as the run's MLflow dataset inputs: prepare's names and
-    tables (:func:`onegpu.data.describe.inputs`: the same digests as prepare's run, so the UI links the
-    runs that trained on the same data), the source ``data/processed@<DVC md5>`` and the row counts (the
-    dataset's profile), and the input tag ``onegpu.dvc_out``: ``data/processed@<DVC md5>``, the version
-    DVC tracks (:func:`onegpu.paths.dvc_version`). MLflow keeps one dataset per name and digest: its source
-    stays the one prepare logged (the raw data); that version is the source only where prepare's run is in
-    another experiment. Two store writes. Nothing where the stats name no format (not prepare's)."""
-    if "format" not in plan.stats:
-        return
-    version = paths.dvc_version()
-    for df, name, context in describe.inputs(dsd, plan.stats["format"], plan.cfg.data.source, TRAINING_INPUTS):
-        tracker.log_dataset(run_id, df, name=name, source=version, context=context, targets="label",
-                            tags={tracking.DVC_OUT_TAG: version})
 
 
 def _progress(plan: TrainPlan, rows: list) -> tuple[int, float | None, int | None]:
