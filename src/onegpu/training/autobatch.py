@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from onegpu.config import LOW_BIT_OPTIMIZERS, TORCHAO_OPTIMIZERS
 from onegpu.errors import ConfigError, UserError
 from onegpu.formatting import GiB, gib, markdown_table, mib
 from onegpu.measure import memory
@@ -92,8 +93,8 @@ def optimizer_state_bytes(model, optim: str) -> int:
         n = p.numel()
         if optim == "adamw_bnb_8bit":
             total += 2 * (n + 4 * math.ceil(n / 256)) if n >= 4096 else 2 * n * 4
-        elif optim in ("adamw_torch_8bit", "adamw_torch_4bit"):
-            total += torchao_state_bytes(n, 8 if optim == "adamw_torch_8bit" else 4)
+        elif optim in TORCHAO_OPTIMIZERS:
+            total += torchao_state_bytes(n, LOW_BIT_OPTIMIZERS[optim])
         elif optim.startswith("adamw"):
             total += 2 * n * 4
         elif optim in ("adagrad", "rmsprop"):

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from functools import partial
 
-from onegpu.config import Config
+from onegpu.config import TORCHAO_OPTIMIZERS, Config
 from onegpu.measure import memory
 from onegpu.training import activation_offloading, checkpointing, distributed, oom
 from onegpu.training.backends.base import TrainRequest
@@ -82,7 +82,7 @@ def make_optimizer(model, cfg: Config):
         import bitsandbytes as bnb
         return bnb.optim.AdamW(groups, lr=t.learning_rate, betas=(0.9, 0.999), eps=1e-8, optim_bits=8,
                                is_paged=False)
-    if t.optim in ("adamw_torch_8bit", "adamw_torch_4bit"):  # _get_torchao_optimizer: block_size 256 for both
+    if t.optim in TORCHAO_OPTIMIZERS:  # _get_torchao_optimizer: block_size 256 for both
         from torchao.optim import AdamW4bit, AdamW8bit
         cls = AdamW8bit if t.optim == "adamw_torch_8bit" else AdamW4bit
         return cls(groups, lr=t.learning_rate, betas=(0.9, 0.999), eps=1e-8, block_size=256,
