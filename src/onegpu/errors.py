@@ -20,3 +20,10 @@ class ModelError(UserError):
 class DiskFullError(UserError):
     """No space was left on the device (or the disk quota was reached) while writing a file: the message
     names the path and the free space (:func:`onegpu.paths.writing`)."""
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """``error`` in one line for a run's description: its type and the first line of its message (at most
+    ``limit`` characters), e.g. ``RuntimeError: CUDA error: an illegal memory access``."""
+    first = (str(error).strip().splitlines() or [""])[0][:limit]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__

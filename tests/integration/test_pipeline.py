@@ -51,6 +51,25 @@ def test_repro_logs_prepare_and_one_complete_training_run(project):
                                     prepared[f"bbcnews-{s}"].source, n)
                    for s, ctx, n in (("train", "training", 24), ("validation", "validation", 16),
                                      ("test", "evaluation", 16))}
+    # The trained model as the run's logged model, its files where DVC keeps them (the tag names train's
+    # DVC hash of models/), the evaluate metrics its own on the test dataset; in the store only its MLmodel.
+    [model] = c.search_logged_models([exp.experiment_id])
+    assert (model.source_run_id, str(model.status), model.model_type) == (
+        run.info.run_id, "READY", "sequence-classification")
+    assert [o.model_id for o in run.outputs.model_outputs] == [model.model_id]
+    models_md5 = next(o["md5"] for o in yaml.safe_load((project / "dvc.lock").read_text())["stages"]["train"]["outs"]
+                      if o["path"] == "models")
+    assert model.tags["onegpu.dvc_out"] == f"models@{models_md5}" and model.tags["onegpu.model_dir"] == "models/model"
+    assert model.params["equivalence_key"] == run.data.tags["equivalence_key"]
+    assert (model.params["finetuning"], model.params["precision"]) == ("full", "fp32")
+    linked = {m.key: (m.value, m.dataset_name, m.dataset_digest) for m in model.metrics}
+    test_set = prepared["bbcnews-test"]
+    assert linked["eval_accuracy"] == (run.data.metrics["eval_accuracy"], "bbcnews-test", test_set.digest)
+    assert {k for k in linked} >= {"eval_loss", "eval_f1_macro", "eval_runtime"}
+    assert model.artifact_location.endswith(f"/mlartifacts/models/{model.model_id}/artifacts")
+    from pathlib import Path
+    stored = [f for f in Path(model.artifact_location[len("file://"):]).rglob("*") if f.is_file()]
+    assert [f.name for f in stored] == ["MLmodel"] and stored[0].stat().st_size < 2_000
     for key in STEP_METRICS:
         history = c.get_metric_history(run.info.run_id, key)
         assert sorted(m.step for m in history) == list(range(1, MAX_STEPS + 1)), key

@@ -138,3 +138,10 @@ def test_causal_lm_metrics_are_the_token_mean_loss_and_its_perplexity():
     assert m["eval_tokens"] == tokens and m["eval_rows"] == 10
     assert m["eval_loss"] == pytest.approx(total / tokens, abs=1e-5)
     assert m["eval_perplexity"] == pytest.approx(math.exp(m["eval_loss"]))
+
+
+def test_a_failed_or_stopped_evaluation_says_so_and_that_the_pipeline_reruns_evaluate_only():
+    note = evaluation.failure_note(ValueError("test split has 0 rows\nTraceback..."))
+    assert note.startswith("**Evaluation failed**: `ValueError: test split has 0 rows` (FAILED;")
+    assert note.endswith("`dvc repro` (or the same `dvc exp run`) runs the evaluation again, not the training.")
+    assert evaluation.failure_note(KeyboardInterrupt()).startswith("**Evaluation stopped** (interrupted; KILLED).")

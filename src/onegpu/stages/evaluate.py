@@ -29,17 +29,19 @@ def run(cfg: Config) -> dict:
     tracker = tracking.connect(cfg.tracking.experiment_name)
     task = cfg.model.task
     run_id, reproduces = tracking.open_evaluation_run(tracker, record, flatten(cfg.to_dict()))
-    with tracker.guard(run_id, finish=True):
+    with tracker.guard(run_id, finish=True, note=evaluation.failure_note):
         from datasets import load_from_disk
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()  # no "Loading weights" bar in the pipeline's output
 
         model, tokenizer = loader.load_trained(paths.MODEL_DIR, task)
         processed = load_from_disk(str(paths.PROCESSED))
-        test = processed["test"]
+        test, test_input = processed["test"], None
         if (fmt := paths.read_json(paths.STATS).get("format") if paths.STATS.is_file() else None) is not None:
-            tracker.log_data_inputs(run_id, describe.inputs(processed, fmt, cfg.data.source, {"test": "evaluation"}),
-                                    paths.dvc_version())
+            [test_input] = tracker.log_data_inputs(
+                run_id, describe.inputs(processed, fmt, cfg.data.source, {"test": "evaluation"}), paths.dvc_version())
+        model_id = (tracker.log_model(run_id, tracking.models.locked(record["logged_model"]))  # train's, or made now
+                    if record.get("logged_model") else None)
         device = memory.default_device()
         if reproduces:  # the training run's tag names the device it trained on; this one evaluated here
             tracker.set_tags(run_id, {"device": memory.device_name(device)})
@@ -47,7 +49,7 @@ def run(cfg: Config) -> dict:
         with tracker.system_metrics(run_id, resume=True):
             metrics, table, gold, pred = evaluation.metrics(model, tokenizer, test, cfg, device)
         metrics["eval_mem_peak_bytes"] = memory.peak_bytes(device)
-        tracker.log_metrics(run_id, metrics)
+        tracker.log_metrics(run_id, metrics, model_id=model_id, dataset=test_input)  # the run's and the model's
         names = test.features["label"].names
         if gold:
             tracker.log_figure(run_id, evaluation.confusion_figure(gold, pred, names), "confusion_matrix.png")

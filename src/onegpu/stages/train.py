@@ -8,6 +8,7 @@ No run is RUNNING unless a process writes to it. The run itself: :mod:`onegpu.tr
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 
 from onegpu import paths, tracking
 from onegpu.config import Config
@@ -58,7 +59,8 @@ def _write_outputs(result: tracked_run.TrainResult) -> None:
         headline[outside_load.METRIC] = result.outside_load["cpu_busy"]
     paths.write_json_atomic(paths.TRAIN_METRICS, headline)
     paths.write_json_atomic(paths.RUN_FILE, tracking.run_record(result.run_id, result.experiment_id, result.plan.key,
-                                                                paths.tracking_uri(), tracking.run_name()))
+                                                                paths.tracking_uri(), tracking.run_name(),
+                                                                result.model_spec and asdict(result.model_spec)))
 
 
 def _save_model(model, directory, config_values: dict) -> None:

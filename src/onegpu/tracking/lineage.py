@@ -29,11 +29,14 @@ REPRODUCED_BY = "onegpu.reproduced_by"
 REPRODUCED_BY_STORE = "onegpu.reproduced_by_store"
 
 
-def run_record(run_id: str, experiment_id: str, equivalence_key: str, uri: str, run_name: str | None) -> dict:
-    """The contents of ``models/mlflow_run.json``: ids, ``equivalence_key``, ``run_name`` and the store's
-    URI with any password replaced by ``***`` (it is kept by DVC and pushed to remotes)."""
-    return {"run_id": run_id, "experiment_id": experiment_id, "equivalence_key": equivalence_key,
-            "run_name": run_name, "tracking_uri": redact(uri)}
+def run_record(run_id: str, experiment_id: str, equivalence_key: str, uri: str, run_name: str | None,
+               logged_model: dict | None = None) -> dict:
+    """The contents of ``models/mlflow_run.json``: ids, ``equivalence_key``, ``run_name``, the store's
+    URI with any password replaced by ``***`` (it is kept by DVC and pushed to remotes) and ``logged_model``
+    (the fields of the :class:`onegpu.tracking.ModelSpec` train logged, for evaluate; absent when None)."""
+    record = {"run_id": run_id, "experiment_id": experiment_id, "equivalence_key": equivalence_key,
+              "run_name": run_name, "tracking_uri": redact(uri)}
+    return {**record, "logged_model": logged_model} if logged_model else record
 
 
 def open_evaluation_run(tracker, record: dict, params: dict[str, Any]) -> tuple[str, str | None]:

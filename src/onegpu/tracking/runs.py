@@ -31,6 +31,8 @@ WRITER_HOST, WRITER_PID, WRITER_STARTED = "onegpu.writer.host", "onegpu.writer.p
 KILLED_REASON = "onegpu.killed_reason"
 # Tag on a run whose param value was cut at MLflow's limit: the keys, comma-separated.
 TRUNCATED_PARAMS = "onegpu.truncated_params"
+# The run's description (Markdown), on top of MLflow's run page.
+NOTE_TAG = "mlflow.note.content"
 # A dataset input's tag: the DVC-tracked version the run read the split from (``data/processed@<md5>.dir``).
 DVC_OUT_TAG = "onegpu.dvc_out"
 
@@ -69,9 +71,23 @@ def writer_gone(tags: dict[str, str]) -> str | None:
     return None
 
 
-def reap_orphans(client, experiment_id: str) -> list[str]:
+def killed_note(run, why: str) -> str:
+    """The description (Markdown) of a run marked KILLED because its writer is gone (``why``): what happened,
+    and how to go on: train again (it resumes from the newest checkpoint), or, when the training had
+    finished (``train_runtime`` logged) and its evaluation was killed, run the pipeline again."""
+    if "train_runtime" in run.data.metrics:
+        then = "the training had finished: `dvc repro` (or the same `dvc exp run`) runs its evaluation again."
+    else:
+        then = ("the steps it wrote are in its metrics. To resume: train again (`dvc repro`, or the same "
+                "`dvc exp run`), from the newest checkpoint `train.save_steps` wrote, if any.")
+    return f"**Killed outright** (KILLED): {why}; {then}"
+
+
+def reap_orphans(client, experiment_id: str, on_reaped=None) -> list[str]:
     """Mark KILLED every RUNNING run of ``experiment_id`` whose writer process is gone from this host
-    (tag ``onegpu.killed_reason`` says why); return their ids. Runs on other hosts, runs without
+    (tag ``onegpu.killed_reason`` says why; the description, :data:`NOTE_TAG`, says it first, over what it
+    held) and return their ids. ``on_reaped(run, note)``, when given, is called for each (the train stage
+    draws the run's figure from its logged steps); its failure is ignored. Runs on other hosts, runs without
     writer tags and live writers are left alone; a store that cannot be searched is skipped."""
     try:
         runs = client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'",
@@ -87,12 +103,20 @@ def reap_orphans(client, experiment_id: str) -> list[str]:
         # outright (SIGKILL, which the kernel's out-of-memory killer sends), crashed, or lost power.
         why += (" without ending the run (killed outright: SIGKILL, e.g. the out-of-memory killer (see dmesg), "
                 "a crash or a power loss)")
+        note = killed_note(run, why)
+        before = run.data.tags.get(NOTE_TAG)
         try:
             client.set_tag(run.info.run_id, KILLED_REASON, f"left RUNNING: {why}")
+            client.set_tag(run.info.run_id, NOTE_TAG, f"{note}\n\n{before}" if before else note)
             client.set_terminated(run.info.run_id, status="KILLED")
         except Exception:
             continue
         reaped.append(run.info.run_id)
+        if on_reaped is not None:
+            try:
+                on_reaped(run, note)
+            except Exception:
+                pass
         print(f"onegpu: MLflow run {run.info.run_name or ''} {run.info.run_id} was left RUNNING and {why}; "
               "marked KILLED", file=sys.stderr, flush=True)
     return reaped
@@ -142,12 +166,13 @@ class RunHandle:
         self.writer.write(self.run_id, "reopen", ["RUNNING"])
 
     @contextmanager
-    def guard(self, finish: bool | str = True, context=None):
+    def guard(self, finish: bool | str = True, context=None, note=None):
         """End the run FAILED (KILLED on Ctrl-C or SIGTERM) with the error as tags if the block raises;
         if it returns, FINISHED when ``finish`` is true, or the status ``finish`` names (train ends its run
         SCHEDULED: trained, its evaluate stage still to come). A run that ``finish=False`` leaves RUNNING
         must be ended by the same process: no run stays RUNNING without a writer.
-        ``context``: a callable returning more tags for the error (e.g. ``error.step``)."""
+        ``context``: a callable returning more tags for the error (e.g. ``error.step``); ``note``: a callable
+        ``(error) -> Markdown`` put first in the run's description (:data:`NOTE_TAG`), over what it held."""
         try:
             yield self
         except BaseException as e:
@@ -155,6 +180,9 @@ class RunHandle:
                 extra = context() if context else {}
                 if getattr(e, "step", None) is not None:  # the error knows its optimizer step
                     extra["error.step"] = str(e.step)
+                if note is not None:
+                    before = self.client.get_run(self.run_id).data.tags.get(NOTE_TAG)
+                    extra[NOTE_TAG] = redact(note(e), self.writer.uri) + (f"\n\n{before}" if before else "")
                 message = redact(str(e), self.writer.uri)[:5000]  # MLflow's errors quote the store URL
                 self.set_tags({"error.type": type(e).__name__, "error.message": message, **extra})
                 self.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
@@ -182,10 +210,15 @@ class RunHandle:
         """Set tags (values as strings) in batches of 100."""
         self._write_batches("tags", [[k, str(v)] for k, v in tags.items()], 100)
 
-    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
-        """Log several scalar metrics at one ``step`` in one batch (``None`` values skipped), now."""
+    def log_metrics(self, metrics: dict[str, float], step: int = 0, model_id: str | None = None,
+                    dataset: tuple[str, str] | None = None) -> None:
+        """Log several scalar metrics at one ``step`` in one batch (``None`` values skipped), now; with
+        ``model_id`` (a logged model's) and ``dataset`` (``(name, digest)`` of a dataset input) they are also
+        that model's metrics on that dataset (MLflow's Models tab)."""
         ts = int(time.time() * 1000)
-        self._write_batches("metrics", [[k, float(v), ts, step] for k, v in metrics.items() if v is not None], 1000)
+        link = [model_id, *(dataset or (None, None))] if model_id or dataset else []
+        self._write_batches("metrics", [[k, float(v), ts, step, *link] for k, v in metrics.items() if v is not None],
+                            1000)
 
     def _write_batches(self, kind: str, items: list, size: int) -> None:
         for i in range(0, len(items), size):
@@ -230,10 +263,11 @@ class RunHandle:
             self.client.log_table(self.run_id, data=data, artifact_file=artifact_file)
 
     def log_dataset(self, df, name: str, source: str, context: str, targets: str | None = None,
-                    tags: dict[str, str] | None = None) -> None:
+                    tags: dict[str, str] | None = None) -> tuple[str, str]:
         """Record a pandas DataFrame as an MLflow dataset input (schema, digest, source) of the run, with its
         ``context`` and ``tags`` as the input's tags. MLflow keeps one dataset per name and digest in an
-        experiment: its source is the one first logged (prepare's, for a split); ``tags`` are this run's."""
+        experiment: its source is the one first logged (prepare's, for a split); ``tags`` are this run's.
+        Returns the dataset's ``(name, digest)``."""
         import warnings
 
         import mlflow.data
@@ -243,6 +277,7 @@ class RunHandle:
             ds = mlflow.data.from_pandas(df, source=source, name=name, targets=targets)
         input_tags = [InputTag("mlflow.data.context", context)] + [InputTag(k, v) for k, v in (tags or {}).items()]
         self.client.log_inputs(self.run_id, [DatasetInput(ds._to_mlflow_entity(), input_tags)])
+        return ds.name, ds.digest
 
     @contextmanager
     def system_metrics(self, interval_s: float = 5.0, resume: bool = False):

@@ -22,14 +22,15 @@ KINDS = ("metrics", "params", "tags", "status", "reopen")
 
 def apply(client, run_id: str, kind: str, items: list) -> None:
     """Send one write in spool format to the store: ``kind`` is one of :data:`KINDS`; ``items`` are
-    ``[key, value, timestamp_ms, step]`` (metrics), ``[key, value]`` (params, tags) or ``[status]``.
+    ``[key, value, timestamp_ms, step]`` (metrics; plus ``model_id, dataset_name, dataset_digest`` for a
+    metric of a logged model on a dataset), ``[key, value]`` (params, tags) or ``[status]``.
 
     Raises:
         ValueError: an unknown ``kind``; else whatever the MLflow client raises.
     """
     from mlflow.entities import Metric, Param, RunTag
     if kind == "metrics":
-        client.log_batch(run_id, metrics=[Metric(k, v, ts, st) for k, v, ts, st in items], synchronous=True)
+        client.log_batch(run_id, metrics=[Metric(*item) for item in items], synchronous=True)
     elif kind == "params":
         client.log_batch(run_id, params=[Param(k, v) for k, v in items], synchronous=True)
     elif kind == "tags":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +18,8 @@ from urllib.parse import urlparse
 
 from onegpu import paths
 from onegpu.errors import UserError
-from onegpu.tracking import runs
-from onegpu.tracking.spool import SpoolingWriter, replay_all
+from onegpu.tracking import models, runs
+from onegpu.tracking.spool import SpoolingWriter, is_outage, replay_all
 from onegpu.tracking.uri import redact, store_uri
 
 
@@ -43,10 +44,10 @@ class Tracker:
         """The handle that writes to ``run_id`` (params, tags, metrics, artifacts, status)."""
         return runs.RunHandle(self.client, run_id, self.writer)
 
-    def start_run(self, run_name: str | None, tags: dict[str, str]) -> str:
+    def start_run(self, run_name: str | None, tags: dict[str, str], on_reaped=None) -> str:
         """Create a run (status RUNNING, this process as its writer) and return its id. Orphans of the
-        experiment are reaped first (:meth:`reap_orphans`)."""
-        self.reap_orphans()
+        experiment are reaped first (:meth:`reap_orphans`, ``on_reaped`` called for each)."""
+        self.reap_orphans(on_reaped)
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags={**tags, **runs.writer_tags()})
         return run.info.run_id
 
@@ -59,9 +60,9 @@ class Tracker:
         self.reap_orphans()
         self.run(run_id).reopen()
 
-    def reap_orphans(self) -> list[str]:
+    def reap_orphans(self, on_reaped=None) -> list[str]:
         """Mark KILLED the experiment's RUNNING runs whose writer is gone (:func:`runs.reap_orphans`)."""
-        return runs.reap_orphans(self.client, self.experiment_id)
+        return runs.reap_orphans(self.client, self.experiment_id, on_reaped)
 
     def find_run(self, run_id: str):
         """The MLflow run ``run_id`` (deleted ones too), or None when the store does not have it or
@@ -82,8 +83,8 @@ class Tracker:
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.run(run_id).end(status)
 
-    def guard(self, run_id: str, finish: bool | str = True, context=None):
-        return self.run(run_id).guard(finish, context)
+    def guard(self, run_id: str, finish: bool | str = True, context=None, note=None):
+        return self.run(run_id).guard(finish, context, note)
 
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
         self.run(run_id).log_params(params)
@@ -91,8 +92,9 @@ class Tracker:
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
         self.run(run_id).set_tags(tags)
 
-    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-        self.run(run_id).log_metrics(metrics, step)
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0, model_id: str | None = None,
+                    dataset: tuple[str, str] | None = None) -> None:
+        self.run(run_id).log_metrics(metrics, step, model_id, dataset)
 
     def metric_buffer(self, run_id: str, flush_every: int = 200, flush_seconds: float = 30.0):
         return self.run(run_id).metric_buffer(flush_every, flush_seconds)
@@ -113,15 +115,38 @@ class Tracker:
         self.run(run_id).log_table(data, artifact_file)
 
     def log_dataset(self, run_id: str, df, name: str, source: str, context: str, targets: str | None = None,
-                    tags: dict[str, str] | None = None) -> None:
-        self.run(run_id).log_dataset(df, name, source, context, targets, tags)
+                    tags: dict[str, str] | None = None) -> tuple[str, str]:
+        return self.run(run_id).log_dataset(df, name, source, context, targets, tags)
 
-    def log_data_inputs(self, run_id: str, inputs: list[tuple], version: str) -> None:
+    def log_data_inputs(self, run_id: str, inputs: list[tuple], version: str) -> list[tuple[str, str]]:
         """Each ``(DataFrame, name, context)`` of ``inputs`` as a dataset input of the run, targets ``label``,
         read from ``version`` (``data/processed@<DVC md5>``: the source where MLflow has no dataset of that
-        name and digest yet, else it keeps the first one's, and the input's tag ``onegpu.dvc_out``)."""
-        for df, name, context in inputs:
-            self.log_dataset(run_id, df, name, version, context, "label", {runs.DVC_OUT_TAG: version})
+        name and digest yet, else it keeps the first one's, and the input's tag ``onegpu.dvc_out``).
+        Returns each input's ``(name, digest)``."""
+        return [self.log_dataset(run_id, df, name, version, context, "label", {runs.DVC_OUT_TAG: version})
+                for df, name, context in inputs]
+
+    def log_model(self, run_id: str, spec: models.ModelSpec) -> str | None:
+        """The logged model of training run ``run_id`` (:mod:`onegpu.tracking.models`): the one the store has
+        (``spec.tags`` set on it again: evaluate adds the DVC hash), else a new one of ``spec``. Returns its id;
+        None when the store cannot be reached now (said once on stderr; the next stage that logs the model,
+        evaluate, creates it), and the metrics then stay the run's alone.
+
+        Raises:
+            Exception: what the store raises when it is not an outage (or always, without a spool).
+        """
+        try:
+            model_id = models.find(self.client, self.experiment_id, run_id)
+            if model_id is None:
+                return models.create(self.client, self.experiment_id, run_id, spec)
+            self.client.set_logged_model_tags(model_id, spec.tags)
+            return model_id
+        except Exception as e:
+            if self.spool_dir is None or not is_outage(e):
+                raise
+            print(f"onegpu: the MLflow store {redact(self.uri)} is unreachable ({type(e).__name__}): the trained "
+                  "model is not recorded as a logged model now; evaluate records it", file=sys.stderr, flush=True)
+            return None
 
     def system_metrics(self, run_id: str, interval_s: float = 5.0, resume: bool = False):
         return self.run(run_id).system_metrics(interval_s, resume)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+from collections.abc import Callable
 
-from onegpu.errors import DiskFullError
+from onegpu.errors import DiskFullError, one_line
 from onegpu.measure import outside_load
-from onegpu.training import distributed, figure
-from onegpu.training.run_tags import table_tags
+from onegpu.training import distributed, figure, interrupt
+from onegpu.training.run_tags import CONFIG_TAG, table_tags
 
 
 def own_tree_root() -> int:
@@ -20,34 +22,56 @@ def own_tree_root() -> int:
 
 
 @contextlib.contextmanager
-def closing_record(tracker, run_id: str, rows: list, load: outside_load.Watch, title: str, figure_too: bool = True):
+def closing_record(tracker, run_id: str, rows: list, load: outside_load.Watch, title: str, figure_too: bool = True,
+                   kept: Callable[[], int | None] | None = None):
     """On the way out, finished or not (rank 0 only): the outside load over the training window as the
     tag ``onegpu.outside_load`` and the metric ``train_outside_cpu_load`` (a line printed when the run
     was under load), and (``figure_too``) the run's figure (:mod:`onegpu.training.figure`) of the steps
-    measured. ``rows``: ``(optimizer step, metrics)`` pairs as the sink got them; ``title``: the figure's
-    (the run's :func:`onegpu.training.run_tags.config_name`). Nothing here may hide the training's own
-    error; a full disk fails a run that had not failed already."""
-    failed = True
+    measured, under what happened (:func:`ending`) when the block raised. ``rows``: ``(optimizer step,
+    metrics)`` pairs as the sink got them; ``title``: the figure's (the run's
+    :func:`onegpu.training.run_tags.config_name`); ``kept``: the newest checkpoint's optimizer step, or None.
+    Nothing here may hide the training's own error; a full disk fails a run that had not failed already."""
+    error: BaseException | None = None
     try:
         yield
-        failed = False
+    except BaseException as e:
+        error = e
+        raise
     finally:
         if distributed.is_main():
             try:
-                log_closing(tracker, run_id, rows, load.stop(), failed, title, figure_too)
+                text = ending(error, kept() if kept else None) if error is not None else ""
+                log_closing(tracker, run_id, rows, load.stop(), error is not None, title, figure_too, text)
             except DiskFullError as e:  # the run fails on it, unless it failed already (that error comes first)
-                if not failed:
+                if error is None:
                     raise
                 print(f"train: the run's figure was not logged: {e}")
             except Exception as e:  # a figure that cannot be drawn costs the figure only
                 print(f"train: the run's figure or outside load was not logged ({type(e).__name__}: {e})")
 
 
+def ending(error: BaseException, kept: int | None) -> str:
+    """What happened to a run that did not finish and what to do, in one Markdown line for its description:
+    the signal and step of a stop (KILLED) or the error's type and first line (FAILED), and the command that
+    resumes it (:func:`onegpu.training.interrupt.resume_command`), from checkpoint ``kept`` when there is one."""
+    cmd = interrupt.resume_command()
+    if isinstance(error, KeyboardInterrupt):
+        name = signal.Signals(getattr(error, "signum", signal.SIGINT)).name
+        what = (f" after optimizer step {error.step}" if isinstance(error, interrupt.Interrupted)
+                else f": {str(error).split(' stopped ', 1)[-1]}" if str(error) else "")
+        start = f"from the checkpoint of optimizer step {kept}" if kept else "from the start (no checkpoint yet)"
+        return f"**Stopped by {name}**{what} (KILLED). To resume: {cmd}, {start}."
+    start = f"from the checkpoint of optimizer step {kept}" if kept else "from the start"
+    return (f"**Failed**: `{one_line(error)}` (FAILED; the whole message is the tag "
+            f"`error.message`). Once the cause is fixed: {cmd}, {start}.")
+
+
 def log_closing(tracker, run_id: str, rows: list, load: dict | None, failed: bool, title: str,
-                figure_too: bool = True) -> None:
+                figure_too: bool = True, happened: str = "") -> None:
     """Log the outside load ``load`` (:meth:`onegpu.measure.outside_load.Watch.stop`'s dict; None:
     unmeasured) and (``figure_too``) the figure and its thumbnail of ``rows`` into ``run_id``, noting a
-    ``failed`` (or stopped) run and a run under outside load on the figure; the run's description shows it.
+    ``failed`` (or stopped) run and a run under outside load on the figure; the run's description shows it,
+    under ``happened`` (Markdown: what happened, :func:`ending`).
 
     Raises:
         DiskFullError: an artifact could not be written for lack of space.
@@ -74,4 +98,20 @@ def log_closing(tracker, run_id: str, rows: list, load: dict | None, failed: boo
         finally:
             import matplotlib.pyplot as plt  # heavy: only once a figure exists
             plt.close(fig)
-    tracker.set_tags(run_id, {figure.NOTE_TAG: figure.description(run_id)})
+    tracker.set_tags(run_id, {figure.NOTE_TAG: figure.description(run_id, happened)})
+
+
+def reaped_figure(tracker):
+    """``on_reaped`` for :meth:`onegpu.tracking.Tracker.start_run`: a run marked KILLED because its process
+    was killed outright (SIGKILL, the out-of-memory killer) gets the figure it could not draw itself, from
+    the steps it logged, under its note. A run that has its figure already (its training finished) keeps it."""
+    from onegpu import tracking
+
+    def draw(run, note: str) -> None:
+        if "get-artifact" in run.data.tags.get(figure.NOTE_TAG, ""):
+            return
+        series = tracking.metric_histories(tracker, run.info.run_id, tuple(p[0] for p in figure.PANELS))
+        rows = [(step, {key: value}) for key, points in series.items() for step, value in points]
+        title = run.data.tags.get(CONFIG_TAG) or run.info.run_name or ""
+        log_closing(tracker, run.info.run_id, rows, None, True, title, happened=note)
+    return draw

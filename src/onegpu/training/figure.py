@@ -72,12 +72,13 @@ def plot_steps(rows: list[tuple[int, dict]], title: str, note: str = "", thumbna
     return fig
 
 
-def description(run_id: str) -> str:
-    """The run's description (MLflow renders it as Markdown, HTML allowed): the figure, through the MLflow
-    server's ``get-artifact`` address relative to the UI's page (any host and port): the thumbnail
-    (78 px high: the description's first 100 px show it whole; MLflow drops an image's size attributes),
-    linked to the full-size figure."""
+def description(run_id: str, text: str = "") -> str:
+    """The run's description (MLflow renders it as Markdown, HTML allowed): ``text`` (Markdown, e.g. why
+    the run stopped and how to resume it) over the figure, through the MLflow server's ``get-artifact``
+    address relative to the UI's page (any host and port): the thumbnail (78 px high: the description's
+    first 100 px show it whole; MLflow drops an image's size attributes), linked to the full-size figure."""
     def src(name: str) -> str:
         return f"get-artifact?path={name}&amp;run_uuid={run_id}"
-    return (f'<a href="{src(FIGURE)}"><img src="{src(THUMBNAIL)}" '
-            'alt="loss, grad_norm, memory and speed per optimizer step"></a>')
+    image = (f'<a href="{src(FIGURE)}"><img src="{src(THUMBNAIL)}" '
+             'alt="loss, grad_norm, memory and speed per optimizer step"></a>')
+    return f"{text}\n\n{image}" if text else image

@@ -27,10 +27,10 @@ from onegpu.data import describe
 from onegpu.equivalence import resolved_params
 from onegpu.formatting import gib
 from onegpu.measure import memory, outside_load
-from onegpu.models import loader
+from onegpu.models import loader, record
 from onegpu.training import autobatch, checkpointing, distributed, host_allocator, session
 from onegpu.training.batches import train_collator, training_rows
-from onegpu.training.closing_record import closing_record, own_tree_root
+from onegpu.training.closing_record import closing_record, own_tree_root, reaped_figure
 from onegpu.training.interrupt import GracefulStop, Interrupted
 from onegpu.training.loss import loss_for
 from onegpu.training.recorder import step_metrics
@@ -48,7 +48,8 @@ class TrainResult:
     summary metrics logged to the run, the plan with its final layout, the MLflow run and experiment ids,
     ``saved_config`` (model config values to put back before saving, e.g. ``use_cache``) and
     ``train_s`` (wall seconds inside the backend's ``train``) and ``outside_load`` (what other processes
-    took of the machine meanwhile, :mod:`onegpu.measure.outside_load`; None when unmeasured)."""
+    took of the machine meanwhile, :mod:`onegpu.measure.outside_load`; None when unmeasured) and
+    ``model_spec`` (the run's logged model, :func:`onegpu.models.record.logged_model`)."""
     model: object
     tokenizer: object
     steps: object
@@ -59,6 +60,7 @@ class TrainResult:
     saved_config: dict
     train_s: float
     outside_load: dict | None = None
+    model_spec: tracking.ModelSpec | None = None
 
 
 def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | None = None,
@@ -110,7 +112,8 @@ def _run(plan: TrainPlan, tracker, dsd, run_id: str, rows: list, stop: GracefulS
         return {"error.step": str(_progress(plan, rows)[0] + 1)}
 
     with tracker.guard(run_id, finish="SCHEDULED", context=context), _flushed(buffer), \
-            closing_record(tracker, run_id, rows, load, config_name(plan.cfg), figure_too=not probe):
+            closing_record(tracker, run_id, rows, load, config_name(plan.cfg), figure_too=not probe,
+                           kept=lambda: getattr(latest_checkpoint(plan.checkpoint_dir), "step", None)):
         tracker.log_params(run_id, plan.params)
         if "format" in plan.stats:  # the splits it trains on, as prepare's run logged them (same digests)
             tracker.log_data_inputs(run_id, describe.inputs(dsd, plan.stats["format"], plan.cfg.data.source,
@@ -131,9 +134,11 @@ def _run(plan: TrainPlan, tracker, dsd, run_id: str, rows: list, stop: GracefulS
             load.stop()
         summary = log_results(plan, tracker, run_id, buffer, model, steps)
         result = TrainResult(model, tokenizer, steps, summary, plan, run_id, tracker.experiment_id,
-                             saved_config, train_s, load.result)
-        if save is not None:
+                             saved_config, train_s, load.result,
+                             record.logged_model(plan.cfg, plan.key, tracking.run_name() or config_name(plan.cfg)))
+        if save is not None:  # the stage's outputs, then the model in them as the run's logged model
             save(result)
+            tracker.log_model(run_id, result.model_spec)
     return result
 
 
@@ -202,7 +207,8 @@ def _start_run(plan: TrainPlan, tracker, name: str | None = None, tidy: bool = T
         tags["onegpu.resumed_from"] = resume.run_id or ""
         tags["onegpu.resumed_at_step"] = str(resume.step)
     tags[CONFIG_TAG] = config_name(plan.cfg)
-    run_id = tracker.start_run(name or tracking.run_name() or tags[CONFIG_TAG], tags)
+    run_id = tracker.start_run(name or tracking.run_name() or tags[CONFIG_TAG], tags,
+                               on_reaped=reaped_figure(tracker))
     distributed.announce_run(run_id, plan.cfg.tracking.experiment_name)
     if resume:
         print(f"train: resuming from {resume.path} (optimizer step {resume.step} of MLflow run "

@@ -229,11 +229,16 @@ def test_train_stage_saves_adapter_and_merged_model_that_evaluate_the_same(tmp_p
     monkeypatch.chdir(tmp_path)
     cfg = _cfg("accelerate", lora_cfg={**LORA, "dropout": 0.1})
     model, steps = _train(cfg, _lora_bert(cfg), tokenizer(), dataset(24))
+    from onegpu.models import record
+    spec = record.logged_model(cfg, "k", "lora-r4")
     result = types.SimpleNamespace(model=model, tokenizer=tokenizer(), steps=steps, summary={"train_loss": 1.0},
                                    run_id="r", experiment_id="e", plan=types.SimpleNamespace(key="k"),
-                                   saved_config={}, outside_load=None)
+                                   saved_config={}, outside_load=None, model_spec=spec)
     train_stage._write_outputs(result)
     assert (paths.ADAPTER_DIR / "adapter_config.json").is_file()
+    # the run file keeps the logged model for evaluate: it names the adapter and the base
+    kept = paths.read_json(paths.RUN_FILE)["logged_model"]
+    assert kept["tags"][record.ADAPTER_TAG] == "models/adapter" and kept["params"]["finetuning"] == "lora"
     merged, tok = loader.load_trained(paths.MODEL_DIR)
     assert type(merged).__name__ == "BertForSequenceClassification"
     assert not any("lora" in n for n, _ in merged.named_parameters())
@@ -257,9 +262,10 @@ def test_full_fine_tuning_removes_a_stale_adapter(tmp_path, monkeypatch):
     (tmp_path / paths.ADAPTER_DIR / "adapter_config.json").write_text("{}")
     result = types.SimpleNamespace(model=tiny_bert(), tokenizer=tokenizer(), steps=types.SimpleNamespace(rows=[]),
                                    summary={}, run_id="r", experiment_id="e", plan=types.SimpleNamespace(key="k"),
-                                   saved_config={}, outside_load=None)
+                                   saved_config={}, outside_load=None, model_spec=None)
     train_stage._write_outputs(result)
     assert not (tmp_path / paths.ADAPTER_DIR).exists()
+    assert "logged_model" not in paths.read_json(paths.RUN_FILE)
     assert (tmp_path / paths.MODEL_DIR / "config.json").is_file()
 
 

@@ -229,6 +229,16 @@ def test_guard_failed_on_error(store):
     assert run.data.tags["error.message"] == "boom"
 
 
+def test_guard_puts_its_note_of_the_error_over_the_description_the_run_had(store):
+    run_id = store.start_run("evaluate-fails", tags={"mlflow.note.content": "<img src='figure'>"})
+    with pytest.raises(ValueError):
+        with store.guard(run_id, note=lambda e: f"**Failed**: `{e}`"):
+            raise ValueError("boom")
+    run = store.client.get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["mlflow.note.content"] == "**Failed**: `boom`\n\n<img src='figure'>"
+
+
 def test_guard_error_message_tag_hides_the_password_of_the_uri(store, monkeypatch):
     monkeypatch.setattr(store.writer, "uri", "http://alice:hunter2@host:5000")
     run_id = store.start_run("fails-on-server", tags={})
@@ -335,6 +345,9 @@ def test_runs_left_running_by_a_killed_process_are_marked_killed_when_a_stage_op
     assert reason.endswith("killed outright: SIGKILL, e.g. the out-of-memory killer (see dmesg), a crash or a "
                            "power loss)")
     assert "another process" in store.client.get_run(reused).data.tags[tracking.KILLED_REASON]
+    # its page says what happened and how to resume, first (the train stage adds the figure: test_closing_record)
+    note = store.client.get_run(orphan).data.tags["mlflow.note.content"]
+    assert note.startswith("**Killed outright** (KILLED): its writer, process ") and "To resume: train again" in note
     for run_id in (alive, other_host, foreign, new):
         assert store.run_status(run_id) == "RUNNING", run_id
     assert store.reap_orphans() == []

@@ -61,3 +61,55 @@ def test_a_full_disk_fails_a_finished_run_but_never_hides_the_trainings_own_erro
         with closing_record.closing_record(Tracker(full_disk=True), "r", ROWS, Watch(), "t"):
             raise RuntimeError("the training's own")
     assert "train: the run's figure was not logged: no space left" in capsys.readouterr().out
+
+
+def test_a_stopped_or_failed_run_says_what_happened_and_how_to_resume_over_its_figure(monkeypatch):
+    import signal
+
+    from onegpu.training import interrupt
+    monkeypatch.setenv("DVC_STAGE", "train")
+    monkeypatch.setenv("MAKELEVEL", "1")
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    stop = closing_record.ending(interrupt.Interrupted(signal.SIGINT, 3), kept=3)
+    assert stop == ("**Stopped by SIGINT** after optimizer step 3 (KILLED). To resume: `make run` again "
+                    "(`dvc repro`), from the checkpoint of optimizer step 3.")
+    abandoned = closing_record.ending(interrupt.stopped_by(signal.SIGTERM, "the run before its training began"), None)
+    assert abandoned.startswith("**Stopped by SIGTERM**: the run before its training began (KILLED). To resume: ")
+    assert abandoned.endswith(", from the start (no checkpoint yet).")
+    monkeypatch.delenv("MAKELEVEL")
+    failed = closing_record.ending(RuntimeError("CUDA error: an illegal memory access\nmore lines"), kept=20)
+    assert failed == ("**Failed**: `RuntimeError: CUDA error: an illegal memory access` (FAILED; the whole message "
+                      "is the tag `error.message`). Once the cause is fixed: `dvc repro`, from the checkpoint of "
+                      "optimizer step 20.")
+
+    class Watch:
+        def stop(self):
+            return None
+
+    tracker = Tracker()
+    with pytest.raises(interrupt.Interrupted):
+        with closing_record.closing_record(tracker, "abcdef0123", ROWS, Watch(), "t", kept=lambda: 2):
+            raise interrupt.Interrupted(signal.SIGINT, 2)
+    note = tracker.tags[figure.NOTE_TAG]
+    assert note == closing_record.ending(interrupt.Interrupted(signal.SIGINT, 2), 2) + "\n\n" + figure.description(
+        "abcdef0123")
+    assert [name for name, _ in tracker.figures] == [figure.FIGURE, figure.THUMBNAIL]
+
+
+def test_a_run_killed_outright_gets_the_figure_of_the_steps_it_logged_under_its_note():
+    from types import SimpleNamespace as NS
+
+    history = {"loss": [NS(step=1, value=1.5, timestamp=1), NS(step=2, value=1.0, timestamp=2)],
+               "grad_norm": [NS(step=1, value=2.0, timestamp=1)]}
+    tracker = Tracker()
+    tracker.client = NS(get_metric_history=lambda run_id, key: history.get(key, []))
+    run = NS(info=NS(run_id="abcdef0123", run_name="bs4x2"), data=NS(tags={"config": "bs4x2-fp32"}))
+    closing_record.reaped_figure(tracker)(run, "**Killed outright** (KILLED): gone")
+    assert [name for name, _ in tracker.figures] == [figure.FIGURE, figure.THUMBNAIL]
+    assert tracker.tags[figure.NOTE_TAG] == "**Killed outright** (KILLED): gone\n\n" + figure.description("abcdef0123")
+    title = tracker.figures[0][1]._suptitle.get_text()
+    assert title.startswith("bs4x2-fp32 (MLflow run abcdef01): 2 optimizer steps; stopped or failed after 2")
+    finished = NS(info=run.info, data=NS(tags={figure.NOTE_TAG: figure.description("abcdef0123")}))
+    tracker.figures.clear()
+    closing_record.reaped_figure(tracker)(finished, "note")  # its training had drawn its figure: kept
+    assert tracker.figures == []
