@@ -43,6 +43,8 @@ EXPERIMENT_KIND = tracking.EXPERIMENT_KIND  # set on a new experiment too (track
 VIEW_METRICS = ("loss", "eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity")
 VIEW_PARAMS = ()
 VIEW_TAGS = ("config", "memory", "outside_load", "speed")  # the UI orders them by name
+# MLflow's own columns (ATTRIBUTE_COLUMN_LABELS): the datasets a run read (name and digest) and its logged model.
+VIEW_ATTRIBUTES = ("Dataset", "Models")
 TRAINING_FILTER = "tags.stage = 'train'"
 
 
@@ -53,8 +55,8 @@ def _column(kind: str, key: str) -> str:
 
 def training_view(metric_keys: set[str] | None = None) -> dict:
     """The runs-table view state that ``onegpu ui`` saves: training runs only (``tags.stage = 'train'``:
-    no prepare or comparison runs), newest first, columns :data:`VIEW_METRICS` (those in
-    ``metric_keys``, all when None), :data:`VIEW_PARAMS` and :data:`VIEW_TAGS`.
+    no prepare or comparison runs), newest first, columns :data:`VIEW_ATTRIBUTES`, :data:`VIEW_METRICS`
+    (those in ``metric_keys``, all when None), :data:`VIEW_PARAMS` and :data:`VIEW_TAGS`.
 
     The keys are those of MLflow UI's search facets and UI state (``searchFilter``, ``orderByKey``,
     ``orderByAsc``, ``selectedColumns``, ...), as its "Share" button stores them.
@@ -62,7 +64,8 @@ def training_view(metric_keys: set[str] | None = None) -> dict:
     metrics = [m for m in VIEW_METRICS if metric_keys is None or m in metric_keys]
     return {"searchFilter": TRAINING_FILTER, "orderByKey": "attributes.start_time", "orderByAsc": False,
             "startTime": "ALL", "lifecycleFilter": "Active",
-            "selectedColumns": [*(_column("metrics", m) for m in metrics),
+            "selectedColumns": [*(_column("attributes", a) for a in VIEW_ATTRIBUTES),
+                                *(_column("metrics", m) for m in metrics),
                                 *(_column("params", p) for p in VIEW_PARAMS),
                                 *(_column("tags", t) for t in VIEW_TAGS)],
             "runsHiddenMode": "SHOW_ALL"}
@@ -205,6 +208,11 @@ def _wait_until_serving(proc: subprocess.Popen, base: str, log: _Log, timeout_s:
                     + (f" (its last log line: {log.last()})" if log.last() else "") + "; it was stopped")
 
 
+def models_link(tracker, base: str) -> str:
+    """The experiment's Models tab (every trained model with its eval metrics), in the model-training view."""
+    return f"{base}/#/experiments/{tracker.experiment_id}/models?workflowType=machine_learning"
+
+
 def serve(experiment_name: str, host: str = "127.0.0.1", port: int = 5000) -> int:
     """Run ``mlflow server`` (one worker) in the foreground until Ctrl-C; print the runs-table link
     once the server answers, and only then.
@@ -235,7 +243,8 @@ def serve(experiment_name: str, host: str = "127.0.0.1", port: int = 5000) -> in
     try:
         _wait_until_serving(proc, base, log, START_TIMEOUT_S)
         print(f"MLflow UI for experiment {experiment_name!r} (store {tracking.redact(tracker.uri)}):\n"
-              f"  {link}\n" + (f"  the latest training run, {latest}\n" if latest else "") + "Ctrl-C stops it.",
+              f"  {link}\n" + (f"  the latest training run, {latest}\n" if latest else "")
+              + f"  the trained models (MLflow's Models tab): {models_link(tracker, base)}\nCtrl-C stops it.",
               flush=True)
         proc.wait()
         raise _stopped(proc, log, "on its own; the link above no longer works")

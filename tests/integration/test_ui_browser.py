@@ -20,6 +20,11 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 # Final losses chosen to print exactly in the runs table.
 TRAINING = {"split-8x1": (8, 1, 0.8125), "split-2x4": (2, 4, 0.6875)}
+EVAL_ACCURACY = {"split-8x1": 0.90625, "split-2x4": 0.84375}
+SFT_CFG = {"data": {"source": "bbcnews-headlines"},
+           "model": {"task": "causal-lm", "name_or_path": "packaged:SmolLM2-135M-Instruct", "lora": {"r": 8}}}
+TRAIN_INPUTS: list = []  # the (name, digest) of the inputs of the last training run (filled by _fill_store)
+SFT_INPUTS: list = []
 
 
 def _free_port() -> int:
@@ -28,15 +33,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _splits(n: int) -> dict:
+    """Tiny train, validation and test tables (text, label) as the dataset inputs prepare and train log."""
+    import pandas as pd
+    return {s: pd.DataFrame({"text": [f"{s} row {i}" for i in range(n + k)], "label": [i % 2 for i in range(n + k)]})
+            for k, s in enumerate(("train", "validation", "test"))}
+
+
+def _with_model(tr, rid: str, cfg: dict, name: str, metrics: dict) -> tuple:
+    """What train and evaluate log around a model: the datasets, the logged model (as train records it, with
+    the DVC hash evaluate adds) and the eval metrics linked to the model and the test set. Returns the inputs'
+    ``(name, digest)``s."""
+    from onegpu.config import from_container
+    from onegpu.models import record
+    tables = _splits(4)
+    inputs = tr.log_data_inputs(rid, [(tables[s], f"bbcnews-{s}", c) for s, c in
+                                      (("train", "training"), ("validation", "validation"), ("test", "evaluation"))],
+                                "data/processed@0123456789abcdef0123456789abcdef.dir")
+    spec = record.logged_model(from_container(cfg), "k" * 16, name)
+    spec.tags["onegpu.dvc_out"] = "models@fedcba9876543210fedcba9876543210.dir"
+    tr.log_metrics(rid, metrics, model_id=tr.log_model(rid, spec), dataset=inputs[2])
+    return inputs
+
+
 def _fill_store(root: Path) -> list[str]:
-    """A prepare run, two training runs (tags and metrics as the stages log them) and a comparison run."""
+    """A prepare run, an SFT run and a run stopped by Ctrl-C, two training runs (tags, metrics, datasets and
+    models as the stages log them) and a comparison run. Returns the ids: killed, SFT, then TRAINING's."""
+    import signal as signals
+
     from onegpu import tracking
-    from onegpu.training import closing_record, run_tags
+    from onegpu.training import closing_record, interrupt, run_tags
     tr = tracking.connect("onegpu", root=root)
     prep = tr.start_run("prepare-run", {"stage": "prepare"})
     tr.log_metrics(prep, {"prepare_runtime": 1.0, "prepare_rows_per_second": 100.0, "prepare_mem_peak_bytes": 1e8})
     tr.end_run(prep)
-    ids = []
+    rows = [(s, {"loss": 2.0 / s, "grad_norm": 1.0, "mem_peak_bytes": 2e8, "samples_per_second": 40.0})
+            for s in (1, 2)]
+    killed = tr.start_run("stopped-run", {"stage": "train", "equivalence_key": "k" * 16, "device": "cpu"})
+    happened = closing_record.ending(interrupt.Interrupted(signals.SIGINT, 2), kept=2)
+    closing_record.log_closing(tr, killed, rows, None, True, "bs4x2-fp32", happened=happened)
+    tr.end_run(killed, "KILLED")
+    sft = tr.start_run("sft-lora", {"stage": "train", "equivalence_key": "s" * 16, "device": "cpu"})
+    SFT_INPUTS[:] = _with_model(tr, sft, SFT_CFG, "sft-lora", {"eval_rouge_l": 0.4375, "eval_loss": 2.5})
+    tr.end_run(sft)
+    ids = [killed, sft]
     for name, (micro, accum, final) in TRAINING.items():
         rid = tr.start_run(name, {"stage": "train", "equivalence_key": "k" * 16, "device": "cpu"})
         tr.log_params(rid, {"resolved.per_device_train_batch_size": micro,
@@ -49,14 +89,15 @@ def _fill_store(root: Path) -> list[str]:
             buf.add(metrics, step)
         buf.flush()
         summary = {"train_mem_peak_bytes": 2e8, "train_samples_per_second": 40.0}
-        tr.log_metrics(rid, {**summary, "eval_loss": 0.5})
+        tr.log_metrics(rid, summary)
+        TRAIN_INPUTS[:] = _with_model(tr, rid, {}, name, {"eval_loss": 0.5, "eval_accuracy": EVAL_ACCURACY[name]})
         # what the train stage logs at its end: the figure as the run's description, the table's tags
         load = {"cpu_busy": 1.42, "cpus": 2, "share": 0.71, "loadavg": [12.0, 12.5], "window_s": 60.0}
         tr.set_tags(rid, {"config": f"bs{micro}x{accum}-fp32", **run_tags.table_tags(summary)})
         closing_record.log_closing(tr, rid, rows, load, False, f"bs{micro}x{accum}-fp32")
         tr.end_run(rid)
         ids.append(rid)
-    tracking.log_comparison(tr, [], ids, ["k" * 16])
+    tracking.log_comparison(tr, [], ids[2:], ["k" * 16])
     return ids
 
 
@@ -98,6 +139,38 @@ def _figure_pixels(png: Path) -> int:
     return sum(1 for px in img.getdata() if all(abs(a - b) <= 3 for a, b in zip(px, face)))
 
 
+WIDE = (3000, 1000)  # MLflow's tables draw only the columns in view: wide enough for all of them
+
+
+def _check_killed_sft_and_models(runs_url: str, ids: list[str], models_url: str, tmp_path: Path) -> None:
+    """The stopped run's page says what stopped it and how to resume, over its whole figure; the SFT run's
+    lists its model with eval_rouge_l; the Models tab lists every trained model with its eval metrics."""
+    shot = tmp_path / "killed.png"
+    page = load(f"{runs_url}{ids[0]}?workflowType=machine_learning", screenshot=shot)
+    _keep(shot)
+    assert "Stopped by SIGINT" in page.text and "To resume:" in page.text and "Killed" in page.text
+    assert "get-artifact?path=training_steps.png" in page.dom
+    assert 'data-testid="show-comment-toggle"' not in page.dom, "the stopped run's note and figure need Show more"
+    assert _figure_pixels(shot) > 0
+
+    page = load(f"{runs_url}{ids[1]}?workflowType=machine_learning")
+    assert "Logged models (1)" in page.text and "eval_rouge_l" in page.text and "0.4375" in page.text
+
+    assert models_url.endswith("/models?workflowType=machine_learning"), models_url
+    shot = tmp_path / "models.png"
+    page = load(models_url, screenshot=shot, window=WIDE)
+    _keep(shot)
+    text = page.text
+    for name in (*TRAINING, "sft-lora"):
+        assert name in text, f"model {name} not in the Models tab:\n{text[:3000]}"
+    assert "stopped-run" not in text  # a stopped training made no model
+    for column in ("eval_accuracy", "eval_rouge_l"):  # (its params follow, past the window)
+        assert column in text, f"column {column} missing from the Models tab"
+    for value in (*EVAL_ACCURACY.values(), 0.4375):
+        assert str(value) in text, f"{value} not in the Models tab"
+    assert "Agent versions" not in text  # the model-training view of the tab
+
+
 @pytest.mark.slow
 def test_ui_link_opens_training_runs_with_loss_in_model_training_view(tmp_path, monkeypatch):
     require_chromium()
@@ -124,7 +197,7 @@ def test_ui_link_opens_training_runs_with_loss_in_model_training_view(tmp_path, 
         # MLflow's GenAI job runner is off: no huey consumers beside the UI (seven of them by default)
         assert [c for c in _commands(proc.pid) if "huey" in c or "_job_runner" in c] == []
 
-        page = load(link, screenshot=tmp_path / "runs.png")
+        page = load(link, screenshot=tmp_path / "runs.png", window=WIDE)
         _keep(tmp_path / "runs.png")
         text = page.text
         for name, (_, _, final) in TRAINING.items():
@@ -142,6 +215,9 @@ def test_ui_link_opens_training_runs_with_loss_in_model_training_view(tmp_path, 
         for column in ("config", "memory", "speed", "outside_load"):  # people's units in the table
             assert column in text, f"column {column} missing"
         assert "bs8x1-fp32" in text and "191 MiB" in text and "40.00 samples/s" in text and "71% of 2 CPUs" in text
+        digest = dict(TRAIN_INPUTS)  # the Datasets column: train and validation with their digests
+        for split in ("train", "validation"):
+            assert f"bbcnews-{split} ({digest[f'bbcnews-{split}'][:8]})" in text, f"dataset {split} not in the table"
 
         # the latest run's page, in the model-training view, as onegpu ui prints it
         printed = next((ln for ln in [proc.stdout.readline()] if "the latest training run" in ln), "")
@@ -162,6 +238,14 @@ def test_ui_link_opens_training_runs_with_loss_in_model_training_view(tmp_path, 
         session_figure.plot_steps(ROWS_SHOWN, "", thumbnail=True).savefig(thumb)
         assert _figure_pixels(shot) > 0.75 * _figure_pixels(thumb), (
             "the training figure is not whole on the first screen")
+        # what it was trained on (prepare's digest; "+2": validation and test) and the model it made, with its
+        # eval metrics on the test set
+        text = page.text
+        assert f"bbcnews-train ({digest['bbcnews-train'][:8]})" in text and "+2" in text
+        assert "Logged models (1)" in text and f"bbcnews-test (#{digest['bbcnews-test']})" in text
+        assert "eval_accuracy" in text and str(EVAL_ACCURACY["split-2x4"]) in text
+        models = next((ln for ln in [proc.stdout.readline()] if "Models tab" in ln), "")
+        _check_killed_sft_and_models(f"{link.split('?')[0]}/", ids, models.split(": ", 1)[1].strip(), tmp_path)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

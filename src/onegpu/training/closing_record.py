@@ -62,8 +62,7 @@ def ending(error: BaseException, kept: int | None) -> str:
         start = f"from the checkpoint of optimizer step {kept}" if kept else "from the start (no checkpoint yet)"
         return f"**Stopped by {name}**{what} (KILLED). To resume: {cmd}, {start}."
     start = f"from the checkpoint of optimizer step {kept}" if kept else "from the start"
-    return (f"**Failed**: `{one_line(error)}` (FAILED; the whole message is the tag "
-            f"`error.message`). Once the cause is fixed: {cmd}, {start}.")
+    return f"**Failed**: `{one_line(error, 100)}` (FAILED; tag `error.message`). Once fixed: {cmd}, {start}."
 
 
 def log_closing(tracker, run_id: str, rows: list, load: dict | None, failed: bool, title: str,
@@ -92,7 +91,7 @@ def log_closing(tracker, run_id: str, rows: list, load: dict | None, failed: boo
         note.insert(0, f"stopped or failed after {steps} logged optimizer step{'s' if steps != 1 else ''}")
     for name, small in ((figure.FIGURE, False), (figure.THUMBNAIL, True)):
         fig = figure.plot_steps(rows, f"{title} (MLflow run {run_id[:8]}): {steps} optimizer steps", "; ".join(note),
-                                thumbnail=small)
+                                thumbnail=small, short=bool(happened))
         try:
             tracker.log_figure(run_id, fig, name)
         finally:

@@ -35,19 +35,20 @@ def _last(metric: str, values: list[float], scale: float, unit: str) -> str:
     return f"{values[0]:.4g} -> {values[-1]:.4g}"
 
 
-def plot_steps(rows: list[tuple[int, dict]], title: str, note: str = "", thumbnail: bool = False):
+def plot_steps(rows: list[tuple[int, dict]], title: str, note: str = "", thumbnail: bool = False,
+               short: bool = False):
     """A strip of :data:`PANELS` side by side over the optimizer steps of ``rows``, each titled with its
     headline figure (last loss and grad_norm, peak memory, mean speed), under ``title`` and ``note``
     (e.g. ``stopped after 3 optimizer steps``, the outside load): 14 x 2.7 inches at 100 dpi.
     ``thumbnail``: the same curves as sparklines (no axes' numbers), 825 x 78 pixels, without the title:
     MLflow's run description shows 100 px before "Show more", and an image at its own size
-    (:func:`description`).
+    (:func:`description`); ``short``: 54 pixels high, under a line of text in that description.
     Returns the figure (the caller logs and closes it); a panel without values says "not measured"."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
-    size, dpi, font = ((11, 1.04), 75, 9) if thumbnail else ((14, 2.7), 100, 10)
+    size, dpi, font = ((11, 0.72 if short else 1.04), 75, 9) if thumbnail else ((14, 2.7), 100, 10)
     fig, axes = plt.subplots(1, len(PANELS), figsize=size, dpi=dpi, facecolor=FACE)
     for ax, (metric, label, scale, unit) in zip(axes, PANELS):
         steps, values = series(rows, metric)

@@ -78,9 +78,8 @@ def test_a_stopped_or_failed_run_says_what_happened_and_how_to_resume_over_its_f
     assert abandoned.endswith(", from the start (no checkpoint yet).")
     monkeypatch.delenv("MAKELEVEL")
     failed = closing_record.ending(RuntimeError("CUDA error: an illegal memory access\nmore lines"), kept=20)
-    assert failed == ("**Failed**: `RuntimeError: CUDA error: an illegal memory access` (FAILED; the whole message "
-                      "is the tag `error.message`). Once the cause is fixed: `dvc repro`, from the checkpoint of "
-                      "optimizer step 20.")
+    assert failed == ("**Failed**: `RuntimeError: CUDA error: an illegal memory access` (FAILED; tag "
+                      "`error.message`). Once fixed: `dvc repro`, from the checkpoint of optimizer step 20.")
 
     class Watch:
         def stop(self):
