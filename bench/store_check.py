@@ -10,7 +10,11 @@ Rules (names, steps and placement, not the values' correctness):
   :data:`TRAIN_SUMMARY` (peak memory among them); the ``resolved.*`` params, ``train.*`` params and the
   tags :data:`TAGS`; artifacts outside DVC's temporary clones;
 * the runs are ``FINISHED`` (train leaves its run SCHEDULED, evaluate finishes it) with the evaluate
-  metrics :data:`EVAL_SUMMARY`, when ``--finished`` (as after a whole ``dvc repro``).
+  metrics :data:`EVAL_SUMMARY`, when ``--finished`` (as after a whole ``dvc repro``);
+* lineage: every training run has dataset inputs of the contexts ``training`` and ``validation`` with the
+  names and digests prepare's run logged, each tagged with its DVC version; a finished one also the
+  ``evaluation`` input and one READY external logged model of its own (its ``equivalence_key`` param the
+  run's, no artifact but MLflow's ``MLmodel``) whose metrics include :data:`EVAL_SUMMARY` on that input.
 
 Run as ``python -m bench.store_check [PROJECT_ROOT] [--experiment onegpu] [--finished] [--json OUT]``: one
 line per problem and exit 1 when there is any, else a summary line and exit 0. Only reads the store.
@@ -33,6 +37,7 @@ RESOLVED = ("resolved.per_device_train_batch_size", "resolved.gradient_accumulat
             "resolved.effective_batch_size", "resolved.world_size")
 TAGS = ("equivalence_key", "device", "mlflow.source.git.commit")
 DVC_TMP = "/.dvc/tmp/"
+INPUT_CONTEXTS = ("training", "validation")
 
 
 def _missing(have, wanted) -> list[str]:
@@ -77,6 +82,46 @@ def _training_problems(client, run, finished: bool) -> tuple[list[str], dict]:
     return out, facts
 
 
+def _input_problems(run, rid: str, prepared: dict[str, str], finished: bool) -> tuple[list[str], dict]:
+    """Problems of a training run's dataset inputs, and its inputs as ``{context: (name, digest)}``."""
+    got = {}
+    for d in run.inputs.dataset_inputs:
+        tags = {t.key: t.value for t in d.tags}
+        got[tags.get("mlflow.data.context")] = (d.dataset.name, d.dataset.digest, tags.get("onegpu.dvc_out"))
+    out = [f"{rid}: dataset input {c} missing" for c in (*INPUT_CONTEXTS, *(("evaluation",) if finished else ()))
+           if c not in got]
+    for context, (name, digest, dvc_out) in got.items():
+        if name in prepared and prepared[name] != digest:
+            out.append(f"{rid}: dataset {name} ({context}) has digest {digest}, prepare's run logged {prepared[name]}")
+        if not dvc_out:
+            out.append(f"{rid}: dataset {name} ({context}) has no onegpu.dvc_out tag (its DVC version)")
+    return out, {c: (n, d) for c, (n, d, _) in got.items()}
+
+
+def _model_problems(client, run, rid: str, test: tuple[str, str] | None) -> list[str]:
+    """Problems of a finished training run's logged model: there is one, READY, external, of this run's
+    equivalence key, with the eval metrics on the run's evaluation input and no model bytes in the store."""
+    models = client.search_logged_models([run.info.experiment_id],
+                                         filter_string=f"source_run_id = '{run.info.run_id}'")
+    if len(models) != 1:
+        return [f"{rid}: {len(models)} logged models, not 1"]
+    m = models[0]
+    out = [] if str(m.status).endswith("READY") else [f"{rid}: logged model status {m.status}"]
+    if m.tags.get("mlflow.model.isExternal") != "true":
+        out.append(f"{rid}: logged model is not external (its files are meant to stay in DVC)")
+    if m.params.get("equivalence_key") != run.data.tags.get("equivalence_key"):
+        out.append(f"{rid}: logged model's equivalence_key differs from the run's")
+    linked = {x.key: (x.dataset_name, x.dataset_digest) for x in m.metrics}
+    if miss := [k for k in EVAL_SUMMARY if k not in linked]:
+        out.append(f"{rid}: logged model lacks eval metrics {miss}")
+    if test and any(linked[k] != test for k in EVAL_SUMMARY if k in linked):
+        out.append(f"{rid}: logged model's eval metrics are not linked to the evaluation input {test[0]}")
+    files = [a.path for a in client.list_logged_model_artifacts(m.model_id)]
+    if files != ["MLmodel"]:
+        out.append(f"{rid}: logged model has artifacts {files} in the store (only MLmodel is expected)")
+    return out
+
+
 def check(root: Path, experiment: str = "onegpu", finished: bool = False) -> tuple[list[str], dict]:
     """``(problems, facts)`` for the store of the project at ``root`` (``MLFLOW_TRACKING_URI`` if set,
     else ``sqlite:///<root>/mlflow.db``); ``facts`` holds the runs found, for a report."""
@@ -101,9 +146,13 @@ def check(root: Path, experiment: str = "onegpu", finished: bool = False) -> tup
     problems += [f"prepare run {r.info.run_id[:8]} lacks {miss}"
                  for r in prep if (miss := _missing(r.data.metrics, PREPARE))]
     facts = {"uri": uri, "experiment": experiment, "prepare_runs": len(prep), "training_runs": []}
+    prepared = {d.dataset.name: d.dataset.digest for r in prep for d in r.inputs.dataset_inputs}
     for r in train:
         p, f = _training_problems(client, r, finished)
-        problems += p
+        inputs, got = _input_problems(r, f["run"], prepared, finished)
+        if finished:
+            p += _model_problems(client, r, f["run"], got.get("evaluation"))
+        problems += p + inputs
         facts["training_runs"].append(f)
     return problems, facts
 

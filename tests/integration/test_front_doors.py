@@ -96,6 +96,10 @@ def test_make_run_stopped_by_ctrl_c_a_closed_terminal_and_sigterm_resumes_to_the
     first = _train_runs(project)[-1]
     assert first.info.status == "KILLED" and _loss_steps(project, first) == list(range(1, stopped + 1))
     assert "training_steps.png" in [a.path for a in client(project).list_artifacts(first.info.run_id)]
+    # its MLflow page says so too, over its figure, with the command that resumes it
+    assert first.data.tags["mlflow.note.content"].startswith(
+        f"**Stopped by SIGINT** after optimizer step {stopped} (KILLED). To resume: `make run` again (`dvc repro`), "
+        f"from the checkpoint of optimizer step {stopped}.\n\n<a href=\"get-artifact?path=training_steps.png")
 
     # The terminal closed during the resumed training: SIGHUP to make's job; train stops as on Ctrl-C.
     term.start(MAKE_RUN)
@@ -114,7 +118,10 @@ def test_make_run_stopped_by_ctrl_c_a_closed_terminal_and_sigterm_resumes_to_the
     term.read_until(r"Running stage 'evaluate'")
     term.signal_group(signal.SIGTERM)
     assert term.exit_status() != 0
-    assert _train_runs(project)[-1].info.status in ("KILLED", "SCHEDULED")  # stopped before or after it re-opened
+    evaluated = _train_runs(project)[-1]
+    assert evaluated.info.status in ("KILLED", "SCHEDULED")  # stopped before or after it re-opened
+    if evaluated.info.status == "KILLED":  # its page: the evaluation stopped, rerun it (not the training)
+        assert evaluated.data.tags["mlflow.note.content"].startswith("**Evaluation stopped**")
     assert _checkpoints(project) == []  # the training finished: nothing left to resume
 
     # And once more: train is up to date, evaluate runs; the whole curve equals the uninterrupted one.
@@ -123,6 +130,11 @@ def test_make_run_stopped_by_ctrl_c_a_closed_terminal_and_sigterm_resumes_to_the
     last = _train_runs(project)[-1]
     assert last.info.status == "FINISHED" and "eval_accuracy" in last.data.metrics
     assert _loss_steps(project, last) == list(range(1, STEPS + 1))
+    # one model, the finished training's, recorded by train and given its eval metrics by the later evaluate
+    models = client(project).search_logged_models([last.info.experiment_id])
+    assert len(models) == 2  # the reference training's and this one's; the stopped trainings made none
+    [model] = [m for m in models if m.source_run_id == last.info.run_id]
+    assert {m.key: m.value for m in model.metrics}["eval_accuracy"] == last.data.metrics["eval_accuracy"]
     # each stopped run names the run that resumed it, and that one the run it resumed
     chain = _train_runs(project)[1:]
     assert [r.data.tags.get("onegpu.resumed_by") for r in chain[:2]] == [chain[1].info.run_id, chain[2].info.run_id]
