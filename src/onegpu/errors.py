@@ -27,3 +27,12 @@ def one_line(error: BaseException, limit: int = 300) -> str:
     ``limit`` characters), e.g. ``RuntimeError: CUDA error: an illegal memory access``."""
     first = (str(error).strip().splitlines() or [""])[0][:limit]
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def failure_note(error: BaseException, what: str, then: str) -> str:
+    """A run's description (Markdown) when stage ``what`` failed or was stopped: ``**<what> failed**: `<the
+    error in one line>` (FAILED; tag `error.message`). <then>``, or ``**<what> stopped** (KILLED). <then>``
+    (``then``: what to do now)."""
+    if isinstance(error, KeyboardInterrupt):
+        return f"**{what} stopped** ({str(error) or 'interrupted'}; KILLED). {then}"
+    return f"**{what} failed**: `{one_line(error, 100)}` (FAILED; tag `error.message`). {then}"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from onegpu import interpreter
 from onegpu.config import Config
-from onegpu.errors import one_line
+from onegpu.errors import failure_note as failure_note_of
 from onegpu.measure import memory
 from onegpu.training.batches import CausalLMCollator, model_inputs
 from onegpu.training.loss import count_items, loss_for
@@ -211,12 +211,9 @@ RESULT_LINES = {
 def failure_note(error: BaseException) -> str:
     """The run's description (Markdown) when its evaluation failed or was stopped: what happened, in one line,
     and what to do (the training is done: the pipeline runs the evaluation again)."""
-    if isinstance(error, KeyboardInterrupt):
-        what = f"**Evaluation stopped** ({str(error) or 'interrupted'}; KILLED)"
-    else:
-        what = f"**Evaluation failed**: `{one_line(error)}` (FAILED; the whole message is the tag `error.message`)"
-    return (f"{what}. The training finished and its model is in `models/`: once the cause is fixed, `dvc repro` "
-            "(or the same `dvc exp run`) runs the evaluation again, not the training.")
+    return failure_note_of(error, "Evaluation", "The training finished and its model is in `models/`: once the "
+                           "cause is fixed, `dvc repro` (or the same `dvc exp run`) runs the evaluation again, not "
+                           "the training.")
 
 
 def result_line(task: str, metrics: dict, run_id: str) -> str:

@@ -142,6 +142,6 @@ def test_causal_lm_metrics_are_the_token_mean_loss_and_its_perplexity():
 
 def test_a_failed_or_stopped_evaluation_says_so_and_that_the_pipeline_reruns_evaluate_only():
     note = evaluation.failure_note(ValueError("test split has 0 rows\nTraceback..."))
-    assert note.startswith("**Evaluation failed**: `ValueError: test split has 0 rows` (FAILED;")
+    assert note.startswith("**Evaluation failed**: `ValueError: test split has 0 rows` (FAILED; tag `error.message`).")
     assert note.endswith("`dvc repro` (or the same `dvc exp run`) runs the evaluation again, not the training.")
     assert evaluation.failure_note(KeyboardInterrupt()).startswith("**Evaluation stopped** (interrupted; KILLED).")

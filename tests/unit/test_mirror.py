@@ -15,7 +15,6 @@ EXEMPT = {
     "__main__.py": "`python -m onegpu`: calls cli.entry; tests/unit/test_cli.py and the integration tests",
     "compare/records.py": "RunRecord: tests/unit/compare/test_verdict.py, test_groups.py (built by records.py)",
     "compare/summary.py": "one group in sentences: tests/unit/compare/test_groups.py, test_report.py",
-    "errors.py": "exception classes only; their messages are asserted where they are raised (test_config.py, ...)",
     "models/packaged.py": "the GGUF conversion: tests/unit/training/test_batches.py, tests/integration/test_sft.py",
     "stages/evaluate.py": _STAGE + " (test_pipeline.py)",
     "stages/inputs.py": _STAGE + " (test_inputs.py)",

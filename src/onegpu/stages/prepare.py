@@ -11,6 +11,7 @@ from __future__ import annotations
 from onegpu import data, paths, tracking
 from onegpu.config import Config, flatten
 from onegpu.data import describe, pipeline
+from onegpu.errors import failure_note
 from onegpu.measure import memory
 from onegpu.models import loader
 
@@ -41,7 +42,7 @@ def run(cfg: Config) -> dict:
         return {"prepare_runtime": runtime, "prepare_rows_per_second": stats["rows_read"] / runtime,
                 "prepare_mem_peak_bytes": memory.rss_peak_bytes()}
 
-    with tracker.guard(run_id, context=lambda: _log_cost(tracker, run_id, cost())):
+    with tracker.guard(run_id, context=lambda: _log_cost(tracker, run_id, cost()), note=_failure_note):
         sections = {k: v for k, v in cfg.to_dict().items() if k in ("data", "model", "tracking")}
         tracker.log_params(run_id, flatten(sections))
         pipeline.write(dsd, tokenizer if cfg.model.name_or_path is None else None, stats)
@@ -61,3 +62,9 @@ def _log_data(tracker, run_id: str, cfg: Config, dsd, stats: dict, metrics: dict
     contexts = {"train": "training", "validation": "validation", "test": "test"}
     for df, name, context in describe.inputs(dsd, stats["format"], cfg.data.source, contexts):
         tracker.log_dataset(run_id, df, name=name, source=source, context=context, targets="label")
+
+
+def _failure_note(error: BaseException) -> str:
+    """Prepare's run description when it failed or was stopped (its outputs are written at the end: none kept)."""
+    return failure_note(error, "Prepare", "Nothing half-written was kept; once the cause is fixed, `dvc repro` "
+                                          "runs it again.")

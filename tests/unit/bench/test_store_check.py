@@ -10,7 +10,6 @@ from mlflow.entities import Metric
 from bench import store_check
 from onegpu import tracking
 
-
 SPLITS = {s: pd.DataFrame({"text": [f"{s} {i}" for i in range(3 + k)], "label": [0, 1, 0][:1] * (3 + k)})
           for k, s in enumerate(("train", "validation", "test"))}
 CONTEXTS = {"train": "training", "validation": "validation", "test": "evaluation"}
@@ -47,7 +46,8 @@ def _training_run(tr, exp, drop_metric=None, skip_step_of=None, status="FINISHED
             if k != drop_metric and not (k == skip_step_of and s == 2):
                 c.log_metric(rid, k, 1.0, step=s)
     tables = {**SPLITS, **({"train": SPLITS["train"].iloc[:2]} if other_data else {})}
-    logged = tr.log_data_inputs(rid, [(tables[s], f"bbcnews-{s}", CONTEXTS[s]) for s in inputs], "data/processed@x.dir")
+    logged = tr.log_data_inputs(rid, [(tables[s], f"bbcnews-{s}", CONTEXTS[s]) for s in inputs],
+                                "data/processed@x.dir")
     model_id = tr.log_model(rid, tracking.ModelSpec("m", {"equivalence_key": "k"})) if model else None
     c.log_batch(rid, [Metric(k, 1.0, 0, 0) for k in store_check.TRAIN_SUMMARY])
     test = logged[-1] if "test" in inputs else None

@@ -107,3 +107,27 @@ def test_evaluate_gets_trains_model_with_the_dvc_hash_only_from_a_lock_dvc_wrote
     assert got.tags == {**spec.tags, models.DVC_OUT_TAG: "models@0123456789abcdef0123456789abcdef.dir"}
     assert (got.name, got.params, got.model_type) == (spec.name, spec.params, spec.model_type)
     assert models.DVC_OUT_TAG not in kept["tags"]  # the record itself is not changed
+
+
+class _Counting:
+    """The store's client, counting the calls made through it."""
+
+    def __init__(self, client):
+        self.client, self.calls = client, []
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.client, name)
+
+
+def test_a_model_costs_the_store_one_search_and_four_writes_then_one_search_and_one_write(store):
+    rid = store.start_run("counted", {"stage": "train"})
+    counting = _Counting(store.client)
+    tr = tracking.Tracker(client=counting, experiment_id=store.experiment_id, uri=store.uri)
+    tr.log_model(rid, SPEC)  # train
+    assert counting.calls == ["search_logged_models", "create_logged_model", "log_model_artifacts",
+                              "finalize_logged_model", "log_outputs"]
+    counting.calls.clear()
+    tr.log_model(rid, SPEC)  # evaluate: found, its tags set again (the DVC hash)
+    assert counting.calls == ["search_logged_models", "set_logged_model_tags"]
+    store.end_run(rid)
