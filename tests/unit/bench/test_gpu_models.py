@@ -114,10 +114,11 @@ def test_smollm2_comes_from_the_carried_standin_where_installed(tmp_path, monkey
 
 
 def test_preflight_names_a_missing_smollm2(monkeypatch, capsys):
+    assert {"trl", "trl.kernels", "torchao.optim"} <= set(gpu_preflight.LIBRARIES)  # carried now: tried first
+    assert {"bench.vs_trl", "bench.memory_knobs"} <= set(gpu_preflight.BENCH)
     monkeypatch.setattr(gpu_preflight, "LIBRARIES", ("json",))
     monkeypatch.setattr(gpu_preflight, "SMOLLM2", ("no_such_standin_for_the_test", "no_such_package_for_the_test"))
     assert gpu_preflight.main([]) == 2
     out = capsys.readouterr().out
     assert "no_such_standin_for_the_test (SmolLM2's config and tokenizer: bench/gpu_wheels.sh; or " \
            "no_such_package_for_the_test)" in out
-    assert "trl" in gpu_preflight.LIBRARIES and "torchao.optim" in gpu_preflight.LIBRARIES
