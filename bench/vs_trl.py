@@ -21,16 +21,23 @@ block of 64 KiB or more mapped and unmapped by glibc so the resident set follows
 step time (steps 2..N) per repetition, arms alternating, min-max over ``--reps``. Results go to
 ``bench/results/vs_trl[-tag].{md,json}`` with the machine and its load.
 
+``--model DIR``: another causal LM directory in place of the packaged SmolLM2 (the GPU check's SmolLM2-shaped
+random-init model, ``bench/gpu_models.py smollm2``: the packaged GGUF does not travel). ``--bf16``: each
+micro-batch's forward and loss under bf16 autocast (as ``train.bf16`` trains; fp32 weights and optimizer).
+
 Run: ``python -m bench.vs_trl --max-length 128`` and ``python -m bench.vs_trl --max-length 2048 --tag 2048``.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import time
+from pathlib import Path
 
 ARMS = ("whole", "fused", "trl")
+PACKAGED = "packaged:SmolLM2-135M-Instruct"
 
 
 def _cfg(args):
@@ -38,8 +45,9 @@ def _cfg(args):
     return from_container({
         "data": {"source": "bbcnews-headlines", "max_length": args.max_length, "max_train_samples": args.rows,
                  "max_eval_samples": 16, "padding_free": True},
-        "model": {"task": "causal-lm", "name_or_path": "packaged:SmolLM2-135M-Instruct", "dropout": 0.0,
-                  "lora": {"r": args.lora, "alpha": 2.0 * args.lora, "dropout": 0.0, "target_modules": None}},
+        "model": {"task": "causal-lm", "name_or_path": args.model, "dropout": 0.0,
+                  "lora": {"r": args.lora, "alpha": 2.0 * args.lora, "dropout": 0.0, "target_modules": None}
+                  if args.lora else None},
         "train": {"backend": "accelerate", "per_device_train_batch_size": args.micro,
                   "gradient_accumulation_steps": args.accum, "max_steps": args.steps, "learning_rate": args.lr,
                   "logging_steps": 10**6, "seed": 42}}, source="bench")
@@ -69,6 +77,26 @@ def digest(mb: dict) -> str:
     return hashlib.sha256(mb["input_ids"].numpy().tobytes()).hexdigest()[:16]
 
 
+def model_name(args, path) -> str:
+    """The model in words: the packaged SmolLM2, or ``--model``'s folder with its architecture and size
+    (and "random init" where ``RANDOM_INIT.txt`` says so: bench/gpu_models.py)."""
+    if args.model == PACKAGED:
+        return "SmolLM2-135M-Instruct"
+    import json
+    c = json.loads((Path(path) / "config.json").read_text())
+    init = ", random init" if (Path(path) / "RANDOM_INIT.txt").is_file() else ""
+    return (f"{Path(path).name} ({(c.get('architectures') or [c.get('model_type')])[0]}, {c['num_hidden_layers']} "
+            f"layers, hidden {c['hidden_size']}, vocabulary {c['vocab_size']}{init})")
+
+
+def autocast(device: str, bf16: bool):
+    """bf16 autocast on ``device`` (as ``train.bf16``), or nothing."""
+    if not bf16:
+        return contextlib.nullcontext()
+    import torch
+    return torch.autocast("cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
+
+
 def build(arm: str, cfg, tok, path, device: str):
     """The arm's model: the same weights and adapters for every arm (seeded), patched as the arm needs."""
     import transformers
@@ -81,7 +109,7 @@ def build(arm: str, cfg, tok, path, device: str):
         model = lora.apply(model, cfg.model.lora_adapters, "causal-lm")
     loader.no_kv_cache(model)
     if arm == "fused":
-        lm_head.check(model, "SmolLM2-135M-Instruct")
+        lm_head.check(model, Path(path).name)
         lm_head.attach(model)
     elif arm == "trl":
         from trl.trainer.utils import add_fused_lm_head
@@ -90,20 +118,21 @@ def build(arm: str, cfg, tok, path, device: str):
     return model.to(device).train()
 
 
-def loss_of(arm: str, model, mb: dict, num_items):
-    """One micro-batch's share of the step's mean loss, as the arm computes it."""
+def loss_of(arm: str, model, mb: dict, num_items, bf16: bool = False):
+    """One micro-batch's share of the step's mean loss, as the arm computes it (``bf16``: under bf16 autocast)."""
     from onegpu.training.loss import causal_lm_loss
     features = {k: v for k, v in mb.items() if k != "labels"}
-    if arm == "trl":
-        return model(**features, labels=mb["labels"], num_items_in_batch=num_items, fused_lm_head=True).loss
-    return causal_lm_loss(model(**features), mb["labels"], num_items)
+    with autocast(str(mb["input_ids"].device), bf16):
+        if arm == "trl":
+            return model(**features, labels=mb["labels"], num_items_in_batch=num_items, fused_lm_head=True).loss
+        return causal_lm_loss(model(**features), mb["labels"], num_items)
 
 
 class _TrlCall:
     """``saved_bytes``' view of the TRL arm: a model whose forward returns TRL's loss (labels from the batch)."""
 
-    def __init__(self, model, labels):
-        self.model, self.labels = model, labels
+    def __init__(self, model, labels, bf16: bool = False):
+        self.model, self.labels, self.bf16 = model, labels, bf16
         self.parameters, self.train, self.eval = model.parameters, model.train, model.eval
 
     @property
@@ -111,15 +140,17 @@ class _TrlCall:
         return self.model.training
 
     def __call__(self, **features):
-        return loss_of("trl", self.model, {**features, "labels": self.labels}, None)
+        return loss_of("trl", self.model, {**features, "labels": self.labels}, None, self.bf16)
 
 
-def saved_bytes(arm: str, model, mb: dict) -> int:
+def saved_bytes(arm: str, model, mb: dict, bf16: bool = False) -> int:
+    """Bytes one micro-batch saves for backward (activations: under bf16 autocast, its weight copies apart)."""
     from onegpu.measure import memory
     from onegpu.training.loss import causal_lm_loss
     if arm == "trl":
-        return memory.saved_bytes(_TrlCall(model, mb["labels"]), mb, lambda out, labels: out)["activations"]
-    return memory.saved_bytes(model, mb, causal_lm_loss)["activations"]
+        return memory.saved_bytes(_TrlCall(model, mb["labels"], bf16), mb, lambda out, labels: out)["activations"]
+    with autocast(str(mb["input_ids"].device), bf16):
+        return memory.saved_bytes(model, mb, causal_lm_loss)["activations"]
 
 
 def _status(key: str) -> int:
@@ -146,14 +177,14 @@ def _peak(device: str, base: int) -> int:
     return _status("VmHWM") - base
 
 
-def train_arm(arm: str, steps, cfg, tok, path, device: str, digests: list[str]) -> dict:
+def train_arm(arm: str, steps, cfg, tok, path, device: str, digests: list[str], bf16: bool = False) -> dict:
     """``--steps`` optimizer steps of ``arm``; its per-step loss, grad_norm and wall time, its peak."""
     import torch
 
     from onegpu.training.loss import count_items
     model = build(arm, cfg, tok, path, device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.train.learning_rate)
-    saved = max(saved_bytes(arm, model, {k: v.to(device) for k, v in mb.items()}) for mb in steps[0])
+    saved = max(saved_bytes(arm, model, {k: v.to(device) for k, v in mb.items()}, bf16) for mb in steps[0])
     seen, rows = [], []
     base = _peak_reset(device)
     for step in steps:
@@ -162,7 +193,7 @@ def train_arm(arm: str, steps, cfg, tok, path, device: str, digests: list[str]) 
         loss = torch.zeros((), device=device)
         for mb in step:
             seen.append(digest(mb))
-            part = loss_of(arm, model, {k: v.to(device) for k, v in mb.items()}, num_items)
+            part = loss_of(arm, model, {k: v.to(device) for k, v in mb.items()}, num_items, bf16)
             part.backward()
             loss += part.detach()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -172,13 +203,17 @@ def train_arm(arm: str, steps, cfg, tok, path, device: str, digests: list[str]) 
                      "step_time_s": time.perf_counter() - start})
     if seen != digests:
         raise AssertionError(f"{arm} trained on other micro-batches than the list")
-    return {"rows": rows, "saved_bytes": saved, "peak_bytes": _peak(device, base)}
+    return {"rows": rows, "saved_bytes": saved, "peak_bytes": _peak(device, base), "device": device}
 
 
-def report_lines(args, runs: dict, digests: list[str], load: list[float]) -> list[str]:
-    """The Markdown: the micro-batches, the per-step table against ``fused``, the memory and time table."""
+def report_lines(args, runs: dict, digests: list[str], load: list[float],
+                 model: str = "SmolLM2-135M-Instruct") -> list[str]:
+    """The Markdown: the micro-batches, the per-step table against ``fused``, the memory and time table
+    (``model``: the model in words, :func:`model_name`)."""
     from onegpu.formatting import markdown_table, mib, ratio
     first = {arm: rs[0]["rows"] for arm, rs in runs.items()}
+    peak_text = ("the CUDA allocator's peak allocated above the arm's start" if runs["fused"][0].get("device", "")
+                 .startswith("cuda") else "the resident set's high-water mark above the arm's start")
     step_rows = [[i + 1, first["fused"][i]["targets"]]
                  + [f"{first[a][i]['loss']:.7f}" for a in ARMS] + [f"{first[a][i]['grad_norm']:.6f}" for a in ARMS]
                  for i in range(args.steps)]
@@ -196,15 +231,17 @@ def report_lines(args, runs: dict, digests: list[str], load: list[float]) -> lis
                          ratio(runs[a][0]["saved_bytes"] / runs["trl"][0]["saved_bytes"]),
                          mib(max(r["peak_bytes"] for r in runs[a]), unit=False), f"{min(times):.2f}-{max(times):.2f}",
                          "" if a == "fused" else f"{rel(a, 'loss'):.1e} / {rel(a, 'grad_norm'):.1e}"])
-    return [f"SmolLM2-135M-Instruct, {'LoRA r=' + str(args.lora) if args.lora else 'every weight'}, "
+    return [f"{model}, {'LoRA r=' + str(args.lora) if args.lora else 'every weight'}, "
             f"data.max_length {args.max_length}, padding-free, {args.steps} steps of {args.micro} x {args.accum}, "
-            f"lr {args.lr}, fp32; the same {len(digests)} micro-batches in every arm (SHA-256 of input_ids, "
-            f"first {digests[0]}, last {digests[-1]}); {args.reps} repetitions, arms alternating.", "",
+            f"lr {args.lr}, {'bf16 autocast' if args.bf16 else 'fp32'}; the same {len(digests)} micro-batches in "
+            f"every arm (SHA-256 of input_ids, first {digests[0]}, last {digests[-1]}); {args.reps} repetitions, "
+            "arms alternating.", "",
             markdown_table(["step", "targets"] + [f"loss {a}" for a in ARMS] + [f"grad_norm {a}" for a in ARMS],
                            step_rows), "",
             markdown_table(["arm", "saved for backward, one micro-batch (MiB)", "vs trl", "peak (MiB)",
                             "steady step (s), min-max", "max rel. diff to fused: loss / grad_norm"], mem_rows), "",
-            f"Load average during the run: {min(load):.2f}-{max(load):.2f} (the machine's cores: {os.cpu_count()})."]
+            f"Peak: {peak_text}. Load average during the run: {min(load):.2f}-{max(load):.2f} (the machine's "
+            f"cores: {os.cpu_count()})."]
 
 
 def main() -> None:
@@ -212,6 +249,7 @@ def main() -> None:
     p = environment.parser(__doc__.splitlines()[0], reps=3, steps=3, max_length=128, rows=64, micro=4, accum=2)
     p.add_argument("--lora", type=int, default=8, help="LoRA rank (0: every weight trains)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--model", default=PACKAGED, help="a causal LM directory in place of the packaged SmolLM2")
     args = p.parse_args()
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: the resident set follows live tensors
     environment.setup()
@@ -226,13 +264,13 @@ def main() -> None:
     runs, load = {a: [] for a in ARMS}, [os.getloadavg()[0]]
     for rep in range(args.reps):
         for arm in rotated(list(ARMS), rep):
-            runs[arm].append(train_arm(arm, steps, cfg, tok, path, device, digests))
+            runs[arm].append(train_arm(arm, steps, cfg, tok, path, device, digests, args.bf16))
             load.append(os.getloadavg()[0])
             r = runs[arm][-1]
             print(f"rep {rep + 1}/{args.reps} {arm}: losses {[round(x['loss'], 6) for x in r['rows']]}, "
                   f"saved {r['saved_bytes'] / 2**20:.1f} MiB, peak {r['peak_bytes'] / 2**20:.0f} MiB", flush=True)
     report("vs_trl", args, "onegpu's LM head and TRL's on the same SFT micro-batches",
-           report_lines(args, runs, digests, load), {"digests": digests, "runs": runs})
+           report_lines(args, runs, digests, load, model_name(args, path)), {"digests": digests, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """trl, gguf and rouge-score are for instruction fine-tuning only (packing, the packaged GGUF model, ROUGE-L):
 no onegpu module and no bench script of the GPU check imports them when it is imported, so the classifier
-and bench/gpu_check.sh run on a machine without them (the GPU machine has none of the three)."""
+and bench/gpu_check.sh run on a machine without them (the GPU machine has none of the three; the check carries
+trl for its SFT sections, bench/gpu_env.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -21,7 +22,8 @@ import onegpu
 mods = [m.name for m in pkgutil.walk_packages(onegpu.__path__, "onegpu.")
         if m.name != "onegpu.ui" and not m.name.endswith(".__main__")]
 mods += ["bench.arms", "bench.environment", "bench.machine", "bench.reporting", "bench.mfu", "bench.store_check",
-         "bench.gpu_models", "bench.split_sweep", "bench.checkpointing", "bench.gpu_preflight"]
+         "bench.gpu_models", "bench.split_sweep", "bench.checkpointing", "bench.gpu_preflight", "bench.vs_trl",
+         "bench.memory_knobs"]
 for m in mods:
     importlib.import_module(m)
 print(len(mods), sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[1:])))

@@ -124,3 +124,49 @@ def test_machine_requirements_use_machine_versions(pyver, numpy):
     assert not any(r.startswith(("torch==", "triton==", "dvc", "mlflow")) for r in reqs)
     np = next(r for r in reqs if r.startswith("numpy=="))
     assert np == (numpy or f"numpy=={gpu_env.lock()['numpy']}")
+
+
+def test_the_check_carries_trl_and_torchao_at_the_lock_versions():
+    """The fused LM head (trl) and the low-bit optimizers (torchao) import on the machine only if they travel."""
+    assert {"trl", "torchao"} <= set(gpu_env.ROOTS)
+    assert not {"trl", "torchao"} & set(gpu_env.machine())  # else a carried copy would shadow the machine's
+    assert gpu_env.lock()["trl"] and gpu_env.lock()["torchao"]
+
+
+def _smollm2_files(tmp_path: Path) -> dict[str, Path]:
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {"config.json": b'{"model_type": "llama", "vocab_size": 49152}', "tokenizer.json": b'{"model": {}}',
+             "tokenizer_config.json": b'{"eos_token": "<|im_end|>"}'}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    return {name: src / name for name in files}
+
+
+def test_smollm2_standin_holds_config_and_tokenizer_only_and_installs(tmp_path):
+    files = _smollm2_files(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    wheel = gpu_env.make_smollm2_standin(out, files, "0.1.2")
+    assert wheel.name == "onegpu_smollm2_standin-0.1.2+randominit-py3-none-any.whl"
+    assert gpu_env.wheel_files(out) == {"onegpu-smollm2-standin": wheel}
+    assert gpu_env.metadata(wheel)["Version"] == "0.1.2+randominit"
+    again = tmp_path / "again"
+    again.mkdir()
+    assert gpu_env.make_smollm2_standin(again, files, "0.1.2").read_bytes() == wheel.read_bytes()  # reproducible
+    with zipfile.ZipFile(wheel) as z:  # RECORD's hashes are those of the members
+        record = dict(line.split(",", 1) for line in z.read(
+            "onegpu_smollm2_standin-0.1.2+randominit.dist-info/RECORD").decode().splitlines())
+        data = z.read("onegpu_smollm2_standin/model/config.json")
+        digest = urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        assert record["onegpu_smollm2_standin/model/config.json"] == f"sha256={digest},{len(data)}"
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
+                    str(site), str(wheel)], check=True)
+    model = site / "onegpu_smollm2_standin" / "model"
+    assert sorted(p.name for p in model.iterdir()) == ["RANDOM_INIT.txt", "config.json", "tokenizer.json",
+                                                        "tokenizer_config.json"]
+    assert (model / "config.json").read_bytes() == files["config.json"].read_bytes()
+    del files["tokenizer.json"]
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        gpu_env.make_smollm2_standin(tmp_path, files, "0.1.2")

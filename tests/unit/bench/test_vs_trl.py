@@ -44,3 +44,34 @@ def test_the_three_arms_give_one_loss_and_gradient_and_the_whole_logits_save_the
     # the whole logits keep at least a float32 log-softmax over every position; the fused heads no vocab-wide tensor
     assert out["whole"][2] - out["fused"][2] >= (mb["input_ids"].shape[1] - 1) * vocab * 4
     assert abs(out["trl"][2] - out["fused"][2]) < targets * vocab * 4
+
+
+def test_under_bf16_autocast_the_arms_agree_within_bf16():
+    from onegpu.training.batches import PaddingFreeCollator, model_inputs
+    rows = model_inputs(tb.dataset(), "causal-lm")["train"]
+    mb = PaddingFreeCollator()([rows[i] for i in range(4)])
+    losses = {}
+    for arm in vs_trl.ARMS:
+        loss = vs_trl.loss_of(arm, _arm(arm), mb, torch.tensor(40), bf16=True)
+        assert loss.dtype == torch.float32 or arm != "fused"
+        losses[arm] = loss.item()
+    fp32 = vs_trl.loss_of("fused", _arm("fused"), mb, torch.tensor(40)).item()
+    assert losses["whole"] == pytest.approx(losses["fused"], rel=1e-2)
+    assert losses["trl"] == pytest.approx(losses["fused"], rel=1e-2)
+    assert losses["fused"] != fp32 and losses["fused"] == pytest.approx(fp32, rel=2e-2)  # bf16 matmuls: not fp32's
+
+
+def test_model_option_names_the_directory_and_full_finetuning_validates(tmp_path):
+    import argparse
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2,
+                                                      "hidden_size": 64, "vocab_size": 49152}))
+    args = argparse.Namespace(model=str(tmp_path), max_length=64, rows=8, micro=2, accum=1, steps=1, lr=1e-3, lora=0)
+    name = f"{tmp_path.name} (LlamaForCausalLM, 2 layers, hidden 64, vocabulary 49152)"
+    assert vs_trl.model_name(args, tmp_path) == name
+    (tmp_path / "RANDOM_INIT.txt").write_text("random\n")
+    assert vs_trl.model_name(args, tmp_path).endswith("vocabulary 49152, random init)")
+    cfg = vs_trl._cfg(args)  # lora 0: every weight trains (no LoRA mapping with alpha 0)
+    assert cfg.model.lora_adapters is None and cfg.model.name_or_path == str(tmp_path)
+    args.model = vs_trl.PACKAGED
+    assert vs_trl.model_name(args, tmp_path) == "SmolLM2-135M-Instruct"
