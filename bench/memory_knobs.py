@@ -44,16 +44,10 @@ OFFLOAD_RTOL = 1e-3
 
 
 def _cfg(args, arm: str):
-    from onegpu.config import from_container
-    return from_container({
-        "data": {"source": "bbcnews-headlines", "max_length": args.max_length, "max_train_samples": args.rows,
-                 "max_eval_samples": 16, "padding_free": True},
-        "model": {"task": "causal-lm", "name_or_path": args.model, "dropout": 0.0,
-                  "lora": {"r": args.lora, "alpha": 2.0 * args.lora, "dropout": 0.0, "target_modules": None}
-                  if args.lora else None},
-        "train": {"backend": "accelerate", "per_device_train_batch_size": args.micro, "bf16": bool(args.bf16),
-                  "gradient_accumulation_steps": args.accum, "max_steps": args.steps, "learning_rate": args.lr,
-                  "logging_steps": 10**6, "seed": 42, "oom_retry": False, **SETTINGS[arm]}}, source="bench")
+    """``arm``'s config: :func:`bench.vs_trl.sft_cfg` under ``--bf16`` as ``train.bf16``, no OOM retry, the
+    arm's :data:`SETTINGS`."""
+    from bench.vs_trl import sft_cfg
+    return sft_cfg(args, bf16=bool(args.bf16), oom_retry=False, **SETTINGS[arm])
 
 
 def arms_here(cuda: bool, wanted: tuple[str, ...] = ARMS) -> list[str]:

@@ -40,7 +40,10 @@ ARMS = ("whole", "fused", "trl")
 PACKAGED = "packaged:SmolLM2-135M-Instruct"
 
 
-def _cfg(args):
+def sft_cfg(args, **train):
+    """The SFT job's ``Config`` from the options (``--max-length``, ``--rows``, ``--model``, ``--lora``,
+    ``--micro``, ``--accum``, ``--steps``, ``--lr``), with ``train`` (``train.*`` values) on top; also
+    :mod:`bench.memory_knobs`' arms."""
     from onegpu.config import from_container
     return from_container({
         "data": {"source": "bbcnews-headlines", "max_length": args.max_length, "max_train_samples": args.rows,
@@ -50,7 +53,7 @@ def _cfg(args):
                   if args.lora else None},
         "train": {"backend": "accelerate", "per_device_train_batch_size": args.micro,
                   "gradient_accumulation_steps": args.accum, "max_steps": args.steps, "learning_rate": args.lr,
-                  "logging_steps": 10**6, "seed": 42}}, source="bench")
+                  "logging_steps": 10**6, "seed": 42, **train}}, source="bench")
 
 
 def micro_batches(args, cfg):
@@ -258,7 +261,7 @@ def main() -> None:
     from bench.arms import rotated
     from bench.reporting import report
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = _cfg(args)
+    cfg = sft_cfg(args)
     steps, tok, path = micro_batches(args, cfg)
     digests = [digest(mb) for step in steps for mb in step]
     runs, load = {a: [] for a in ARMS}, [os.getloadavg()[0]]

@@ -71,6 +71,11 @@ def writer_gone(tags: dict[str, str]) -> str | None:
     return None
 
 
+def over(note: str, before: str | None) -> str:
+    """The run description ``note`` (Markdown) put first, over the one the run had (``before``; None: none)."""
+    return f"{note}\n\n{before}" if before else note
+
+
 def killed_note(run, why: str) -> str:
     """The description (Markdown) of a run marked KILLED because its writer is gone (``why``): what happened,
     and how to go on: train again (it resumes from the newest checkpoint), or, when the training had
@@ -104,10 +109,9 @@ def reap_orphans(client, experiment_id: str, on_reaped=None) -> list[str]:
         why += (" without ending the run (killed outright: SIGKILL, e.g. the out-of-memory killer (see dmesg), "
                 "a crash or a power loss)")
         note = killed_note(run, why)
-        before = run.data.tags.get(NOTE_TAG)
         try:
             client.set_tag(run.info.run_id, KILLED_REASON, f"left RUNNING: {why}")
-            client.set_tag(run.info.run_id, NOTE_TAG, f"{note}\n\n{before}" if before else note)
+            client.set_tag(run.info.run_id, NOTE_TAG, over(note, run.data.tags.get(NOTE_TAG)))
             client.set_terminated(run.info.run_id, status="KILLED")
         except Exception:
             continue
@@ -182,7 +186,7 @@ class RunHandle:
                     extra["error.step"] = str(e.step)
                 if note is not None:
                     before = self.client.get_run(self.run_id).data.tags.get(NOTE_TAG)
-                    extra[NOTE_TAG] = redact(note(e), self.writer.uri) + (f"\n\n{before}" if before else "")
+                    extra[NOTE_TAG] = over(redact(note(e), self.writer.uri), before)
                 message = redact(str(e), self.writer.uri)[:5000]  # MLflow's errors quote the store URL
                 self.set_tags({"error.type": type(e).__name__, "error.message": message, **extra})
                 self.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")

@@ -71,7 +71,7 @@ def test_model_option_names_the_directory_and_full_finetuning_validates(tmp_path
     assert vs_trl.model_name(args, tmp_path) == name
     (tmp_path / "RANDOM_INIT.txt").write_text("random\n")
     assert vs_trl.model_name(args, tmp_path).endswith("vocabulary 49152, random init)")
-    cfg = vs_trl._cfg(args)  # lora 0: every weight trains (no LoRA mapping with alpha 0)
+    cfg = vs_trl.sft_cfg(args)  # lora 0: every weight trains (no LoRA mapping with alpha 0)
     assert cfg.model.lora_adapters is None and cfg.model.name_or_path == str(tmp_path)
     args.model = vs_trl.PACKAGED
     assert vs_trl.model_name(args, tmp_path) == "SmolLM2-135M-Instruct"
