@@ -5,11 +5,16 @@ copy and cross-entropy its log-softmax for backward, although most positions of 
 prompt tokens whose label is -100. With it (:func:`attach`), the model's forward in train mode stops at
 the decoder's last hidden state (:class:`HiddenStates`, no projection); :func:`target_nll` then gathers
 the positions whose next-token label is not -100 and runs the output layer and the cross-entropy over
-them in tiles of at most ``TOKENS_PER_TILE x VOCAB_PER_TILE`` logits, keeping only the gathered hidden
-states and one log-sum-exp per target for backward, which recomputes each tile. The tiles are TRL's
-kernel (``trl.kernels.ChunkedLogProbFunction``, what TRL's ``SFTTrainer`` runs through its
-``add_fused_lm_head``): Triton on CUDA, torch elsewhere. The loss is the same sum over the same targets
-(:mod:`onegpu.training.loss` divides it by the step's count), so the same training up to summation order.
+them in tiles of :func:`tokens_per_tile` targets x the whole vocabulary, each tile under activation
+checkpointing: only the gathered hidden states are kept for backward, which recomputes each tile.
+
+Each tile is the whole-logits path itself on fewer rows (the same projection, logit transform, upcast and
+``torch.nn.functional.cross_entropy``), so each target's loss and gradient are computed as the whole
+logits compute them, in the same dtype (float64 stays float64): the same training, exactly in float64.
+TRL's ``ChunkedLogProbFunction`` (what ``SFTTrainer``'s ``add_fused_lm_head`` runs) is not used: it folds
+vocabulary tiles into a float32 ``log_z = max + log(sum exp)`` whatever the inputs' dtype, so a confident
+target's gradient ``1 - p`` loses ``ulp(max logit) / (1 - p)`` of its value (on SmolLM2-135M-Instruct's
+one-word answers, 1e-4 of the step's gradient in float64, varying with the micro-batch).
 
 In eval mode (evaluation, generation) and when the caller passes ``labels``, the forward is the model's own.
 """
@@ -21,14 +26,16 @@ from dataclasses import dataclass
 from onegpu.data.chat import IGNORE_INDEX
 from onegpu.errors import ModelError
 
-# Vocabulary columns per tile (TRL's default is 32,768; a smaller tile bounds the CPU fallback's float32
-# temporaries, several per tile, at 4,096 x 8,192 x 4 bytes = 128 MiB each).
-VOCAB_PER_TILE = 8192
-# Target positions per tile: TRL's kernel's own (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE).
-TOKENS_PER_TILE = 4096
-# Tile-sized float32 temporaries alive at once in the CPU fallback's backward tile (trl's _backward_tile:
-# the recomputed logits, their transform, log-probabilities, probabilities, the one-hot and the gradient).
-CPU_TILE_TEMPORARIES = 8
+# Logits per tile (targets x vocabulary): at most 2**24, 64 MiB in float32 (336 targets at SmolLM2's 49,152).
+TILE_LOGITS = 1 << 24
+# Tile-sized float32 buffers alive together at a tile's backward peak: the log-softmax its backward reads,
+# that output's gradient and the logits' gradient (tests/unit/training/test_lm_head.py measures it).
+TILE_BUFFERS = 3
+# Rows of a tile are a multiple of this (zero rows, no target, pad the last): a BLAS picks another kernel,
+# with another summation order, for a short or ragged matrix (MKL, measured: fewer than 12 rows not a
+# multiple of 4), and a confident target's gradient ``1 - p`` magnifies that rounding by ``1 / (1 - p)``.
+# Aligned, each row's projection and gradient are the whole logits' to the bit (tests/unit/training).
+ROW_ALIGN = 8
 # Largest |difference| of :func:`check`'s logits from the model's own, relative to their largest magnitude.
 CHECK_REL = 1e-4
 
@@ -121,25 +128,52 @@ def _transform(z, scale: float, softcap: float | None):
     return z if softcap is None else softcap * torch.tanh(z / softcap)
 
 
+def upcast(logits):
+    """``logits`` in the loss's precision: float32, or float64 when they are float64 (a float64 model's
+    loss is computed in float64, so that a same-training proof in float64 hides no float32 rounding)."""
+    import torch
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def tokens_per_tile(vocab: int) -> int:
+    """Target positions per tile: ``TILE_LOGITS // vocab`` rounded down to a multiple of ``ROW_ALIGN``,
+    at least ``ROW_ALIGN``."""
+    return max(ROW_ALIGN, TILE_LOGITS // vocab // ROW_ALIGN * ROW_ALIGN)
+
+
+def _tile_nll(hidden, weight, bias, targets, scale: float, softcap: float | None):
+    """Summed cross-entropy of ``hidden`` ``(n, hidden)``'s logits against ``targets`` ``(n,)``."""
+    import torch.nn.functional as F
+    logits = _transform(F.linear(hidden, weight, bias), scale, softcap)
+    return F.cross_entropy(upcast(logits), targets, reduction="sum")
+
+
 def target_nll(outputs: HiddenStates, labels):
-    """The summed next-token negative log-likelihood over ``labels``' targets: a 0-dim float32 tensor.
+    """The summed next-token negative log-likelihood over ``labels``' targets: a 0-dim float32 tensor
+    (float64 for a float64 model).
 
     Args:
         outputs: a train-mode forward's :class:`HiddenStates`.
         labels: ``(micro_batch, seq_len)`` int64, unshifted, -100 where no target.
     Position t predicts label t+1 (as :func:`onegpu.training.loss.causal_lm_loss`). One host sync: the
-    count of targets (the gathered positions' shape).
+    count of targets (the gathered positions' shape), padded to a multiple of ``ROW_ALIGN`` rows. Tiles of
+    :func:`tokens_per_tile` targets, each under
+    ``torch.utils.checkpoint`` (non-reentrant: autocast is recomputed as it was).
     """
-    from trl.kernels import ChunkedLogProbFunction
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
     model = outputs.model
     head = model.get_output_embeddings()
-    hidden = outputs.hidden[:, :-1]
-    targets = labels[:, 1:].to(hidden.device)
+    targets = labels[:, 1:].to(outputs.hidden.device)
     mask = targets.ne(IGNORE_INDEX)
+    hidden, targets = outputs.hidden[:, :-1][mask], targets[mask]
+    pad = -targets.shape[0] % ROW_ALIGN  # zero rows without a target: an aligned matrix (ROW_ALIGN)
+    hidden, targets = F.pad(hidden, (0, 0, 0, pad)), F.pad(targets, (0, pad), value=IGNORE_INDEX)
     scale, softcap = logit_transform(model.config)
-    log_probs = ChunkedLogProbFunction.apply(hidden[mask], head.weight, head.bias, targets[mask], 1.0,
-                                             VOCAB_PER_TILE, softcap, scale, ("log_probs",))[0]
-    return -log_probs.sum()
+    step = tokens_per_tile(head.weight.shape[0])
+    tiles = [checkpoint(_tile_nll, hidden[i:i + step], head.weight, head.bias, targets[i:i + step], scale, softcap,
+                        use_reentrant=False, preserve_rng_state=False) for i in range(0, targets.shape[0], step)]
+    return sum(tiles[1:], tiles[0]) if tiles else upcast(hidden.sum())  # no target: 0, still in the graph
 
 
 def transient_bytes(targets: int, vocab: int, hidden: int, compute_bytes: int, head_trains: bool,
@@ -147,15 +181,19 @@ def transient_bytes(targets: int, vocab: int, hidden: int, compute_bytes: int, h
     """Bytes :func:`target_nll` allocates beyond what it saves for backward, at its peak (the backward of
     its largest tile), for ``targets`` target positions.
 
-    A tile of ``min(targets, TOKENS_PER_TILE) x min(vocab, VOCAB_PER_TILE)`` logits in the compute dtype
-    (``compute_bytes``: 2 under bf16/fp16 autocast, else 4); on a CPU, ``CPU_TILE_TEMPORARIES`` float32
-    temporaries of that size too (on CUDA, TRL's Triton kernels work in the tile itself); the float32
-    gradient of the gathered hidden states (``targets x hidden``) and, when the output layer trains
-    (``head_trains``; a tied embedding too), a float32 gradient of its weight (``vocab x hidden``).
+    The largest tile has ``min(targets rounded up to ROW_ALIGN, tokens_per_tile(vocab)) x vocab`` logits;
+    at its backward's peak ``TILE_BUFFERS`` float32 buffers of that size are alive (under bf16/fp16
+    autocast, ``compute_bytes`` 2, the logits' float32 upcast is freed by then and its 2-byte gradient comes
+    after the float32 one: the same peak), or, when the output layer trains (``head_trains``; a tied
+    embedding too), the logits' gradient and the float32 gradient of its weight (``vocab x hidden``),
+    whichever is larger; plus the float32 gradient of the gathered hidden states (``targets x hidden``).
+    ``cuda`` is accepted for the callers' symmetry: the tile's work is the same on every device.
     """
-    tile = min(targets, TOKENS_PER_TILE) * min(vocab, VOCAB_PER_TILE)
-    per_element = compute_bytes + (0 if cuda else 4 * CPU_TILE_TEMPORARIES)
-    return int(tile * per_element + 4 * targets * hidden + (4 * vocab * hidden if head_trains else 0))
+    rows = min(-(-targets // ROW_ALIGN) * ROW_ALIGN, tokens_per_tile(vocab))
+    tile = rows * vocab
+    grad_bytes = max(compute_bytes, 4)
+    peak = max(tile * 4 * TILE_BUFFERS, tile * grad_bytes + (4 * vocab * hidden if head_trains else 0))
+    return int(peak + 4 * targets * hidden)
 
 
 def attached(model) -> bool:

@@ -39,11 +39,11 @@ def classification_loss(outputs, labels, num_items_in_batch=None):
         num_items_in_batch: the count of non-ignored labels over *all* micro-batches of the optimizer
             step (HF Trainer computes it in ``Trainer._get_num_items_in_batch``); None = this micro-batch's.
     Returns:
-        0-dim float32 tensor: this micro-batch's share of the step's mean loss.
+        0-dim float32 tensor (float64 for float64 logits): this micro-batch's share of the step's mean loss.
     """
     import torch.nn.functional as F
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
-    total = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    total = F.cross_entropy(lm_head.upcast(logits), labels, ignore_index=IGNORE_INDEX, reduction="sum")
     if num_items_in_batch is None:
         num_items_in_batch = count_items(labels, "sequence-classification")
     return total / num_items_in_batch
@@ -60,7 +60,8 @@ def causal_lm_loss(outputs, labels, num_items_in_batch=None):
         num_items_in_batch: target tokens (``labels[..., 1:] != -100``) over all micro-batches of the
             optimizer step; None = this micro-batch's.
     Returns:
-        0-dim float32 tensor: this micro-batch's share of the step's mean token loss.
+        0-dim float32 tensor (float64 for float64 logits): this micro-batch's share of the step's mean
+        token loss.
     """
     if num_items_in_batch is None:
         num_items_in_batch = count_items(labels, "causal-lm")
@@ -68,7 +69,7 @@ def causal_lm_loss(outputs, labels, num_items_in_batch=None):
         return lm_head.target_nll(outputs, labels) / num_items_in_batch
     import torch.nn.functional as F
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
-    shift_logits = logits[..., :-1, :].float().reshape(-1, logits.shape[-1])
+    shift_logits = lm_head.upcast(logits[..., :-1, :]).reshape(-1, logits.shape[-1])
     shift_labels = labels[..., 1:].reshape(-1).to(shift_logits.device)
     total = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return total / num_items_in_batch
