@@ -118,9 +118,8 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
     Raises:
         torch.OutOfMemoryError: a piece did not fit (or ``oom_injector`` said so).
     """
-    import torch
-    parts = [p for inputs in micro_batches for p in oom.cut(inputs, pieces)]
-    step_loss = torch.zeros((), device=accelerator.device)
+    parts = [p for inputs in micro_batches for p in oom.cut(inputs, pieces)]  # never empty
+    step_loss = None  # in the loss's dtype, added in Trainer's order: both backends log the same float
     scale = accelerator.num_processes
     offload = offload or contextlib.nullcontext()
     for i, piece in enumerate(parts):
@@ -131,7 +130,7 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
         with contextlib.nullcontext() if last else accelerator.no_sync(model), offload:
             loss = loss_fn(model(**features), piece["labels"], num_items)  # this piece's share of the mean
             accelerator.backward(loss * scale if scale > 1 else loss)  # Accelerate's accumulation count is 1
-        step_loss += loss.detach()
+        step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
     return step_loss
 
 
@@ -312,8 +311,9 @@ def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> No
             step += 1
             recorder.end_step(step)
             # The step's loss: the ranks' shares summed (gradients, hence grad_norm, are already whole).
-            step_loss = distributed.sum_over_ranks(step_loss.float())
-            values = torch.stack([step_loss, torch.as_tensor(grad_norm, device=device).float()])
+            # float64 (a float32 loss is exact in it; a float64 model's is not rounded to float32).
+            step_loss = distributed.sum_over_ranks(step_loss.double())
+            values = torch.stack([step_loss, torch.as_tensor(grad_norm, device=device).double()])
             loss_value, norm_value = values.tolist()  # the step's one host sync
             recorder.log(step, loss_value, norm_value, float(lr))
             if t.torch_empty_cache_steps and step % t.torch_empty_cache_steps == 0:

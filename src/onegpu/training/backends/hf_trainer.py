@@ -163,7 +163,7 @@ class ExactLossTrainer(Trainer):
         while True:
             try:
                 with self.offload:
-                    return self._pieces_step(model, inputs, num_items_in_batch)
+                    return self._logged_in_its_dtype(self._pieces_step(model, inputs, num_items_in_batch))
             except torch.OutOfMemoryError as e:
                 self._recover(model, inputs, e)
                 try:
@@ -173,6 +173,15 @@ class ExactLossTrainer(Trainer):
                             self._pieces_step(model, past, num_items_in_batch)
                 finally:
                     self.counter = counter
+
+    def _logged_in_its_dtype(self, loss):
+        """``loss``, with Trainer's running loss (``_tr_loss``, a float32 tensor it adds each micro-batch's
+        loss into) in ``loss``'s dtype when that is wider: a float64 model's logged loss is not rounded to
+        float32 (the same-training proofs compare it within 1e-12)."""
+        running = getattr(self, "_tr_loss", None)
+        if running is not None and running.dtype.itemsize < loss.dtype.itemsize:
+            self._tr_loss = running.to(loss.dtype)
+        return loss
 
     def _pieces_step(self, model, inputs, num_items_in_batch):
         if self.pieces == 1 and self.oom_injector is None:
