@@ -3,8 +3,10 @@ and tags, one small function per cause (:data:`CAUSES`).
 
 A cause function takes ``(run, reference)`` (:class:`~onegpu.compare.records.RunRecord`) and returns the
 sentences it finds (none when it does not apply); :func:`likely_causes` lists them in :data:`CAUSES`'
-order. To add a cause: write one such function, add it to :data:`CAUSES`, and add a pair of records that
-shows it to ``tests/unit/compare/test_causes.py``. No MLflow here.
+order. A cause is named only where the run differs from the reference in it; a divergent run that differs
+in none gets :func:`numerical_note` instead. To add a cause: write one such function, add it to
+:data:`CAUSES`, and add a pair of records that shows it to ``tests/unit/compare/test_causes.py``. No MLflow
+here.
 """
 from __future__ import annotations
 
@@ -99,20 +101,53 @@ def batchnorm_with_another_split(run: RunRecord, reference: RunRecord) -> Iterab
 
 
 def mixed_precision(run: RunRecord, reference: RunRecord) -> Iterable[str]:
-    """bf16 or fp16 on either side: rounded activations."""
+    """Another precision on one side, bf16 or fp16 on at least one: rounded activations."""
     mixed = sorted({r.precision for r in (run, reference) if r.precision not in ("fp32", "tf32")})
-    if mixed:
+    if mixed and run.precision != reference.precision:
         yield (f"mixed precision ({', '.join(mixed)}): activations are rounded to "
                f"{'/'.join(mixed)}, and a different summation order rounds differently")
 
 
-def gpu_kernels(run: RunRecord, reference: RunRecord) -> Iterable[str]:
-    """A GPU on either side (device tag not ``cpu``): non-deterministic reductions."""
-    gpus = sorted({r.tags.get("device", "") for r in (run, reference)
-                   if r.tags.get("device") and r.tags.get("device", "").lower() != "cpu"})
-    if gpus:
-        yield (f"non-deterministic GPU kernels ({', '.join(gpus)}): atomic adds in reductions and "
-               "kernel choice by shape make sums differ between runs")
+# Same-training knobs whose being on in both runs :func:`numerical_note` names: (param, what it is).
+LOSS_PATH_KNOBS = (("train.fused_lm_head", "the fused LM head"), ("data.padding_free", "padding-free batches"),
+                   ("train.gradient_checkpointing", "activation checkpointing"),
+                   ("train.activation_offloading", "activation offloading"), ("train.torch_compile", "torch.compile"),
+                   ("train.tf32", "TF32"))
+
+
+# Same-training knobs not named elsewhere here: (param, value when not logged). Proven the same training
+# in float64 (docs/details.md, "The equivalence key"), so a divergence between runs that differ in one means
+# its loss path rounds differently on this job; it is named as the likely cause.
+SAME_TRAINING_KNOBS = (("train.fused_lm_head", "false"), ("train.gradient_checkpointing", "false"),
+                       ("train.gradient_checkpointing_blocks", "layer"), ("train.activation_offloading", "false"),
+                       ("train.num_processes", "1"))
+
+
+def same_training_knobs(run: RunRecord, reference: RunRecord) -> Iterable[str]:
+    """Each knob of :data:`SAME_TRAINING_KNOBS` whose value differs."""
+    for knob, default in SAME_TRAINING_KNOBS:
+        a, b = _param(run, knob, default), _param(reference, knob, default)
+        if a != b:
+            yield (f"{knob} differs ({a} vs {b}): the same training by design (proven in float64), so its loss "
+                   "path rounds differently on this job")
+
+
+def numerical_note(run: RunRecord, reference: RunRecord) -> str:
+    """What to say of a divergent pair that :func:`likely_causes` finds no cause for: no setting differs, so
+    the difference is numerical, in the loss path; with the same-training knobs on in both runs, their
+    precision (bf16, fp16) and a GPU on both (non-deterministic reductions), which that path runs through."""
+    on = [what for knob, what in LOSS_PATH_KNOBS if _param(run, knob, "false") == _param(reference, knob, "false")
+          not in ("false", "none", "0")]
+    attn = _param(reference, "model.attn_implementation", "none")
+    if attn != "none":
+        on.append(f"{attn} attention")
+    if run.precision not in ("fp32", "tf32"):
+        on.append(run.precision)
+    device = run.tags.get("device", "")
+    if device and device.lower() != "cpu":
+        on.append(f"non-deterministic GPU kernels ({device})")
+    return ("no setting differs from the reference: a numerical difference in the loss path"
+            + (f" (on in both runs: {', '.join(on)})" if on else ""))
 
 
 def kernel_knobs(run: RunRecord, reference: RunRecord) -> Iterable[str]:
@@ -166,12 +201,14 @@ def other_code(run: RunRecord, reference: RunRecord) -> Iterable[str]:
 # Every cause, in the order the report lists them.
 CAUSES: tuple[Callable[[RunRecord, RunRecord], Iterable[str]], ...] = (
     instruction_data, dropout_with_another_split, dropout_with_another_kernel, batchnorm_with_another_split,
-    mixed_precision, gpu_kernels, kernel_knobs, quantised_optimizer_states, another_backend, another_device,
+    mixed_precision, kernel_knobs, same_training_knobs, quantised_optimizer_states, another_backend, another_device,
     other_code,
 )
 
 
 def likely_causes(run: RunRecord, reference: RunRecord) -> list[str]:
     """Params and tags of a pair that explain why their losses can differ step by step: the sentences of
-    every function in :data:`CAUSES`, in that order."""
+    every function in :data:`CAUSES`, in that order. Each names a setting in which ``run`` differs from
+    ``reference`` (a split alone is none: splits are the same training); [] when no such setting differs
+    (:func:`numerical_note` says what that means)."""
     return [sentence for cause in CAUSES for sentence in cause(run, reference)]

@@ -131,7 +131,7 @@ def _group_section(g: GroupComparison, index: int) -> list[str]:
             if c.causes:
                 out += [f"  - likely cause: {cause}" for cause in c.causes]
             else:
-                out.append("  - no cause found in params or tags: check data order, seed and code version.")
+                out.append(f"  - {c.no_cause} (else: check data order, seed and code version).")
         for note in c.notes:
             out.append(f"- {c.run.label}: {note}")
     out.append("")

@@ -37,11 +37,8 @@ def summarize(g: GroupComparison) -> str:
                      f"(loss within {eq[0].tolerance.rtol:g} and grad_norm within "
                      f"{eq[0].grad_norm_tolerance.rtol:g} relative in {eq[0].precision}).")
     if div:
-        first = min(div, key=lambda c: c.first_divergent_step)
-        causes = sorted({cause.split(":")[0] for d in div for cause in d.causes})
-        parts.append(f"{len(div)} diverged, the first at step {first.first_divergent_step} ({first.run.label})"
-                     + (f"; likely causes: {'; '.join(causes)}." if causes else
-                        "; no cause found in params or tags (check data order, seed and code)."))
+        parts.append(f"{len(div)} diverged: " + "; ".join(_divergence(c) for c in
+                                                         sorted(div, key=lambda c: c.first_divergent_step)) + ".")
     rest = [c for c in others if c.status in (INCOMPLETE, NO_DATA)]
     if rest:
         parts.append(f"{len(rest)} not comparable over all steps ({', '.join(c.run.label for c in rest)}).")
@@ -55,6 +52,19 @@ def summarize(g: GroupComparison) -> str:
                                                              for c in loaded) + ".")
     parts.append(_cheapest([c for c in [g.rows[0]] + eq if c.cost_comparable]))
     return " ".join(p for p in parts if p)
+
+
+def _divergence(c) -> str:
+    """One diverged run in words: where, and its own likely causes (or that no setting differs)."""
+    where = f"{c.run.label} at step {c.first_divergent_step}"
+    if c.first_divergent_step == 1 and c.first_step:
+        metric, rel = max(c.first_step.items(), key=lambda kv: kv[1])
+        where += f" ({metric} {rel:.1e} relative, beyond the noise floor of the first step)"
+    elif c.first_divergent_metric == "grad_norm":
+        where += " (grad_norm)"
+    causes = [cause.split(":")[0] for cause in c.causes]
+    return where + (f", likely cause{'s' if len(causes) > 1 else ''}: {', '.join(causes)}" if causes
+                    else f", {c.no_cause}")
 
 
 def _cheapest(candidates: list) -> str:

@@ -6,7 +6,9 @@ with their group's reference (:mod:`onegpu.compare.groups`) per optimizer step:
 
 * ``loss`` and ``grad_norm``: the largest absolute and relative difference over the steps both runs
   logged, and the first step whose loss or gradient-norm difference is beyond the tolerance of the
-  run's precision (:mod:`onegpu.compare.tolerances`);
+  run's precision (:mod:`onegpu.compare.tolerances`); optimizer step 1, before any update can amplify a
+  difference, against the precision's noise floor of the reduction order (fp32 on a CPU), with the
+  factor by which a run is above it;
 * the number of optimizer steps;
 * the final ``eval_*`` metrics (differences, run minus reference);
 * the trade-off: memory and throughput relative to the reference.
@@ -27,9 +29,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from onegpu.compare.causes import likely_causes
+from onegpu.compare.causes import likely_causes, numerical_note
 from onegpu.compare.records import RunRecord, Series
-from onegpu.compare.tolerances import Tolerance, grad_norm_tolerance_for, tolerance_for
+from onegpu.compare.tolerances import (
+    FIRST_STEP_FLOOR,
+    Tolerance,
+    first_step_tolerance_for,
+    grad_norm_tolerance_for,
+    tolerance_for,
+)
 
 EVAL_METRICS = ("eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity")
 
@@ -69,6 +77,9 @@ class RunComparison:
     throughput_ratio: float | None = None
     memory_ratio: float | None = None
     causes: list[str] = field(default_factory=list)
+    no_cause: str = ""  # no setting differs: what that means (causes.numerical_note); "" when causes exist
+    first_step: dict[str, float] = field(default_factory=dict)  # metric -> relative difference at step 1
+    first_step_tolerance: Tolerance | None = None
     notes: list[str] = field(default_factory=list)
     overlaps: list[str] = field(default_factory=list)
 
@@ -135,6 +146,30 @@ def first_divergence(run: Series, reference: Series, tol: Tolerance) -> int | No
     return next((s for s, ok in zip(steps, close) if not ok), None)
 
 
+def first_step_beyond(run: Series, reference: Series, tol: Tolerance) -> float | None:
+    """The relative difference at optimizer step 1 when it is beyond ``tol`` (``numpy.isclose``), else
+    None (also when either series lacks step 1)."""
+    a, b = _as_dict(run), _as_dict(reference)
+    if 1 not in a or 1 not in b or np.isclose(a[1], b[1], rtol=tol.rtol, atol=tol.atol, equal_nan=True):
+        return None
+    return abs(a[1] - b[1]) / abs(b[1]) if b[1] else float("inf")
+
+
+def _first_step(c: RunComparison, run: RunRecord, reference: RunRecord) -> None:
+    """Step 1 against the noise floor of the reduction order (:data:`FIRST_STEP_TOLERANCES`): each metric
+    beyond it goes into ``c.first_step`` and a note with its factor over the measured floor."""
+    tol = c.first_step_tolerance = first_step_tolerance_for(run, reference)
+    if tol is None:
+        return
+    floor = FIRST_STEP_FLOOR[c.precision]
+    for metric in ("loss", "grad_norm"):
+        rel = first_step_beyond(run.series.get(metric, []), reference.series.get(metric, []), tol)
+        if rel is not None:
+            c.first_step[metric] = rel
+            c.notes.append(f"step 1 {metric} {rel:.1e} relative: {rel / floor:,.0f}x the {c.precision} noise floor "
+                           f"of the reduction order ({floor:g}), before any update could amplify a difference")
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b not in (None, 0) else None
 
@@ -166,13 +201,15 @@ def compare_run(run: RunRecord, reference: RunRecord) -> RunComparison:
     c.loss = series_diff(loss, ref_loss)
     c.grad_norm = series_diff(run.series.get("grad_norm", []), reference.series.get("grad_norm", []))
     c.causes = likely_causes(run, reference)
+    c.no_cause = "" if c.causes else numerical_note(run, reference)
     if c.loss.common_steps == 0:
         c.status = NO_DATA
         c.verdict = "no per-step loss" if not loss else "no common steps"
         return c
-    at_loss = first_divergence(loss, ref_loss, tol)
-    at_norm = first_divergence(run.series.get("grad_norm", []), reference.series.get("grad_norm", []),
-                               c.grad_norm_tolerance)
+    _first_step(c, run, reference)
+    at_loss = 1 if "loss" in c.first_step else first_divergence(loss, ref_loss, tol)
+    at_norm = 1 if "grad_norm" in c.first_step else first_divergence(
+        run.series.get("grad_norm", []), reference.series.get("grad_norm", []), c.grad_norm_tolerance)
     if at_loss is not None and (at_norm is None or at_loss <= at_norm):
         c.first_divergent_step, c.first_divergent_metric = at_loss, "loss"
     elif at_norm is not None:

@@ -43,7 +43,7 @@ def test_compare_groups_by_key_with_trade_offs_and_summary():
     assert by["split"].run.mean_step_time_s == pytest.approx(64 / 60)
     assert by["drop"].verdict == "diverged at step 3"
     assert g.count(eq.EQUIVALENT) == 2 and g.count(eq.DIVERGED) == 1
-    assert "2 of 3 equivalent" in g.summary and "first at step 3" in g.summary and "dropout" in g.summary
+    assert "2 of 3 equivalent" in g.summary and "1 diverged: drop at step 3, likely cause: dropout" in g.summary
     assert "least memory: 4x16" in g.summary
     assert "Nothing to compare" in result.groups[1].summary
 
