@@ -1,0 +1,168 @@
+"""Float64 training runs for the same-training proofs (tests/unit/equivalence/test_same_training.py). Not a
+test module.
+
+A proof trains a model cast to float64 through onegpu's own backends (the knob applied by the code that
+applies it in a real run) and keeps, besides the per-step rows, every parameter's gradient of optimizer
+step 1: torch's global optimizer-step pre-hook copies the gradients the first ``optimizer.step()`` is
+given (with ``max_grad_norm`` 0 nothing rescales them; under DDP they are all-reduced by then). In float64
+rounding is ~1e-16 per operation, so a knob that is the same training agrees within ``REL`` (1e-12),
+and a knob that changes anything of the mathematics (a float32 intermediate included) does not.
+
+The optimizer is SGD: AdamW's first update is nearly the sign of each gradient element, so an element whose
+exact gradient is zero and whose computed one is rounding noise (~1e-17) takes a full step of either sign,
+and the next step's loss moves by ~1e-9 (measured on the packaged chat model, 4 x 2 against 8 x 1): that
+is AdamW's amplification of any rounding, not the knob's. Under SGD each later step is as exact as the
+first; bench/same_training.py measures the AdamW steps in float32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import math
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from bench.same_training import WORDS, yes_no_rows  # the issue's job: one-word answers
+from onegpu.config import PACKAGED_CHAT_MODEL, from_container
+
+REL = 1e-12  # relative: loss and grad_norm per step, each parameter's gradient (as a norm) at step 1
+NEGLIGIBLE = 1e-3  # a tensor's gradient below this share of the whole gradient's norm: relative to that share
+
+@dataclasses.dataclass
+class Run:
+    rows: list            # the StepRecorder rows (step, loss, grad_norm, targets, ...)
+    grads: dict           # parameter name -> its float64 gradient at optimizer step 1 (summed over the step)
+
+
+def _name(model, p_name: str) -> str:
+    """A parameter's name without the wrappers' prefixes (PEFT, checkpointing wrappers)."""
+    return p_name.replace("base_model.model.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def train(model, tokenizer, dsd, train_cfg: dict, model_cfg: dict, data_cfg: dict | None = None,
+          oom_injector=None, dtype=torch.float64) -> Run:
+    """``model`` (cast to ``dtype``) trained by ``train_cfg['backend']`` (default ``trainer``) on ``dsd``."""
+    from onegpu.training.backends import base
+    model = model.to(dtype)
+    cfg = from_container({"data": {"max_length": 64, **(data_cfg or {})}, "model": {"dropout": 0.0, **model_cfg},
+                          "train": {"max_steps": 3, "optim": "sgd", "learning_rate": 1e-3, "weight_decay": 0.01,
+                                    "seed": 3, "max_grad_norm": 0.0, "logging_steps": 100, **train_cfg}},
+                         source="test")
+    names = {id(p): _name(model, n) for n, p in model.named_parameters() if p.requires_grad}
+    grads = {}
+
+    def hold(optimizer, args, kwargs):  # before every optimizer step: the gradients it steps with
+        if not grads:  # the first: optimizer step 1
+            grads.update({names[id(p)]: p.grad.detach().clone() for group in optimizer.param_groups
+                          for p in group["params"] if id(p) in names and p.grad is not None})
+    handle = register_optimizer_step_pre_hook(hold)
+    try:
+        module = importlib.import_module(base.REGISTRY[cfg.train.backend])
+        _, steps = module.train(base.TrainRequest(model, tokenizer, dsd, cfg, sink=lambda m, s: None,
+                                                  oom_injector=oom_injector))
+    finally:
+        handle.remove()
+    rows = list(steps.rows)
+    norm = float(torch.nn.utils.get_total_norm(list(grads.values())))  # as the backends compute grad_norm
+    assert abs(norm - rows[0]["grad_norm"]) <= (REL if dtype == torch.float64 else 1e-6) * norm, \
+        f"the held gradients are not step 1's: norm {norm!r}, logged {rows[0]['grad_norm']!r}, {len(grads)} tensors"
+    return Run(rows, grads)
+
+
+def distance(a: Run, b: Run) -> dict:
+    """Largest relative differences of ``a`` from ``b``: ``loss`` and ``grad_norm`` over the steps,
+    ``gradient`` over the parameters (``|g_a - g_b| / max(|g_b|, NEGLIGIBLE |g|)`` per tensor, L2 norms, ``g``
+    the whole gradient), and which tensor."""
+    def rel(x, y):
+        return abs(x - y) / abs(y) if y else abs(x)
+    out = {k: max(rel(r[k], s[k]) for r, s in zip(a.rows, b.rows)) for k in ("loss", "grad_norm")}
+    assert a.grads.keys() == b.grads.keys(), sorted(set(a.grads) ^ set(b.grads))
+    # A tensor whose gradient is below NEGLIGIBLE of the whole gradient's norm (BERT's key biases: zero in
+    # exact arithmetic, as softmax ignores a shift of every key) is measured against that much instead.
+    whole = math.sqrt(sum(float(g.square().sum()) for g in b.grads.values()))
+    per = {n: float((a.grads[n] - g).norm() / max(float(g.norm()), NEGLIGIBLE * whole))
+           for n, g in b.grads.items()}
+    out["gradient"], out["tensor"] = max((v, n) for n, v in per.items())
+    return out
+
+
+def assert_same(a: Run, b: Run, rel: float = REL, steps: int = 2) -> None:
+    """``a`` is ``b``'s training: the same steps (at least ``steps``) and targets, loss and grad_norm at every
+    step and every parameter's step-1 gradient within ``rel`` relative."""
+    assert [r["step"] for r in a.rows] == [r["step"] for r in b.rows] and len(a.rows) >= steps
+    assert [r["targets"] for r in a.rows] == [r["targets"] for r in b.rows]
+    d = distance(a, b)
+    assert max(d["loss"], d["grad_norm"], d["gradient"]) <= rel, d
+
+
+# -- the jobs: data and models --
+
+@functools.cache
+def chat_tokenizer():
+    from transformers import AutoTokenizer
+
+    from onegpu.models import packaged
+    return AutoTokenizer.from_pretrained(str(packaged.converted_dir(PACKAGED_CHAT_MODEL, tokenizer_only=True)))
+
+
+def answer_rows(n: int) -> dict:
+    """``n`` prompt-completion rows whose answers have 1..9 words (uneven lengths)."""
+    return {"prompt": ["Headline: " + " ".join((WORDS * 3)[i:i + 3 + (5 * i) % 18]) for i in range(n)],
+            "completion": [" ".join((WORDS * 3)[2 * i:2 * i + 1 + (3 * i) % 9]) for i in range(n)]}
+
+
+def chat_rows(n: int) -> dict:
+    """``n`` two-turn conversations (system, user, assistant, user, assistant) with answers of 1..6 words."""
+    conv = []
+    for i in range(n):
+        a, b = (WORDS * 3)[i:i + 1 + i % 6], (WORDS * 3)[3 * i:3 * i + 1 + (2 * i) % 5]
+        conv.append([{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": " ".join((WORDS * 2)[i:i + 4 + i % 9]) + "?"},
+                     {"role": "assistant", "content": " ".join(a)},
+                     {"role": "user", "content": "And then?"},
+                     {"role": "assistant", "content": " ".join(b)}])
+    return {"messages": conv}
+
+
+@functools.cache
+def instruction_data(kind: str, n: int = 8, max_length: int = 64, assistant_only: bool = False):
+    """The rows of ``kind`` (``yes_no``, ``answers``, ``chat``) tokenized as prepare does."""
+    from datasets import ClassLabel, Dataset, DatasetDict
+
+    from onegpu.config import DataConfig
+    from onegpu.data import tokenize_instructions
+    cols = {"yes_no": yes_no_rows, "answers": answer_rows, "chat": chat_rows}[kind](n)
+    ds = Dataset.from_dict({**cols, "label": ["text"] * n}).cast_column("label", ClassLabel(names=["text"]))
+    fmt = "messages" if kind == "chat" else "prompt-completion"
+    d = DataConfig(max_length=max_length, assistant_only_loss=assistant_only)
+    out, dropped, _ = tokenize_instructions(DatasetDict(train=ds), chat_tokenizer(), d, fmt)
+    assert dropped == 0
+    return out
+
+
+def smollm2_shaped(layers: int = 2, attn: str = "sdpa", tied: bool = True):
+    """A random-init LlamaForCausalLM of SmolLM2-135M-Instruct's config (hidden 576, 9/3 heads of 64,
+    SwiGLU 1,536, vocabulary 49,152, tied embeddings unless ``tied`` is False) with ``layers`` of its 30
+    layers (the width and vocabulary, where the output layer's arithmetic lives, are the model's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from onegpu.models import packaged
+    config = AutoConfig.from_pretrained(str(packaged.converted_dir(PACKAGED_CHAT_MODEL)))
+    config.num_hidden_layers, config.tie_word_embeddings, config.use_cache = layers, tied, False
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@functools.cache
+def _packaged_state(name: str) -> str:
+    from onegpu.models import loader
+    return loader.resolve_model_path(name)
+
+
+def packaged_chat_model(attn: str = "sdpa"):
+    """The packaged SmolLM2-135M-Instruct (converted once per test run), float32 as loaded."""
+    from onegpu.models import loader
+    return loader.build_causal_lm(_packaged_state(PACKAGED_CHAT_MODEL), chat_tokenizer(), None, 64, 0.0, attn)
