@@ -271,7 +271,8 @@ def test_on_the_packaged_chat_model_the_splits_are_equal_in_float32():
     """The issue's job in float32, the fused head on: step 1 within 1e-6 of 8 x 1 (loss and grad_norm; the
     float32 floor of the reduction order is 1e-7..3e-7 here), every step within 1e-5 (bench/same_training.py
     prints every split on both backends)."""
-    adamw = {"dtype": torch.float32, "steps": 3, "optim": "adamw_torch", "learning_rate": 1e-4}  # the job's own
+    adamw = {"dtype": torch.float32, "steps": 3, "optim": "adamw_torch", "learning_rate": 1e-4, "weight_decay": 0.0,
+             "max_grad_norm": 1.0, "seed": 42}  # the job's own training params (bench/same_training.py)
     ref = _packaged(**adamw)
     for run in (_packaged(1, 8, backend="accelerate", **adamw), _packaged(2, 4, padding_free=True, **adamw)):
         d1 = f64.distance(f64.Run(run.rows[:1], run.grads), f64.Run(ref.rows[:1], ref.grads))
