@@ -73,7 +73,7 @@ def project(store_root):
     ids = {
         "ref-64x1": _log_training_run(tr, "ref-64x1", KEY_A, 64, 1, mem=4e9, sps=100.0),
         "split-4x16": _log_training_run(tr, "split-4x16", KEY_A, 4, 16, mem=1e9, sps=60.0,
-                                        loss_factor=lambda s: 1 + 2e-6 * s),
+                                        loss_factor=lambda s: 1 + (2e-7 if s == 1 else 2e-6 * s)),  # step 1: the floor
         "ckpt-64x1": _log_training_run(tr, "ckpt-64x1", KEY_A, 64, 1, ckpt=True, mem=2e9, sps=75.0),
         "drop-8x8": _log_training_run(tr, "drop-8x8", KEY_A, 8, 8, dropout=0.1, mem=1.5e9, sps=70.0,
                                       loss_factor=lambda s: 1.0 if s < 3 else 1.03, eval_accuracy=0.88),
