@@ -108,24 +108,23 @@ def mixed_precision(run: RunRecord, reference: RunRecord) -> Iterable[str]:
                f"{'/'.join(mixed)}, and a different summation order rounds differently")
 
 
-# Same-training knobs whose being on in both runs :func:`numerical_note` names: (param, what it is).
-LOSS_PATH_KNOBS = (("train.fused_lm_head", "the fused LM head"), ("data.padding_free", "padding-free batches"),
-                   ("train.gradient_checkpointing", "activation checkpointing"),
-                   ("train.activation_offloading", "activation offloading"), ("train.torch_compile", "torch.compile"),
-                   ("train.tf32", "TF32"))
-
-
-# Same-training knobs not named elsewhere here: (param, value when not logged). Proven the same training
-# in float64 (docs/details.md, "The equivalence key"), so a divergence between runs that differ in one means
-# its loss path rounds differently on this job; it is named as the likely cause.
-SAME_TRAINING_KNOBS = (("train.fused_lm_head", "false"), ("train.gradient_checkpointing", "false"),
-                       ("train.gradient_checkpointing_blocks", "layer"), ("train.activation_offloading", "false"),
-                       ("train.num_processes", "1"))
+# Same-training knobs not named elsewhere here: (param, value when not logged, words for a boolean knob that
+# is on). Proven the same training in float64 (docs/details.md, "The equivalence key"), so a divergence
+# between runs that differ in one means its loss path rounds differently on this job: the likely cause.
+SAME_TRAINING_KNOBS = (("train.fused_lm_head", "false", "the fused LM head"),
+                       ("train.gradient_checkpointing", "false", "activation checkpointing"),
+                       ("train.gradient_checkpointing_blocks", "layer", None),
+                       ("train.activation_offloading", "false", "activation offloading"),
+                       ("train.num_processes", "1", None))
+# Boolean knobs of the loss path that :func:`numerical_note` names when on in both runs: those above and
+# the ones KERNEL_KNOBS and SFT_KNOBS name when they differ.
+LOSS_PATH_KNOBS = tuple((k, what) for k, _, what in SAME_TRAINING_KNOBS if what) + (
+    ("data.padding_free", "padding-free batches"), ("train.torch_compile", "torch.compile"), ("train.tf32", "TF32"))
 
 
 def same_training_knobs(run: RunRecord, reference: RunRecord) -> Iterable[str]:
     """Each knob of :data:`SAME_TRAINING_KNOBS` whose value differs."""
-    for knob, default in SAME_TRAINING_KNOBS:
+    for knob, default, _ in SAME_TRAINING_KNOBS:
         a, b = _param(run, knob, default), _param(reference, knob, default)
         if a != b:
             yield (f"{knob} differs ({a} vs {b}): the same training by design (proven in float64), so its loss "

@@ -255,7 +255,7 @@ def estimate(model, dataset, collator, loss_fn, micro_batches: list[int], optim:
     enable_checkpointing(model)
     ckpt = activation_line(model, dataset, collator, loss_fn, device, mixed_precision)
     weights = ckpt[3] if checkpointing else plain[3]
-    logits = logits_term(model, _batch(dataset, collator, longest_rows(dataset, 1), device), mixed_precision, device)
+    logits = logits_term(model, _batch(dataset, collator, longest_rows(dataset, 1), device), mixed_precision)
     rows = []
     for m in micro_batches:
         a, c = plain[0] + plain[1] * m, ckpt[0] + ckpt[1] * m
@@ -265,7 +265,7 @@ def estimate(model, dataset, collator, loss_fn, micro_batches: list[int], optim:
     return {"states": states, "autocast_weights": int(weights), "length": plain[2], "rows": rows}
 
 
-def logits_term(model, probe: dict, mixed_precision: str = "no", device: str = "cpu"):
+def logits_term(model, probe: dict, mixed_precision: str = "no"):
     """``m -> bytes``: the output layer's and the loss's memory beyond the saved activations for a
     micro-batch of ``m`` rows like ``probe`` (one collated row, the longest). The whole logits grow with
     the rows (:func:`logits_bytes`); under ``train.fused_lm_head`` (:func:`onegpu.training.lm_head.attached`)
@@ -279,9 +279,7 @@ def logits_term(model, probe: dict, mixed_precision: str = "no", device: str = "
     head = model.get_output_embeddings()
     vocab, hidden = head.weight.shape
     targets = int(count_items(probe["labels"], "causal-lm"))
-    compute = 4 if mixed_precision == "no" else 2
-    return lambda m: lm_head.transient_bytes(targets * m, vocab, hidden, compute, head.weight.requires_grad,
-                                             str(device).startswith("cuda"))
+    return lambda m: lm_head.transient_bytes(targets * m, vocab, hidden, head.weight.requires_grad)
 
 
 def logits_bytes(model, length: int, mixed_precision: str = "no") -> int:

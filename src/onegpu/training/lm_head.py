@@ -176,23 +176,20 @@ def target_nll(outputs: HiddenStates, labels):
     return sum(tiles[1:], tiles[0]) if tiles else upcast(hidden.sum())  # no target: 0, still in the graph
 
 
-def transient_bytes(targets: int, vocab: int, hidden: int, compute_bytes: int, head_trains: bool,
-                    cuda: bool) -> int:
+def transient_bytes(targets: int, vocab: int, hidden: int, head_trains: bool) -> int:
     """Bytes :func:`target_nll` allocates beyond what it saves for backward, at its peak (the backward of
-    its largest tile), for ``targets`` target positions.
+    its largest tile), for ``targets`` target positions, on any device and in any precision.
 
     The largest tile has ``min(targets rounded up to ROW_ALIGN, tokens_per_tile(vocab)) x vocab`` logits;
     at its backward's peak ``TILE_BUFFERS`` float32 buffers of that size are alive (under bf16/fp16
-    autocast, ``compute_bytes`` 2, the logits' float32 upcast is freed by then and its 2-byte gradient comes
-    after the float32 one: the same peak), or, when the output layer trains (``head_trains``; a tied
-    embedding too), the logits' gradient and the float32 gradient of its weight (``vocab x hidden``),
-    whichever is larger; plus the float32 gradient of the gathered hidden states (``targets x hidden``).
-    ``cuda`` is accepted for the callers' symmetry: the tile's work is the same on every device.
+    autocast the logits' float32 upcast is freed by then and their 2-byte gradient comes after the float32
+    one: the same peak), or, when the output layer trains (``head_trains``; a tied embedding too), the
+    logits' float32 gradient and the float32 gradient of its weight (``vocab x hidden``), whichever is
+    larger; plus the float32 gradient of the gathered hidden states (``targets x hidden``).
     """
     rows = min(-(-targets // ROW_ALIGN) * ROW_ALIGN, tokens_per_tile(vocab))
     tile = rows * vocab
-    grad_bytes = max(compute_bytes, 4)
-    peak = max(tile * 4 * TILE_BUFFERS, tile * grad_bytes + (4 * vocab * hidden if head_trains else 0))
+    peak = max(tile * 4 * TILE_BUFFERS, tile * 4 + (4 * vocab * hidden if head_trains else 0))
     return int(peak + 4 * targets * hidden)
 
 

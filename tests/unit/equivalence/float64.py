@@ -101,12 +101,10 @@ def assert_same(a: Run, b: Run, rel: float = REL, steps: int = 2) -> None:
 
 # -- the jobs: data and models --
 
-@functools.cache
 def chat_tokenizer():
-    from transformers import AutoTokenizer
-
-    from onegpu.models import packaged
-    return AutoTokenizer.from_pretrained(str(packaged.converted_dir(PACKAGED_CHAT_MODEL, tokenizer_only=True)))
+    """The packaged SmolLM2 tokenizer, converted once (tests/unit/training/test_batches.py's)."""
+    from tests.unit.training import test_batches
+    return test_batches.tokenizer()
 
 
 def answer_rows(n: int) -> dict:
@@ -158,13 +156,8 @@ def smollm2_shaped(layers: int = 2, attn: str = "sdpa", tied: bool = True):
     return AutoModelForCausalLM.from_config(config)
 
 
-@functools.cache
-def _packaged_state(name: str) -> str:
-    from onegpu.models import loader
-    return loader.resolve_model_path(name)
-
-
 def packaged_chat_model(attn: str = "sdpa"):
     """The packaged SmolLM2-135M-Instruct (converted once per test run), float32 as loaded."""
     from onegpu.models import loader
-    return loader.build_causal_lm(_packaged_state(PACKAGED_CHAT_MODEL), chat_tokenizer(), None, 64, 0.0, attn)
+    return loader.build_causal_lm(loader.resolve_model_path(PACKAGED_CHAT_MODEL), chat_tokenizer(), None, 64, 0.0,
+                                  attn)

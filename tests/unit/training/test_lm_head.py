@@ -202,7 +202,7 @@ def test_the_estimates_fused_term_is_within_15_percent_of_the_measured_peak(rows
                 str(int(fused))]
         return int(subprocess.run(argv, capture_output=True, text=True, check=True).stdout.split()[-1])
     length = 1024 if rows == 8 else 256
-    predicted = lm_head.transient_bytes(rows * (answer - 1), 16384, 64, 4, True, False)
+    predicted = lm_head.transient_bytes(rows * (answer - 1), 16384, 64, True)
     assert measured(True) == pytest.approx(predicted, rel=0.15)
     if rows == 4 and answer == 200:  # the whole logits: the estimate's per-row term (logits, copy, gradient)
         head = torch.nn.Linear(64, 16384, bias=False)
