@@ -168,7 +168,8 @@ def target_nll(outputs: HiddenStates, labels):
     mask = targets.ne(IGNORE_INDEX)
     hidden, targets = outputs.hidden[:, :-1][mask], targets[mask]
     pad = -targets.shape[0] % ROW_ALIGN  # zero rows without a target: an aligned matrix (ROW_ALIGN)
-    hidden, targets = F.pad(hidden, (0, 0, 0, pad)), F.pad(targets, (0, pad), value=IGNORE_INDEX)
+    if pad:  # (a copy of the gathered rows: only when it changes them)
+        hidden, targets = F.pad(hidden, (0, 0, 0, pad)), F.pad(targets, (0, pad), value=IGNORE_INDEX)
     scale, softcap = logit_transform(model.config)
     step = tokens_per_tile(head.weight.shape[0])
     tiles = [checkpoint(_tile_nll, hidden[i:i + step], head.weight, head.bias, targets[i:i + step], scale, softcap,
