@@ -237,6 +237,9 @@ def test_two_processes_are_one_in_float64_and_the_host_allocator_is_the_same_tra
 
 # -- the packaged chat model itself: SmolLM2-135M-Instruct, float64 and float32 (slow) --
 
+LR_PACKAGED = 1e-5  # keeps step 2 as well conditioned as step 1 (the float64 test's docstring)
+
+
 def _packaged(micro: int = 8, accum: int = 1, fused: bool = True, backend: str = "trainer",
               padding_free: bool = False, dtype=torch.float64, steps: int = 2, **train) -> f64.Run:
     model = f64.packaged_chat_model()
@@ -252,18 +255,20 @@ def _packaged(micro: int = 8, accum: int = 1, fused: bool = True, backend: str =
 def test_on_the_packaged_chat_model_every_same_training_knob_is_exact_in_float64():
     """The whole logits at 8 x 1 against two runs with the knobs on, grouped two ways (a difference of any
     would show at 1e-12): 1 x 8 fused padding-free on the Accelerate loop with checkpointing; 4 x 2 fused
-    on the Trainer with reentrant checkpointing of every other layer. Step 1 (loss, grad_norm, every
-    parameter's gradient) within 1e-12. Step 2 within 1e-9 only: on this model a padded micro-batch's
-    step-2 gradient differs from an unpadded one's by up to 1.9e-8 per tensor (grad_norm 1.6e-10, the loss
-    equal to the digit), while step 1's agrees to 1e-15 and the from-config model's to 1e-15 at every step;
-    found, not yet explained (it is the padded reference against every unpadded split, not a knob)."""
-    ref = _packaged(fused=False)
-    for run in (_packaged(1, 8, backend="accelerate", padding_free=True, gradient_checkpointing=True),
-                _packaged(4, 2, gradient_checkpointing=True,
+    on the Trainer with reentrant checkpointing of every other layer. Both steps (loss, grad_norm) and
+    every parameter's step-1 gradient within 1e-12.
+
+    The learning rate is 1e-5, not the helper's 1e-3: this model's gradient is ill-conditioned (measured:
+    scaling every weight by 1 + 1e-15 noise moves the next gradient by 4e-8), and after a 1e-3 step the
+    1e-17 by which two splits' weights differ (summation order) already moves step 2's gradient by 1.9e-8
+    (loss 2e-16): the model's sensitivity, not a knob's, as 4 x 2 and 1 x 8 then differ from 8 x 1 alike.
+    After a 1e-5 step every split's step 2 agrees to 1e-15."""
+    ref = _packaged(fused=False, learning_rate=LR_PACKAGED)
+    for run in (_packaged(1, 8, backend="accelerate", padding_free=True, gradient_checkpointing=True,
+                          learning_rate=LR_PACKAGED),
+                _packaged(4, 2, gradient_checkpointing=True, learning_rate=LR_PACKAGED,
                           gradient_checkpointing_kwargs={"use_reentrant": True, "every_n_layers": 2})):
-        f64.assert_same(f64.Run(run.rows[:1], run.grads), f64.Run(ref.rows[:1], ref.grads), steps=1)
-        assert [r["targets"] for r in run.rows] == [r["targets"] for r in ref.rows]
-        assert max(f64.distance(run, ref)[k] for k in ("loss", "grad_norm")) <= 1e-9
+        f64.assert_same(run, ref, steps=2)
 
 
 @pytest.mark.slow
