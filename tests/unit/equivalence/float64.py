@@ -1,5 +1,6 @@
-"""Float64 training runs for the same-training proofs (tests/unit/equivalence/test_same_training.py). Not a
-test module.
+"""Float64 training runs for the same-training proofs (tests/unit/equivalence/test_same_training*.py: the
+knobs' list and the fused head, the other knobs, the classifier, the packaged chat model; one file each so
+that the suite's workers share them). Not a test module.
 
 A proof trains a model cast to float64 through onegpu's own backends (the knob applied by the code that
 applies it in a real run) and keeps, besides the per-step rows, every parameter's gradient of optimizer
@@ -161,3 +162,61 @@ def packaged_chat_model(attn: str = "sdpa"):
     from onegpu.models import loader
     return loader.build_causal_lm(loader.resolve_model_path(PACKAGED_CHAT_MODEL), chat_tokenizer(), None, 64, 0.0,
                                   attn)
+
+
+# -- the runs of the proofs: one per job --
+
+CAUSAL = {"task": "causal-lm", "name_or_path": None}
+
+
+def lm_run(kind: str = "yes_no", micro: int = 8, accum: int = 1, fused: bool = True, backend: str = "trainer",
+           attn: str = "sdpa", padding_free: bool = False, checkpointing: tuple = (), tied: bool = True,
+           lora: bool = False, dtype=torch.float64) -> Run:
+    """2 optimizer steps of the from-config model (:func:`smollm2_shaped`), 8 rows of ``kind`` per step."""
+    from onegpu.training import lm_head
+    model = smollm2_shaped(attn=attn, tied=tied)
+    if lora:
+        from onegpu.config import LoraConfig
+        from onegpu.models import lora as lora_mod
+        torch.manual_seed(1)
+        model = lora_mod.apply(model, LoraConfig(r=4, alpha=8.0), "causal-lm", bool(checkpointing))
+        for n, p in model.named_parameters():  # a non-zero B: the adapters' gradients reach every matrix
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02)
+    if fused:
+        lm_head.check(model, "smollm2-shaped")
+        lm_head.attach(model)
+    ckpt = dict(checkpointing)
+    cfg = {"backend": backend, "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum,
+           "gradient_checkpointing": bool(ckpt), "max_steps": 2}
+    if ckpt:
+        cfg["gradient_checkpointing_kwargs"] = ckpt
+    data = instruction_data(kind, 16, assistant_only=kind == "chat")
+    return train(model, chat_tokenizer(), data, cfg, CAUSAL,
+                 {"padding_free": padding_free, "assistant_only_loss": kind == "chat"}, dtype=dtype)
+
+
+def classifier_run(micro: int = 8, accum: int = 1, backend: str = "trainer", attn: str | None = None,
+                   oom_injector=None, **train_cfg) -> Run:
+    """2 optimizer steps of the packaged all-MiniLM-L6-v2 classifier (3 labels) on 16 tiny rows."""
+    from onegpu.config import PACKAGED_MODEL
+    from onegpu.models import loader
+    from tests.unit import tiny
+    torch.manual_seed(0)
+    model = loader.build_classifier(loader.resolve_model_path(PACKAGED_MODEL), ["a", "b", "c"], 0.0, attn)
+    cfg = {"backend": backend, "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum,
+           "max_steps": 2, **train_cfg}
+    return train(model, tiny.tokenizer(), tiny.dataset(16), cfg, {}, oom_injector=oom_injector)
+
+
+def packaged_run(micro: int = 8, accum: int = 1, fused: bool = True, backend: str = "trainer",
+                 padding_free: bool = False, dtype=torch.float64, steps: int = 2, **train_cfg) -> Run:
+    """``steps`` optimizer steps of the packaged SmolLM2-135M-Instruct on 8 one-word-answer rows each."""
+    from onegpu.training import lm_head
+    model = packaged_chat_model()
+    if fused:
+        lm_head.attach(model)
+    cfg = {"backend": backend, "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum,
+           "max_steps": steps, **train_cfg}
+    return train(model, chat_tokenizer(), instruction_data("yes_no", 8 * steps), cfg,
+                 {**CAUSAL, "name_or_path": PACKAGED_CHAT_MODEL}, {"padding_free": padding_free}, dtype=dtype)

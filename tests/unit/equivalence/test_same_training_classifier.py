@@ -1,0 +1,81 @@
+"""The same training on the packaged all-MiniLM-L6-v2 classifier (the default job) in float64: splits,
+checkpointing granularities, the attention kernel, an out-of-memory retry, dataloader workers, and two
+data-parallel processes with the host allocator (the list of knobs: test_same_training.py)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.unit.equivalence import float64 as f64  # noqa: E402
+
+_classifier = f64.classifier_run
+
+
+@functools.cache
+def _classifier_ref() -> f64.Run:
+    return _classifier()
+
+
+def test_splits_of_the_classifiers_batch_are_the_same_training():
+    f64.assert_same(_classifier(2, 4), _classifier_ref())
+    f64.assert_same(_classifier(1, 8, backend="accelerate"), _classifier_ref())
+
+
+@pytest.mark.parametrize("blocks,kwargs", [("layer", {"use_reentrant": True}), ("attention", {"every_n_layers": 2}),
+                                           ("mlp", {"use_reentrant": False})])
+def test_checkpointing_granularities_of_the_classifier_are_the_same_training(blocks, kwargs):
+    run = _classifier(2, 4, gradient_checkpointing=True, gradient_checkpointing_blocks=blocks,
+                      gradient_checkpointing_kwargs=kwargs)
+    f64.assert_same(run, _classifier_ref())
+
+
+def test_the_attention_kernel_of_the_classifier_eager_is_sdpa():
+    f64.assert_same(_classifier(attn="eager"), _classifier_ref())
+
+
+def test_an_out_of_memory_retry_is_the_same_training():
+    """An injected out-of-memory error in step 1's second micro-batch: both micro-batches redone in halves."""
+    calls = []
+
+    def injector(step: int, rows: int) -> bool:
+        calls.append((step, rows))
+        return len(calls) == 2
+    run = _classifier(4, 2, oom_injector=injector)
+    assert (1, 2) in calls  # the retry ran in pieces of 2 rows
+    f64.assert_same(run, _classifier_ref())
+
+
+def test_dataloader_workers_are_the_same_training():
+    f64.assert_same(_classifier(4, 2, dataloader_num_workers=2), _classifier_ref())
+
+
+# -- data-parallel processes and the host allocator: two gloo ranks, each with the caching allocator --
+
+def _rank(rank: int, port: int, out_dir: str) -> None:
+    import os
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from onegpu.training import distributed, host_allocator
+    distributed.TIMEOUT_S = 60
+    said = host_allocator.apply("caching", "cpu")
+    run = _classifier(4, 1, num_processes=2)
+    torch.save({"rows": run.rows, "grads": run.grads, "allocator": said}, f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_two_processes_are_one_in_float64_and_the_host_allocator_is_the_same_training(tmp_path):
+    """2 processes x 4 x 1 with the caching allocator = 1 process x 8 x 1 with glibc's defaults (this test
+    process never sets it): one equality proves both knobs (a difference in either would show)."""
+    import torch.multiprocessing as mp
+
+    from onegpu.training import host_allocator
+    from tests.unit.training.test_distributed import _free_port
+    assert host_allocator._state["applied"] is None
+    mp.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for r in ranks:
+        assert r["allocator"].startswith("caching (glibc mallopt")
+        f64.assert_same(f64.Run(r["rows"], r["grads"]), _classifier_ref())
