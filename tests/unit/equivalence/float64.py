@@ -211,12 +211,13 @@ def classifier_run(micro: int = 8, accum: int = 1, backend: str = "trainer", att
 
 def packaged_run(micro: int = 8, accum: int = 1, fused: bool = True, backend: str = "trainer",
                  padding_free: bool = False, dtype=torch.float64, steps: int = 2, **train_cfg) -> Run:
-    """``steps`` optimizer steps of the packaged SmolLM2-135M-Instruct on 8 one-word-answer rows each."""
+    """``steps`` optimizer steps of the packaged SmolLM2-135M-Instruct on ``micro * accum`` one-word-answer
+    rows each (the effective batch)."""
     from onegpu.training import lm_head
     model = packaged_chat_model()
     if fused:
         lm_head.attach(model)
     cfg = {"backend": backend, "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum,
            "max_steps": steps, **train_cfg}
-    return train(model, chat_tokenizer(), instruction_data("yes_no", 8 * steps), cfg,
+    return train(model, chat_tokenizer(), instruction_data("yes_no", micro * accum * steps), cfg,
                  {**CAUSAL, "name_or_path": PACKAGED_CHAT_MODEL}, {"padding_free": padding_free}, dtype=dtype)
