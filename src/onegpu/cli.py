@@ -89,8 +89,8 @@ def _tradeoffs(sub) -> None:
                                           "experiment per knob, a table, the fastest same-training configuration",
                         description=f"Run the baseline (your params) and one DVC experiment per knob "
                                     f"({', '.join(KNOBS)}) one at a time, each "
-                                    "for a probe window of --steps optimizer steps (or --full), --repeats times "
-                                    "in interleaved rounds, and report samples/s (median, min-max) and memory "
+                                    "for a probe window of --steps optimizer steps (or --full), in interleaved "
+                                    "rounds (--repeats), and report samples/s (median, min-max) and memory "
                                     "against the baseline, whether each keeps the same training, and the "
                                     "fastest configuration that does, clear of the repeats' spread and "
                                     "confirmed as a whole: OUT/tradeoffs.md, OUT/tradeoffs.png and an MLflow "
@@ -114,8 +114,9 @@ def _tradeoffs(sub) -> None:
     tr.add_argument("--full", action="store_true",
                     help="train the whole job in every row and evaluate it (time to the baseline's eval loss)")
     tr.add_argument("--repeats", type=_positive, default=None, metavar="R",
-                    help="runs of each row, in interleaved rounds; a knob is recommended only when its gain "
-                         "is clear of the spread of its repeats and the baseline's (default: 3)")
+                    help="runs of every row, in interleaved rounds; a knob is recommended only when its gain "
+                         "is clear of the spread of its repeats and the baseline's (default: up to 3, each row "
+                         "again only while its next window could change the recommendation)")
     _out(tr)
 
 
@@ -175,13 +176,13 @@ def _run_summary(args, cfg) -> None:
 def _run_tradeoffs(args, cfg) -> None:
     from onegpu.errors import UserError
     from onegpu.stages import tradeoffs
-    from onegpu.tradeoffs.batch import PROBE_STEPS, REPEATS
+    from onegpu.tradeoffs.batch import PROBE_STEPS
     if args.full and args.steps:
         raise UserError("--steps and --full exclude each other: a probe window of N steps, or the whole job")
     tradeoffs.run(tradeoffs.Request(
         cfg, args.params, parse_knobs(args.knobs), queue_only=args.queue_only, report_only=args.report,
         batch=args.batch, combine=not args.no_combine, out_dir=args.out, overrides=tuple(args.overrides),
-        steps=None if args.full else (args.steps or PROBE_STEPS), repeats=args.repeats or REPEATS))
+        steps=None if args.full else (args.steps or PROBE_STEPS), repeats=args.repeats))
 
 
 def _run_compare(args, cfg) -> None:

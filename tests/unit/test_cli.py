@@ -130,10 +130,11 @@ def test_no_params_note_when_the_file_is_as_committed_or_in_dvcs_temp_clone(tmp_
     assert "learning_rat" in line and "differs from git's HEAD" not in line
 
 
-@pytest.mark.parametrize("args, steps, repeats", [([], 6, 3), (["--steps", "4", "--repeats", "2"], 4, 2),
+@pytest.mark.parametrize("args, steps, repeats", [([], 6, None), (["--steps", "4", "--repeats", "2"], 4, 2),
                                                   (["--full", "--repeats", "1"], None, 1)])
 def test_tradeoffs_window_and_repeats_reach_the_stage(tmp_path, monkeypatch, args, steps, repeats):
-    """--steps N (the probe window; default 6), --full (None: the whole job), --repeats R (default 3)."""
+    """--steps N (the probe window; default 6), --full (None: the whole job), --repeats R (default None: up to
+    3 windows a row, the adaptive rounds)."""
     from onegpu import cli
     from onegpu.stages import tradeoffs
     defaults.write_params(tmp_path)

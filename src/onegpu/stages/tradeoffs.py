@@ -1,14 +1,14 @@
 """``onegpu tradeoffs``: the single-GPU guide's table, measured on the user's own model and data.
 
-The baseline (the user's params) and a row per knob (:mod:`onegpu.tradeoffs.knobs`) run one at a time (speed
-compares only without other load), ``repeats`` times in interleaved rounds, for ``steps`` optimizer steps in
-worker processes on data prepared once (:mod:`onegpu.tradeoffs.pool`) or the whole job (None) as ``dvc exp run
---temp``, then the combination of the knobs clearly faster without changing the training (:mod:`.batch`).
-Writes ``<out>/tradeoffs.md`` and ``.png`` (:mod:`onegpu.tradeoffs.report`), logs both to an MLflow run (tag
-``stage=tradeoffs``), prints the table. Ctrl-C stops the row running, reports what was measured, exits 130.
-"""
+The baseline (the user's params) and a row per knob (:mod:`onegpu.tradeoffs.knobs`) run one at a time, in
+interleaved rounds (a row again only while its next window can change the answer: :mod:`.windows`), for
+``steps`` optimizer steps in worker processes (:mod:`onegpu.tradeoffs.pool`) or the whole job (None) as ``dvc
+exp run --temp``, then the combination of the knobs clearly faster with the same training (:mod:`.batch`).
+Writes ``<out>/tradeoffs.md`` and ``.png``, logs both to an MLflow run (tag ``stage=tradeoffs``), prints the
+table. Ctrl-C stops the row running, reports what was measured, exits 130."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,30 +34,30 @@ class Request:
     out_dir: str | Path = "reports"
     overrides: tuple[str, ...] = ()  # ``-S key=value`` for every experiment, the baseline too
     steps: int | None = batches.PROBE_STEPS  # optimizer steps per row; None: the whole job, evaluate too
-    repeats: int = batches.REPEATS   # runs of each row, in interleaved rounds
+    repeats: int | None = None       # runs of every row in interleaved rounds; None: up to batches.REPEATS, adaptive
 
 
 def run(req: Request) -> list[Row]:
-    """Queue, run and report (the module docstring): the measured rows, the baseline first, the combination
-    last when it ran. Raises UserError (not in a DVC project, other experiments queued, a row whose params do
-    not validate, dvc failing to queue, no MLflow store or runs); KeyboardInterrupt after a stopped batch's report."""
+    """Queue, run and report (the module docstring): the rows, the baseline first, the combination last when it
+    ran. Raises UserError (not in a DVC project, experiments queued, a row's params invalid, dvc failing to
+    queue, no MLflow store or runs); KeyboardInterrupt after a stopped batch's report."""
     if not Path("dvc.yaml").is_file():
         raise UserError("no dvc.yaml here: run onegpu tradeoffs from the project root")
     cfg, batch, facts, interrupted = req.cfg, req.batch, memory.device_facts(), False
+
+    def runs_named(prefix: str) -> dict[str, compare.RunRecord]:  # the rows' runs so far, by row name
+        return batches.finished_runs([compare.RunRecord(**d) for d in tracking.training_runs_named(
+            tracking.open_existing(cfg.tracking.experiment_name), prefix)], prefix)
     with workers.for_batch(cfg, req.params, facts, req.steps, req.queue_only or req.report_only) as pool:
         if not req.report_only:
             batch, interrupted = batches.start(cfg, req.params, req.knobs, list(req.overrides), req.queue_only,
-                                               facts, req.steps, req.repeats, pool)
+                                               facts, req.steps, req.repeats, pool, runs_named)
             if req.queue_only:
                 return []
         manifest = batches.load_plan(batch)
-        batch, prefix = manifest["batch"], batches.prefix(manifest["batch"])
+        batch, fetch = manifest["batch"], functools.partial(runs_named, batches.prefix(manifest["batch"]))
         tracker = tracking.open_existing(cfg.tracking.experiment_name)
         tracker.reap_orphans()
-
-        def fetch() -> dict[str, compare.RunRecord]:
-            records = [compare.RunRecord(**d) for d in tracking.training_runs_named(tracker, prefix)]
-            return batches.finished_runs(records, prefix)
         result = batches.measure(manifest, fetch, batches.budget_bytes(cfg, facts), req.combine, req.report_only,
                                  f"MLflow experiment {cfg.tracking.experiment_name!r}",
                                  queue.states() if req.report_only else {}, interrupted, pool)
@@ -74,7 +74,7 @@ def run(req: Request) -> list[Row]:
           + f"\nreport: {files[0]} (plot {files[1].name}); MLflow run {run_id} ({batches.PREFIX}{batch})")
     if result.interrupted:
         print(f"onegpu tradeoffs: stopped (Ctrl-C or SIGTERM): {sum(1 for r in result.rows if r.run is not None)} of "
-              f"{len(result.rows)} rows measured (the report above says which); nothing of this batch is left queued "
-              "or running", flush=True)
+              f"{len(result.rows)} rows measured (the report above says which); nothing of this batch is left "
+              "queued or running", flush=True)
         raise KeyboardInterrupt()
     return result.rows + ([result.measured] if result.combined else [])

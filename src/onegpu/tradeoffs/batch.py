@@ -17,7 +17,7 @@ from onegpu.compare import RunRecord
 from onegpu.config import Config, DeviceFacts, load
 from onegpu.errors import ConfigError, UserError
 from onegpu.formatting import GiB
-from onegpu.tradeoffs import queue
+from onegpu.tradeoffs import queue, windows as rounds
 from onegpu.tradeoffs.knobs import Variant, plan as plan_knobs, with_overrides
 from onegpu.tradeoffs.measurement import Row, aggregate, measure_row, measure_rows, repeat_name, unmeasured
 from onegpu.tradeoffs.pool import WORKERS, Pool, run_rows as run_in_pool
@@ -90,8 +90,9 @@ def plan(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str],
 # The probe window's default (``--steps``): optimizer steps per row, whatever the job's length. Step 1 holds
 # warm-up (its time is its own column); steps 2..N give samples/s and, against the baseline's, the verdict.
 PROBE_STEPS = 6
-# ``--repeats``' default: each row three times, interleaved, so a spread is measured.
-REPEATS = 3
+# The most windows of a row (``--repeats R`` forces R of every row): the rows run in interleaved rounds, and
+# after the first only the baseline and the rows whose next window could change the answer run again.
+REPEATS = rounds.REPEATS
 
 
 # How a batch's rows ran (its plan's "runner"): in a pool of worker processes, or each as its own DVC experiment.
@@ -127,13 +128,15 @@ def _check_queue() -> None:
 
 
 def start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str], queue_only: bool,
-          facts: DeviceFacts, steps: int | None = PROBE_STEPS, repeats: int = REPEATS,
-          pool: Pool | None = None) -> tuple[str, bool]:
+          facts: DeviceFacts, steps: int | None = PROBE_STEPS, repeats: int | None = None,
+          pool: Pool | None = None, fetch: Callable[[str], dict[str, RunRecord]] | None = None) -> tuple[str, bool]:
     """Plan, keep the batch's plan, and queue its experiments (``queue_only``) or run them one at a time
-    in ``repeats`` interleaved rounds (:func:`order`), each row ``steps`` optimizer steps up to the train
-    stage (None: the whole job, evaluate too); return the batch id and whether Ctrl-C stopped it.
-    ``pool``: train the rows in these workers (:mod:`onegpu.tradeoffs.pool`) instead of as
-    ``dvc exp run --temp``.
+    in interleaved rounds, each row ``steps`` optimizer steps up to the train stage (None: the whole job,
+    evaluate too); return the batch id and whether Ctrl-C stopped it. ``repeats``: R rounds of every row
+    (:func:`order`); None: up to :data:`REPEATS`, a row running again only while its next window could
+    change the recommendation (:func:`run_rounds`; ``fetch(prefix)``: the batch's runs so far, as
+    :func:`finished_runs`). ``pool``: train the rows in these workers (:mod:`onegpu.tradeoffs.pool`)
+    instead of as ``dvc exp run --temp``.
 
     Raises:
         UserError: experiments are running from the DVC queue (they would share the machine), a row
@@ -146,14 +149,15 @@ def start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str]
     if not queue_only:
         _check_queue()
     batch = time.strftime("%m%d-%H%M%S")
-    rows = order(variants, 1 if queue_only else repeats)
+    adaptive = repeats is None and not queue_only and fetch is not None
     in_workers = pool is not None and not queue_only
-    extra = {"params": params, "overrides": overrides, "steps": steps, "repeats": 1 if queue_only else repeats,
+    extra = {"params": params, "overrides": overrides, "steps": steps,
+             "repeats": 1 if queue_only else repeats or REPEATS, "forced": not adaptive,
              "runner": WORKERS if in_workers else DVC_TEMP}
     save(batch, variants, skipped, extra)
     what = (f"{steps} optimizer steps each, up to train" if steps else "the whole job each, evaluate too") + (
         ", in worker processes on data prepared once" if in_workers else "")
-    print(f"onegpu tradeoffs: {len(variants)} rows x {extra['repeats']} repeat(s) from {params}"
+    print(f"onegpu tradeoffs: {_windows_text(variants, extra['repeats'], adaptive)} from {params}"
           + "".join(f" -S {o}" for o in overrides) + f" ({what}; batch {batch})")
     if paths.params_differ_from_head(params):  # e.g. what a workspace `dvc exp run -S` left there
         print(f"  note: {params} differs from git's HEAD (`git diff {params}`): the baseline is the file as it is")
@@ -164,7 +168,49 @@ def start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str]
         print(f"\nnext: dvc queue start -j 1   (one at a time: timings need the machine alone)\n"
               f"then, when `dvc queue status` shows them done: onegpu tradeoffs --report --batch {batch}")
         return batch, False
-    return batch, run(batch, rows, steps, params, pool)
+    if adaptive:
+        return batch, run_rounds(batch, variants, REPEATS, steps, params, pool, lambda: fetch(prefix(batch)))
+    return batch, run(batch, order(variants, extra["repeats"]), steps, params, pool)
+
+
+def _windows_text(variants: list[Variant], repeats: int, adaptive: bool) -> str:
+    """The plan's windows in words: forced (``R rows x R repeat(s)``), or the range of the adaptive rounds."""
+    if not adaptive:
+        return f"{len(variants)} rows x {repeats} repeat(s)"
+    n, reopen = rounds.first_round(variants)
+    return (f"{n} rows, one window each, then up to {repeats - 1} more rounds of the baseline and of each row "
+            f"whose next window could still change the recommendation ({n - reopen} of another training run "
+            f"once): {n} to {n + (repeats - 1) * reopen} windows")
+
+
+def run_rounds(batch: str, variants: list[Variant], repeats: int, steps: int | None, params: str | None,
+               pool: Pool | None, fetch: Callable[[], dict[str, RunRecord]]) -> bool:
+    """Round 1: every row; rounds 2..``repeats``: the baseline and the rows still open
+    (:func:`onegpu.tradeoffs.windows.next_round`, measured on ``fetch()``), until none is. Each row's
+    count of windows is kept in the plan (``windows``); return whether Ctrl-C stopped the batch."""
+    counts = {v.name: 1 for v in variants}
+    _keep_windows(batch, counts)
+    interrupted = run(batch, order(variants, 1), steps, params, pool)
+    for r in range(2, repeats + 1):
+        if interrupted:
+            break
+        again = rounds.next_round(variants, measure_rows(variants, fetch(), counts), repeats)
+        if not again:
+            print(f"\nround {r}: no row is left whose next window could change the recommendation")
+            break
+        print(f"\nround {r} of at most {repeats}: the baseline and {len(again) - 1} row(s) whose gain could "
+              f"still clear the spread: {', '.join(v.name for v in again if v.knob != rounds.BASELINE)}")
+        counts.update({v.name: r for v in again})
+        _keep_windows(batch, counts)
+        interrupted = run(batch, [Variant(repeat_name(v.name, r), v.knob, v.overrides, v.expect, v.what)
+                                  for v in again], steps, params, pool)
+    return interrupted
+
+
+def _keep_windows(batch: str, counts: dict[str, int]) -> None:
+    manifest = load_plan(batch)
+    manifest["windows"] = dict(counts)
+    paths.write_json_atomic(_manifest_dir() / f"{batch}.json", manifest)
 
 
 def _unchanged(params: str, v: Variant, steps: int | None) -> bool:
@@ -254,12 +300,16 @@ def measure(manifest: dict, fetch: Callable[[], dict[str, RunRecord]], budget: f
     ``dvc queue status`` by experiment name; ``pool``: where the combination trains (None: ``dvc exp
     run --temp``). A batch with a row missing recommends nothing.
     """
-    repeats = manifest.get("repeats", 1)
+    counts = manifest.get("windows") or manifest.get("repeats", 1)  # each row's windows, or one count for all
+    repeats = counts.get("baseline", 1) if isinstance(counts, dict) else counts  # the combination's: the baseline's
     runs, states = fetch(), row_states(manifest, queued or {})
-    rows = measure_rows(variants_of(manifest), runs, repeats, states)
-    if manifest.get("steps"):  # probe rows skip evaluate by design
-        for r in rows:
+    rows = measure_rows(variants_of(manifest), runs, counts, states)
+    for r in rows:
+        if manifest.get("steps"):  # probe rows skip evaluate by design
             r.notes = [n for n in r.notes if n != PROBE_NOTE]
+        most, n = manifest.get("repeats", REPEATS), counts.get(r.variant.name, 1) if isinstance(counts, dict) else 0
+        if isinstance(counts, dict) and r.run is not None and n < most and (why := rounds.decided(r, most)):
+            r.notes.append(f"{n} window{'s' * (n > 1)}: decided, not timed further ({why})")
     out = Measured(rows, recommend(rows, budget), None, interrupted)
     rec = out.recommendation
     if out.combined and "recommended" not in runs and combine and not report_only and not interrupted:

@@ -86,6 +86,7 @@ class Row:
     # to the baseline of their own round (for the baseline: its samples/s over its median)
     repeats: int = 1
     speedup_range: tuple[float, float] | None = None
+    ratios: tuple[float, ...] = ()  # each repeat's ratio (with several repeats; one: ``speedup`` alone)
     # fit for the recommendation: same key and within fp32 (or tf32) tolerance, or apart only by dropout masks
     same_training: bool = False
     comparison: RunComparison | None = None
@@ -213,19 +214,22 @@ def aggregate(v: Variant, rows: list[Row]) -> Row:
         sps = [r.samples_per_second for r in rows]
         ups = [x / out.samples_per_second for x in sps] if None not in sps and out.samples_per_second else [None]
     out.speedup_range = (min(ups), max(ups)) if None not in ups else None
+    out.ratios = tuple(ups) if None not in ups else ()
     out.notes = list(dict.fromkeys(n for r in rows for n in r.notes))
     return out
 
 
-def measure_rows(variants: list[Variant], runs: dict[str, RunRecord], repeats: int = 1,
+def measure_rows(variants: list[Variant], runs: dict[str, RunRecord], repeats: int | dict[str, int] = 1,
                  states: dict[str, str] | None = None) -> list[Row]:
-    """One :class:`Row` per variant over its ``repeats``: ``runs`` maps a repeat's name
-    (:func:`repeat_name`) to its training run (absent: not run), ``states`` to its DVC queue state;
+    """One :class:`Row` per variant over its ``repeats`` (one count for every row, or each row's own by
+    name: a row decided after fewer windows, :mod:`onegpu.tradeoffs.windows`): ``runs`` maps a repeat's
+    name (:func:`repeat_name`) to its training run (absent: not run), ``states`` to its DVC queue state;
     repeat ``r`` of each variant is measured against repeat ``r`` of the baseline (the same round)."""
     states = states or {}
     out = []
     for v in variants:
+        n = repeats if isinstance(repeats, int) else repeats.get(v.name, 1)
         rows = [measure_row(v, runs.get(repeat_name(v.name, r)), runs.get(repeat_name("baseline", r)),
-                            states.get(repeat_name(v.name, r))) for r in range(1, repeats + 1)]
+                            states.get(repeat_name(v.name, r))) for r in range(1, n + 1)]
         out.append(aggregate(v, rows))
     return out

@@ -137,6 +137,16 @@ def window_text(plan: dict) -> str:
     what += (" The rows trained in worker processes on the data prepared once, each an MLflow run of its own "
              "(no DVC experiment each: `--full` and `--queue-only` rows are DVC experiments)." if in_workers else
              " Each row is a DVC experiment of its own (`dvc exp show`).")
+    counts = plan.get("windows")
+    if counts:  # the adaptive rounds (onegpu.tradeoffs.windows)
+        most = max(counts.values())
+        return what + (f" Each row ran once, then again in interleaved rounds (the baseline and the rows whose next "
+                       f"window could still change the recommendation; at most {repeats}): "
+                       f"{sum(1 for n in counts.values() if n == most)} of {len(counts)} rows ran {most} times, the "
+                       "others fewer (their notes say why); a ratio is the median of each window against the "
+                       "baseline of its round, with their min-max." if most > 1 else
+                       " Each row ran once: none was left whose next window could change the recommendation, so "
+                       "no spread was measured.")
     return what + (f" Each row ran {repeats} times, in interleaved rounds (baseline, each knob; again): "
                    "the ratio is the median of each repeat against the baseline of its round, with their "
                    "min-max." if repeats > 1 else " Each row ran once: no spread measured (`--repeats`).")
