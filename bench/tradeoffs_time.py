@@ -81,8 +81,8 @@ def timed(project: Path, args: list[str]) -> dict:
                          f"{p.stdout[-3000:]}{p.stderr[-3000:]}")
     plans = sorted((project / ".onegpu" / "tradeoffs").glob("*.json"), key=lambda f: f.stat().st_mtime)
     ran, most = windows(json.loads(plans[-1].read_text()))
-    rec = next((line.strip() for line in p.stdout.splitlines() if "Recommendation" in line
-                or "keep your params" in line.lower()), "")
+    tail = " ".join(p.stdout.split("Recommendation", 1)[-1].split())  # the terminal wraps the paragraph
+    rec = "keep your params" if tail.startswith(": keep your params") else tail.split(": ", 1)[-1].split("`")[1]
     return {"args": args, "wall_s": round(wall, 1), "windows": ran, "most_windows": most,
             "baseline_spread": baseline_spread((project / "reports" / "tradeoffs.md").read_text()),
             "inductor_cache_warm": warm, "other_load_cores": round(load.cores, 2), "waited_s": round(waited, 1),
