@@ -8,8 +8,8 @@
   ``params.yaml`` or ``mlflow.db`` through the current directory; MLflow and DVC variables of the
   calling shell are cleared.
 
-Parallel runs (``make test``: pytest-xdist, ``--dist loadfile``, two workers per core, at most 4; tests/README.md,
-"Keeping the suite fast"):
+Parallel runs (``make test``: pytest-xdist, ``--dist loadfile``, two workers per core plus one, at most 5;
+tests/README.md, "Keeping the suite fast"):
 
 - each worker's PyTorch gets its share of the cores (``OMP_NUM_THREADS``, inherited by the stages the
   integration tests start): two workers of two threads each on two cores stall every parallel op on a
