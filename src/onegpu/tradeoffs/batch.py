@@ -22,6 +22,7 @@ from onegpu.tradeoffs.knobs import Variant, plan as plan_knobs, with_overrides
 from onegpu.tradeoffs.measurement import Row, aggregate, measure_row, measure_rows, repeat_name, unmeasured
 from onegpu.tradeoffs.pool import WORKERS, Pool, run_rows as run_in_pool
 from onegpu.tradeoffs.recommend import Recommendation, recommend
+from onegpu.tradeoffs.rows import duration
 
 PREFIX = "tradeoffs-"
 
@@ -159,6 +160,9 @@ def start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str]
         ", in worker processes on data prepared once" if in_workers else "")
     print(f"onegpu tradeoffs: {_windows_text(variants, extra['repeats'], adaptive)} from {params}"
           + "".join(f" -S {o}" for o in overrides) + f" ({what}; batch {batch})")
+    n, reopen = rounds.first_round(variants)
+    print("  " + expected_time((n, n + (extra["repeats"] - 1) * reopen) if adaptive else (n * extra["repeats"],) * 2,
+                               steps, extra["runner"], batch))
     if paths.params_differ_from_head(params):  # e.g. what a workspace `dvc exp run -S` left there
         print(f"  note: {params} differs from git's HEAD (`git diff {params}`): the baseline is the file as it is")
     for s in skipped:
@@ -181,6 +185,21 @@ def _windows_text(variants: list[Variant], repeats: int, adaptive: bool) -> str:
     return (f"{n} rows, one window each, then up to {repeats - 1} more rounds of the baseline and of each row "
             f"whose next window could still change the recommendation ({n - reopen} of another training run "
             f"once): {n} to {n + (repeats - 1) * reopen} windows")
+
+
+def expected_time(windows: tuple[int, int], steps: int | None, runner: str, batch: str) -> str:
+    """The batch's expected wall time in words: ``windows`` (the fewest and most) times the median wall
+    time of a row in this project's latest earlier batch with the same window and runner (its params may
+    differ: it says which batch); before any, that it is known after the first row."""
+    import statistics
+    earlier = sorted(_manifest_dir().glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for f in earlier:
+        m = json.loads(f.read_text())
+        if m.get("batch") != batch and m.get("wall_s") and m.get("steps") == steps and m.get("runner") == runner:
+            per = statistics.median(m["wall_s"].values())
+            span = " to ".join(dict.fromkeys(duration(w * per) for w in windows))
+            return f"expected: about {span} (a row took a median {per:.1f} s in batch {m['batch']} here)"
+    return "expected time: known after the first row (no earlier batch with this window here)"
 
 
 def run_rounds(batch: str, variants: list[Variant], repeats: int, steps: int | None, params: str | None,

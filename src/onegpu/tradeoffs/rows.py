@@ -42,13 +42,18 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
+def duration(seconds: float) -> str:
+    """``"3 min 20 s"`` (``"45 s"`` under a minute)."""
+    s = round(seconds)
+    return f"{s // 60} min {s % 60:02d} s" if s >= 60 else f"{s} s"
+
+
 def time_left(done: list[Ran], left: int) -> str:
     """``"about 3 min 20 s left"`` from the mean wall time of the rows ``done`` times the ``left`` rows
     (``left`` includes the one about to start); before any row ended, what is not known yet."""
     if not done:
         return "time left: known after the first row"
-    s = round(sum(r.seconds for r in done) / len(done) * left)
-    return f"about {s // 60} min {s % 60:02d} s left" if s >= 60 else f"about {s} s left"
+    return f"about {duration(sum(r.seconds for r in done) / len(done) * left)} left"
 
 
 def one_at_a_time(prefix: str, rows: list[Variant], run: Callable[[str, Variant], int]) -> tuple[list[Ran], bool]:

@@ -2,6 +2,8 @@
 queued, and which run stands for each row."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
@@ -118,3 +120,19 @@ def test_rows_stopped_by_ctrl_c_are_stopped_in_the_report_and_the_wall_times_are
     assert note == ["the rows took 34 s of wall time (2 dvc exp run --temp, one at a time); per row a median "
                     "18.0 s (min 18.0, max 18.0) beyond its training: DVC's temporary clone, each stage's process "
                     "start, model load and save"]
+
+
+def test_the_expected_time_is_the_windows_times_the_median_row_of_an_earlier_batch_with_this_window(tmp_path,
+                                                                                                    monkeypatch):
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    none = "expected time: known after the first row (no earlier batch with this window here)"
+    assert batch.expected_time((12, 28), 6, batch.WORKERS, "0102-000000") == none
+    batch.save("0101-000000", [], [], {"steps": 6, "runner": batch.WORKERS})
+    plan = batch.load_plan("0101-000000")
+    plan["wall_s"] = {"baseline": 5.0, "split": 4.0, "lora": 6.5}
+    (tmp_path / ".onegpu" / "tradeoffs" / "0101-000000.json").write_text(json.dumps(plan))
+    assert batch.expected_time((12, 28), 6, batch.WORKERS, "0102-000000") == (
+        "expected: about 1 min 00 s to 2 min 20 s (a row took a median 5.0 s in batch 0101-000000 here)")
+    assert batch.expected_time((4, 4), 6, batch.WORKERS, "0102-000000").startswith("expected: about 20 s (")
+    assert batch.expected_time((12, 28), 10, batch.WORKERS, "0102-000000") == none  # another window
+    assert batch.expected_time((12, 28), 6, batch.DVC_TEMP, "0102-000000") == none  # another runner
