@@ -18,8 +18,8 @@ NEXT = """Next:
   dvc queue start -j 1
                      a sweep: queue one line per micro-batch split, then run them one at a time
   onegpu compare     which runs trained the same model with another split, and what each cost
-  onegpu tradeoffs   the guide's knobs measured on these params (6 steps per knob, 3 rounds; 3.5 min on
-                     a quiet 2-core CPU, --repeats 1 a third) and what a repeat confirms as faster
+  onegpu tradeoffs   the guide's knobs measured on these params (6 steps per knob, more rounds only where
+                     they can change the answer; about 100 s on a quiet 2-core CPU) and what is faster
   dvc exp show --only-changed --drop 'Created|State|Executor|models|data/|src/|model.dropout|eval_loss|train_mem'
                      the sweep as a table (README.md: A sweep)"""
 
