@@ -158,11 +158,10 @@ def start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str]
     save(batch, variants, skipped, extra)
     what = (f"{steps} optimizer steps each, up to train" if steps else "the whole job each, evaluate too") + (
         ", in worker processes on data prepared once" if in_workers else "")
-    print(f"onegpu tradeoffs: {_windows_text(variants, extra['repeats'], adaptive)} from {params}"
+    span = rounds.window_range(variants, extra["repeats"], adaptive)
+    print(f"onegpu tradeoffs: {_windows_text(variants, extra['repeats'], span, adaptive)} from {params}"
           + "".join(f" -S {o}" for o in overrides) + f" ({what}; batch {batch})")
-    n, reopen = rounds.first_round(variants)
-    print("  " + expected_time((n, n + (extra["repeats"] - 1) * reopen) if adaptive else (n * extra["repeats"],) * 2,
-                               steps, extra["runner"], batch))
+    print("  " + expected_time(span, steps, extra["runner"], batch))
     if paths.params_differ_from_head(params):  # e.g. what a workspace `dvc exp run -S` left there
         print(f"  note: {params} differs from git's HEAD (`git diff {params}`): the baseline is the file as it is")
     for s in skipped:
@@ -177,14 +176,15 @@ def start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str]
     return batch, run(batch, order(variants, extra["repeats"]), steps, params, pool)
 
 
-def _windows_text(variants: list[Variant], repeats: int, adaptive: bool) -> str:
-    """The plan's windows in words: forced (``R rows x R repeat(s)``), or the range of the adaptive rounds."""
+def _windows_text(variants: list[Variant], repeats: int, span: tuple[int, int], adaptive: bool) -> str:
+    """The plan's windows in words: forced (``R rows x R repeat(s)``), or the ``span`` of the adaptive rounds
+    (:func:`onegpu.tradeoffs.windows.window_range`)."""
     if not adaptive:
         return f"{len(variants)} rows x {repeats} repeat(s)"
-    n, reopen = rounds.first_round(variants)
-    return (f"{n} rows, one window each, then up to {repeats - 1} more rounds of the baseline and of each row "
-            f"whose next window could still change the recommendation ({n - reopen} of another training run "
-            f"once): {n} to {n + (repeats - 1) * reopen} windows")
+    once = sum(1 for v in variants if v.expect == rounds.DIFFERENT and v.knob != rounds.BASELINE)
+    return (f"{len(variants)} rows, one window each, then up to {repeats - 1} more rounds of the baseline and of "
+            f"each row whose next window could still change the recommendation ({once} of another training run "
+            f"once): {span[0]} to {span[1]} windows")
 
 
 def expected_time(windows: tuple[int, int], steps: int | None, runner: str, batch: str) -> str:
@@ -319,15 +319,16 @@ def measure(manifest: dict, fetch: Callable[[], dict[str, RunRecord]], budget: f
     ``dvc queue status`` by experiment name; ``pool``: where the combination trains (None: ``dvc exp
     run --temp``). A batch with a row missing recommends nothing.
     """
-    counts = manifest.get("windows") or manifest.get("repeats", 1)  # each row's windows, or one count for all
-    repeats = counts.get("baseline", 1) if isinstance(counts, dict) else counts  # the combination's: the baseline's
+    variants, most = variants_of(manifest), manifest.get("repeats", 1)
+    counts = manifest.get("windows") or {v.name: most for v in variants}  # each row's windows (forced: all alike)
+    repeats = counts.get("baseline", most)  # the combination's windows: the baseline's
     runs, states = fetch(), row_states(manifest, queued or {})
-    rows = measure_rows(variants_of(manifest), runs, counts, states)
+    rows = measure_rows(variants, runs, counts, states)
     for r in rows:
         if manifest.get("steps"):  # probe rows skip evaluate by design
             r.notes = [n for n in r.notes if n != PROBE_NOTE]
-        most, n = manifest.get("repeats", REPEATS), counts.get(r.variant.name, 1) if isinstance(counts, dict) else 0
-        if isinstance(counts, dict) and r.run is not None and n < most and (why := rounds.decided(r, most)):
+        n = counts.get(r.variant.name, 1)
+        if r.run is not None and n < most and (why := rounds.decided(r, most)):
             r.notes.append(f"{n} window{'s' * (n > 1)}: decided, not timed further ({why})")
     out = Measured(rows, recommend(rows, budget), None, interrupted)
     rec = out.recommendation

@@ -55,7 +55,11 @@ def next_round(variants: list[Variant], rows: list[Row], windows: int = REPEATS)
     return [v for v in variants if v.knob == BASELINE] + open_rows if open_rows else []
 
 
-def first_round(variants: list[Variant]) -> tuple[int, int]:
-    """``(rows, open)``: the rows of round 1, and how many of them may run again (not of another
-    training), for the plan's line before the batch starts."""
-    return len(variants), sum(1 for v in variants if v.knob == BASELINE or v.expect != DIFFERENT)
+def window_range(variants: list[Variant], repeats: int, adaptive: bool = True) -> tuple[int, int]:
+    """``(fewest, most)`` windows of a batch of ``variants``: forced (not ``adaptive``), every row
+    ``repeats`` times; adaptive, every row once, then up to ``repeats - 1`` more rounds of the rows that
+    may run again (all but those of another training)."""
+    if not adaptive:
+        return (len(variants) * repeats,) * 2
+    reopen = sum(1 for v in variants if v.knob == BASELINE or v.expect != DIFFERENT)
+    return len(variants), len(variants) + (repeats - 1) * reopen

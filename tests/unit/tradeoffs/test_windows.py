@@ -119,3 +119,9 @@ def test_a_row_whose_median_cannot_reach_the_bar_is_decided_before_its_last_wind
     assert windows.decided(two, 3) == "2 of its windows under the 5% bar: its median cannot reach it"
     [one] = measure_rows([v], runs, {"row": 1})
     assert windows.decided(one, 3) is None
+
+
+def test_the_window_range_is_every_row_once_then_the_rows_that_may_run_again():
+    """The planted batch: 5 rows, one of another training: 5 to 13 windows adaptive, 15 forced."""
+    assert windows.window_range(PLANTED, 3) == (5, 13)
+    assert windows.window_range(PLANTED, 3, adaptive=False) == (15, 15)
