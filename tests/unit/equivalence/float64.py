@@ -14,6 +14,14 @@ exact gradient is zero and whose computed one is rounding noise (~1e-17) takes a
 and the next step's loss moves by ~1e-9 (measured on the packaged chat model, 4 x 2 against 8 x 1): that
 is AdamW's amplification of any rounding, not the knob's. Under SGD each later step is as exact as the
 first; bench/same_training.py measures the AdamW steps in float32.
+
+Float64 all the way: transformers' Llama RMSNorm computes in float32 whatever its input's dtype
+(``hidden_states.to(torch.float32)``), which in a float64 model rounds every layer's normalized hidden
+state to float32. Two runs whose hidden states differ by 1e-16 (another summation order) then round some
+element to neighbouring float32 values: a jump of ~1e-8 in the loss (measured on the packaged chat model:
+a 1e-15 change of any of many single weights moved its loss by 2.1e-8, the same jump each time, and 1 x 4
+against 4 x 1 by 6.5e-8 at step 2 on an Intel Xeon with AVX-512). :func:`train` gives a float64 model's
+RMSNorms the same formula in float64 (:func:`float64_norms`), so nothing of the model rounds to float32.
 """
 from __future__ import annotations
 
@@ -42,11 +50,31 @@ def _name(model, p_name: str) -> str:
     return p_name.replace("base_model.model.", "").replace("_checkpoint_wrapped_module.", "")
 
 
+def _rms_norm_float64(self, hidden_states):
+    """``LlamaRMSNorm.forward`` (transformers 5) in its input's dtype instead of float32."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def float64_norms(model) -> int:
+    """Give every ``LlamaRMSNorm`` of ``model`` (under any wrapper) :func:`_rms_norm_float64` as its forward;
+    the number of norms patched. (Its own forward rounds a float64 input to float32: the module's docstring.)"""
+    import types
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
+    for m in norms:
+        m.forward = types.MethodType(_rms_norm_float64, m)
+    return len(norms)
+
+
 def train(model, tokenizer, dsd, train_cfg: dict, model_cfg: dict, data_cfg: dict | None = None,
           oom_injector=None, dtype=torch.float64) -> Run:
     """``model`` (cast to ``dtype``) trained by ``train_cfg['backend']`` (default ``trainer``) on ``dsd``."""
     from onegpu.training.backends import base
     model = model.to(dtype)
+    if dtype == torch.float64:
+        float64_norms(model)
     cfg = from_container({"data": {"max_length": 64, **(data_cfg or {})}, "model": {"dropout": 0.0, **model_cfg},
                           "train": {"max_steps": 3, "optim": "sgd", "learning_rate": 1e-3, "weight_decay": 0.01,
                                     "seed": 3, "max_grad_norm": 0.0, "logging_steps": 100, **train_cfg}},
