@@ -32,10 +32,11 @@ TILE_LOGITS = 1 << 24
 # that output's gradient and the logits' gradient (tests/unit/training/test_lm_head.py measures it).
 TILE_BUFFERS = 3
 # Rows of a tile are a multiple of this (zero rows, no target, pad the last): a BLAS picks another kernel,
-# with another summation order, for a short or ragged matrix (MKL, measured: fewer than 12 rows not a
-# multiple of 4), and a confident target's gradient ``1 - p`` magnifies that rounding by ``1 / (1 - p)``.
-# Aligned, each row's projection and gradient are the whole logits' to the bit (tests/unit/training).
-ROW_ALIGN = 8
+# with another summation order, for a short or ragged matrix (MKL, measured: with AVX2, fewer than 12 rows
+# not a multiple of 4; with AVX-512, fewer than 16 rows), and a confident target's gradient ``1 - p``
+# magnifies that rounding by ``1 / (1 - p)``. Aligned, each row's projection and gradient are the whole
+# logits' to the bit (tests/unit/training).
+ROW_ALIGN = 16
 # Largest |difference| of :func:`check`'s logits from the model's own, relative to their largest magnitude.
 CHECK_REL = 1e-4
 

@@ -214,10 +214,11 @@ def test_the_estimates_fused_term_is_within_15_percent_of_the_measured_peak(rows
 @pytest.mark.parametrize("answer", [1, 3, 6, 11])
 def test_a_short_tile_is_the_whole_logits_bit_for_bit(answer):
     """A micro-batch with few targets (one-word answers: 3 with the end-of-turn tokens): a BLAS sums a
-    matrix of fewer than 12 rows not a multiple of 4 in another order (MKL, measured), and the gradient of a
-    confident target magnifies that rounding by 1 / (1 - p) (1e-4 of the step's gradient on the packaged
-    SmolLM2); the tile padded to ``ROW_ALIGN`` rows takes the whole logits' kernel: the same gradients to
-    the bit, at SmolLM2's width and vocabulary."""
+    short matrix in another order (MKL, measured: with AVX2 fewer than 12 rows not a multiple of 4, with
+    AVX-512 fewer than 16), and the gradient of a confident target magnifies that rounding by 1 / (1 - p)
+    (1e-4 of the step's gradient on the packaged SmolLM2); the tile padded to ``ROW_ALIGN`` rows takes the
+    whole logits' kernel: the same gradients to the bit, at SmolLM2's width and vocabulary. The summed loss
+    is within 3e-7 (two float32 ulps: cross-entropy reduces 16 rows in another order than 39)."""
     from onegpu.training.loss import causal_lm_loss
     torch.manual_seed(0)
     head = torch.nn.Linear(576, 49152, bias=False)
@@ -233,5 +234,5 @@ def test_a_short_tile_is_the_whole_logits_bit_for_bit(answer):
         loss.backward()
         return loss.detach(), hidden.grad, head.weight.grad
     whole, fused = grads(False), grads(True)
-    assert fused[0] == pytest.approx(float(whole[0]), rel=1e-7)
+    assert fused[0] == pytest.approx(float(whole[0]), rel=3e-7)
     assert torch.equal(fused[1], whole[1]) and torch.equal(fused[2], whole[2])
