@@ -15,16 +15,20 @@ and the next step's loss moves by ~1e-9 (measured on the packaged chat model, 4 
 is AdamW's amplification of any rounding, not the knob's. Under SGD each later step is as exact as the
 first; bench/same_training.py measures the AdamW steps in float32.
 
-Float64 all the way: transformers' Llama RMSNorm computes in float32 whatever its input's dtype
-(``hidden_states.to(torch.float32)``), which in a float64 model rounds every layer's normalized hidden
-state to float32. Two runs whose hidden states differ by 1e-16 (another summation order) then round some
-element to neighbouring float32 values: a jump of ~1e-8 in the loss (measured on the packaged chat model:
-a 1e-15 change of any of many single weights moved its loss by 2.1e-8, the same jump each time, and 1 x 4
-against 4 x 1 by 6.5e-8 at step 2 on an Intel Xeon with AVX-512). :func:`train` gives a float64 model's
-RMSNorms the same formula in float64 (:func:`float64_norms`), so nothing of the model rounds to float32.
+Float64 all the way: transformers' Llama computes two things in float32 whatever its input's dtype, its
+RMSNorm (``hidden_states.to(torch.float32)``) and its eager attention's softmax (``softmax(...,
+dtype=torch.float32)``), which in a float64 model round every layer's normalized hidden state (and, eager,
+its attention weights) to float32. Two runs whose hidden states differ by 1e-16 (another summation order)
+then round some element to neighbouring float32 values: a jump of ~1e-8 in the loss (measured on the
+packaged chat model: a 1e-15 change of any of many single weights moved its loss by 2.1e-8, the same jump
+each time, and 1 x 4 against 4 x 1 by 6.5e-8 at step 2 on an Intel Xeon with AVX-512; eager against SDPA
+2e-7). :func:`train` runs a float64 model with both in float64 (:func:`float64_throughout`): the same
+formulas, nothing of the model rounded to float32. (RoPE's cos and sin are float32 too, but a constant of
+the positions, the same in every run.)
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -56,6 +60,20 @@ def _rms_norm_float64(self, hidden_states):
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def _eager_attention_float64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers 5's Llama ``eager_attention_forward`` with its softmax in the query's dtype (not float32)."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = torch.nn.functional.softmax(attn_weights, dim=-1, dtype=query.dtype)
+    attn_weights = torch.nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
 def float64_norms(model) -> int:
     """Give every ``LlamaRMSNorm`` of ``model`` (under any wrapper) :func:`_rms_norm_float64` as its forward;
     the number of norms patched. (Its own forward rounds a float64 input to float32: the module's docstring.)"""
@@ -68,13 +86,26 @@ def float64_norms(model) -> int:
     return len(norms)
 
 
+@contextlib.contextmanager
+def float64_throughout(model):
+    """While it is open, ``model``'s RMSNorms (:func:`float64_norms`) and Llama's eager attention
+    (transformers looks ``eager_attention_forward`` up in its module at each call: replaced by
+    :func:`_eager_attention_float64`, put back on exit) compute in float64."""
+    from transformers.models.llama import modeling_llama
+    float64_norms(model)
+    own = modeling_llama.eager_attention_forward
+    modeling_llama.eager_attention_forward = _eager_attention_float64
+    try:
+        yield model
+    finally:
+        modeling_llama.eager_attention_forward = own
+
+
 def train(model, tokenizer, dsd, train_cfg: dict, model_cfg: dict, data_cfg: dict | None = None,
           oom_injector=None, dtype=torch.float64) -> Run:
     """``model`` (cast to ``dtype``) trained by ``train_cfg['backend']`` (default ``trainer``) on ``dsd``."""
     from onegpu.training.backends import base
     model = model.to(dtype)
-    if dtype == torch.float64:
-        float64_norms(model)
     cfg = from_container({"data": {"max_length": 64, **(data_cfg or {})}, "model": {"dropout": 0.0, **model_cfg},
                           "train": {"max_steps": 3, "optim": "sgd", "learning_rate": 1e-3, "weight_decay": 0.01,
                                     "seed": 3, "max_grad_norm": 0.0, "logging_steps": 100, **train_cfg}},
@@ -89,8 +120,9 @@ def train(model, tokenizer, dsd, train_cfg: dict, model_cfg: dict, data_cfg: dic
     handle = register_optimizer_step_pre_hook(hold)
     try:
         module = importlib.import_module(base.REGISTRY[cfg.train.backend])
-        _, steps = module.train(base.TrainRequest(model, tokenizer, dsd, cfg, sink=lambda m, s: None,
-                                                  oom_injector=oom_injector))
+        with float64_throughout(model) if dtype == torch.float64 else contextlib.nullcontext():
+            _, steps = module.train(base.TrainRequest(model, tokenizer, dsd, cfg, sink=lambda m, s: None,
+                                                      oom_injector=oom_injector))
     finally:
         handle.remove()
     rows = list(steps.rows)

@@ -44,9 +44,8 @@ PROOFS = {
     "train.oom_retry": "float64: test_an_out_of_memory_retry_is_the_same_training",
     "data.padding_free": "float64: test_padding_free_*",
     "model.attn_implementation": "float64: test_the_attention_kernel_of_the_classifier_* (BERT: eager = SDPA); "
-                                 "Llama's eager softmax is float32 by construction: "
-                                 "test_the_attention_kernel_eager_is_sdpa_within_the_float32_floor; "
-                                 "flash_attention_2 is CUDA only",
+                                 "test_the_attention_kernel_eager_is_sdpa_in_float64 (Llama, its eager "
+                                 "softmax in float64); flash_attention_2 is CUDA only",
     "train.fused_lm_head": "float64: test_the_fused_head_*",
     "train.cpu_allocator": "float64: test_two_processes_are_one_in_float64_and_the_host_allocator_* (each rank "
                            "under the caching allocator, the reference under glibc's defaults)",
