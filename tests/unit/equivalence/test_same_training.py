@@ -86,16 +86,19 @@ def _ref(**kw) -> f64.Run:
     return f64.lm_run(**kw)
 
 
+@pytest.mark.slow  # float64 on a model of SmolLM2's width and vocabulary: make test-quick leaves it out
 def test_the_fused_head_is_the_whole_logits_in_float64():
     """The issue's job (answers of one token; TRL's kernel, a float32 log-sum-exp, was 1e-5..2e-4 off)."""
     f64.assert_same(_ref(), _ref(fused=False))
 
 
+@pytest.mark.slow  # float64 on a model of SmolLM2's width and vocabulary: make test-quick leaves it out
 @pytest.mark.parametrize("kind", ["answers", "chat"])
 def test_the_fused_head_is_the_whole_logits_on_long_answers_and_assistant_only_chats(kind):
     f64.assert_same(f64.lm_run(kind, 2, 4), f64.lm_run(kind, 2, 4, fused=False))
 
 
+@pytest.mark.slow  # float64 on a model of SmolLM2's width and vocabulary: make test-quick leaves it out
 @pytest.mark.parametrize("variant", ["untied", "lora"])
 def test_the_fused_head_is_the_whole_logits_with_an_untied_head_and_under_lora(variant):
     kw = {"tied": False} if variant == "untied" else {"lora": True}

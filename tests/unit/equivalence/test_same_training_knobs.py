@@ -11,6 +11,8 @@ torch = pytest.importorskip("torch")
 
 from tests.unit.equivalence import float64 as f64  # noqa: E402
 
+pytestmark = pytest.mark.slow  # float64 on a model of SmolLM2's width and vocabulary: make test-quick leaves it out
+
 
 @functools.cache
 def _ref(**kw) -> f64.Run:

@@ -185,6 +185,7 @@ print(status("VmHWM") - base)
 """
 
 
+@pytest.mark.slow  # a process per measured peak
 @pytest.mark.parametrize("rows,answer", [(4, 200), (4, 20), (8, 1000)])
 def test_the_estimates_fused_term_is_within_15_percent_of_the_measured_peak(rows, answer):
     """The output layer and loss's peak beyond the saved activations, measured as the resident set's
