@@ -270,14 +270,16 @@ def classifier_run(micro: int = 8, accum: int = 1, backend: str = "trainer", att
 
 
 def packaged_run(micro: int = 8, accum: int = 1, fused: bool = True, backend: str = "trainer",
-                 padding_free: bool = False, dtype=torch.float64, steps: int = 2, **train_cfg) -> Run:
-    """``steps`` optimizer steps of the packaged SmolLM2-135M-Instruct on ``micro * accum`` one-word-answer
-    rows each (the effective batch)."""
+                 padding_free: bool = False, dtype=torch.float64, steps: int = 2, attn: str = "sdpa",
+                 **train_cfg) -> Run:
+    """``steps`` optimizer steps of the packaged SmolLM2-135M-Instruct (attention ``attn``) on ``micro *
+    accum`` one-word-answer rows each (the effective batch)."""
     from onegpu.training import lm_head
-    model = packaged_chat_model()
+    model = packaged_chat_model(attn)
     if fused:
         lm_head.attach(model)
     cfg = {"backend": backend, "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum,
            "max_steps": steps, **train_cfg}
-    return train(model, chat_tokenizer(), instruction_data("yes_no", micro * accum * steps), cfg,
-                 {**CAUSAL, "name_or_path": PACKAGED_CHAT_MODEL}, {"padding_free": padding_free}, dtype=dtype)
+    model_cfg = {**CAUSAL, "name_or_path": PACKAGED_CHAT_MODEL, "attn_implementation": attn}
+    return train(model, chat_tokenizer(), instruction_data("yes_no", micro * accum * steps), cfg, model_cfg,
+                 {"padding_free": padding_free}, dtype=dtype)

@@ -14,11 +14,11 @@ _packaged = f64.packaged_run
 @pytest.mark.slow
 def test_on_the_packaged_chat_model_every_same_training_knob_is_exact_in_float64():
     """The whole logits at 4 x 1 against two runs with the knobs on, grouped two ways (a difference of any
-    would show at 1e-12): 1 x 4 fused padding-free on the Accelerate loop with checkpointing; 2 x 2 fused
-    on the Trainer with reentrant checkpointing of every other layer. Both steps (loss, grad_norm) and
-    every parameter's step-1 gradient within 1e-12. An effective batch of 4 rows, not the job's 8: the
-    whole 30-layer model in float64 costs the suite time in proportion to its rows (this file's time:
-    tests/README.md), and 4 rows already split into micro-batches of 1 and 2 (several micro-batches, a
+    would show at 1e-12): 1 x 4 fused padding-free on the Accelerate loop with checkpointing; 2 x 2 fused on
+    the Trainer with reentrant checkpointing of every other layer and eager attention. Both steps (loss,
+    grad_norm) and every parameter's step-1 gradient within 1e-12. An effective batch of 4 rows, not the
+    job's 8: the whole 30-layer model in float64 costs the suite time in proportion to its rows (this file's
+    time: tests/README.md), and 4 rows already split into micro-batches of 1 and 2 (several micro-batches, a
     short row beside a long one in one micro-batch); the job's own 8 rows and splits are the float32 test's.
 
     At the helper's learning rate (SGD 1e-3), so step 2 runs on weights that step 1 moved. (Until the
@@ -26,7 +26,7 @@ def test_on_the_packaged_chat_model_every_same_training_knob_is_exact_in_float64
     machines: the norms' float32 rounding, once taken for the model's conditioning.)"""
     ref = _packaged(4, 1, fused=False)
     for run in (_packaged(1, 4, backend="accelerate", padding_free=True, gradient_checkpointing=True),
-                _packaged(2, 2, gradient_checkpointing=True,
+                _packaged(2, 2, attn="eager", gradient_checkpointing=True,
                           gradient_checkpointing_kwargs={"use_reentrant": True, "every_n_layers": 2})):
         f64.assert_same(run, ref, steps=2)
 
