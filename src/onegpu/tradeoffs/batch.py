@@ -181,7 +181,7 @@ def _windows_text(variants: list[Variant], repeats: int, span: tuple[int, int], 
     (:func:`onegpu.tradeoffs.windows.window_range`)."""
     if not adaptive:
         return f"{len(variants)} rows x {repeats} repeat(s)"
-    once = sum(1 for v in variants if v.expect == rounds.DIFFERENT and v.knob != rounds.BASELINE)
+    once = len(variants) - rounds.reopenable(variants)  # rows of another training: one window
     return (f"{len(variants)} rows, one window each, then up to {repeats - 1} more rounds of the baseline and of "
             f"each row whose next window could still change the recommendation ({once} of another training run "
             f"once): {span[0]} to {span[1]} windows")

@@ -55,11 +55,16 @@ def next_round(variants: list[Variant], rows: list[Row], windows: int = REPEATS)
     return [v for v in variants if v.knob == BASELINE] + open_rows if open_rows else []
 
 
+def reopenable(variants: list[Variant]) -> int:
+    """How many of ``variants`` may run again after round 1: the baseline and every row not of another
+    training (such a row is decided by its first window)."""
+    return sum(1 for v in variants if v.knob == BASELINE or v.expect != DIFFERENT)
+
+
 def window_range(variants: list[Variant], repeats: int, adaptive: bool = True) -> tuple[int, int]:
     """``(fewest, most)`` windows of a batch of ``variants``: forced (not ``adaptive``), every row
-    ``repeats`` times; adaptive, every row once, then up to ``repeats - 1`` more rounds of the rows that
-    may run again (all but those of another training)."""
+    ``repeats`` times; adaptive, every row once, then up to ``repeats - 1`` more rounds of the
+    :func:`reopenable` rows."""
     if not adaptive:
         return (len(variants) * repeats,) * 2
-    reopen = sum(1 for v in variants if v.knob == BASELINE or v.expect != DIFFERENT)
-    return len(variants), len(variants) + (repeats - 1) * reopen
+    return len(variants), len(variants) + (repeats - 1) * reopenable(variants)
