@@ -24,8 +24,8 @@ from bench import machine, reporting
 from bench.environment import REPO
 from onegpu.formatting import markdown_table
 
-WINDOW = 6  # optimizer steps per window: onegpu tradeoffs' default
 BASELINE = "baseline"
+PREFIX = "drift-"  # the windows' MLflow run names: drift-<nn>-<row>
 
 
 def sequence(rows: list[str], explicit: str | None = None) -> list[str]:
@@ -67,37 +67,23 @@ def _measure(project: Path, explicit: str | None) -> tuple[list[str], list[float
 
 
 def _windows(explicit: str | None) -> tuple[list[str], list[float]]:
+    from onegpu import compare, tracking
     from onegpu.config import load
     from onegpu.measure import memory
-    from onegpu.tradeoffs import knobs, pool
+    from onegpu.tradeoffs import batch, knobs, pool
+    from onegpu.tradeoffs.measurement import steady_samples_per_second
     cfg, facts = load("params.yaml"), memory.device_facts()
     variants = {v.name: v for v in knobs.plan(cfg, facts)[0]}
     rows = [n for n, v in variants.items() if n != BASELINE and v.knob != "allocator"]  # its own worker
     names = sequence(rows, explicit)
-    run_names = [f"drift-{i:02d}-{n}" for i, n in enumerate(names)]
-    with pool.for_batch(cfg, "params.yaml", facts, WINDOW, False) as workers:
-        for run_name, n in zip(run_names, names):
-            workers.train(run_name, [f"train.max_steps={WINDOW}", *variants[n].assignments])
-    return names, _speeds(cfg.tracking.experiment_name, run_names)
-
-
-def _speeds(experiment: str, run_names: list[str]) -> list[float]:
-    """Each run's steady samples/s from its logged ``step_examples`` and ``step_time_s``."""
-    from mlflow import MlflowClient
-
-    from onegpu import paths
-    from onegpu.tracking import uri
-    from onegpu.training.recorder import steady_samples_per_second
-    client = MlflowClient(uri.store_uri(paths.project_root()))
-    exp = client.get_experiment_by_name(experiment).experiment_id
-    out = []
-    for name in run_names:
-        run_id = client.search_runs([exp], f"attributes.run_name = '{name}'")[0].info.run_id
-        examples = {m.step: m.value for m in client.get_metric_history(run_id, "step_examples")}
-        rows = [{"step": m.step, "samples": examples[m.step], "step_time_s": m.value}
-                for m in client.get_metric_history(run_id, "step_time_s")]
-        out.append(steady_samples_per_second(rows))
-    return out
+    windows = [f"{i:02d}-{n}" for i, n in enumerate(names)]
+    with pool.for_batch(cfg, "params.yaml", facts, batch.PROBE_STEPS, False) as workers:
+        for window, n in zip(windows, names):
+            workers.train(PREFIX + window, [*batch.window(batch.PROBE_STEPS), *variants[n].assignments])
+    # read back as onegpu tradeoffs reads its rows: the runs by name, each one's steady samples/s (steps 2..N)
+    runs = batch.finished_runs([compare.RunRecord(**d) for d in tracking.training_runs_named(
+        tracking.open_existing(cfg.tracking.experiment_name), PREFIX)], PREFIX)
+    return names, [steady_samples_per_second(runs[w]) for w in windows]
 
 
 def report_lines(names: list[str], speeds: list[float]) -> list[str]:
