@@ -52,19 +52,17 @@ def test_the_packaged_chat_model_in_float64_rounds_nothing_to_float32():
     by rounding only (< 1e-13 relative). Without it the RMSNorms round to float32 and these changes
     (measured on an Intel Xeon with AVX-512) each moved the loss by the same 2.1e-8: the float64 proofs'
     1e-12 would rest on where a machine's summation order happens to leave the float32 roundings."""
+    from onegpu.training import batches
     from onegpu.training.loss import causal_lm_loss
     model = f64.packaged_chat_model().to(torch.float64).eval()
     assert f64.float64_norms(model) == 61  # 2 per layer, 30 layers, and the final norm
-    data = f64.instruction_data("yes_no", 8)["train"]
-    rows = [data[i] for i in range(4)]
-    width = max(len(r["input_ids"]) for r in rows)
-    ids = torch.tensor([r["input_ids"] + [0] * (width - len(r["input_ids"])) for r in rows])
-    labels = torch.tensor([r["labels"] + [-100] * (width - len(r["labels"])) for r in rows])
-    mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows])
+    rows = batches.model_inputs(f64.instruction_data("yes_no", 8)["train"], "causal-lm").select(range(4))
+    batch = batches.collator_for("causal-lm", f64.chat_tokenizer())(list(rows))  # a padded micro-batch of 4
 
     def loss() -> float:
         with torch.no_grad():
-            return float(causal_lm_loss(model(input_ids=ids, attention_mask=mask), labels))
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            return float(causal_lm_loss(out, batch["labels"]))
     base, noise = loss(), torch.Generator().manual_seed(5)
     params = dict(model.named_parameters())
     for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.gate_proj.weight"):
