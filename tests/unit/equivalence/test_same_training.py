@@ -103,3 +103,23 @@ def test_the_fused_head_is_the_whole_logits_on_long_answers_and_assistant_only_c
 def test_the_fused_head_is_the_whole_logits_with_an_untied_head_and_under_lora(variant):
     kw = {"tied": False} if variant == "untied" else {"lora": True}
     f64.assert_same(f64.lm_run(micro=2, accum=4, **kw), f64.lm_run(micro=2, accum=4, fused=False, **kw))
+
+
+def test_the_float64_copies_are_transformers_own_formulas_in_float32():
+    """float64.py runs copies of Llama's RMSNorm and eager attention with float64 in place of float32; in
+    float32, where that change is a no-op, each copy equals transformers' own to the bit (a transformers
+    release that changes either formula fails here, not silently in the proofs)."""
+    from transformers.models.llama import modeling_llama
+    torch.manual_seed(0)
+    norm = modeling_llama.LlamaRMSNorm(8)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(2, 5, 8)
+    assert torch.equal(norm(x), f64._rms_norm_float64(norm, x))
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    module.eval()
+    q, k, v = torch.randn(1, 6, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    mask = torch.zeros(1, 1, 5, 5).masked_fill(torch.ones(5, 5).triu(1).bool(), torch.finfo(torch.float32).min)
+    own = modeling_llama.eager_attention_forward(module, q, k, v, mask, scaling=0.3)
+    ours = f64._eager_attention_float64(module, q, k, v, mask, scaling=0.3)
+    assert all(torch.equal(a, b) for a, b in zip(own, ours))
