@@ -42,10 +42,19 @@ os.environ["XDG_CACHE_HOME"] = _CACHE
 os.environ["ONEGPU_CACHE_DIR"] = os.path.join(_CACHE, "onegpu")  # onegpu.measure.flops reads it first
 
 from onegpu import interpreter  # noqa: E402  (after the cache variables: onegpu modules may read them at import)
+from onegpu.training import host_allocator  # noqa: E402
 
 # The test processes import torch, transformers and MLflow as the `onegpu` command does: the same
 # garbage-collector start-up settings (onegpu.interpreter), and what collection leaves alive frozen.
 gc.set_threshold(*interpreter.START_THRESHOLD)
+
+# The test processes allocate host memory as a CPU training does by default (``train.cpu_allocator:
+# caching``): freed blocks stay in the heap for the next step instead of going back to the kernel and
+# being mapped and zero-filled afresh (measured: a float64 proof on the SmolLM2-shaped model spent 4.8 s
+# of 10.7 in the kernel under glibc's defaults, 0.7 s of 7.3 so; tests/README.md). Process-wide and not
+# inherited: the stages and ranks a test starts choose their own, as a user's do. A test that needs glibc's
+# defaults runs them in a process of its own (test_same_training_classifier.py's ranks).
+host_allocator.apply("caching", "cpu")
 
 
 def pytest_collection_finish(session):

@@ -48,7 +48,7 @@ PROOFS = {
                                  "softmax in float64); flash_attention_2 is CUDA only",
     "train.fused_lm_head": "float64: test_the_fused_head_*",
     "train.cpu_allocator": "float64: test_two_processes_are_one_in_float64_and_the_host_allocator_* (each rank "
-                           "under the caching allocator, the reference under glibc's defaults)",
+                           "under glibc's defaults, the reference under the caching allocator)",
     "train.dataloader_num_workers": "float64: test_dataloader_workers_are_the_same_training",
     # No float64 proof possible or needed, and why:
     "train.logging_steps": "terminal output only: no arithmetic",

@@ -52,7 +52,8 @@ def test_dataloader_workers_are_the_same_training():
     f64.assert_same(_classifier(4, 2, dataloader_num_workers=2), _classifier_ref())
 
 
-# -- data-parallel processes and the host allocator: two gloo ranks, each with the caching allocator --
+# -- data-parallel processes and the host allocator: two gloo ranks under glibc's defaults, the reference
+# in this process under the caching allocator (tests/conftest.py sets it in every test process) --
 
 def _rank(rank: int, port: int, out_dir: str) -> None:
     import os
@@ -60,22 +61,23 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from onegpu.training import distributed, host_allocator
     distributed.TIMEOUT_S = 60
-    said = host_allocator.apply("caching", "cpu")
+    said = host_allocator.apply("system", "cpu")  # a spawned process: glibc's defaults, never changed
     run = _classifier(4, 1, num_processes=2)
     torch.save({"rows": run.rows, "grads": run.grads, "allocator": said}, f"{out_dir}/rank{rank}.pt")
 
 
 @pytest.mark.slow
 def test_two_processes_are_one_in_float64_and_the_host_allocator_is_the_same_training(tmp_path):
-    """2 processes x 4 x 1 with the caching allocator = 1 process x 8 x 1 with glibc's defaults (this test
-    process never sets it): one equality proves both knobs (a difference in either would show)."""
+    """2 processes x 4 x 1 under glibc's defaults = 1 process x 8 x 1 with the caching allocator (the test
+    processes run under it, tests/conftest.py): one equality proves both knobs (a difference in either
+    would show)."""
     import torch.multiprocessing as mp
 
     from onegpu.training import host_allocator
     from tests.unit.training.test_distributed import _free_port
-    assert host_allocator._state["applied"] is None
+    assert host_allocator._state["applied"].startswith("caching (glibc mallopt")
     mp.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     for r in ranks:
-        assert r["allocator"].startswith("caching (glibc mallopt")
+        assert r["allocator"] == "system"
         f64.assert_same(f64.Run(r["rows"], r["grads"]), _classifier_ref())
