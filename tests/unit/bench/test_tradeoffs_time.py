@@ -25,3 +25,16 @@ def test_the_windows_are_the_adaptive_counts_or_every_row_times_its_forced_repea
     assert tradeoffs_time.windows({"variants": variants, "repeats": 3,
                                    "windows": {"baseline": 3, "split": 3, "lora": 1}}) == (7, 9)
     assert tradeoffs_time.windows({"variants": variants, "repeats": 2}) == (6, 6)
+
+
+STEPS = """| row | change | step 1 (s) | memory (MiB) | verdict |
+|-----|--------|------------|--------------|---------|
+| baseline | your params.yaml | 0.74 | 457 | baseline |
+| adamw_torch_8bit | 8-bit AdamW states (torchao) | 4.36 | 328 | different training |
+| compile | torch.compile (inductor) on | 25.50 | 457 | same in expectation |
+"""
+
+
+def test_the_compiling_rows_first_steps_are_read_from_the_report_and_rows_not_run_are_left_out():
+    assert tradeoffs_time.first_steps(STEPS) == {"adamw_torch_8bit": 4.36, "compile": 25.5}
+    assert tradeoffs_time.first_steps(STEPS.replace("step 1 (s)", "step one")) == {}
