@@ -39,11 +39,16 @@ def inductor_cache() -> Path:
                 or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
 
 
+def _cells(line: str) -> list[str]:
+    """A Markdown table line's cells, stripped."""
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
 def baseline_spread(report_md: str) -> tuple[float, float] | None:
     """The baseline row's min-max (``0.97x-1.03x``) in a tradeoffs report's table, as two ratios; None with
     one window (no spread measured)."""
     for line in report_md.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = _cells(line)
         if cells and cells[0] == "baseline":
             m = re.search(r"(\d+\.\d+)x-(\d+\.\d+)x", line)
             return (float(m.group(1)), float(m.group(2))) if m else None
@@ -59,7 +64,7 @@ def first_steps(report_md: str, names: tuple[str, ...] = COMPILING) -> dict[str,
     guessed from the cache folder holding files, which may be another job's graphs."""
     header, out = None, {}
     for line in report_md.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = _cells(line)
         if header is None and "step 1 (s)" in cells:
             header = cells.index("step 1 (s)")
         elif header is not None and cells and cells[0] in names and len(cells) > header:
