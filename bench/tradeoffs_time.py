@@ -15,7 +15,6 @@ within 1.3x of it, the baseline's spread within +-10%.
 from __future__ import annotations
 
 import argparse
-import getpass
 import json
 import os
 import re
@@ -31,12 +30,6 @@ from onegpu.formatting import markdown_table
 
 TARGET_S, LONG_RATIO, SPREAD = 120.0, 1.3, 0.10
 LONG = "train.num_train_epochs=10"
-
-
-def inductor_cache() -> Path:
-    """Inductor's on-disk cache folder: ``$TORCHINDUCTOR_CACHE_DIR``, else ``<tmp>/torchinductor_<user>``."""
-    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-                or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
 
 
 def _cells(line: str) -> list[str]:
@@ -93,7 +86,6 @@ def timed(project: Path, args: list[str]) -> dict:
     """``onegpu tradeoffs *args`` in ``project``: wall time, other load, windows, spread, recommendation."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DVC_"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    had_entries = inductor_cache().is_dir() and any(inductor_cache().iterdir())
     waited = machine.wait_quiet(300)
     with machine.OtherLoad() as load:
         t0 = time.perf_counter()
@@ -109,7 +101,7 @@ def timed(project: Path, args: list[str]) -> dict:
     report = (project / "reports" / "tradeoffs.md").read_text()
     return {"args": args, "wall_s": round(wall, 1), "windows": ran, "most_windows": most,
             "baseline_spread": baseline_spread(report), "first_steps_s": first_steps(report),
-            "inductor_cache_had_entries": had_entries, "other_load_cores": round(load.cores, 2),
+            "other_load_cores": round(load.cores, 2),
             "waited_s": round(waited, 1), "recommendation": rec}
 
 
