@@ -169,7 +169,11 @@ def chat_tokenizer():
 
 
 def answer_rows(n: int) -> dict:
-    """``n`` prompt-completion rows whose answers have 1..9 words (uneven lengths)."""
+    """``n`` prompt-completion rows whose answers have 1..9 words: 3 to 9 target tokens a row (with the
+    end of answer), so the micro-batches of a split hold different numbers of targets. The splits are
+    proven on these rows: on rows of equal targets (``yes_no``: 3 each) a loss that averaged each
+    micro-batch's own mean would give the same number as the exact one, and the proof could not see it
+    (test_same_training_knobs.py plants that loss)."""
     return {"prompt": ["Headline: " + " ".join((WORDS * 3)[i:i + 3 + (5 * i) % 18]) for i in range(n)],
             "completion": [" ".join((WORDS * 3)[2 * i:2 * i + 1 + (3 * i) % 9]) for i in range(n)]}
 
@@ -257,8 +261,9 @@ def lm_run(kind: str = "yes_no", micro: int = 8, accum: int = 1, fused: bool = T
 
 
 def classifier_run(micro: int = 8, accum: int = 1, backend: str = "trainer", attn: str | None = None,
-                   oom_injector=None, **train_cfg) -> Run:
-    """2 optimizer steps of the packaged all-MiniLM-L6-v2 classifier (3 labels) on 16 tiny rows."""
+                   oom_injector=None, rows: int = 16, **train_cfg) -> Run:
+    """2 optimizer steps of the packaged all-MiniLM-L6-v2 classifier (3 labels) on ``rows`` tiny rows (14: the
+    second step holds 6 rows, so a split's micro-batches hold different numbers of rows in it)."""
     from onegpu.config import PACKAGED_MODEL
     from onegpu.models import loader
     from tests.unit import tiny
@@ -266,14 +271,14 @@ def classifier_run(micro: int = 8, accum: int = 1, backend: str = "trainer", att
     model = loader.build_classifier(loader.resolve_model_path(PACKAGED_MODEL), ["a", "b", "c"], 0.0, attn)
     cfg = {"backend": backend, "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum,
            "max_steps": 2, **train_cfg}
-    return train(model, tiny.tokenizer(), tiny.dataset(16), cfg, {}, oom_injector=oom_injector)
+    return train(model, tiny.tokenizer(), tiny.dataset(rows), cfg, {}, oom_injector=oom_injector)
 
 
 def packaged_run(micro: int = 8, accum: int = 1, fused: bool = True, backend: str = "trainer",
                  padding_free: bool = False, dtype=torch.float64, steps: int = 2, attn: str = "sdpa",
-                 **train_cfg) -> Run:
+                 kind: str = "yes_no", **train_cfg) -> Run:
     """``steps`` optimizer steps of the packaged SmolLM2-135M-Instruct (attention ``attn``) on ``micro *
-    accum`` one-word-answer rows each (the effective batch)."""
+    accum`` rows of ``kind`` each (the effective batch; ``yes_no``: the one-word answers of the issue's job)."""
     from onegpu.training import lm_head
     model = packaged_chat_model(attn)
     if fused:
@@ -281,5 +286,5 @@ def packaged_run(micro: int = 8, accum: int = 1, fused: bool = True, backend: st
     cfg = {"backend": backend, "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum,
            "max_steps": steps, **train_cfg}
     model_cfg = {**CAUSAL, "name_or_path": PACKAGED_CHAT_MODEL, "attn_implementation": attn}
-    return train(model, chat_tokenizer(), instruction_data("yes_no", micro * accum * steps), cfg, model_cfg,
+    return train(model, chat_tokenizer(), instruction_data(kind, micro * accum * steps), cfg, model_cfg,
                  {"padding_free": padding_free}, dtype=dtype)

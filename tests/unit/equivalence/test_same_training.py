@@ -5,9 +5,13 @@ loss and grad_norm, and every parameter's gradient of step 1, within 1e-12 relat
 
 Jobs: a causal LM of SmolLM2-135M-Instruct's shape built from config (width, heads, vocabulary 49,152, tied
 head; 2 of its 30 layers) on the issue's job (prompts of 3-30 words, answers "yes"/"no", completion-only
-loss), and on answers of many tokens and multi-turn assistant-only chats; the packaged SmolLM2-135M-Instruct
-itself (slow); the packaged all-MiniLM-L6-v2 classifier (the default job). Every knob of the key's list is
-classified in :data:`PROOFS`: proven (the test that does), or why it needs no float64 proof.
+loss: the fused head), and on answers of 1..9 words and multi-turn assistant-only chats; the packaged
+SmolLM2-135M-Instruct itself (slow); the packaged all-MiniLM-L6-v2 classifier (the default job). The splits
+are proven where the micro-batches of a split hold different numbers of targets (answers of 3 to 9 target
+tokens; the classifier's short second step of 6 rows): on the issue's job, 3 targets in every row, a loss
+that averaged each micro-batch's own mean would equal the exact one. Each file with splits plants that
+loss and shows its proof fails (``test_the_splits_proof_sees_a_mean_of_micro_batch_means``). Every knob of
+the key's list is classified in :data:`PROOFS`: proven (the test that does), or why it needs no float64 proof.
 
 The proofs are four files, one per job, so that the suite's workers share them: this one (the list, the
 fused head on the from-config model), ``test_same_training_knobs.py`` (the other knobs on the from-config

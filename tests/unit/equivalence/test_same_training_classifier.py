@@ -19,9 +19,31 @@ def _classifier_ref() -> f64.Run:
     return _classifier()
 
 
+@functools.cache
+def _short_step_ref() -> f64.Run:
+    return _classifier(rows=14)
+
+
 def test_splits_of_the_classifiers_batch_are_the_same_training():
-    f64.assert_same(_classifier(2, 4), _classifier_ref())
-    f64.assert_same(_classifier(1, 8, backend="accelerate"), _classifier_ref())
+    """On 14 rows: step 2 holds 6, so 4 x 2 takes micro-batches of 4 and 2 rows, 2 x 4 three of 2, 1 x 8 six
+    of 1 (with the same number of rows in every micro-batch a mean of each micro-batch's own mean would
+    equal the exact loss; the next test plants it)."""
+    for run in (_classifier(4, 2, rows=14), _classifier(2, 4, rows=14),
+                _classifier(1, 8, backend="accelerate", rows=14)):
+        assert [r["samples"] for r in run.rows] == [8, 6]
+        f64.assert_same(run, _short_step_ref())
+
+
+def test_the_splits_proof_sees_a_mean_of_micro_batch_means(monkeypatch):
+    """The accumulation bug planted: each micro-batch's loss its own mean over its rows, divided by the
+    accumulation count. Step 1 (two micro-batches of 4) is unchanged; step 2's micro-batches of 4 and 2
+    rows weight their rows unequally, and its loss and grad_norm move far beyond the proof's 1e-12."""
+    from onegpu.training import loss
+    ref, exact = _short_step_ref(), loss.classification_loss  # the reference trained with the exact loss
+    monkeypatch.setattr(loss, "classification_loss",
+                        lambda outputs, labels, num_items_in_batch=None: exact(outputs, labels, None) / 2)
+    d = f64.distance(_classifier(4, 2, rows=14), ref)
+    assert min(d["loss"], d["grad_norm"]) > 1e-5, d  # measured: 1.6e-3 and 0.11
 
 
 @pytest.mark.parametrize("blocks,kwargs", [("layer", {"use_reentrant": True}), ("attention", {"every_n_layers": 2}),

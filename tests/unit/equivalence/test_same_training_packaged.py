@@ -20,13 +20,16 @@ def test_on_the_packaged_chat_model_every_same_training_knob_is_exact_in_float64
     job's 8: the whole 30-layer model in float64 costs the suite time in proportion to its rows (this file's
     time: tests/README.md), and 4 rows already split into micro-batches of 1 and 2 (several micro-batches, a
     short row beside a long one in one micro-batch); the job's own 8 rows and splits are the float32 test's.
+    The rows are answers of 1..9 words (3 to 9 targets a row, ``float64.answer_rows``), not the job's
+    one-word answers: with the same number of targets in every row, a mean of each micro-batch's own mean
+    would equal the exact loss and pass (test_same_training_knobs.py plants it).
 
     At the helper's learning rate (SGD 1e-3), so step 2 runs on weights that step 1 moved. (Until the
     proofs computed the model's RMSNorms in float64, float64.py's docstring, step 2 moved by 1e-8 on some
     machines: the norms' float32 rounding, once taken for the model's conditioning.)"""
-    ref = _packaged(4, 1, fused=False)
-    for run in (_packaged(1, 4, backend="accelerate", padding_free=True, gradient_checkpointing=True),
-                _packaged(2, 2, attn="eager", gradient_checkpointing=True,
+    ref = _packaged(4, 1, fused=False, kind="answers")
+    for run in (_packaged(1, 4, backend="accelerate", padding_free=True, gradient_checkpointing=True, kind="answers"),
+                _packaged(2, 2, attn="eager", gradient_checkpointing=True, kind="answers",
                           gradient_checkpointing_kwargs={"use_reentrant": True, "every_n_layers": 2})):
         f64.assert_same(run, ref, steps=2)
 
