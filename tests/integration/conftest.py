@@ -6,9 +6,10 @@ so DVC experiments (which need commits) work as they would in a user's clone.
 Cheap patterns (tests/README.md, "Keeping the suite fast"): a test that needs prepared data but does not
 test `prepare` itself takes the ``prepared`` fixture: ``prepared(tmp_path, overrides)`` is a copy of a
 project on which `dvc repro prepare` ran once per session for those params (git history, dvc.lock and
-the DVC cache copied, not re-run); ``trained(tmp_path)`` likewise a copy of a project on which `dvc repro`
-ran once per session. Several assertions on one pipeline run share one run (the module fixture
-``project``, a copy of ``trained``, or one test that checks several things in sequence), not one run each.
+the DVC cache copied, not re-run); ``trained(tmp_path, overrides)`` likewise a copy of a project on which
+`dvc repro` ran once per session for those params. Several assertions on one pipeline run share one run (the
+module fixture ``project``, a copy of ``trained``, or one test that checks several things in sequence), not
+one run each.
 """
 from __future__ import annotations
 
@@ -210,22 +211,25 @@ def runs(project: Path, experiment: str = "onegpu"):
 
 
 class Trained:
-    """``trained(dest)``: a copy (:func:`copy_project`) at ``dest`` of a TINY project on which `dvc repro`
-    ran and was committed (prepare in ``prepared``'s original, train and evaluate here; its MLflow store
-    holds the prepare run and one FINISHED training run). The original is built once per session, shared
-    by the xdist workers (a file lock), and never changed."""
+    """``trained(dest, overrides=None)``: a copy (:func:`copy_project`) at ``dest`` of a tiny project with
+    TINY + ``overrides`` on which `dvc repro` ran and was committed (prepare in ``prepared``'s original,
+    train and evaluate here; its MLflow store holds the prepare run and one FINISHED training run). The
+    original is built once per session for each ``overrides``, shared by the xdist workers (a file lock),
+    and never changed."""
 
     def __init__(self, prepared: Prepared) -> None:
         self.prepared = prepared
 
-    def _base(self) -> Path:
+    def _base(self, overrides: dict | None) -> Path:
         def build(base: Path) -> str:
-            self.prepared(base)
+            self.prepared(base, overrides)
             return dvc(base, "repro").stdout
-        return _built_once(self.prepared.shared / "trained", build, "repro")
+        name = "trained" if overrides is None else "trained-" + hashlib.sha256(
+            json.dumps(tiny_params(overrides), sort_keys=True, default=str).encode()).hexdigest()[:12]
+        return _built_once(self.prepared.shared / name, build, "repro")
 
-    def __call__(self, dest: Path) -> Path:
-        return copy_project(self._base(), dest)
+    def __call__(self, dest: Path, overrides: dict | None = None) -> Path:
+        return copy_project(self._base(overrides), dest)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,8 @@
 """The causal-lm task end to end: a BPE tokenizer and a small GPT-2 built from params, perplexity,
-and the exact step loss under two splits of the same effective batch on the two backends."""
+and the exact step loss under two splits of the same effective batch on the two backends. The experiment
+is also the front door of `dvc exp run train -S` for the suite (the classifier's splits as the same training:
+in float64, tests/unit/equivalence/test_same_training_classifier.py): one new MLflow run, named after the
+DVC experiment, tagged with it and its baseline commit."""
 from __future__ import annotations
 
 import json
@@ -7,7 +10,7 @@ import math
 
 import pytest
 
-from .conftest import dvc, runs
+from .conftest import dvc, run, runs
 
 pytestmark = pytest.mark.slow
 
@@ -20,9 +23,10 @@ CAUSAL = {
 }
 
 
-def test_causal_lm_from_config_trains_evaluates_and_is_exact_under_accumulation(tmp_path, prepared):
-    project = prepared(tmp_path, CAUSAL)  # prepare (the BPE tokenizer) ran once for the session
-    dvc(project, "repro")
+def test_causal_lm_from_config_trains_evaluates_and_is_exact_under_accumulation(tmp_path, trained):
+    # `dvc repro` (prepare's BPE tokenizer, train, evaluate) ran once for the session: test_params_follow_stages.py
+    # copies the same project.
+    project = trained(tmp_path, CAUSAL)
     assert (project / "data/processed/tokenizer/tokenizer.json").is_file()
     ev = json.loads((project / "metrics/eval.json").read_text())
     assert ev["eval_perplexity"] == pytest.approx(math.exp(ev["eval_loss"]), rel=1e-9)
@@ -44,6 +48,11 @@ def test_causal_lm_from_config_trains_evaluates_and_is_exact_under_accumulation(
     hf, accel = train
     assert (hf.data.params["train.backend"], accel.data.params["train.backend"]) == ("trainer", "accelerate")
     assert accel.data.params["resolved.gradient_accumulation_steps"] == "1"
+    # The experiment's run is named after it and tagged with it and its baseline; the repro's with neither.
+    assert "dvc.exp_name" not in hf.data.tags and "dvc.baseline_rev" not in hf.data.tags
+    assert accel.info.run_name == accel.data.tags["dvc.exp_name"]
+    head = run(["git", "rev-parse", "HEAD"], project).stdout.strip()
+    assert accel.data.tags["dvc.baseline_rev"] == head
     assert hf.data.tags["equivalence_key"] == accel.data.tags["equivalence_key"]
     assert hf.data.tags["model.class"] == "GPT2LMHeadModel"
     series = [[m.value for m in sorted(c.get_metric_history(r.info.run_id, "loss"), key=lambda m: m.step)]

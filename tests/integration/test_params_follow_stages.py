@@ -1,9 +1,7 @@
 """Issue 31: each stage declares every param its code reads (tests/unit/test_dvc_yaml.py reads the code),
 so a change of one re-runs the stages it acts in. On a text causal-LM job (GPT-2 from config, BBC text,
-test_causal_lm.py's params and so its prepared copy): every key the params test finds for train and
-evaluate makes `dvc status` name that stage (no training), and `dvc exp run -S data.padding_free=true`
-and `-S data.packing=true`, which used to re-run prepare alone (the experiment showed the old training
-under the new value), each train a new model."""
+test_causal_lm.py's params and so its trained copy): every key the params test finds for train and evaluate
+makes `dvc status` name that stage (no training)."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +9,6 @@ import yaml
 
 from tests.unit.test_dvc_yaml import params_read_by
 
-from .conftest import dvc, runs
 from .test_causal_lm import CAUSAL
 
 pytestmark = pytest.mark.slow
@@ -70,14 +67,18 @@ def _changed_stages(project) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def causal(tmp_path_factory, prepared):
-    """A copy of the causal-LM project prepared once per session, trained and evaluated here (dvc repro)."""
-    project = prepared(tmp_path_factory.mktemp("causal"), CAUSAL)
-    dvc(project, "repro")
-    return project
+def causal(tmp_path_factory, trained):
+    """A copy of the causal-LM project on which `dvc repro` ran once per session (test_causal_lm.py's too)."""
+    return trained(tmp_path_factory.mktemp("causal"), CAUSAL)
 
 
 def test_every_key_a_stage_reads_makes_dvc_status_name_it(causal):
+    """The front door's retrain trigger for every key, data.padding_free and data.packing among them (they
+    used to re-run prepare alone, so `dvc exp run -S data.padding_free=true` showed the old training under
+    the new value): `dvc exp run` re-runs the stages `dvc status` names, so no experiment is trained here.
+    What the retrain gives is proven more cheaply: packing another training (another equivalence key),
+    padding-free the same one (tests/unit/equivalence/test_key.py::
+    test_packing_is_another_training_and_padding_free_the_same)."""
     from onegpu import config
     params_file = causal / "params.yaml"
     text = params_file.read_text()
@@ -103,25 +104,3 @@ def test_every_key_a_stage_reads_makes_dvc_status_name_it(causal):
     assert missed == {}, f"these keys, set as shown, left their stage up to date: {missed}"
     assert _changed_stages(causal) == set()
 
-
-def _training_runs(project) -> list:
-    c, exp, all_runs = runs(project)
-    return sorted((r for r in all_runs if r.data.tags.get("stage") == "train"), key=lambda r: r.info.start_time)
-
-
-def test_padding_free_and_packing_each_retrain(causal):
-    before = _training_runs(causal)
-    # Train only (and what it needs): no assertion reads evaluate.
-    out = dvc(causal, "exp", "run", "train", "-n", "pf", "-S", "data.padding_free=true").stdout
-    assert "Running stage 'train'" in out, out
-    after_pf = _training_runs(causal)
-    assert len(after_pf) == len(before) + 1
-    assert after_pf[-1].data.params["data.padding_free"] == "True"
-    # From the workspace the first left (padding-free): packing is the one change.
-    out = dvc(causal, "exp", "run", "train", "-n", "pack", "-S", "data.packing=true").stdout
-    assert "Running stage 'train'" in out, out
-    after_pack = _training_runs(causal)
-    assert len(after_pack) == len(before) + 2
-    assert after_pack[-1].data.params["data.packing"] == "True"
-    # Packing trains on other rows: another number of them per step, another equivalence key.
-    assert after_pack[-1].data.tags["equivalence_key"] != after_pf[-1].data.tags["equivalence_key"]

@@ -1,5 +1,8 @@
 """`dvc repro` and `dvc exp run` on a tiny project, checked against the contract. (A queued grid on two
-workers: test_lifecycle.py, whose queue also resumes an interrupted run.)"""
+workers: test_lifecycle.py, whose queue also resumes an interrupted run. Another split of the effective
+batch as the same training: in float64 by tests/unit/equivalence/test_same_training_classifier.py::
+test_splits_of_the_classifiers_batch_are_the_same_training; through `dvc exp run train -S`, with the
+experiment's MLflow run named after it, by test_causal_lm.py's experiment.)"""
 from __future__ import annotations
 
 import json
@@ -127,23 +130,3 @@ def test_repro_logs_prepare_and_one_complete_training_run(project):
     show = dvc(project, "metrics", "show", "--json").stdout
     assert "eval_accuracy" in show
 
-
-def test_exp_run_with_another_split_is_equivalent(project):
-    """2 x 4 against the baseline's 4 x 2: one new run, named after the experiment, same key, and (with
-    dropout 0) the same per-step losses to float error."""
-    out = dvc(project, "exp", "run", "train", "-S", "train.per_device_train_batch_size=2",  # train: all read here
-              "-S", "train.gradient_accumulation_steps=4").stdout
-    c, exp, train = _training_runs(project)
-    named = [r for r in train if r.data.tags.get("dvc.exp_name")]
-    assert len(named) == 1, out
-    new = named[0]
-    assert new.info.run_name == new.data.tags["dvc.exp_name"]
-    assert new.data.tags.get("dvc.baseline_rev")
-    base = [r for r in train if not r.data.tags.get("dvc.exp_name")][0]
-    assert new.data.tags["equivalence_key"] == base.data.tags["equivalence_key"]
-    assert new.data.params["resolved.per_device_train_batch_size"] == "2"
-    a = [m.value for m in sorted(c.get_metric_history(base.info.run_id, "loss"), key=lambda m: m.step)]
-    b = [m.value for m in sorted(c.get_metric_history(new.info.run_id, "loss"), key=lambda m: m.step)]
-    assert len(a) == len(b) == MAX_STEPS
-    # float32: padding per micro-batch changes shapes and summation order, not the mathematics.
-    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)

@@ -124,6 +124,23 @@ def test_equivalence_key_changes_with_dropout_and_data(raw):
     assert _key(raw, fingerprint="abd") != base
 
 
+def test_packing_is_another_training_and_padding_free_the_same(raw):
+    """A causal LM's data.packing puts other examples in each micro-batch and step: another key, also over
+    a padding-free run (as `dvc exp run -S data.packing=true` from one); data.padding_free flattens the same
+    micro-batches: the same key. (That each retrains: tests/integration/test_params_follow_stages.py.)"""
+    d = copy.deepcopy(raw)
+    d["model"].update(task="causal-lm", name_or_path=None)
+
+    def key(**data) -> str:
+        changed = copy.deepcopy(d)
+        changed["data"].update(data)
+        return _key(changed)
+    assert key(padding_free=True) == key(padding_free=False) == key()
+    assert key(packing=True) != key()
+    assert key(padding_free=True, packing=True) != key(padding_free=True)
+    assert "data.padding_free" in eqkey.NOT_IN_EQUIVALENCE_KEY and "data.packing" not in eqkey.NOT_IN_EQUIVALENCE_KEY
+
+
 def test_equivalence_key_changes_with_world_size(raw):
     cfg = config.from_container(raw)
     assert (eqkey.equivalence_key(cfg, config.resolve(cfg, 1), "abc")
