@@ -39,10 +39,9 @@ def _micro_batches(rank: int) -> list[dict]:
     return [{"input_ids": torch.tensor(x), "labels": torch.tensor(y)} for x, y in DATA[rank]]
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    import os
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _all_reduce_part(rank: int, out: str) -> None:
+    """The accelerate backend's forward/backward of one optimizer step on rank ``rank`` of 2; writes
+    ``<out>.json``: the all-reduces counted, the summed loss, the gradients and the summed item count."""
     from accelerate import Accelerator
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -63,19 +62,16 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     share = _forward_backward(accelerator, model, batches, num_items, classification_loss, 1, None, 1)
     loss = distributed.sum_over_ranks(share.detach().clone())
     grads = [p.grad.tolist() for p in model.parameters()]
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+    with open(f"{out}.json", "w") as f:
         json.dump({"allreduce_calls": len(calls), "loss": loss.item(), "grads": grads,
                    "num_items": int(num_items)}, f)
 
 
-def _trainer_worker(rank: int, port: int, out_dir: str, inject_rank: int) -> None:
+def _oom_retry_part(rank: int, out: str, inject_rank: int = 1) -> None:
     """The trainer backend on rank ``rank`` of 2 (tiny BERT of tests/unit/tiny.py, 2 steps of 4 x 2 x 2),
     twice in one process group: first plain, then with rank ``inject_rank`` running out of memory
-    (injected) in step 1's last micro-batch and re-splitting alone. Writes ``rank<r>.json``:
+    (injected) in step 1's last micro-batch and re-splitting alone. Writes ``<out>.json``:
     ``{"plain": {...}, "retried": {...}}``, each the run's loss, grad_norm and events."""
-    import os
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     distributed.TIMEOUT_S = 60  # a desynchronised all-reduce fails the test in a minute, not ten
     from onegpu.config import from_container
     from onegpu.training.backends import hf_trainer
@@ -84,7 +80,7 @@ def _trainer_worker(rank: int, port: int, out_dir: str, inject_rank: int) -> Non
     cfg = from_container({"model": {"dropout": 0.0}, "train": {
         "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 2, "num_processes": 2,
         "learning_rate": 1e-3, "seed": 7, "logging_steps": 1}}, source="test")
-    out = {}
+    result = {}
     for name, injected in (("plain", -1), ("retried", inject_rank)):
         calls = []
 
@@ -94,22 +90,68 @@ def _trainer_worker(rank: int, port: int, out_dir: str, inject_rank: int) -> Non
 
         model, steps = hf_trainer.train(TrainRequest(tb.tiny_bert(), tb.tokenizer(), tb.dataset(32), cfg,
                                                      sink=lambda m, s: None, oom_injector=injector))
-        out[name] = {"loss": [r["loss"] for r in steps.rows], "grad_norm": [r["grad_norm"] for r in steps.rows],
-                     "events": steps.events}
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump(out, f)
+        result[name] = {"loss": [r["loss"] for r in steps.rows], "grad_norm": [r["grad_norm"] for r in steps.rows],
+                        "events": steps.events}
+    with open(f"{out}.json", "w") as f:
+        json.dump(result, f)
 
 
-def _spawn(worker, tmp_path, *args) -> list[dict]:
+_PARTS = {"all_reduce": _all_reduce_part, "oom_retry": _oom_retry_part}
+
+
+def _ranks(rank: int, ports: list[int], out_dir: str, parts: list[str]) -> None:
+    """Rank ``rank`` of 2 runs ``parts`` (of ``_PARTS``) in turn, each in a process group of its own (on a
+    port of its own) from a clean Accelerate state: the group destroyed and Accelerate's process-wide state
+    reset after each. Part ``p`` writes ``<out_dir>/<p>-rank<r>.json``."""
+    import gc
+    import os
+
+    from accelerate.state import AcceleratorState, GradientState
+    for part, port in zip(parts, ports):
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        _PARTS[part](rank, f"{out_dir}/{part}-rank{rank}")
+        gc.collect()  # the part's DDP model lets go of its process group
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def rank_results(request, tmp_path_factory) -> dict:
+    """``{part: [rank 0's results, rank 1's]}`` from ONE pair of spawned gloo ranks (spawns cost more than
+    the parts), running the part of each selected test below: the out-of-memory retry (slow) only when its
+    test is selected. A part whose ranks failed maps to the error, which fails its test alone; the parts
+    before it keep their results."""
     import torch.multiprocessing as mp
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    mp.spawn(worker, args=(_free_port(), str(tmp_path), *args), nprocs=2, join=True)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    tests = {"all_reduce": test_two_gloo_ranks_all_reduce_once_per_step_and_give_the_one_process_gradient,
+             "oom_retry": test_an_out_of_memory_retry_on_one_rank_keeps_the_ranks_in_step_and_the_losses}
+    selected = {getattr(item, "originalname", None) for item in request.session.items}
+    parts = [part for part, test in tests.items() if test.__name__ in selected] or list(tests)
+    out = tmp_path_factory.mktemp("ranks")
+    failure = None
+    try:
+        mp.spawn(_ranks, args=(_free_ports(len(parts)), str(out), parts), nprocs=2, join=True)
+    except Exception as e:  # reported by the failed part's test
+        failure = e
+    results = {}
+    for part in parts:
+        files = [out / f"{part}-rank{r}.json" for r in (0, 1)]
+        results[part] = [json.loads(f.read_text()) for f in files] if all(f.exists() for f in files) else failure
+    return results
+
+
+def _part(rank_results: dict, part: str) -> list[dict]:
+    got = rank_results[part]
+    if isinstance(got, BaseException):
+        raise got
+    return got
 
 
 @pytest.mark.slow
-def test_an_out_of_memory_retry_on_one_rank_keeps_the_ranks_in_step_and_the_losses(tmp_path):
-    ranks = _spawn(_trainer_worker, tmp_path, 1)  # one pair of processes trains both runs (spawns cost more)
+def test_an_out_of_memory_retry_on_one_rank_keeps_the_ranks_in_step_and_the_losses(rank_results):
+    ranks = _part(rank_results, "oom_retry")  # one pair of processes trains both runs (spawns cost more)
     plain, retried = [r["plain"] for r in ranks], [r["retried"] for r in ranks]
     assert [len(r["events"]) for r in plain] == [0, 0]
     assert [len(r["events"]) for r in retried] == [0, 1]  # rank 1 alone re-split its micro-batches
@@ -119,16 +161,20 @@ def test_an_out_of_memory_retry_on_one_rank_keeps_the_ranks_in_step_and_the_loss
     assert plain[0]["loss"] == plain[1]["loss"]  # every rank logs the whole step's loss
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (their sockets held open together while chosen)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
-def test_two_gloo_ranks_all_reduce_once_per_step_and_give_the_one_process_gradient(tmp_path):
-    import torch.multiprocessing as mp
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+def test_two_gloo_ranks_all_reduce_once_per_step_and_give_the_one_process_gradient(rank_results):
+    ranks = _part(rank_results, "all_reduce")
     # no_sync on the first micro-batch: one all-reduce (one bucket) for the step's two micro-batches.
     assert [r["allreduce_calls"] for r in ranks] == [1, 1]
     assert [r["num_items"] for r in ranks] == [8, 8]  # 5 + 3 items, summed over the ranks
