@@ -161,6 +161,20 @@ def test_an_out_of_memory_retry_on_one_rank_keeps_the_ranks_in_step_and_the_loss
     assert plain[0]["loss"] == plain[1]["loss"]  # every rank logs the whole step's loss
 
 
+def _free_port() -> int:
+    """A free port (test_batches.py and the classifier's float64 proof spawn their own ranks with it)."""
+    return _free_ports(1)[0]
+
+
+def _spawn(worker, tmp_path, *args) -> list[dict]:
+    """``worker(rank, port, out_dir, *args)`` on 2 spawned ranks; each writes ``<out_dir>/rank<r>.json``
+    (test_batches.py's two-process test)."""
+    import torch.multiprocessing as mp
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    mp.spawn(worker, args=(_free_port(), str(tmp_path), *args), nprocs=2, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
 def _free_ports(n: int) -> list[int]:
     """``n`` distinct free ports (their sockets held open together while chosen)."""
     sockets = [socket.socket() for _ in range(n)]
