@@ -9,8 +9,8 @@ loss: the fused head), and on answers of 1..9 words and multi-turn assistant-onl
 SmolLM2-135M-Instruct itself (slow); the packaged all-MiniLM-L6-v2 classifier (the default job). The splits
 are proven where the micro-batches of a split hold different numbers of targets (answers of 3 to 9 target
 tokens; the classifier's short second step of 6 rows): on the issue's job, 3 targets in every row, a loss
-that averaged each micro-batch's own mean would equal the exact one. Each file with splits plants that
-loss and shows its proof fails (``test_the_splits_proof_sees_a_mean_of_micro_batch_means``). Every knob of
+that averaged each micro-batch's own mean would equal the exact one. The knobs and classifier files plant
+that loss and show their proof fails (``test_the_splits_proof_sees_a_mean_of_micro_batch_means``). Every knob of
 the key's list is classified in :data:`PROOFS`: proven (the test that does), or why it needs no float64 proof.
 
 The proofs are four files, one per job, so that the suite's workers share them: this one (the list, the
