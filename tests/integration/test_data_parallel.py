@@ -55,8 +55,13 @@ def two_process_project(prepared, tmp_path, **train):
 
 def train_and_act_at_step_2(project, act):
     """`onegpu train` in ``project``; ``act(process)`` once it prints step 2. Returns (process, output)
-    after it ends (within 300 s)."""
+    after it ends (within 300 s).
+
+    The rest of the output is read through the same reader: ``communicate(timeout=...)`` reads the raw
+    pipe, and the lines this reader had already taken from it with step 2's (on a loaded machine, the
+    steps after 2) were lost: the output then showed fewer steps than the run had logged."""
     import subprocess
+    import threading
 
     from .conftest import _env
     p = subprocess.Popen([str(BIN / "onegpu"), "train"], cwd=project, env=_env(), stdout=subprocess.PIPE,
@@ -67,7 +72,12 @@ def train_and_act_at_step_2(project, act):
         if line.startswith("step 2/"):
             act(p)
             break
-    return p, "".join(lines) + p.communicate(timeout=300)[0]
+    rest = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+    rest.start()
+    rest.join(timeout=300)
+    assert not rest.is_alive(), "".join(lines) + "\n(the output did not end within 300 s)"
+    p.wait(timeout=60)
+    return p, "".join(lines)
 
 
 def _series(client, run_id: str, key: str) -> list[float]:
