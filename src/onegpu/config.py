@@ -12,7 +12,7 @@ import difflib
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,61 +53,163 @@ ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 # train.cpu_allocator (onegpu.training.host_allocator): keep freed host memory for the next step, or glibc's defaults.
 CPU_ALLOCATORS = ("caching", "system")
+# train.gradient_checkpointing_blocks: the part of each chosen layer that recomputes.
+CHECKPOINTING_BLOCKS = ("layer", "attention", "mlp")
+
+
+# -- each params.yaml key declared once -----------------------------------------------------------------
+# A key's field carries what every other place needs (TRL declares its config fields the same way, with
+# ``metadata={"help": ...}``): its default, its help (params.yaml's comment on its line), its rule (the
+# value is allowed, the problem otherwise), and whether it is in the equivalence key or why not. What is
+# derived from them: :data:`RULES`, :data:`onegpu.equivalence.NOT_IN_EQUIVALENCE_KEY`, :func:`help_text`;
+# params.yaml's comments are checked against the help (tests/unit/test_config.py). Which stage reads a key
+# is derived from the stages' code (tests/unit/test_dvc_yaml.py), not declared.
+
+IN_KEY = "in the equivalence key"  # another value is another training
+EACH_KEY = "each of its keys classified"  # a mapping (model.lora): its keys are declared and classified
+
+
+@dataclass(frozen=True)
+class OutOfKey:
+    """A key left out of the equivalence key: runs that differ only in it compute the same training (or
+    only observe it differently); ``why`` says how."""
+    why: str
+
+
+Rule = tuple[Callable[[Any], bool], str]  # (the value is allowed, the problem otherwise: ``{v}`` is the value)
+
+
+def knob(default: Any = MISSING, *, help: str, key: str | OutOfKey, rule: Rule | None = None,
+         default_factory: Callable[[], Any] | Any = MISSING):
+    """A dataclass field for one params.yaml key: ``default`` (or ``default_factory``), ``help`` (one line,
+    params.yaml's comment), ``key`` (:data:`IN_KEY` or an :class:`OutOfKey` with the reason) and ``rule``.
+
+    Raises:
+        TypeError: ``key`` is neither (every key is classified where it is declared).
+    """
+    if key not in (IN_KEY, EACH_KEY) and not isinstance(key, OutOfKey):
+        raise TypeError(f"key must be IN_KEY, EACH_KEY (a mapping) or OutOfKey(why), got {key!r}")
+    return field(default=default, default_factory=default_factory,
+                 metadata={"help": help, "key": key, "rule": rule})
+
+
+def _positive(v) -> bool:
+    return v >= 1
+
+
+def _positive_or_null(v) -> bool:
+    return v is None or v >= 1
+
+
+def _fraction(v) -> bool:
+    return 0.0 < v < 1.0
+
+
+def _seed(v) -> bool:
+    return 0 <= v < 2**32
+
+
+def _one_of(choices: tuple[str, ...]) -> Rule:
+    return (lambda v: v in choices), f"must be one of {', '.join(choices)}, got {{v!r}}"
+
+
+def _null_or_one_of(choices: tuple[str, ...], null: str) -> Rule:
+    return (lambda v: v is None or v in choices), f"must be null ({null}) or one of {', '.join(choices)}, got {{v!r}}"
+
+
+_POSITIVE_INT: Rule = (_positive, "must be a positive integer, got {v}")
+_SEED: Rule = (_seed, "must be an integer from 0 to 2**32 - 1 (numpy's range), got {v}")
+_SHARE: Rule = (_fraction, "must be a fraction strictly between 0 and 1, got {v}")
+_SPLIT = OutOfKey("how the effective batch is split (the effective batch is in)")
+_EVALUATION = OutOfKey("evaluation only")
+_SAME_RECOMPUTE = "; the same mathematics"
 
 
 @dataclass
 class DataConfig:
-    source: str = PACKAGED_DATA          # "bbcnews", "bbcnews-headlines" (packaged), a .csv/.jsonl/.parquet file
-                                         # or a <label>/*.txt dir
-    text_column: str = "text"
-    label_column: str = "label"
-    max_length: int = 64                  # tokens per example after truncation
-    validation_size: float = 0.1          # share of the de-duplicated rows
-    test_size: float = 0.2
-    max_train_samples: int | None = None   # cap on training examples (null = all)
-    max_eval_samples: int | None = None    # cap on validation and test examples (null = all)
-    seed: int = 42                        # split and subsampling seed
-    # Instruction data (TRL's names; columns prompt + completion, or messages, detected as TRL does):
-    completion_only_loss: bool | None = None  # loss on the completion tokens only; null = on for
-                                              # prompt-completion data
-    assistant_only_loss: bool = False     # messages data: loss on the assistant turns only
-    padding_free: bool = False            # each micro-batch flattened into one row with position_ids (causal LM)
-    packing: bool = False                 # examples packed into rows of max_length (best-fit decreasing),
-                                          # sequences kept apart
+    source: str = knob(PACKAGED_DATA, key=IN_KEY, help=(
+        "bbcnews (packaged BBC News) | bbcnews-headlines (article -> headline), a .csv/.jsonl/.parquet "
+        "file or a <label>/*.txt folder"))
+    text_column: str = knob("text", key=IN_KEY, help="for .csv/.jsonl/.parquet sources")
+    label_column: str = knob("label", key=IN_KEY, help="for .csv/.jsonl/.parquet sources")
+    max_length: int = knob(64, key=IN_KEY, help="tokens per example after truncation",
+                           rule=(lambda v: 8 <= v <= 8192, "must be an integer from 8 to 8192, got {v}"))
+    validation_size: float = knob(0.1, key=IN_KEY, help="share of the de-duplicated rows, stratified by label",
+                                  rule=_SHARE)
+    test_size: float = knob(0.2, key=IN_KEY, help="share of the de-duplicated rows, stratified by label",
+                            rule=_SHARE)
+    max_train_samples: int | None = knob(None, key=IN_KEY, help="cap on training examples (null = all)",
+                                         rule=(_positive_or_null, "must be a positive integer or null (= all), "
+                                                                  "got {v}"))
+    max_eval_samples: int | None = knob(None, key=OutOfKey("evaluation data only"),
+                                        help="cap on validation and test examples (null = all)",
+                                        rule=(_positive_or_null, "must be a positive integer or null (= all), "
+                                                                 "got {v}"))
+    seed: int = knob(42, key=IN_KEY, help="split and subsampling seed", rule=_SEED)
+    # Instruction data (TRL's names; columns prompt + completion, or messages, detected as TRL does). In the
+    # key when on (equivalence/key.py drops them at their defaults: keys made before they existed stay).
+    completion_only_loss: bool | None = knob(None, key=IN_KEY, help=(
+        "loss on the completion tokens only; null = on for prompt-completion data"))
+    assistant_only_loss: bool = knob(False, key=IN_KEY, help="messages data: loss on the assistant turns only")
+    padding_free: bool = knob(False, help=(
+        "each micro-batch flattened into one row with position_ids: no compute on padding, same training"),
+        key=OutOfKey("the same examples in the same micro-batches and steps, flattened into one row per "
+                     "micro-batch with position_ids; attention stays within each sequence (refused where a "
+                     "model cannot keep them apart), so the same losses and gradients up to summation order"))
+    packing: bool = knob(False, key=IN_KEY, help=(
+        "examples packed into rows of max_length, sequences kept apart: another training"))
 
 
 @dataclass
 class LoraConfig:
-    """``model.lora``: PEFT LoRA adapters (peft.LoraConfig under r, lora_alpha, lora_dropout, target_modules)."""
-    r: int = 8                            # rank of each adapter's A (r x in) and B (out x r) matrices
-    alpha: float = 16.0                   # scale: the update B @ A is multiplied by alpha / r
-    dropout: float = 0.0                  # dropout probability on the adapter's input, in [0, 1)
-    target_modules: list[str] | None = None  # module names to adapt; null = peft's default for the architecture
+    """``model.lora``: PEFT LoRA adapters (peft.LoraConfig under r, lora_alpha, lora_dropout, target_modules).
+    In the equivalence key when on (r >= 1): LoRA trains other parameters."""
+    r: int = knob(8, key=IN_KEY, help="adapter rank; 0 = off")
+    alpha: float = knob(16.0, key=IN_KEY, help="the update is scaled by alpha / r")
+    dropout: float = knob(0.0, key=IN_KEY, help="on the adapters' input")
+    target_modules: list[str] | None = knob(None, key=IN_KEY, help=(
+        "null = peft's default, e.g. [query, value] for BERT, [c_attn] for GPT-2"))
 
 
 @dataclass
 class CheckpointingKwargs:
     """``train.gradient_checkpointing_kwargs``: HF's keys of ``activation_checkpointing_kwargs``."""
-    use_reentrant: bool = False           # torch.utils.checkpoint's reentrant variant (false = non-reentrant)
-    every_n_layers: int = 1               # recompute every n-th transformer layer (layers 0, n, 2n, ...)
+    use_reentrant: bool = knob(False, help=(
+        "torch's reentrant checkpoint variant; false = non-reentrant (torch's advice)"),
+                               key=OutOfKey("how torch recomputes the checkpointed activations (reentrant or not)"
+                                            + _SAME_RECOMPUTE))
+    every_n_layers: int = knob(1, help="recompute layers 0, n, 2n, ...: larger n = less recompute, more memory",
+                               key=OutOfKey("which layers recompute their activations" + _SAME_RECOMPUTE))
 
 
 @dataclass
 class ModelConfig:
-    task: str = "sequence-classification"
-    name_or_path: str | None = PACKAGED_MODEL
-    dropout: float | None = None       # null keeps the model's own; a number overrides every dropout
-    # causal-lm with name_or_path null: a GPT-2-style model built from these sizes, and a byte-level
-    # BPE tokenizer of vocab_size trained by prepare on the training split. Context = data.max_length.
-    n_layer: int = 4
-    n_embd: int = 128
-    n_head: int = 4
-    vocab_size: int = 4096
-    attn_implementation: str | None = None  # eager | sdpa | flash_attention_2; null = the model's default
-    # r >= 1: train LoRA adapters only (plus the classification head), saved as models/adapter and
-    # merged into models/model; r: 0 (params.yaml's default, so `-S model.lora.r=8` has a key to set) or
-    # null = full fine-tuning. Read it through lora_adapters.
-    lora: LoraConfig | None = None
+    task: str = knob("sequence-classification", key=IN_KEY, help=" | ".join(TASKS), rule=_one_of(TASKS))
+    name_or_path: str | None = knob(PACKAGED_MODEL, key=IN_KEY, help=(
+        "packaged:all-MiniLM-L6-v2 | packaged:SmolLM2-135M-Instruct (PyPI packages), a local folder or a "
+        "hub id; null = built from the sizes below"))
+    dropout: float | None = knob(None, key=IN_KEY, help=(
+        "null keeps the model's own; a number overrides every dropout probability"),
+        rule=(lambda v: v is None or 0.0 <= v < 1.0, "must be null or a probability in [0, 1), got {v}"))
+    # causal-lm with name_or_path null: a GPT-2-style model built from these sizes, and a byte-level BPE
+    # tokenizer of vocab_size trained by prepare on the training split. Context = data.max_length. In the key
+    # only for such a model (equivalence/key.py).
+    n_layer: int = knob(4, key=IN_KEY, help="transformer layers", rule=_POSITIVE_INT)
+    n_embd: int = knob(128, key=IN_KEY, help="hidden size", rule=_POSITIVE_INT)
+    n_head: int = knob(4, key=IN_KEY, help="attention heads (divide n_embd)", rule=_POSITIVE_INT)
+    vocab_size: int = knob(4096, key=IN_KEY, help="the BPE tokenizer's vocabulary",
+                           rule=(lambda v: 256 <= v <= 262144, "must be from 256 (the byte alphabet) to 262144, "
+                                                               "got {v}"))
+    attn_implementation: str | None = knob(None, help=(
+        "eager | sdpa | flash_attention_2 (needs flash_attn + CUDA); null = the model's default"),
+        rule=_null_or_one_of(ATTN_IMPLEMENTATIONS, "the model's default"),
+        key=OutOfKey("eager, SDPA and FlashAttention-2 compute the same softmax attention with other kernels "
+                     "(other summation order)"))
+    # r >= 1: train LoRA adapters only (plus the classification head), saved as models/adapter and merged
+    # into models/model; r: 0 (params.yaml's default, so `-S model.lora.r=8` has a key to set) or null = full
+    # fine-tuning. Read it through lora_adapters.
+    lora: LoraConfig | None = knob(None, key=EACH_KEY, help=(
+        "LoRA (peft), on with -S model.lora.r=8: only the adapters (and a classifier's head) train"))
 
     @property
     def lora_adapters(self) -> LoraConfig | None:
@@ -118,42 +220,90 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    backend: str = "trainer"
-    per_device_train_batch_size: Any = 8  # micro-batch size: an int, or "auto" (needs effective_batch_size)
-    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
-    effective_batch_size: int | None = None  # null = micro x accumulation x processes
-    num_processes: int = 1                # data-parallel processes (one per GPU; gloo on a CPU); > 1: torchrun
-    memory_budget_gib: float | None = None  # for "auto": null = free device memory (CUDA); required on CPU
-    oom_retry: bool = True                # CUDA out-of-memory in a step: halve the micro-batch, redo the step
-    gradient_checkpointing: bool = False  # activation checkpointing
-    # with gradient_checkpointing: use_reentrant and every_n_layers (HF's names), and which part of a
-    # chosen layer recomputes: layer | attention | mlp (onegpu's; attention/mlp for BERT-style and GPT-2)
-    gradient_checkpointing_kwargs: CheckpointingKwargs = field(default_factory=CheckpointingKwargs)
-    gradient_checkpointing_blocks: str = "layer"
-    learning_rate: float = 5e-5
-    num_train_epochs: float = 1.0
-    max_steps: int = -1                   # optimizer steps; -1 = from num_train_epochs
-    warmup_ratio: float = 0.0
-    lr_scheduler_type: str = "linear"
-    weight_decay: float = 0.0
-    optim: str = "adamw_torch"
-    max_grad_norm: float = 1.0
-    seed: int = 42
-    bf16: bool = False
-    fp16: bool = False
-    logging_steps: int = 10               # terminal progress every N optimizer steps (MLflow gets every step)
-    save_steps: int | None = None      # resumable checkpoint every N optimizer steps; null = on interrupt only
-    dataloader_num_workers: int = 0
-    dataloader_pin_memory: bool | None = None  # page-locked host batches; null = on with CUDA, off on CPU
-    torch_empty_cache_steps: int | None = None  # empty the CUDA cache every N optimizer steps; null = never
-    tf32: bool = False                    # TF32 matmuls/convolutions on Ampere+ GPUs; a no-op on CPU
-    torch_compile: bool = False           # torch.compile the model (inductor)
-    torch_compile_mode: str | None = None  # default | reduce-overhead | max-autotune; null = torch's default
-    cpu_allocator: str = "caching"        # CPU training: keep freed memory for the next step | system (glibc's)
-    # causal LM: the output layer and the loss only at target positions, in tiles (TRL's fused LM head);
-    # false = the whole (micro_batch, seq_len, vocab) logits
-    fused_lm_head: bool = True
-    activation_offloading: bool = False   # saved activations to pinned host memory and back (TRL's name; CUDA)
+    backend: str = knob("trainer", help="trainer (HF Trainer) | accelerate (onegpu's loop on Accelerate)",
+                        rule=_one_of(BACKENDS), key=OutOfKey("Trainer and Accelerate loops compute the same steps"))
+    per_device_train_batch_size: Any = knob(8, key=_SPLIT, help=(
+        "micro-batch: an integer, or auto (the largest that fits; needs effective_batch_size)"))
+    gradient_accumulation_steps: int = knob(1, key=_SPLIT, help="micro-batches per optimizer step",
+                                            rule=_POSITIVE_INT)
+    effective_batch_size: int | None = knob(None, help="null = micro-batch x accumulation x processes",
+                                            key=OutOfKey("replaced by the resolved effective batch size"))
+    num_processes: int = knob(1, help="data-parallel processes (one per GPU; gloo on a CPU); > 1 launches torchrun",
+                              rule=_POSITIVE_INT, key=OutOfKey(
+                                  "how the effective batch is split over processes (the effective batch is in)"))
+    memory_budget_gib: float | None = knob(None, help=(
+        "for auto: the memory to fit in; null = free device memory (CUDA), required on a CPU"),
+        rule=(lambda v: v is None or v > 0, "must be a positive number of GiB or null, got {v}"),
+        key=OutOfKey("only steers the micro-batch finder"))
+    oom_retry: bool = knob(True, help="a CUDA out-of-memory error in a step: halve the micro-batch, redo the step",
+                           key=OutOfKey("recovery re-splits the same effective batch"))
+    gradient_checkpointing: bool = knob(False, help="activation checkpointing: less memory, ~20-33% more compute",
+                                        key=OutOfKey("recomputes activations" + _SAME_RECOMPUTE))
+    gradient_checkpointing_kwargs: CheckpointingKwargs = knob(
+        default_factory=CheckpointingKwargs, key=EACH_KEY,
+        help="how it checkpoints (HF's names); the defaults = every whole layer")
+    gradient_checkpointing_blocks: str = knob("layer", help=(
+        "layer | attention | mlp: the part of a chosen layer that recomputes (BERT-style, GPT-2)"),
+        rule=_one_of(CHECKPOINTING_BLOCKS),
+        key=OutOfKey("which part of a layer recomputes its activations" + _SAME_RECOMPUTE))
+    learning_rate: float = knob(5e-5, key=IN_KEY, help="peak learning rate of the schedule",
+                                rule=(lambda v: v > 0, "must be a positive number, got {v}"))
+    num_train_epochs: float = knob(1.0, key=IN_KEY, help="passes over the training split (with max_steps: -1)",
+                                   rule=(lambda v: v > 0, "must be a positive number, got {v}"))
+    max_steps: int = knob(-1, key=IN_KEY, help="optimizer steps; -1 = from num_train_epochs",
+                          rule=(lambda v: v == -1 or v > 0, "must be -1 (use num_train_epochs) or a positive "
+                                                            "integer, got {v}"))
+    warmup_ratio: float = knob(0.0, key=IN_KEY, help="share of the steps warming the learning rate up from 0",
+                               rule=(lambda v: 0.0 <= v < 1.0, "must be in [0, 1), got {v}"))
+    lr_scheduler_type: str = knob("linear", key=IN_KEY, help="transformers' SchedulerType, e.g. linear | cosine | "
+                                  "constant", rule=_one_of(LR_SCHEDULERS))
+    weight_decay: float = knob(0.0, key=IN_KEY, help="AdamW's decoupled weight decay",
+                               rule=(lambda v: v >= 0, "must be >= 0, got {v}"))
+    optim: str = knob("adamw_torch", key=IN_KEY, help=(
+        "adamw_torch | adamw_torch_fused | adafactor | sgd | adagrad | rmsprop | adamw_bnb_8bit (CUDA) | "
+        "adamw_torch_8bit | adamw_torch_4bit (torchao)"), rule=_one_of(OPTIMIZERS + OPTIMIZERS_EXTRA))
+    max_grad_norm: float = knob(1.0, key=IN_KEY, help="clip the gradients' total L2 norm to this; 0 = no clipping",
+                                rule=(lambda v: v >= 0, "must be >= 0 (0 = no clipping), got {v}"))
+    seed: int = knob(42, key=IN_KEY, help="model init, data order and dropout seed", rule=_SEED)
+    bf16: bool = knob(False, key=IN_KEY, help="bf16 mixed precision (autocast; CPU or a bf16 GPU)")
+    fp16: bool = knob(False, key=IN_KEY, help="fp16 mixed precision with a gradient scaler (CUDA)")
+    tf32: bool = knob(False, help="TF32 matmuls on Ampere+ GPUs (looser compare tolerance); a no-op on CPU",
+                      key=OutOfKey("TF32 matmuls (10-bit mantissa inputs, fp32 accumulation) on Ampere+ GPUs; "
+                                   "the same mathematics in lower precision (compared with the tf32 tolerance); "
+                                   "a no-op on CPU"))
+    torch_compile: bool = knob(False, help="torch.compile the model (inductor): first steps slower, later faster",
+                               key=OutOfKey("the same graph compiled into fused kernels (other summation order)"))
+    torch_compile_mode: str | None = knob(None, help=(
+        "null | default | reduce-overhead | max-autotune (needs torch_compile: true)"),
+        rule=_null_or_one_of(COMPILE_MODES, "torch's default"),
+        key=OutOfKey("how torch.compile tunes its kernels, not what they compute"))
+    logging_steps: int = knob(10, help="terminal progress every N optimizer steps; MLflow gets every step",
+                              rule=_POSITIVE_INT, key=OutOfKey("terminal output only"))
+    save_steps: int | None = knob(None, help=(
+        "resumable checkpoint every N optimizer steps; null = on Ctrl-C/SIGTERM only"),
+        rule=(_positive_or_null, "must be a positive integer or null, got {v}"),
+        key=OutOfKey("checkpoints do not change the training"))
+    dataloader_num_workers: int = knob(0, help="processes collating batches; 0 = in the training process",
+                                       rule=(lambda v: v >= 0, "must be >= 0, got {v}"),
+                                       key=OutOfKey("where batches are collated, not which"))
+    dataloader_pin_memory: bool | None = knob(None, help="page-locked host batches; null = on with CUDA, off on CPU",
+                                              key=OutOfKey("where host batches live before the copy to the "
+                                                           "device, not their values"))
+    torch_empty_cache_steps: int | None = knob(None, help=(
+        "empty the CUDA allocator cache every N optimizer steps; null = never"),
+        rule=(_positive_or_null, "must be a positive integer (optimizer steps) or null (= never), got {v}"),
+        key=OutOfKey("returns cached allocator blocks to the device; no arithmetic changes"))
+    cpu_allocator: str = knob("caching", help=(
+        "training on a CPU: keep freed memory for the next step | system (glibc's defaults)"),
+        rule=_one_of(CPU_ALLOCATORS), key=OutOfKey(
+            "whether freed host memory stays in the process or goes back to the kernel; no arithmetic changes"))
+    activation_offloading: bool = knob(False, help=(
+        "saved activations to pinned host memory during forward, back for backward (CUDA only)"),
+        key=OutOfKey("moves the tensors saved for backward to host memory and back; the same values"))
+    fused_lm_head: bool = knob(True, help=(
+        "causal LM: logits only where the loss looks, in tiles (TRL's fused LM head); false = whole logits"),
+        key=OutOfKey("the same next-token loss summed over the same targets, their logits computed in tiles "
+                     "instead of all positions' at once (other summation order)"))
 
     @property
     def mixed_precision(self) -> str:
@@ -164,13 +314,18 @@ class TrainConfig:
 
 @dataclass
 class EvaluateConfig:
-    per_device_eval_batch_size: int = 64
-    max_new_tokens: int = 32              # instruction data: tokens generated (greedy) per test prompt for ROUGE-L
+    per_device_eval_batch_size: int = knob(64, key=_EVALUATION, help="examples per evaluation batch",
+                                           rule=_POSITIVE_INT)
+    max_new_tokens: int = knob(32, help=(
+        "instruction data: tokens generated (greedy) per test prompt, scored by ROUGE-L"),
+                               rule=(lambda v: 1 <= v <= 4096, "must be an integer from 1 to 4096 (tokens), got {v}"),
+                               key=OutOfKey("evaluation only (generation length)"))
 
 
 @dataclass
 class TrackingConfig:
-    experiment_name: str = "onegpu"
+    experiment_name: str = knob("onegpu", help="the MLflow experiment", key=OutOfKey("where results are logged"),
+                                rule=(lambda v: bool(v.strip()), "must be a non-empty string"))
 
 
 @dataclass
@@ -193,8 +348,43 @@ SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "train": 
 # Mappings inside a section, by dotted name, and the dataclass of each.
 SUBSECTIONS: dict[str, type] = {"model.lora": LoraConfig, "train.gradient_checkpointing_kwargs": CheckpointingKwargs}
 
-# train.gradient_checkpointing_blocks: the part of each chosen layer that recomputes.
-CHECKPOINTING_BLOCKS = ("layer", "attention", "mlp")
+
+def declarations(leaves: bool = True) -> dict[str, Field]:
+    """Every declared params.yaml key by dotted name (``train.seed``), in schema order: the keys of the
+    mappings (``model.lora.r``) in place of the mapping, or also the mapping itself (``leaves=False``)."""
+    out: dict[str, Field] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in fields(cls):
+            name = f"{prefix}{f.name}"
+            if name in SUBSECTIONS:
+                if not leaves:
+                    out[name] = f
+                walk(SUBSECTIONS[name], name + ".")
+            else:
+                out[name] = f
+    for section, cls in SECTIONS.items():
+        walk(cls, section + ".")
+    return out
+
+
+def help_text(key: str) -> str:
+    """The declared help of a dotted key (params.yaml's comment on its line).
+
+    Raises:
+        KeyError: no such key.
+    """
+    return declarations(leaves=False)[key].metadata["help"]
+
+
+def out_of_key() -> dict[str, str]:
+    """Every key declared out of the equivalence key, and why (``onegpu.equivalence.NOT_IN_EQUIVALENCE_KEY``)."""
+    return {k: f.metadata["key"].why for k, f in declarations().items() if isinstance(f.metadata["key"], OutOfKey)}
+
+
+# key -> (the value is allowed, the problem otherwise: ``{v}`` is the value), from the declarations; checked
+# in schema order by :func:`validate` (the mappings' keys by their section's combination check).
+RULES: dict[str, Rule] = {k: f.metadata["rule"] for k, f in declarations().items() if f.metadata["rule"]}
 
 
 def _allowed_keys(section: str) -> list[str]:
@@ -329,77 +519,7 @@ def _fail(source: str, key: str, problem: str) -> None:
     raise ConfigError(f"{source}: {key}: {problem}")
 
 
-# -- validation: one rule per key (table), then the combinations of each section ---------------------
-
-def _positive(v) -> bool:
-    return v >= 1
-
-
-def _positive_or_null(v) -> bool:
-    return v is None or v >= 1
-
-
-def _fraction(v) -> bool:
-    return 0.0 < v < 1.0
-
-
-def _seed(v) -> bool:
-    return 0 <= v < 2**32
-
-
-def _one_of(choices: tuple[str, ...]) -> tuple:
-    return (lambda v: v in choices), f"must be one of {', '.join(choices)}, got {{v!r}}"
-
-
-_POSITIVE_INT = (_positive, "must be a positive integer, got {v}")
-_SEED = (_seed, "must be an integer from 0 to 2**32 - 1 (numpy's range), got {v}")
-
-# key -> (the value is allowed, the problem otherwise: ``{v}`` is the value). Checked in schema order.
-RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "data.max_length": (lambda v: 8 <= v <= 8192, "must be an integer from 8 to 8192, got {v}"),
-    "data.validation_size": (_fraction, "must be a fraction strictly between 0 and 1, got {v}"),
-    "data.test_size": (_fraction, "must be a fraction strictly between 0 and 1, got {v}"),
-    "data.max_train_samples": (_positive_or_null, "must be a positive integer or null (= all), got {v}"),
-    "data.max_eval_samples": (_positive_or_null, "must be a positive integer or null (= all), got {v}"),
-    "data.seed": _SEED,
-    "model.task": _one_of(TASKS),
-    "model.dropout": (lambda v: v is None or 0.0 <= v < 1.0, "must be null or a probability in [0, 1), got {v}"),
-    "model.n_layer": _POSITIVE_INT,
-    "model.n_embd": _POSITIVE_INT,
-    "model.n_head": _POSITIVE_INT,
-    "model.vocab_size": (lambda v: 256 <= v <= 262144,
-                         "must be from 256 (the byte alphabet) to 262144, got {v}"),
-    "model.attn_implementation": (lambda v: v is None or v in ATTN_IMPLEMENTATIONS,
-                                  f"must be null (the model's default) or one of {', '.join(ATTN_IMPLEMENTATIONS)}, "
-                                  "got {v!r}"),
-    "train.backend": _one_of(BACKENDS),
-    "train.gradient_accumulation_steps": _POSITIVE_INT,
-    "train.num_processes": _POSITIVE_INT,
-    "train.memory_budget_gib": (lambda v: v is None or v > 0, "must be a positive number of GiB or null, got {v}"),
-    "train.learning_rate": (lambda v: v > 0, "must be a positive number, got {v}"),
-    "train.num_train_epochs": (lambda v: v > 0, "must be a positive number, got {v}"),
-    "train.max_steps": (lambda v: v == -1 or v > 0,
-                        "must be -1 (use num_train_epochs) or a positive integer, got {v}"),
-    "train.warmup_ratio": (lambda v: 0.0 <= v < 1.0, "must be in [0, 1), got {v}"),
-    "train.lr_scheduler_type": _one_of(LR_SCHEDULERS),
-    "train.weight_decay": (lambda v: v >= 0, "must be >= 0, got {v}"),
-    "train.optim": _one_of(OPTIMIZERS + OPTIMIZERS_EXTRA),
-    "train.max_grad_norm": (lambda v: v >= 0, "must be >= 0 (0 = no clipping), got {v}"),
-    "train.seed": _SEED,
-    "train.logging_steps": _POSITIVE_INT,
-    "train.save_steps": (_positive_or_null, "must be a positive integer or null, got {v}"),
-    "train.dataloader_num_workers": (lambda v: v >= 0, "must be >= 0, got {v}"),
-    "train.torch_empty_cache_steps": (_positive_or_null,
-                                      "must be a positive integer (optimizer steps) or null (= never), got {v}"),
-    "train.gradient_checkpointing_blocks": _one_of(CHECKPOINTING_BLOCKS),
-    "train.cpu_allocator": _one_of(CPU_ALLOCATORS),
-    "train.torch_compile_mode": (lambda v: v is None or v in COMPILE_MODES,
-                                 f"must be null or one of {', '.join(COMPILE_MODES)}, got {{v!r}}"),
-    "evaluate.per_device_eval_batch_size": _POSITIVE_INT,
-    "evaluate.max_new_tokens": (lambda v: 1 <= v <= 4096, "must be an integer from 1 to 4096 (tokens), got {v}"),
-    "tracking.experiment_name": (lambda v: bool(v.strip()), "must be a non-empty string"),
-}
-
+# -- validation: each key's rule (declared with the key), then the combinations of each section ----------
 
 def _check_data(d: DataConfig, source: str) -> None:
     """The split sizes together, and ``data.source``'s form (the file itself is read by prepare)."""

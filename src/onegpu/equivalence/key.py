@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Any
 
-from onegpu.config import Config, Resolved, flatten
+from onegpu.config import Config, Resolved, flatten, out_of_key
 
 # The MLflow tag holding a training run's key.
 KEY_TAG = "equivalence_key"
@@ -32,49 +32,9 @@ def resolved_params(resolved: Resolved) -> dict[str, int]:
             RESOLVED_WORLD_SIZE: resolved.world_size}
 
 
-# Params that decide only how the work is split or observed, not the mathematics of training.
-# Left out of the equivalence key:
-NOT_IN_EQUIVALENCE_KEY = {
-    "train.per_device_train_batch_size": "how the effective batch is split (the effective batch is in)",
-    "train.gradient_accumulation_steps": "how the effective batch is split (the effective batch is in)",
-    "train.effective_batch_size": "replaced by the resolved effective batch size",
-    "train.num_processes": "how the effective batch is split over processes (the effective batch is in)",
-    "train.memory_budget_gib": "only steers the micro-batch finder",
-    "train.gradient_checkpointing": "recomputes activations; the same mathematics",
-    "train.gradient_checkpointing_kwargs.use_reentrant": "how torch recomputes the checkpointed activations "
-                                                         "(reentrant or not); the same mathematics",
-    "train.gradient_checkpointing_kwargs.every_n_layers": "which layers recompute their activations; the "
-                                                          "same mathematics",
-    "train.gradient_checkpointing_blocks": "which part of a layer recomputes its activations; the same "
-                                           "mathematics",
-    "train.backend": "Trainer and Accelerate loops compute the same steps",
-    "train.logging_steps": "terminal output only",
-    "train.oom_retry": "recovery re-splits the same effective batch",
-    "train.save_steps": "checkpoints do not change the training",
-    "train.dataloader_num_workers": "where batches are collated, not which",
-    "evaluate.per_device_eval_batch_size": "evaluation only",
-    "tracking.experiment_name": "where results are logged",
-    "data.max_eval_samples": "evaluation data only",
-    "evaluate.max_new_tokens": "evaluation only (generation length)",
-    "data.padding_free": "the same examples in the same micro-batches and steps, flattened into one row per "
-                         "micro-batch with position_ids; attention stays within each sequence (refused where a "
-                         "model cannot keep them apart), so the same losses and gradients up to summation order",
-    # Same mathematics in another precision or kernel: compared within that precision's tolerance
-    # (onegpu compare names the knob as a likely cause when such runs diverge).
-    "train.tf32": "TF32 matmuls (10-bit mantissa inputs, fp32 accumulation) on Ampere+ GPUs; the same "
-                  "mathematics in lower precision (compared with the tf32 tolerance); a no-op on CPU",
-    "model.attn_implementation": "eager, SDPA and FlashAttention-2 compute the same softmax attention "
-                                 "with other kernels (other summation order)",
-    "train.torch_compile": "the same graph compiled into fused kernels (other summation order)",
-    "train.torch_compile_mode": "how torch.compile tunes its kernels, not what they compute",
-    "train.dataloader_pin_memory": "where host batches live before the copy to the device, not their values",
-    "train.torch_empty_cache_steps": "returns cached allocator blocks to the device; no arithmetic changes",
-    "train.activation_offloading": "moves the tensors saved for backward to host memory and back; the same values",
-    "train.fused_lm_head": "the same next-token loss summed over the same targets, their logits computed in tiles "
-                           "instead of all positions' at once (other summation order)",
-    "train.cpu_allocator": "whether freed host memory stays in the process or goes back to the kernel; "
-                           "no arithmetic changes",
-}
+# Params that decide only how the work is split or observed, not the mathematics of training, and why:
+# declared with each key (onegpu.config's ``knob(..., key=OutOfKey(why))``). Left out of the equivalence key.
+NOT_IN_EQUIVALENCE_KEY = out_of_key()
 
 # Values of a param in the key that compute the same training as another value: (param, value) -> the
 # value the key uses instead, with the reason. Any other optimizer is a different training (in the key).
