@@ -31,7 +31,7 @@ STEP_METRICS = ("loss", "grad_norm", "learning_rate", "step_time_s", "samples_pe
                 "tokens_per_second", "mem_peak_bytes")
 TRAIN_SUMMARY = ("train_loss", "train_runtime", "train_samples_per_second", "train_tokens_per_second",
                  "train_mem_peak_bytes")
-EVAL_SUMMARY = ("eval_loss", "eval_runtime", "eval_samples_per_second", "eval_mem_peak_bytes")
+EVAL_SUMMARY = ("test_loss", "test_runtime", "test_samples_per_second", "test_mem_peak_bytes")
 PREPARE = ("prepare_runtime", "prepare_rows_per_second", "prepare_mem_peak_bytes")
 RESOLVED = ("resolved.per_device_train_batch_size", "resolved.gradient_accumulation_steps",
             "resolved.effective_batch_size", "resolved.world_size")
@@ -78,7 +78,7 @@ def _training_problems(client, run, finished: bool) -> tuple[list[str], dict]:
     if run.info.status == "FINISHED" and (miss := _missing(m, EVAL_SUMMARY)):
         out.append(f"{rid}: finished but evaluate metrics missing {miss}")
     facts = {"run": rid, "status": run.info.status, "steps": n_steps, "device": tags.get("device"),
-             **{k: m.get(k) for k in (*TRAIN_SUMMARY, "eval_loss", "eval_accuracy")}}
+             **{k: m.get(k) for k in (*TRAIN_SUMMARY, "test_loss", "test_accuracy")}}
     return out, facts
 
 

@@ -55,6 +55,10 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 CPU_ALLOCATORS = ("caching", "system")
 # train.gradient_checkpointing_blocks: the part of each chosen layer that recomputes.
 CHECKPOINTING_BLOCKS = ("layer", "attention", "mlp")
+# train.eval_strategy: HF's IntervalStrategy values.
+EVAL_STRATEGIES = ("no", "steps", "epoch")
+# train.metric_for_best_model: the validation figures (onegpu.training.heldout) that can rank validation points.
+BEST_METRICS = ("eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity", "eval_mean_token_accuracy")
 
 
 # -- each params.yaml key declared once -----------------------------------------------------------------
@@ -122,6 +126,9 @@ _SEED: Rule = (_seed, "must be an integer from 0 to 2**32 - 1 (numpy's range), g
 _SHARE: Rule = (_fraction, "must be a fraction strictly between 0 and 1, got {v}")
 _SPLIT = OutOfKey("how the effective batch is split (the effective batch is in)")
 _EVALUATION = OutOfKey("evaluation only")
+_CHOOSES = OutOfKey("which validation point counts as the best; the steps trained are the same")
+_VALIDATION = OutOfKey("when the validation split is evaluated; validation draws no random numbers and changes no "
+                       "weight (proven bit-equal)")
 _SAME_RECOMPUTE = "; the same mathematics"
 
 
@@ -279,6 +286,29 @@ class TrainConfig:
         key=OutOfKey("how torch.compile tunes its kernels, not what they compute"))
     logging_steps: int = knob(10, help="terminal progress every N optimizer steps; MLflow gets every step",
                               rule=_POSITIVE_INT, key=OutOfKey("terminal output only"))
+    eval_strategy: str = knob("steps", help=(
+        "validation during training (HF's names): no | steps (every eval_steps) | epoch; and at the end"),
+        rule=_one_of(EVAL_STRATEGIES), key=_VALIDATION)
+    eval_steps: float = knob(0.25, help=(
+        "with steps: validate every N optimizer steps, or every such share of the run below 1 (as HF)"),
+        rule=(lambda v: v > 0 and (v < 1 or float(v).is_integer()),
+              "must be a positive integer (optimizer steps) or a fraction of the run in (0, 1), got {v}"),
+        key=_VALIDATION)
+    load_best_model_at_end: bool = knob(False, help=(
+        "models/ gets the weights of the best validation point (metric_for_best_model), not the last step's"),
+        key=OutOfKey("chooses which validated step's weights are kept; the steps trained are the same"))
+    metric_for_best_model: str = knob("eval_loss", help=(
+        "the validation figure that ranks points: eval_loss, or eval_accuracy, eval_f1_macro, eval_perplexity, "
+        "eval_mean_token_accuracy"), rule=_one_of(BEST_METRICS), key=_CHOOSES)
+    greater_is_better: bool | None = knob(None, help="null = false for a loss or perplexity, true otherwise (HF's)",
+                                          key=_CHOOSES)
+    early_stopping_patience: int | None = knob(None, help=(
+        "stop after this many validation points without improvement (HF's EarlyStoppingCallback); null = never"),
+        rule=(_positive_or_null, "must be a positive integer (validation points) or null (= never), got {v}"),
+        key=OutOfKey("where the run stops; the steps it trains are those of the run without it"))
+    early_stopping_threshold: float = knob(0.0, help=(
+        "an improvement must exceed this (absolute) to reset the patience"),
+        rule=(lambda v: v >= 0, "must be >= 0, got {v}"), key=_CHOOSES)
     save_steps: int | None = knob(None, help=(
         "resumable checkpoint every N optimizer steps; null = on Ctrl-C/SIGTERM only"),
         rule=(_positive_or_null, "must be a positive integer or null, got {v}"),
@@ -624,6 +654,24 @@ def _check_sft(cfg: Config, source: str) -> None:
               f"headline) for model.task: causal-lm; for sequence-classification use '{PACKAGED_DATA}'")
 
 
+# The validation figures of each task (onegpu.training.heldout): what train.metric_for_best_model may name.
+TASK_EVAL_METRICS = {"sequence-classification": ("eval_loss", "eval_accuracy", "eval_f1_macro"),
+                     "causal-lm": ("eval_loss", "eval_perplexity", "eval_mean_token_accuracy")}
+
+
+def _check_validation(cfg: Config, source: str) -> None:
+    """The best-model and early-stopping keys need validation points, and a figure the task has."""
+    t = cfg.train
+    for key, on in (("load_best_model_at_end", t.load_best_model_at_end),
+                    ("early_stopping_patience", t.early_stopping_patience is not None)):
+        if on and t.eval_strategy == "no":
+            _fail(source, f"train.{key}", "needs validation points; set train.eval_strategy: steps (or epoch)")
+    allowed = TASK_EVAL_METRICS[cfg.model.task]
+    if t.metric_for_best_model not in allowed:
+        _fail(source, "train.metric_for_best_model", f"{t.metric_for_best_model} is not a figure of "
+              f"{cfg.model.task}; use one of {', '.join(allowed)}")
+
+
 def validate(cfg: Config, source: str = "params") -> None:
     """Check ranges and combinations that types alone cannot: every value finite, then per section
     (in schema order) each key's :data:`RULES` entry and the section's :data:`COMBINATIONS` check.
@@ -643,6 +691,7 @@ def validate(cfg: Config, source: str = "params") -> None:
         if section in COMBINATIONS:
             COMBINATIONS[section](values, source)
     _check_sft(cfg, source)
+    _check_validation(cfg, source)
 
 
 # -- the machine: combinations this device cannot run ------------------------------------------------

@@ -1,116 +1,24 @@
-"""Test-split metrics: accuracy and macro F1 for classification, token loss and perplexity for causal LM,
-and for instruction data also greedy generations scored by ROUGE-L; which of them comes from the data's
-kind through one table (:data:`METRICS`), not a branch per format.
-
-Every figure is exact over the split: the loss is the mean over all examples (classification) or all
-target tokens (causal LM), not a mean of per-batch means. Each split is read in batches of
-``evaluate.per_device_eval_batch_size`` under ``torch.no_grad()`` with the model in eval mode (no HF
-``Trainer``: only the trainer backend uses it). torch, transformers, scikit-learn and matplotlib (heavy) are
-imported where they are used.
+"""The evaluate stage's figures on the test split (``test_*``, HF ``Trainer.predict``'s prefix): a
+classifier's and a causal LM's exact figures (:mod:`onegpu.training.heldout`, which validation during
+training shares), and for instruction data also greedy generations scored by ROUGE-L; which of them comes
+from the data's kind through one table (:data:`METRICS`), not a branch per format. rouge-score and
+matplotlib (heavy) are imported where they are used.
 """
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 
 from onegpu import interpreter
 from onegpu.config import Config
 from onegpu.errors import failure_note as failure_note_of
-from onegpu.measure import memory
-from onegpu.training.batches import CausalLMCollator, model_inputs
-from onegpu.training.loss import count_items, loss_for
+from onegpu.training.heldout import TEST, Prediction, causal_lm_metrics, classifier_metrics, predict
 
+__all__ = ["Prediction", "causal_lm_metrics", "classifier_metrics", "predict"]  # held-out figures, re-exported
+
+# The evaluate stage's last line: where to look next after a plain `dvc repro` (`make run` adds its summary).
+NEXT = ("evaluate: next: `onegpu ui` (this run's loss and eval_loss per step, every run side by side), "
+        "`onegpu compare` (which runs trained the same, step by step, and what each cost)")
 SHOWN = 3  # generations the evaluate stage prints (instruction data); all are in the run's generations.json
-
-
-@dataclass
-class Prediction:
-    """A classifier over one split: ``logits`` float32 ``(rows, num_labels)`` on the CPU, ``labels`` the
-    gold class ids int64 ``(rows,)``, ``loss`` the mean cross-entropy per example (nats,
-    :func:`onegpu.training.loss.classification_loss`, summed in float64 over the split), ``runtime`` (s)."""
-    logits: object
-    labels: object
-    loss: float
-    runtime: float
-
-
-def predict(model, tokenizer, dataset, cfg: Config, device: str | None = None) -> Prediction:
-    """Run a classifier over ``dataset`` (prepared columns: ``input_ids``, ``attention_mask``, ``label``)
-    in order, in batches of ``evaluate.per_device_eval_batch_size`` padded by ``DataCollatorWithPadding``,
-    on ``device`` (None: :func:`onegpu.measure.memory.default_device`), under ``torch.no_grad()`` in eval
-    mode. Returns its :class:`Prediction`."""
-    import torch
-    from torch.utils.data import DataLoader
-    from transformers import DataCollatorWithPadding
-    batches = DataLoader(model_inputs(dataset), batch_size=cfg.evaluate.per_device_eval_batch_size,
-                         collate_fn=DataCollatorWithPadding(tokenizer), pin_memory=memory.cuda_available())
-    logits, labels = [], []
-
-    def keep(out, gold) -> None:
-        logits.append(out.logits.float().cpu())
-        labels.append(gold.cpu())
-
-    loss, _, runtime = _summed_loss(model, batches, "sequence-classification", device or memory.default_device(), keep)
-    return Prediction(torch.cat(logits), torch.cat(labels), loss, runtime)
-
-
-def _summed_loss(model, batches, task: str, device: str, keep=None) -> tuple[float, int, float]:
-    """The loss of ``task`` summed over every item of ``batches`` (float64) under ``torch.no_grad()`` in
-    eval mode, divided once by the item count: ``(mean loss, items, seconds)``. ``keep(out, labels)`` sees
-    each batch's model output (the classifier's logits)."""
-    import torch
-    loss_fn = loss_for(task)
-    model.to(device).eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    items = torch.zeros((), dtype=torch.int64, device=device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        for batch in batches:
-            batch = {k: v.to(device) for k, v in batch.items()}
-            gold = batch.pop("labels")
-            out = model(**batch)
-            total += loss_fn(out, gold, num_items_in_batch=1).double()  # the batch's sum
-            items += count_items(gold, task)
-            if keep is not None:
-                keep(out, gold)
-    return float(total / items), int(items), time.perf_counter() - start
-
-
-def classifier_metrics(model, tokenizer, dataset, cfg: Config, device: str | None = None
-                       ) -> tuple[dict, list[int], list[int]]:
-    """Predict the split (:func:`predict`); return metrics, gold and predicted class ids.
-
-    Metrics: ``eval_loss`` (mean cross-entropy per example, nats), ``eval_accuracy``, ``eval_f1_macro``
-    (scikit-learn), ``eval_runtime`` (s), ``eval_samples_per_second``, ``eval_rows``.
-    """
-    from sklearn.metrics import accuracy_score, f1_score
-
-    out = predict(model, tokenizer, dataset, cfg, device)
-    pred = out.logits.argmax(-1).numpy()
-    gold = out.labels.numpy()
-    metrics = {"eval_loss": out.loss,
-               "eval_accuracy": float(accuracy_score(gold, pred)),
-               "eval_f1_macro": float(f1_score(gold, pred, average="macro")),
-               "eval_runtime": out.runtime,
-               "eval_samples_per_second": len(gold) / out.runtime,
-               "eval_rows": len(gold)}
-    return metrics, gold.tolist(), pred.tolist()
-
-
-def causal_lm_metrics(model, tokenizer, dataset, cfg: Config, device: str) -> dict:
-    """Next-token loss over every target token of the split and its perplexity.
-
-    Metrics: ``eval_loss`` (nats per target token), ``eval_perplexity`` = exp(eval_loss),
-    ``eval_runtime`` (s), ``eval_samples_per_second``, ``eval_tokens``, ``eval_rows``.
-    """
-    from torch.utils.data import DataLoader
-    ds = model_inputs(dataset, "causal-lm")
-    loader = DataLoader(ds, batch_size=cfg.evaluate.per_device_eval_batch_size,
-                        collate_fn=CausalLMCollator(tokenizer))
-    loss, tokens, runtime = _summed_loss(model, loader, "causal-lm", device)
-    return {"eval_loss": loss, "eval_perplexity": math.exp(loss), "eval_runtime": runtime,
-            "eval_samples_per_second": len(ds) / runtime, "eval_tokens": tokens, "eval_rows": len(ds)}
 
 
 def generate(model, tokenizer, dataset, max_new_tokens: int, batch_size: int, device: str) -> list[str]:
@@ -145,23 +53,23 @@ def rouge_l(references: list[str], generations: list[str]) -> list[float]:
     return [scorer.score(r, g)["rougeL"].fmeasure for r, g in zip(references, generations)]
 
 
-def sft_metrics(model, tokenizer, dataset, cfg: Config, device: str) -> tuple[dict, dict]:
+def sft_metrics(model, tokenizer, dataset, cfg: Config, device: str, prefix: str = TEST) -> tuple[dict, dict]:
     """Instruction data: :func:`causal_lm_metrics` over the split's target tokens (the completions, under
     ``data.completion_only_loss``; exact over the split) plus a greedy generation per test prompt scored by
     ROUGE-L.
 
     Returns:
-        ``(metrics, table)``: the causal-LM metrics plus ``eval_rouge_l`` (mean F1 over the rows) and
-        ``eval_generation_runtime`` (s); ``table`` has columns ``prompt`` (decoded, special tokens
+        ``(metrics, table)``: the causal-LM metrics plus ``rouge_l`` (mean F1 over the rows) and
+        ``generation_runtime`` (s), under ``prefix``; ``table`` has columns ``prompt`` (decoded, special tokens
         dropped), ``reference``, ``generation``, ``rouge_l``, one entry per row.
     """
-    metrics = causal_lm_metrics(model, tokenizer, dataset, cfg, device)
+    metrics = causal_lm_metrics(model, tokenizer, dataset, cfg, device, prefix)
     start = time.perf_counter()
     generations = generate(model, tokenizer, dataset, cfg.evaluate.max_new_tokens,
                            cfg.evaluate.per_device_eval_batch_size, device)
     scores = rouge_l(dataset["reference"], generations)
-    metrics["eval_rouge_l"] = sum(scores) / len(scores) if scores else 0.0
-    metrics["eval_generation_runtime"] = time.perf_counter() - start
+    metrics[f"{prefix}_rouge_l"] = sum(scores) / len(scores) if scores else 0.0
+    metrics[f"{prefix}_generation_runtime"] = time.perf_counter() - start
     prompts = [tokenizer.decode(ids[:n], skip_special_tokens=True)
                for ids, n in zip(dataset["input_ids"], dataset["prompt_length"])]
     table = {"prompt": prompts, "reference": list(dataset["reference"]), "generation": generations,
@@ -200,11 +108,11 @@ def metrics(model, tokenizer, test, cfg: Config, device: str) -> tuple[dict, dic
 
 # The evaluate stage's last line per task: what it measured, in the task's words.
 RESULT_LINES = {
-    "causal-lm": lambda m: (f"loss {m['eval_loss']:.4f} nats/token, perplexity {m['eval_perplexity']:.1f} on "
-                            f"{m['eval_tokens']} test tokens"
-                            + (f", ROUGE-L {m['eval_rouge_l']:.3f}" if "eval_rouge_l" in m else "")),
-    "sequence-classification": lambda m: (f"accuracy {m['eval_accuracy']:.4f}, f1_macro {m['eval_f1_macro']:.4f}, "
-                                          f"loss {m['eval_loss']:.4f} on {m['eval_rows']} test rows"),
+    "causal-lm": lambda m: (f"loss {m['test_loss']:.4f} nats/token, perplexity {m['test_perplexity']:.1f} on "
+                            f"{m['test_tokens']} test tokens"
+                            + (f", ROUGE-L {m['test_rouge_l']:.3f}" if "test_rouge_l" in m else "")),
+    "sequence-classification": lambda m: (f"accuracy {m['test_accuracy']:.4f}, f1_macro {m['test_f1_macro']:.4f}, "
+                                          f"loss {m['test_loss']:.4f} on {m['test_rows']} test rows"),
 }
 
 
@@ -226,7 +134,7 @@ def generations_text(table: dict, metrics: dict, max_new_tokens: int) -> str:
     ``metrics``: :func:`sft_metrics`'s)."""
     rows = len(table["generation"])
     lines = [f"evaluate: greedy generations (at most {max_new_tokens} new tokens) for {rows} test "
-             f"prompts in {metrics['eval_generation_runtime']:.0f} s; the first {min(SHOWN, rows)} "
+             f"prompts in {metrics['test_generation_runtime']:.0f} s; the first {min(SHOWN, rows)} "
              "(all: generations.json in the MLflow run):"]
     for ref, gen, score in list(zip(table["reference"], table["generation"], table["rouge_l"]))[:SHOWN]:
         lines.append(f"  reference:  {ref}\n  generated:  {' '.join(gen.split())}   (ROUGE-L {score:.2f})")

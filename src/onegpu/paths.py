@@ -31,6 +31,7 @@ RUN_FILE = Path("models/mlflow_run.json")
 TRAIN_METRICS = Path("metrics/train.json")
 EVAL_METRICS = Path("metrics/eval.json")
 STEP_PLOT = Path("plots/train_steps.csv")
+EVAL_PLOT = Path("plots/eval_steps.csv")  # one row per validation point (train.eval_strategy)
 PREDICTIONS = Path("plots/predictions.csv")
 GENERATIONS = Path("plots/generations.csv")  # instruction data: reference and generated answer per test row
 

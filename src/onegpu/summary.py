@@ -21,7 +21,7 @@ NEXT = """Next:
   onegpu tradeoffs   the guide's knobs measured on these params (6 steps per knob, more rounds only where
                      they can change the answer; the default job: 1.5 min on a 2-core CPU, 2.5 the first
                      time) and what is faster
-  dvc exp show --only-changed --drop 'Created|State|Executor|models|data/|src/|model.dropout|eval_loss|train_mem'
+  dvc exp show --only-changed --drop 'Created|State|Executor|models|data/|src/|model.dropout|test_loss|train_mem'
                      the sweep as a table (README.md: A sweep)"""
 
 
@@ -40,9 +40,9 @@ def text(cfg=None) -> str:
             raise DataError(f"{f} is missing: {_stopped() or 'run the pipeline first (make run, or dvc repro)'}")
     tr, ev = paths.read_json(paths.TRAIN_METRICS), paths.read_json(paths.EVAL_METRICS)
     run = paths.read_json(paths.RUN_FILE).get("run_id", "?") if paths.RUN_FILE.is_file() else "?"
-    test = " | ".join(f"perplexity {ev[k]:.1f}" if k == "eval_perplexity" else
-                      f"ROUGE-L {ev[k]:.3f}" if k == "eval_rouge_l" else f"{k.removeprefix('eval_')} {ev[k]:.4f}"
-                      for k in ("eval_accuracy", "eval_rouge_l", "eval_perplexity", "eval_loss") if k in ev)
+    test = " | ".join(f"perplexity {ev[k]:.1f}" if k == "test_perplexity" else
+                      f"ROUGE-L {ev[k]:.3f}" if k == "test_rouge_l" else f"{k.removeprefix('test_')} {ev[k]:.4f}"
+                      for k in ("test_accuracy", "test_rouge_l", "test_perplexity", "test_loss") if k in ev)
     train = [f"loss {tr['train_loss']:.4f}" if "train_loss" in tr else None,
              f"{tr['train_samples_per_second']:.1f} samples/s{' (under outside load)' if METRIC in tr else ''}"
              if "train_samples_per_second" in tr else None,

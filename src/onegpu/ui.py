@@ -40,7 +40,7 @@ EXPERIMENT_KIND = tracking.EXPERIMENT_KIND  # set on a new experiment too (track
 # The split and the knobs that are on are in the tag config ("bs4x4-fp32-ckpt"; with `auto`, the split
 # it chose): one column instead of the five params of the split, checkpointing and backend, so the costs
 # fit beside MLflow's Assistant panel, which opens by itself on a local server's first visit.
-VIEW_METRICS = ("loss", "eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity")
+VIEW_METRICS = ("loss", "eval_loss", "test_loss", "test_accuracy", "test_f1_macro", "test_perplexity")
 VIEW_PARAMS = ()
 VIEW_TAGS = ("config", "memory", "outside_load", "speed")  # the UI orders them by name
 # MLflow's own columns (ATTRIBUTE_COLUMN_LABELS): the datasets a run read (name and digest) and its logged model.

@@ -39,7 +39,8 @@ def _losses(tokenizer, dsd, micro, accum, backend=hf_trainer, **train) -> list[f
         "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum, "max_steps": 3,
         "learning_rate": 1e-3, "logging_steps": 100, **train}})
     rows = []
-    backend.train(TrainRequest(_model(tokenizer), tokenizer, dsd, cfg, sink=lambda m, s: rows.append((s, m["loss"]))))
+    backend.train(TrainRequest(_model(tokenizer), tokenizer, dsd, cfg,
+                               sink=lambda m, s: "loss" in m and rows.append((s, m["loss"]))))
     return [loss for _, loss in sorted(rows)]
 
 

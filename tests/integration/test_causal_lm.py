@@ -29,9 +29,9 @@ def test_causal_lm_from_config_trains_evaluates_and_is_exact_under_accumulation(
     project = trained(tmp_path, CAUSAL)
     assert (project / "data/processed/tokenizer/tokenizer.json").is_file()
     ev = json.loads((project / "metrics/eval.json").read_text())
-    assert ev["eval_perplexity"] == pytest.approx(math.exp(ev["eval_loss"]), rel=1e-9)
-    assert 1.0 < ev["eval_perplexity"] < 512 * 1.5  # near-uniform at worst after 4 steps
-    assert set(ev) == {"eval_loss", "eval_perplexity"}  # the headline; the rest is in MLflow (below)
+    assert ev["test_perplexity"] == pytest.approx(math.exp(ev["test_loss"]), rel=1e-9)
+    assert 1.0 < ev["test_perplexity"] < 512 * 1.5  # near-uniform at worst after 4 steps
+    assert set(ev) == {"test_loss", "test_perplexity"}  # the headline; the rest is in MLflow (below)
     # Trainer trains with use_cache off; the saved model keeps the model's own KV-cache setting.
     assert json.loads((project / "models/model/config.json").read_text())["use_cache"] is True
 
@@ -59,5 +59,5 @@ def test_causal_lm_from_config_trains_evaluates_and_is_exact_under_accumulation(
               for r in train]
     assert len(series[0]) == len(series[1]) == 4
     assert max(abs(a - b) for a, b in zip(*series)) < 1e-5, series
-    assert "eval_perplexity" in hf.data.metrics and hf.data.metrics["eval_tokens"] > 16
+    assert "test_perplexity" in hf.data.metrics and hf.data.metrics["test_tokens"] > 16
     assert accel.data.metrics["mem_optimizer_bytes"] == 2 * accel.data.metrics["mem_params_bytes"]

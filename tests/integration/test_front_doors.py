@@ -128,13 +128,13 @@ def test_make_run_stopped_by_ctrl_c_a_closed_terminal_and_sigterm_resumes_to_the
     assert term.run(MAKE_RUN) == 0, term.output[-3000:]
     assert "Stage 'train' didn't change, skipping" in term.output and "onegpu: done." in term.output
     last = _train_runs(project)[-1]
-    assert last.info.status == "FINISHED" and "eval_accuracy" in last.data.metrics
+    assert last.info.status == "FINISHED" and "test_accuracy" in last.data.metrics
     assert _loss_steps(project, last) == list(range(1, STEPS + 1))
     # one model, the finished training's, recorded by train and given its eval metrics by the later evaluate
     models = client(project).search_logged_models([last.info.experiment_id])
     assert len(models) == 2  # the reference training's and this one's; the stopped trainings made none
     [model] = [m for m in models if m.source_run_id == last.info.run_id]
-    assert {m.key: m.value for m in model.metrics}["eval_accuracy"] == last.data.metrics["eval_accuracy"]
+    assert {m.key: m.value for m in model.metrics}["test_accuracy"] == last.data.metrics["test_accuracy"]
     # each stopped run names the run that resumed it, and that one the run it resumed
     chain = _train_runs(project)[1:]
     assert [r.data.tags.get("onegpu.resumed_by") for r in chain[:2]] == [chain[1].info.run_id, chain[2].info.run_id]

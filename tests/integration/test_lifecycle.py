@@ -37,7 +37,7 @@ def test_no_run_is_left_running_after_stages_interrupts_failures_and_a_parallel_
     tests/unit/tracking/test_lineage.py)."""
     project = trained(tmp_path)
     c, train = _train_runs(project)
-    assert [r.info.status for r in train] == ["FINISHED"] and "eval_loss" in train[0].data.metrics
+    assert [r.info.status for r in train] == ["FINISHED"] and "test_loss" in train[0].data.metrics
 
     # Ctrl-C: SIGINT to dvc's process group while train runs.
     set_train(project, seed=7, max_steps=8)
@@ -78,18 +78,18 @@ def test_no_run_is_left_running_after_stages_interrupts_failures_and_a_parallel_
     assert killed.data.tags.get("onegpu.resumed_by") in {r.info.run_id for r in train}
     for r in train:
         if r.info.status == "FINISHED":
-            assert "eval_loss" in r.data.metrics, r.info.run_name
+            assert "test_loss" in r.data.metrics, r.info.run_name
     queued = [r for r in train if r.data.tags.get("dvc.exp_name")]
     assert sorted(r.data.params["resolved.per_device_train_batch_size"] for r in queued) == ["2", "4"]
     assert c.search_runs(["0"], max_results=10) == []  # nothing leaked into the Default experiment
     for r in queued:
-        assert r.info.status == "FINISHED" and "eval_accuracy" in r.data.metrics, r.info.run_name
+        assert r.info.status == "FINISHED" and "test_accuracy" in r.data.metrics, r.info.run_name
         assert "/.dvc/tmp/" not in r.info.artifact_uri and r.info.run_name == r.data.tags["dvc.exp_name"]
         # the resumed run carries the whole curve, from the killed run's steps on
         assert sorted(m.step for m in c.get_metric_history(r.info.run_id, "loss")) == list(range(1, 9))
     assert len({r.data.tags["equivalence_key"] for r in queued}) == 2  # effective batches 8 and 4
     shown = dvc(project, "exp", "show", "--json").stdout
-    assert "eval_accuracy" in shown and "per_device_train_batch_size" in shown
+    assert "test_accuracy" in shown and "per_device_train_batch_size" in shown
     assert _checkpoints(project) == []  # resumed and finished, or superseded: nothing left to resume
     if CHECK_STORE.is_file():
         check = subprocess.run([sys.executable, str(CHECK_STORE), str(project)], capture_output=True, text=True,

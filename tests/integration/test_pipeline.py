@@ -67,8 +67,8 @@ def test_repro_logs_prepare_and_one_complete_training_run(project):
     assert (model.params["finetuning"], model.params["precision"]) == ("full", "fp32")
     linked = {m.key: (m.value, m.dataset_name, m.dataset_digest) for m in model.metrics}
     test_set = prepared["bbcnews-test"]
-    assert linked["eval_accuracy"] == (run.data.metrics["eval_accuracy"], "bbcnews-test", test_set.digest)
-    assert {k for k in linked} >= {"eval_loss", "eval_f1_macro", "eval_runtime"}
+    assert linked["test_accuracy"] == (run.data.metrics["test_accuracy"], "bbcnews-test", test_set.digest)
+    assert {k for k in linked} >= {"test_loss", "test_f1_macro", "test_runtime"}
     assert model.artifact_location.endswith(f"/mlartifacts/models/{model.model_id}/artifacts")
     from pathlib import Path
     stored = [f for f in Path(model.artifact_location[len("file://"):]).rglob("*") if f.is_file()]
@@ -87,9 +87,9 @@ def test_repro_logs_prepare_and_one_complete_training_run(project):
     losses = [h.value for h in c.get_metric_history(run.info.run_id, "loss")]
     assert m["train_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-9)
     for key in ("train_runtime", "train_samples_per_second", "train_tokens_per_second", "train_mem_peak_bytes",
-                "eval_loss", "eval_runtime", "eval_samples_per_second", "eval_mem_peak_bytes"):
+                "test_loss", "test_runtime", "test_samples_per_second", "test_mem_peak_bytes"):
         assert m[key] > 0, key
-    assert 0.0 <= m["eval_accuracy"] <= 1.0 and 0.0 <= m["eval_f1_macro"] <= 1.0
+    assert 0.0 <= m["test_accuracy"] <= 1.0 and 0.0 <= m["test_f1_macro"] <= 1.0
     # The memory breakdown: every parameter trains (grads == params), AdamW keeps 2 states per parameter.
     assert m["mem_params_bytes"] > 80e6  # MiniLM-L6 + head: ~22.7 M float32 parameters
     assert m["mem_grads_bytes"] == m["mem_params_bytes"]
@@ -116,9 +116,9 @@ def test_repro_logs_prepare_and_one_complete_training_run(project):
 
     # What DVC reads: metrics files, the per-step plot, the run id.
     ev = json.loads((project / "metrics/eval.json").read_text())
-    assert ev["eval_accuracy"] == pytest.approx(m["eval_accuracy"])
+    assert ev["test_accuracy"] == pytest.approx(m["test_accuracy"])
     # Headline figures only, so `dvc exp show` of a sweep stays narrow; the full set is in MLflow (above).
-    assert set(ev) == {"eval_loss", "eval_accuracy"}
+    assert set(ev) == {"test_loss", "test_accuracy"}
     tr = json.loads((project / "metrics/train.json").read_text())
     # + train_outside_cpu_load when other processes loaded the machine (tag onegpu.outside_load): a caution
     assert set(tr) - {"train_outside_cpu_load"} == {"train_loss", "train_samples_per_second", "train_mem_peak_bytes"}
@@ -128,5 +128,5 @@ def test_repro_logs_prepare_and_one_complete_training_run(project):
     assert json.loads((project / "models/mlflow_run.json").read_text())["run_id"] == run.info.run_id
     assert (project / "models/model/model.safetensors").is_file()
     show = dvc(project, "metrics", "show", "--json").stdout
-    assert "eval_accuracy" in show
+    assert "test_accuracy" in show
 

@@ -39,7 +39,7 @@ def test_sft_on_the_packaged_smollm2_trains_evaluates_and_generates(tmp_path):
     stats = json.loads((p / "data" / "stats.json").read_text())
     assert stats["format"] == "prompt-completion" and stats["rows_dropped"]["duplicate"] == 98
     ev = json.loads((p / "metrics" / "eval.json").read_text())
-    assert set(ev) == {"eval_loss", "eval_perplexity", "eval_rouge_l"} and 0 <= ev["eval_rouge_l"] <= 1
+    assert set(ev) == {"test_loss", "test_perplexity", "test_rouge_l"} and 0 <= ev["test_rouge_l"] <= 1
     with open(p / "plots" / "generations.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 4 and all(r["reference"] for r in rows)
@@ -51,8 +51,8 @@ def test_sft_on_the_packaged_smollm2_trains_evaluates_and_generates(tmp_path):
     assert len(client.get_metric_history(run.info.run_id, "loss")) == 2
     # each step held its 4 examples (one flattened row per micro-batch) and only completion tokens as targets
     assert [m.value for m in client.get_metric_history(run.info.run_id, "step_examples")] == [4, 4]
-    assert run.data.metrics["eval_rouge_l"] == pytest.approx(ev["eval_rouge_l"])
+    assert run.data.metrics["test_rouge_l"] == pytest.approx(ev["test_rouge_l"])
     arts = [a.path for a in client.list_artifacts(run.info.run_id)]
     assert "generations.json" in arts
     summary = dvc(p, "exp", "show", "--json").stdout  # the experiment table reads the headline metrics
-    assert "eval_rouge_l" in summary
+    assert "test_rouge_l" in summary

@@ -19,7 +19,7 @@ from tests.integration.conftest import BIN, _env, dvc, run, runs
 pytestmark = pytest.mark.slow
 
 EXP = "shared-exp"
-EXACT = ("eval_accuracy", "eval_f1_macro")
+EXACT = ("test_accuracy", "test_f1_macro")
 LOSS_RTOL = 1e-6  # the same model on the same rows: equal to float rounding (summation order per thread count)
 
 
@@ -35,13 +35,13 @@ def onegpu(project: Path, *args: str, tracking_uri: str | None = None) -> subpro
 
 def assert_same_eval(got: dict, want: dict) -> None:
     """Accuracy and macro F1 (where ``want`` has them: metrics/eval.json holds the headline only)
-    exactly, eval_loss to :data:`LOSS_RTOL`."""
-    keys = [k for k in (*EXACT, "eval_loss") if k in want]
-    assert {"eval_accuracy", "eval_loss"} <= set(keys) <= set(got), (keys, sorted(got))
+    exactly, test_loss to :data:`LOSS_RTOL`."""
+    keys = [k for k in (*EXACT, "test_loss") if k in want]
+    assert {"test_accuracy", "test_loss"} <= set(keys) <= set(got), (keys, sorted(got))
     for k in EXACT:
         if k in keys:
             assert got[k] == want[k], (k, got[k], want[k])
-    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=LOSS_RTOL)
+    assert got["test_loss"] == pytest.approx(want["test_loss"], rel=LOSS_RTOL)
 
 
 def stale_stages(project: Path) -> str:
@@ -115,8 +115,8 @@ def test_an_experiment_pushed_from_one_clone_reproduces_its_eval_metrics_in_anot
     again = client_a.get_run(record["run_id"])
     assert again.info.status == "FINISHED"
     assert_same_eval(again.data.metrics, logged)
-    history = client_a.get_metric_history(record["run_id"], "eval_accuracy")
-    assert [m.value for m in history] == [logged["eval_accuracy"]] * 2  # A's evaluation, then B's
+    history = client_a.get_metric_history(record["run_id"], "test_accuracy")
+    assert [m.value for m in history] == [logged["test_accuracy"]] * 2  # A's evaluation, then B's
 
     # Keeping the experiment: A commits it and pushes git and DVC; a fresh clone gets it with `dvc pull`.
     run(["git", "add", "dvc.lock", "metrics", "plots"], a)

@@ -212,7 +212,7 @@ def test_two_clones_queueing_at_once_log_complete_runs_into_one_server(server, t
             assert steps == list(range(1, MAX_STEPS + 1)), (r.info.run_name, key, steps)
         m = r.data.metrics
         assert m["train_runtime"] > 0 and "mem_params_bytes" in m
-        assert 0.0 <= m["eval_accuracy"] <= 1.0 and m["eval_loss"] > 0
+        assert 0.0 <= m["test_accuracy"] <= 1.0 and m["test_loss"] > 0
         # Artifacts go through the server (clients need no access to its storage).
         assert r.info.artifact_uri.startswith("mlflow-artifacts:/"), r.info.artifact_uri
         png = Path(download_artifacts(artifact_uri=f"{r.info.artifact_uri}/confusion_matrix.png",

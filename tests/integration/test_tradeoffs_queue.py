@@ -35,7 +35,7 @@ def test_queue_only_then_report(tmp_path, prepared):
     assert sorted(trained) == ["baseline", "bf16"]
     c, _, _ = runs(project)
     for r in trained.values():  # -S reached every experiment, the baseline too; evaluate did not run
-        assert r.info.status == "SCHEDULED" and "eval_loss" not in r.data.metrics
+        assert r.info.status == "SCHEDULED" and "test_loss" not in r.data.metrics
         assert [m.step for m in c.get_metric_history(r.info.run_id, "loss")] == [1, 2]
     assert "probe window: each row trains its first 2 optimizer steps" in md
     # Bad input: one line, exit 2, nothing queued.

@@ -74,7 +74,7 @@ def _fill_store(root: Path) -> list[str]:
     closing_record.log_closing(tr, killed, rows, None, True, "bs4x2-fp32", happened=happened)
     tr.end_run(killed, "KILLED")
     sft = tr.start_run("sft-lora", {"stage": "train", "equivalence_key": "s" * 16, "device": "cpu"})
-    SFT_INPUTS[:] = _with_model(tr, sft, SFT_CFG, "sft-lora", {"eval_rouge_l": 0.4375, "eval_loss": 2.5})
+    SFT_INPUTS[:] = _with_model(tr, sft, SFT_CFG, "sft-lora", {"test_rouge_l": 0.4375, "test_loss": 2.5})
     tr.end_run(sft)
     ids = [killed, sft]
     for name, (micro, accum, final) in TRAINING.items():
@@ -90,7 +90,7 @@ def _fill_store(root: Path) -> list[str]:
         buf.flush()
         summary = {"train_mem_peak_bytes": 2e8, "train_samples_per_second": 40.0}
         tr.log_metrics(rid, summary)
-        TRAIN_INPUTS[:] = _with_model(tr, rid, {}, name, {"eval_loss": 0.5, "eval_accuracy": EVAL_ACCURACY[name]})
+        TRAIN_INPUTS[:] = _with_model(tr, rid, {}, name, {"test_loss": 0.5, "test_accuracy": EVAL_ACCURACY[name]})
         # what the train stage logs at its end: the figure as the run's description, the table's tags
         load = {"cpu_busy": 1.42, "cpus": 2, "share": 0.71, "loadavg": [12.0, 12.5], "window_s": 60.0}
         tr.set_tags(rid, {"config": f"bs{micro}x{accum}-fp32", **run_tags.table_tags(summary)})
@@ -144,7 +144,7 @@ WIDE = (3000, 1000)  # MLflow's tables draw only the columns in view: wide enoug
 
 def _check_killed_sft_and_models(runs_url: str, ids: list[str], models_url: str, tmp_path: Path) -> None:
     """The stopped run's page says what stopped it and how to resume, over its whole figure; the SFT run's
-    lists its model with eval_rouge_l; the Models tab lists every trained model with its eval metrics."""
+    lists its model with test_rouge_l; the Models tab lists every trained model with its eval metrics."""
     shot = tmp_path / "killed.png"
     page = load(f"{runs_url}{ids[0]}?workflowType=machine_learning", screenshot=shot)
     _keep(shot)
@@ -154,7 +154,7 @@ def _check_killed_sft_and_models(runs_url: str, ids: list[str], models_url: str,
     assert _figure_pixels(shot) > 0
 
     page = load(f"{runs_url}{ids[1]}?workflowType=machine_learning")
-    assert "Logged models (1)" in page.text and "eval_rouge_l" in page.text and "0.4375" in page.text
+    assert "Logged models (1)" in page.text and "test_rouge_l" in page.text and "0.4375" in page.text
 
     assert models_url.endswith("/models?workflowType=machine_learning"), models_url
     shot = tmp_path / "models.png"
@@ -164,7 +164,7 @@ def _check_killed_sft_and_models(runs_url: str, ids: list[str], models_url: str,
     for name in (*TRAINING, "sft-lora"):
         assert name in text, f"model {name} not in the Models tab:\n{text[:3000]}"
     assert "stopped-run" not in text  # a stopped training made no model
-    for column in ("eval_accuracy", "eval_rouge_l"):  # (its params follow, past the window)
+    for column in ("test_accuracy", "test_rouge_l"):  # (its params follow, past the window)
         assert column in text, f"column {column} missing from the Models tab"
     for value in (*EVAL_ACCURACY.values(), 0.4375):
         assert str(value) in text, f"{value} not in the Models tab"
@@ -204,7 +204,7 @@ def test_ui_link_opens_training_runs_with_loss_in_model_training_view(tmp_path, 
             assert name in text, f"training run {name} not on the page:\n{text[:3000]}"
             assert str(final) in text, f"loss {final} of {name} not on the page"
         assert "prepare-run" not in text and "compare-" not in text  # only training runs in the table
-        for column in ("loss", "eval_loss"):
+        for column in ("loss", "test_loss"):
             assert column in text, f"column {column} missing"
         # The model-training view, not MLflow 3's GenAI one (its sidebar: Sessions, Judges, Agent versions)
         assert "Runs" in text and "Training runs" not in text
@@ -243,7 +243,7 @@ def test_ui_link_opens_training_runs_with_loss_in_model_training_view(tmp_path, 
         text = page.text
         assert f"bbcnews-train ({digest['bbcnews-train'][:8]})" in text and "+2" in text
         assert "Logged models (1)" in text and f"bbcnews-test (#{digest['bbcnews-test']})" in text
-        assert "eval_accuracy" in text and str(EVAL_ACCURACY["split-2x4"]) in text
+        assert "test_accuracy" in text and str(EVAL_ACCURACY["split-2x4"]) in text
         models = next((ln for ln in [proc.stdout.readline()] if "Models tab" in ln), "")
         _check_killed_sft_and_models(f"{link.split('?')[0]}/", ids, models.split(": ", 1)[1].strip(), tmp_path)
     finally:

@@ -22,8 +22,9 @@ EXEMPT = {
     "stages/tradeoffs.py": _STAGE + " (test_tradeoffs.py); its arguments in tests/unit/test_cli.py",
     "tracking/runs.py": "RunHandle: tests/unit/tracking/test_store.py, test_spool.py write through it",
     "tracking/uri.py": "the store URI: tests/unit/tracking/test_store.py, tests/unit/test_paths.py",
+    "training/heldout.py": "the exact held-out figures: tests/unit/test_evaluation.py (through evaluation's "
+                           "names), tests/unit/training/test_validation.py",
     "training/backends/accelerate.py": "tests/unit/training/backends/test_base.py: both backends step for step",
-    "training/figure.py": "the run's figure: tests/unit/training/test_session.py",
 }
 
 

@@ -18,7 +18,7 @@ def test_summary_prints_the_headline_and_the_next_commands(tmp_path, monkeypatch
                                           "  gradient_accumulation_steps: 2\n")
     _write(tmp_path, "metrics/train.json", {
         "train_loss": 1.3812, "train_samples_per_second": 17.21, "train_mem_peak_bytes": 1.25 * 2**30})
-    _write(tmp_path, "metrics/eval.json", {"eval_loss": 0.3012, "eval_accuracy": 0.92})
+    _write(tmp_path, "metrics/eval.json", {"test_loss": 0.3012, "test_accuracy": 0.92})
     _write(tmp_path, "models/mlflow_run.json", {"run_id": "abc123"})
     assert cli.main(["summary"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -35,7 +35,7 @@ def test_summary_prints_the_headline_and_the_next_commands(tmp_path, monkeypatch
 def test_summary_of_a_causal_lm_gives_perplexity(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _write(tmp_path, "metrics/train.json", {"train_loss": 5.0})
-    _write(tmp_path, "metrics/eval.json", {"eval_loss": 4.5, "eval_perplexity": 90.0171})
+    _write(tmp_path, "metrics/eval.json", {"test_loss": 4.5, "test_perplexity": 90.0171})
     assert "  test:  perplexity 90.0 | loss 4.5000\n" in summary.text()
 
 
@@ -70,7 +70,7 @@ def test_summary_marks_the_speed_of_a_run_trained_under_outside_load(tmp_path, m
     monkeypatch.chdir(tmp_path)
     _write(tmp_path, "metrics/train.json", {"train_loss": 1.0, "train_samples_per_second": 2.5,
                                             "train_outside_cpu_load": 1.42})
-    _write(tmp_path, "metrics/eval.json", {"eval_loss": 0.5})
+    _write(tmp_path, "metrics/eval.json", {"test_loss": 0.5})
     lines = summary.text().splitlines()
     assert lines[2] == "  train: loss 1.0000 | 2.5 samples/s (under outside load)"
     assert lines[3].startswith("  measured under outside load: other processes kept 1.42 CPUs busy while it "

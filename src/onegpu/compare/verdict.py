@@ -39,7 +39,8 @@ from onegpu.compare.tolerances import (
     tolerance_for,
 )
 
-EVAL_METRICS = ("eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity")
+# Final figures compared between runs: the last validation point's loss (training) and the test split's (evaluate).
+EVAL_METRICS = ("eval_loss", "test_loss", "test_accuracy", "test_f1_macro", "test_perplexity")
 
 # Statuses of a compared run (``RunComparison.status``).
 REFERENCE, EQUIVALENT, DIVERGED, INCOMPLETE, NO_DATA = "reference", "equivalent", "diverged", "incomplete", "no data"
@@ -68,6 +69,7 @@ class RunComparison:
     tolerance: Tolerance
     loss: Diff = field(default_factory=Diff)
     grad_norm: Diff = field(default_factory=Diff)
+    eval_loss: Diff = field(default_factory=Diff)  # the validation curve, over the points both runs have
     grad_norm_tolerance: Tolerance = Tolerance(rtol=0.0, atol=0.0)
     first_divergent_step: int | None = None
     first_divergent_metric: str | None = None
@@ -194,8 +196,8 @@ def compare_run(run: RunRecord, reference: RunRecord) -> RunComparison:
     for m in EVAL_METRICS:
         if m in run.metrics and m in reference.metrics:
             c.eval_deltas[m] = run.metrics[m] - reference.metrics[m]
-    if not any(m in run.metrics for m in EVAL_METRICS):
-        c.notes.append("no eval metrics (evaluate has not run)")
+    if not any(m in run.metrics for m in EVAL_METRICS if m.startswith("test_")):
+        c.notes.append("no test metrics (evaluate has not run)")
 
     loss, ref_loss = run.series.get("loss", []), reference.series.get("loss", [])
     c.loss = series_diff(loss, ref_loss)
@@ -214,13 +216,31 @@ def compare_run(run: RunRecord, reference: RunRecord) -> RunComparison:
         c.first_divergent_step, c.first_divergent_metric = at_loss, "loss"
     elif at_norm is not None:
         c.first_divergent_step, c.first_divergent_metric = at_norm, "grad_norm"
+    _validation_curve(c, run, reference, tol)
     if c.step_mismatch:
         c.notes.append(f"{c.steps} optimizer steps, reference {c.reference_steps}")
     if c.first_divergent_step is not None:
-        c.status, c.verdict = DIVERGED, f"diverged at step {c.first_divergent_step}" + (
-            " (grad_norm)" if c.first_divergent_metric == "grad_norm" else "")
+        c.status, c.verdict = DIVERGED, (f"diverged at validation step {c.first_divergent_step}"
+                                         if c.first_divergent_metric == "eval_loss" else
+                                         f"diverged at step {c.first_divergent_step}"
+                                         + (" (grad_norm)" if c.first_divergent_metric == "grad_norm" else ""))
     elif c.step_mismatch:
         c.status = INCOMPLETE
         c.verdict = f"equal for {c.loss.common_steps} steps, then {c.steps} vs {c.reference_steps} steps"
     return c
 
+
+def _validation_curve(c: RunComparison, run: RunRecord, reference: RunRecord, tol: Tolerance) -> None:
+    """The validation curves (``eval_loss`` at the points both runs have) within the loss tolerance: the same
+    training gives the same validation loss at the same step. A divergence there (the training curves
+    within tolerance) is the run's first (``first_divergent_metric`` ``eval_loss``); a note says how many
+    points were compared."""
+    ev, ref = run.series.get("eval_loss", []), reference.series.get("eval_loss", [])
+    c.eval_loss = series_diff(ev, ref)
+    if not c.eval_loss.common_steps:
+        return
+    c.notes.append(f"validation curve: {c.eval_loss.common_steps} common point(s), largest relative "
+                   f"difference {c.eval_loss.max_rel:.2g}")
+    at = first_divergence(ev, ref, tol)
+    if at is not None and c.first_divergent_step is None:
+        c.first_divergent_step, c.first_divergent_metric = at, "eval_loss"

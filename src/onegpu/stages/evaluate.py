@@ -3,10 +3,11 @@
 Re-opens the training run (id from ``models/mlflow_run.json``; train ended it), logs into it and
 ends it again (FINISHED, or FAILED/KILLED); a model trained in another clone whose run this store does
 not have (a pulled experiment) is logged into a run linked to it instead
-(:func:`onegpu.tracking.open_evaluation_run`). It logs ``eval_loss``,
-``eval_accuracy``, ``eval_f1_macro`` (classification) or ``eval_perplexity`` (causal LM),
-``eval_runtime`` (s), ``eval_samples_per_second``, ``eval_mem_peak_bytes``, and for classification a
-confusion matrix image.
+(:func:`onegpu.tracking.open_evaluation_run`). It logs ``test_loss``,
+``test_accuracy``, ``test_f1_macro`` (classification) or ``test_perplexity`` and ``test_mean_token_accuracy``
+(causal LM), ``test_runtime`` (s), ``test_samples_per_second``, ``test_mem_peak_bytes`` (HF
+``Trainer.predict``'s ``test_`` prefix: the training run's ``eval_*`` are the validation split's), and for
+classification a confusion matrix image.
 """
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from onegpu.errors import DataError
 from onegpu.measure import memory
 from onegpu.models import loader
 
-# metrics/eval.json (`dvc exp show`, `dvc metrics diff`): the headline figures only; eval_f1_macro,
+# metrics/eval.json (`dvc exp show`, `dvc metrics diff`): the headline figures only; test_f1_macro,
 # runtime, throughput, memory and row/token counts are in the MLflow run.
-HEADLINE = ("eval_loss", "eval_accuracy", "eval_perplexity", "eval_rouge_l")
+HEADLINE = ("test_loss", "test_accuracy", "test_perplexity", "test_rouge_l")
 
 
 def run(cfg: Config) -> dict:
@@ -48,7 +49,7 @@ def run(cfg: Config) -> dict:
         memory.reset_peak(device)
         with tracker.system_metrics(run_id, resume=True):
             metrics, table, gold, pred = evaluation.metrics(model, tokenizer, test, cfg, device)
-        metrics["eval_mem_peak_bytes"] = memory.peak_bytes(device)
+        metrics["test_mem_peak_bytes"] = memory.peak_bytes(device)
         tracker.log_metrics(run_id, metrics, model_id=model_id, dataset=test_input)  # the run's and the model's
         names = test.features["label"].names
         if gold:
@@ -65,6 +66,7 @@ def run(cfg: Config) -> dict:
     if table is not None:
         print(evaluation.generations_text(table, metrics, cfg.evaluate.max_new_tokens))
     print(evaluation.result_line(task, metrics, run_id))
+    print(evaluation.NEXT)  # where to look next after a plain `dvc repro`
     return metrics
 
 

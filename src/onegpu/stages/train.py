@@ -1,4 +1,5 @@
-"""``onegpu train``: fine-tune on data/processed -> models/, metrics/train.json, plots/train_steps.csv.
+"""``onegpu train``: fine-tune on data/processed -> models/, metrics/train.json, plots/train_steps.csv and
+plots/eval_steps.csv.
 
 Opens the training run (one per training configuration) and ends it when the stage ends: SCHEDULED
 (trained; its evaluation is still to come), or FAILED/KILLED on an error or a stop. ``evaluate``
@@ -24,6 +25,10 @@ HEADLINE = ("train_loss", "train_samples_per_second", "train_mem_peak_bytes")
 # plots/train_steps.csv: one row per optimizer step (dvc.yaml's plots: loss, memory in MiB, speed).
 STEP_COLUMNS = ["step", "loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second",
                 "tokens_per_second", "mem_peak_bytes", "mem_peak_mib"]
+# plots/eval_steps.csv: one row per validation point (dvc.yaml's loss chart draws eval_loss beside the
+# training loss); a figure the task has not is left empty. The header alone with train.eval_strategy: no.
+EVAL_COLUMNS = ["step", "eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity", "eval_mean_token_accuracy",
+                "eval_runtime", "eval_mem_peak_bytes"]
 
 
 def run(cfg: Config) -> dict:
@@ -45,8 +50,8 @@ def run(cfg: Config) -> dict:
 
 
 def _write_outputs(result: tracked_run.TrainResult) -> None:
-    """models/ (model, tokenizer, run file; with model.lora also adapter/), plots/train_steps.csv and
-    metrics/train.json, each atomically."""
+    """models/ (model, tokenizer, run file; with model.lora also adapter/), plots/train_steps.csv,
+    plots/eval_steps.csv and metrics/train.json, each atomically."""
     model = lora.save(result.model, result.tokenizer, paths.ADAPTER_DIR)  # the merged model is what evaluate loads
     with paths.atomic_dir(paths.MODEL_DIR) as tmp:
         _save_model(model, tmp, result.saved_config)
@@ -54,6 +59,8 @@ def _write_outputs(result: tracked_run.TrainResult) -> None:
     paths.write_csv_atomic(paths.STEP_PLOT, STEP_COLUMNS,
                            ([{**r, "mem_peak_mib": round(r["mem_peak_bytes"] / 2**20, 1)}.get(c, "")
                              for c in STEP_COLUMNS] for r in result.steps.rows))
+    paths.write_csv_atomic(paths.EVAL_PLOT, EVAL_COLUMNS, ([p.get(c, "") for c in EVAL_COLUMNS]
+                                                           for p in getattr(result.steps, "evals", [])))
     headline = {k: result.summary[k] for k in HEADLINE if k in result.summary}
     if outside_load.under_load(result.outside_load):  # a caution beside the speed, only when there is one
         headline[outside_load.METRIC] = result.outside_load["cpu_busy"]

@@ -12,7 +12,7 @@ from onegpu.tracking.uri import redact
 
 # Per-step metrics (MLflow step = optimizer step, from 1) fetched for a comparison.
 STEP_SERIES = ("loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second", "mem_peak_bytes",
-               "step_examples")
+               "step_examples", "eval_loss")  # eval_loss: the validation points, at the steps they followed
 TRAINING = "tags.stage = 'train'"
 
 

@@ -3,7 +3,7 @@
 Per row (:func:`measure_row`): steady-state samples per second (optimizer steps 2..N, the recorder's
 definition: :func:`onegpu.training.recorder.steady_samples_per_second`), peak memory (the CUDA allocator
 peak on a GPU; on CPU the breakdown params + grads + optimizer states + one micro-batch's activations,
-since the process RSS hides activation savings), time to the baseline's eval loss, and the verdict:
+since the process RSS hides activation savings), time to the baseline's test loss, and the verdict:
 same training, same within a precision's tolerance, or a different training (:mod:`onegpu.compare`
 decides). Pure logic on plain records: no DVC, MLflow or torch here.
 """
@@ -79,8 +79,8 @@ class Row:
     memory_kind: str = ""
     first_step_s: float | None = None
     train_runtime_s: float | None = None
-    eval_loss: float | None = None
-    time_to_eval_loss_s: float | None = None
+    test_loss: float | None = None
+    time_to_test_loss_s: float | None = None
     verdict: str = NOT_RUN
     # the row's repeats (``--repeats``): how many were measured, and the min-max of their samples/s ratios
     # to the baseline of their own round (for the baseline: its samples/s over its median)
@@ -153,7 +153,7 @@ def measure_row(v: Variant, run: RunRecord | None, baseline: RunRecord | None, s
                              + f" against a median {typical:.2f} s (torch.compile recompiles for each new batch "
                                "shape; otherwise a one-off stall); its samples/s count them")
     row.train_runtime_s = run.metrics.get("train_runtime")
-    row.eval_loss = run.metrics.get("eval_loss")
+    row.test_loss = run.metrics.get("test_loss")
     if baseline is None:
         return row
     base_sps = steady_samples_per_second(baseline)
@@ -167,11 +167,11 @@ def measure_row(v: Variant, run: RunRecord | None, baseline: RunRecord | None, s
     else:
         row.verdict, row.same_training = _verdict(v, c, run.key is not None and run.key == baseline.key)
         row.notes.extend(c.notes)
-    # Time to the baseline's eval loss: the training time when the run's final eval loss is at least as
-    # good (within its precision's tolerance); eval loss is measured once, after training.
+    # Time to the baseline's test loss: the training time when the run's final test loss is at least as
+    # good (within its precision's tolerance); test loss is measured once, after training.
     tol = c.tolerance
-    if _reached(row.eval_loss, baseline.metrics.get("eval_loss"), tol.rtol, tol.atol):
-        row.time_to_eval_loss_s = row.train_runtime_s
+    if _reached(row.test_loss, baseline.metrics.get("test_loss"), tol.rtol, tol.atol):
+        row.time_to_test_loss_s = row.train_runtime_s
     return row
 
 
@@ -205,7 +205,7 @@ def aggregate(v: Variant, rows: list[Row]) -> Row:
     out = Row(variant=v, run=first.run, comparison=first.comparison, memory_kind=first.memory_kind,
               repeats=len(rows))
     for attr in ("samples_per_second", "speedup", "memory_bytes", "memory_ratio", "first_step_s",
-                 "train_runtime_s", "eval_loss", "time_to_eval_loss_s"):
+                 "train_runtime_s", "test_loss", "time_to_test_loss_s"):
         setattr(out, attr, med([getattr(r, attr) for r in rows]))
     worst = next((r for r in rows if not r.same_training), first)
     out.verdict, out.same_training = worst.verdict, all(r.same_training for r in rows)

@@ -36,10 +36,10 @@ GUIDE = {
 
 def _time_to_loss(r: Row) -> str:
     if r.run is None or r.variant.knob == "baseline":
-        return num(r.time_to_eval_loss_s)
-    if r.time_to_eval_loss_s is not None:
-        return num(r.time_to_eval_loss_s)
-    return "not reached" if r.eval_loss is not None else "no eval loss"
+        return num(r.time_to_test_loss_s)
+    if r.time_to_test_loss_s is not None:
+        return num(r.time_to_test_loss_s)
+    return "not reached" if r.test_loss is not None else "no test loss"
 
 
 def combined_row(measured: Row | None) -> list[Row]:
@@ -68,12 +68,12 @@ def _cells(r: Row) -> list[str]:
         return [v.name, v.what, GUIDE.get(v.knob, ""), "", "", "", "", "", "", "", "", "", r.verdict]
     return [v.name, v.what, GUIDE.get(v.knob, ""), num(r.samples_per_second, ".2f"), ratio(r.speedup), _spread(r),
             num(r.first_step_s, ".2f"), mib(r.memory_bytes, unit=False), ratio(r.memory_ratio),
-            num(r.train_runtime_s), num(r.eval_loss, ".4f"), _time_to_loss(r), r.verdict]
+            num(r.train_runtime_s), num(r.test_loss, ".4f"), _time_to_loss(r), r.verdict]
 
 
 HEAD = ["row", "change", "the guide says (speed / memory)", "samples/s (steps 2..N)", "vs baseline (median)",
-        "min-max of repeats", "step 1 (s)", "memory (MiB)", "vs baseline", "train time (s)", "eval loss",
-        "time to baseline's eval loss (s)", "verdict"]
+        "min-max of repeats", "step 1 (s)", "memory (MiB)", "vs baseline", "train time (s)", "test loss",
+        "time to baseline's test loss (s)", "verdict"]
 
 
 def _budget(rec: Recommendation) -> str:
@@ -132,7 +132,7 @@ def window_text(plan: dict) -> str:
     steps, repeats, in_workers = plan.get("steps"), plan.get("repeats", 1), plan.get("runner") == WORKERS
     what = (f"The probe window: each row trains its first {steps} optimizer steps (`train.max_steps={steps}`, "
             "the baseline too, so the learning-rate schedule spans those steps) up to the train stage; "
-            "evaluate is skipped, so there is no eval loss." if steps else
+            "evaluate is skipped, so there is no test loss." if steps else
             "The whole job: each row trains the job to its end and evaluates it (`--full`).")
     what += (" The rows trained in worker processes on the data prepared once, each an MLflow run of its own "
              "(no DVC experiment each: `--full` and `--queue-only` rows are DVC experiments)." if in_workers else
@@ -169,8 +169,8 @@ def markdown(rows: list[Row], rec: Recommendation, measured: Row | None, title: 
                 "process RSS hides what checkpointing and precision save).")
              + " Verdict: the run's per-step loss and gradient norm against the baseline's "
              f"(`onegpu compare`'s tolerances): {SAME_TRAINING}, same within a precision's tolerance, or "
-             f"{DIFFERENT_TRAINING} (another optimizer or LoRA: another equivalence key). Eval loss is measured "
-             "once, after training: a row reaches the baseline's eval loss when its own is at least as low."
+             f"{DIFFERENT_TRAINING} (another optimizer or LoRA: another equivalence key). Test loss is measured "
+             "once, after training: a row reaches the baseline's test loss when its own is at least as low."
              + (f" {window}" if window else ""), ""]
     if image:
         lines += [f"![speed and memory per knob]({image})", ""]

@@ -39,7 +39,8 @@ def plot_steps(rows: list[tuple[int, dict]], title: str, note: str = "", thumbna
                short: bool = False):
     """A strip of :data:`PANELS` side by side over the optimizer steps of ``rows``, each titled with its
     headline figure (last loss and grad_norm, peak memory, mean speed), under ``title`` and ``note``
-    (e.g. ``stopped after 3 optimizer steps``, the outside load): 14 x 2.7 inches at 100 dpi.
+    (e.g. ``stopped after 3 optimizer steps``, the outside load): 14 x 2.7 inches at 100 dpi. The loss
+    panel also draws the validation points (``eval_loss``) where ``rows`` have them.
     ``thumbnail``: the same curves as sparklines (no axes' numbers), 825 x 78 pixels, without the title:
     MLflow's run description shows 100 px before "Show more", and an image at its own size
     (:func:`description`); ``short``: 54 pixels high, under a line of text in that description.
@@ -57,7 +58,13 @@ def plot_steps(rows: list[tuple[int, dict]], title: str, note: str = "", thumbna
                     markersize=3, linewidth=1.8)
         else:
             ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(f"{label}: {_last(metric, values, scale, unit)}", fontsize=font)
+        heading = f"{label}: {_last(metric, values, scale, unit)}"
+        if metric == "loss" and (evals := series(rows, "eval_loss"))[0]:  # the validation points beside it
+            ax.plot(*evals, marker="s", markersize=4, linewidth=1.4, linestyle="--", label="eval_loss")
+            heading += f"; eval {evals[1][-1]:.4g}"
+            if not thumbnail:
+                ax.legend(["training step", "validation"], fontsize=font - 2)
+        ax.set_title(heading, fontsize=font)
         if not thumbnail:
             ax.set_xlabel("optimizer step", fontsize=9)
             ax.set_ylabel(unit or metric, fontsize=9)

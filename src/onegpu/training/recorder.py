@@ -122,11 +122,19 @@ class StepRecorder:
         self.window_start: float | None = None
         self.window_end: float | None = None
         self._wall_start: float | None = None
+        # Validation during training (onegpu.training.validation.Validation), run by log() after a step's
+        # own metrics; None: none. Its points, ``{"step": N, "eval_loss": ..., ...}`` in step order, are kept
+        # with the rows (a checkpoint holds them; a resumed run continues them).
+        self.validation = None
+        self.evals: list[dict] = []
+        self.stopped_early: str | None = None  # early stopping's sentence, once it stopped the run
+        self.best: dict | None = None  # the validation point whose weights the model holds (load_best_model_at_end)
 
     def restore(self, point) -> None:
         """Continue from a checkpoint: its step rows, memory breakdown and out-of-memory events
         (``point``: a :class:`onegpu.training.resume.ResumePoint`)."""
         self.rows = list(point.rows)
+        self.evals = list(point.evals)
         self.breakdown.update(point.breakdown)
         self.events.extend(point.events)
 
@@ -171,6 +179,26 @@ class StepRecorder:
         self.sink(step_metrics(row), step)
         if not math.isfinite(loss):
             raise TrainingDiverged(step, loss, learning_rate)
+        if self.validation is not None and self.validation.due(step):
+            metrics = self._between_steps(self.validation, step)
+            self.evals.append({"step": step, **metrics})
+            self.sink(metrics, step)
+        if self.validation is not None:
+            self.stopped_early = self.validation.after(step, self.evals)
+
+    def _between_steps(self, validate, step: int) -> dict:
+        """``validate(step)``'s metrics between two optimizer steps, kept out of both: its peak memory is its
+        own (``eval_mem_peak_bytes``, next to its ``eval_runtime``), and the next step's time and peak
+        start after it (the steps' speed, MFU and memory are the training's alone)."""
+        memory.synchronize(self.device)
+        memory.reset_peak(self.device)
+        metrics = validate(step)
+        memory.synchronize(self.device)
+        metrics["eval_mem_peak_bytes"] = memory.peak_bytes(self.device)
+        if self._watch is not None:
+            self._watch.lap()
+        memory.reset_peak(self.device)
+        return metrics
 
     def memory(self) -> dict[str, int]:
         """The breakdown plus run peaks: ``mem_allocated_peak_bytes``/``mem_reserved_peak_bytes`` (CUDA,
@@ -254,11 +282,12 @@ def _whole_step(dt: float, samples: int, tokens: int, targets: int, tokens_sq: i
     return row
 
 
-def progress_line(step: int, total: int, rows: list[dict], device) -> str:
+def progress_line(step: int, total: int, rows: list[dict], device, evals: list[dict] | None = None) -> str:
     """The terminal line for optimizer step ``step`` of ``total``, from the recorder's ``rows`` (the last is
     this step's): loss, throughput over the last row, step time, peak memory and the time left.
 
-    Example: ``step 20/32 | loss 1.2034 | 41.3 samples/s | 0.39 s/step | peak 1.69 GiB RSS | 5 s left``.
+    Example: ``step 20/32 | loss 1.2034 | eval_loss 1.3120 (step 16) | 41.3 samples/s | 0.39 s/step | peak 1.69 GiB
+    RSS | 5 s left`` (the latest validation point, ``evals``, when there is one).
     Memory is the step's peak: the CUDA allocator's on a GPU, the process RSS on a CPU (:mod:`onegpu.measure.memory`).
     Time left: mean step time of the rows after this process's first (which holds warm-up, as in
     :func:`steady_samples_per_second`: compilation, such as torchao's optimizer step) x steps to go; the
@@ -269,8 +298,9 @@ def progress_line(step: int, total: int, rows: list[dict], device) -> str:
     steady = rows[1:] or rows
     mean = sum(r["step_time_s"] for r in steady) / len(steady)
     left = max(total - step, 0) * mean
-    return (f"step {step}/{total} | loss {row['loss']:.4f} | {row.get('samples_per_second', 0):.1f} samples/s | "
-            f"{row['step_time_s']:.2f} s/step | peak {gib(row.get('mem_peak_bytes', 0))} {where} | "
+    latest = f" | eval_loss {evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})" if evals else ""
+    return (f"step {step}/{total} | loss {row['loss']:.4f}{latest} | {row.get('samples_per_second', 0):.1f} "
+            f"samples/s | {row['step_time_s']:.2f} s/step | peak {gib(row.get('mem_peak_bytes', 0))} {where} | "
             f"{duration(left)} left")
 
 

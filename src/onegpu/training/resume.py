@@ -28,7 +28,8 @@ class ResumePoint:
 
     ``path``: the ``checkpoint-N`` folder; ``step``: optimizer steps done (N); ``rows``: the step rows
     recorded so far (:class:`onegpu.training.recorder.StepRecorder`); ``breakdown``: the memory breakdown
-    (bytes); ``events``: out-of-memory recoveries; ``run_id``: the MLflow run that wrote it (None when
+    (bytes); ``events``: out-of-memory recoveries; ``evals``: the validation points so far
+    (:attr:`onegpu.training.recorder.StepRecorder.evals`); ``run_id``: the MLflow run that wrote it (None when
     unknown); ``micro_batch``: the micro-batch it was trained with (None when not recorded).
     """
     path: str
@@ -36,6 +37,7 @@ class ResumePoint:
     rows: list = field(default_factory=list)
     breakdown: dict = field(default_factory=dict)
     events: list = field(default_factory=list)
+    evals: list = field(default_factory=list)
     run_id: str | None = None
     micro_batch: int | None = None
 
@@ -45,6 +47,7 @@ class ResumePoint:
         micro = state.get("micro_batch")
         return cls(path=path, step=int(state["step"]), rows=list(state.get("rows", [])),
                    breakdown=dict(state.get("breakdown", {})), events=list(state.get("events", [])),
+                   evals=list(state.get("evals", [])),
                    run_id=state.get("run_id") or None, micro_batch=int(micro) if micro else None)
 
 
@@ -76,7 +79,8 @@ def complete(checkpoint: str, step: int, recorder, meta: dict) -> None:
     """
     from onegpu.paths import write_json_atomic
     write_json_atomic(os.path.join(checkpoint, STATE_FILE), {
-        "step": step, "rows": recorder.rows, "breakdown": recorder.breakdown, "events": recorder.events, **meta})
+        "step": step, "rows": recorder.rows, "breakdown": recorder.breakdown, "events": recorder.events,
+        "evals": recorder.evals, **meta})
     for old in glob.glob(os.path.join(os.path.dirname(checkpoint), "checkpoint-*")):
         if os.path.abspath(old) != os.path.abspath(checkpoint):
             shutil.rmtree(old, ignore_errors=True)

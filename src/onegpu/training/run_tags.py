@@ -60,11 +60,23 @@ def log_results(plan, tracker, run_id: str, buffer, model, steps) -> dict:
     summary.update(speed)
     tracker.log_params(run_id, speed_params)
     tracker.set_tags(run_id, {**speed_tags, **step_tags(steps, plan.resolved.effective_batch_size),
-                              **table_tags(summary)})
+                              **table_tags(summary), **validation_tags(steps)})
     tracker.log_metrics(run_id, {k: v for k, v in summary.items()
                                  if k not in ("train_steps", "train_samples", "train_tokens")},
                         step=0)  # step 0, like eval_*: MLflow draws a bar, not a lone dot
     return summary
+
+
+def validation_tags(steps) -> dict:
+    """What validation decided, on the run page: ``onegpu.early_stopping`` (the sentence: at which step and
+    why), and with ``train.load_best_model_at_end`` ``onegpu.best_step`` and ``onegpu.best_metric``
+    (``eval_loss=0.5123``): the validation point whose weights models/ holds."""
+    tags = {"onegpu.early_stopping": steps.stopped_early} if getattr(steps, "stopped_early", None) else {}
+    best = getattr(steps, "best", None)
+    if best is not None:
+        tags.update({"onegpu.best_step": str(best["step"]),
+                     "onegpu.best_metric": f"{best['metric']}={best['value']:.6g}"})
+    return tags
 
 
 def step_tags(steps, effective_batch: int) -> dict:

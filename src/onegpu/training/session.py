@@ -22,7 +22,7 @@ from onegpu.equivalence import equivalence_key, run_config_hash
 from onegpu.errors import ConfigError
 from onegpu.measure import memory
 from onegpu.models import loader, lora
-from onegpu.training import autobatch, checkpointing, distributed, host_allocator, lm_head, prepared
+from onegpu.training import autobatch, checkpointing, distributed, host_allocator, lm_head, prepared, validation
 from onegpu.training.backends import base
 from onegpu.training.batches import flattened
 from onegpu.training.interrupt import GracefulStop
@@ -88,6 +88,7 @@ def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = Non
     check_flattened(cfg, model_path)  # the model's side: can it keep a flattened row's sequences apart?
     device = f"cuda:{distributed.local_rank()}" if facts.cuda else "cpu"
     stats = prepared.load_stats() if stats is None else stats
+    validation.check_plan(cfg, stats)  # an empty validation split, an eval_steps beyond the run
     auto = cfg.train.per_device_train_batch_size == "auto"
     budget = autobatch.budget_bytes(cfg.train.memory_budget_gib, device) if auto else None
     ckpt_dir = paths.checkpoint_dir(run_config_hash(cfg, stats["fingerprint"]))
@@ -159,10 +160,11 @@ def train(plan: TrainPlan, model, tokenizer, dsd, sink: Callable[[dict, int], No
     cfg = with_layout(plan.cfg, plan.resolved)
     if not checkpoints:
         with stop.loop() if stop is not None else contextlib.nullcontext():
-            return backend.train(base.TrainRequest(model, tokenizer, dsd, cfg, sink))
+            return validation.finish(*backend.train(base.TrainRequest(model, tokenizer, dsd, cfg, sink)))
     meta = {"run_id": run_id, "micro_batch": plan.resolved.per_device_train_batch_size}
     with contextlib.ExitStack() as stack:
         stop = stop or stack.enter_context(GracefulStop())
         stack.enter_context(stop.loop())
-        return backend.train(base.TrainRequest(model, tokenizer, dsd, cfg, sink, checkpoint_dir=plan.checkpoint_dir,
-                                               stop=stop, resume=plan.resume, checkpoint_meta=meta))
+        return validation.finish(*backend.train(base.TrainRequest(
+            model, tokenizer, dsd, cfg, sink, checkpoint_dir=plan.checkpoint_dir, stop=stop, resume=plan.resume,
+            checkpoint_meta=meta)))

@@ -125,6 +125,8 @@ def _run(plan: TrainPlan, tracker, dsd, run_id: str, rows: list, stop: GracefulS
         plan = _with_layout(plan, model, tokenizer, dsd, tracker, run_id)
         for row in (plan.resume.rows if plan.resume else []):  # the stopped run's steps, so this one is whole
             sink(step_metrics(row), row["step"])
+        for point in (plan.resume.evals if plan.resume else []):  # and its validation points
+            sink({k: v for k, v in point.items() if k != "step"}, point["step"])
         tracker.set_tags(run_id, {"cpu_allocator": host_allocator.apply(plan.cfg.train.cpu_allocator, plan.device)})
         with tracker.system_metrics(run_id):
             load.start()
@@ -133,9 +135,12 @@ def _run(plan: TrainPlan, tracker, dsd, run_id: str, rows: list, stop: GracefulS
             train_s = time.perf_counter() - t0
             load.stop()
         summary = log_results(plan, tracker, run_id, buffer, model, steps)
+        spec = record.logged_model(plan.cfg, plan.key, tracking.run_name() or config_name(plan.cfg))
+        if getattr(steps, "best", None) is not None:  # the model holds the best point's weights, not the last's
+            spec.params.update({"best_step": str(steps.best["step"]),
+                                steps.best["metric"]: f"{steps.best['value']:.6g}"})
         result = TrainResult(model, tokenizer, steps, summary, plan, run_id, tracker.experiment_id,
-                             saved_config, train_s, load.result,
-                             record.logged_model(plan.cfg, plan.key, tracking.run_name() or config_name(plan.cfg)))
+                             saved_config, train_s, load.result, spec)
         if save is not None:  # the stage's outputs, then the model in them as the run's logged model
             save(result)
             tracker.log_model(run_id, result.model_spec)

@@ -22,10 +22,10 @@ def test_reference_is_largest_micro_batch_then_no_checkpointing_then_earliest():
 
 
 def test_compare_groups_by_key_with_trade_offs_and_summary():
-    runs = [record("ref", 64, 1, start=1, mem=4e9, sps=100, evals={"eval_loss": 0.5, "eval_accuracy": 0.90}),
-            record("split", 4, 16, start=2, mem=1e9, sps=60, evals={"eval_loss": 0.5, "eval_accuracy": 0.90}),
+    runs = [record("ref", 64, 1, start=1, mem=4e9, sps=100, evals={"test_loss": 0.5, "test_accuracy": 0.90}),
+            record("split", 4, 16, start=2, mem=1e9, sps=60, evals={"test_loss": 0.5, "test_accuracy": 0.90}),
             record("ckpt", 64, 1, ckpt=True, start=3, mem=2e9, sps=80,
-                   evals={"eval_loss": 0.51, "eval_accuracy": 0.92}),
+                   evals={"test_loss": 0.51, "test_accuracy": 0.92}),
             record("drop", 8, 8, dropout=0.1, loss=drifted(3), start=4),
             record("alone", 16, 1, key="fedcba9876543210", start=0)]
     nokey = record("old", 8, 1)
@@ -38,8 +38,8 @@ def test_compare_groups_by_key_with_trade_offs_and_summary():
     by = {c.run.name: c for c in g.rows}
     assert by["split"].memory_ratio == pytest.approx(0.25)
     assert by["split"].throughput_ratio == pytest.approx(0.6)
-    assert by["ckpt"].eval_deltas["eval_accuracy"] == pytest.approx(0.02)
-    assert by["ckpt"].eval_deltas["eval_loss"] == pytest.approx(0.01)
+    assert by["ckpt"].eval_deltas["test_accuracy"] == pytest.approx(0.02)
+    assert by["ckpt"].eval_deltas["test_loss"] == pytest.approx(0.01)
     assert by["split"].run.mean_step_time_s == pytest.approx(64 / 60)
     assert by["drop"].verdict == "diverged at step 3"
     assert g.count(eq.EQUIVALENT) == 2 and g.count(eq.DIVERGED) == 1

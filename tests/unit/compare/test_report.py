@@ -22,7 +22,7 @@ def _record(name: str, micro: int, accum: int, start: int, loss: list[float], ck
         params={"resolved.per_device_train_batch_size": str(micro), "resolved.gradient_accumulation_steps": str(accum),
                 "resolved.effective_batch_size": str(micro * accum), "train.gradient_checkpointing": str(ckpt),
                 "train.bf16": "False", "train.fp16": "False", "train.backend": "trainer"},
-        metrics={"train_mem_peak_bytes": mem, "train_samples_per_second": sps, "eval_loss": 1.0 + start / 100},
+        metrics={"train_mem_peak_bytes": mem, "train_samples_per_second": sps, "test_loss": 1.0 + start / 100},
         series={"loss": list(enumerate(loss, 1)), "grad_norm": [(s, 1.0) for s in range(1, len(loss) + 1)],
                 "step_time_s": [(1, 0.5), (2, 0.7)]})
 

@@ -92,3 +92,21 @@ def test_a_short_last_step_is_noted():
     rows = cmp.groups[0].rows
     assert all(any("optimizer step 7 saw 4 of 16 examples" in n for n in c.notes) for c in rows)
     assert "Step 7 saw fewer examples than the effective batch" in cmp.groups[0].summary
+
+
+def test_the_validation_curve_is_compared_at_the_points_both_runs_have():
+    """The same training gives the same eval_loss at the same step: equal training curves with validation
+    points 1e-7 apart are equivalent (a note counts the points); 1e-2 apart at step 4 is a divergence there."""
+    ref = record("ref", 8, 1)
+    ref.series["eval_loss"] = [(2, 1.5), (4, 1.2), (8, 1.0)]
+    same = record("same", 4, 2)
+    same.series["eval_loss"] = [(2, 1.5 * (1 + 1e-7)), (4, 1.2), (6, 1.1), (8, 1.0)]  # step 6: not in ref
+    c = eq.compare_run(same, ref)
+    assert c.verdict == "equivalent" and c.eval_loss.common_steps == 3
+    assert "validation curve: 3 common point(s), largest relative difference 1e-07" in c.notes
+    off = record("off", 4, 2)
+    off.series["eval_loss"] = [(2, 1.5), (4, 1.2 * 1.01), (8, 1.0)]
+    c = eq.compare_run(off, ref)
+    assert (c.status, c.verdict) == (eq.DIVERGED, "diverged at validation step 4")
+    assert c.first_divergent_metric == "eval_loss"
+    assert eq.compare_run(record("none", 4, 2), ref).eval_loss.common_steps == 0  # no validation: nothing compared

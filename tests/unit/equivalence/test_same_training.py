@@ -54,6 +54,16 @@ PROOFS = {
     "train.cpu_allocator": "float64: test_two_processes_are_one_in_float64_and_the_host_allocator_* (each rank "
                            "under glibc's defaults, the reference under the caching allocator)",
     "train.dataloader_num_workers": "float64: test_dataloader_workers_are_the_same_training",
+    # Validation during training: bit-equal with it off (stronger than float64), both backends, dropout on.
+    "train.eval_strategy": "bit-equal: tests/unit/training/test_validation.py (validation on vs off)",
+    "train.eval_steps": "bit-equal: tests/unit/training/test_validation.py (validation on vs off)",
+    "train.load_best_model_at_end": "which validated step's weights models/ gets; the steps trained are bit-equal "
+                                    "(tests/unit/training/test_validation.py)",
+    "train.early_stopping_patience": "where the run stops; the steps before are bit-equal "
+                                     "(tests/unit/training/test_validation.py)",
+    "train.metric_for_best_model": "which validation point is the best: no arithmetic",
+    "train.greater_is_better": "which validation point is the best: no arithmetic",
+    "train.early_stopping_threshold": "which validation point is the best: no arithmetic",
     # No float64 proof possible or needed, and why:
     "train.logging_steps": "terminal output only: no arithmetic",
     "train.save_steps": "checkpoints: tests/unit/training/test_resume.py (resumed = uninterrupted, per step)",

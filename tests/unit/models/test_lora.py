@@ -246,12 +246,12 @@ def test_train_stage_saves_adapter_and_merged_model_that_evaluate_the_same(tmp_p
     data = dataset(24)["train"]
     m_merged, _, pred_merged = evaluation.classifier_metrics(merged, tok, data, cfg)
     m_adapter, _, pred_adapter = evaluation.classifier_metrics(adapter, tok, data, cfg)
-    assert m_merged["eval_loss"] == pytest.approx(m_adapter["eval_loss"], abs=1e-5)
+    assert m_merged["test_loss"] == pytest.approx(m_adapter["test_loss"], abs=1e-5)
     assert pred_merged == pred_adapter
-    assert m_merged["eval_accuracy"] == m_adapter["eval_accuracy"]
+    assert m_merged["test_accuracy"] == m_adapter["test_accuracy"]
     # and the adapter made a difference: the merged model is not the untrained base
     base, _, _ = evaluation.classifier_metrics(tiny_bert(), tok, data, cfg)
-    assert abs(base["eval_loss"] - m_merged["eval_loss"]) > 1e-3
+    assert abs(base["test_loss"] - m_merged["test_loss"]) > 1e-3
 
 
 def test_full_fine_tuning_removes_a_stale_adapter(tmp_path, monkeypatch):

@@ -29,7 +29,7 @@ def _loss(step: int) -> float:
 
 def _log_training_run(tr: tracking.Tracker, name: str, key: str, micro: int, accum: int, *,
                       ckpt: bool = False, dropout: float = 0.0, loss_factor=lambda s: 1.0,
-                      mem: float = 2e9, sps: float = 50.0, eval_accuracy: float = 0.9) -> str:
+                      mem: float = 2e9, sps: float = 50.0, test_accuracy: float = 0.9) -> str:
     cfg = config.from_container(defaults.params())
     cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps = micro, accum
     cfg.train.gradient_checkpointing = ckpt
@@ -52,9 +52,9 @@ def _log_training_run(tr: tracking.Tracker, name: str, key: str, micro: int, acc
     tr.log_metrics(run_id, {"train_loss": sum(_loss(s) for s in range(1, STEPS + 1)) / STEPS,
                             "train_runtime": STEPS * micro * accum / sps, "train_samples_per_second": sps,
                             "train_tokens_per_second": sps * 60, "train_mem_peak_bytes": mem}, step=STEPS)
-    tr.log_metrics(run_id, {"eval_loss": 0.4, "eval_accuracy": eval_accuracy, "eval_f1_macro": 0.88,
-                            "eval_runtime": 1.0, "eval_samples_per_second": 400.0,
-                            "eval_mem_peak_bytes": 1e9})
+    tr.log_metrics(run_id, {"test_loss": 0.4, "test_accuracy": test_accuracy, "test_f1_macro": 0.88,
+                            "test_runtime": 1.0, "test_samples_per_second": 400.0,
+                            "test_mem_peak_bytes": 1e9})
     tr.end_run(run_id)
     time.sleep(0.002)  # distinct start times
     return run_id
@@ -76,7 +76,7 @@ def project(store_root):
                                         loss_factor=lambda s: 1 + (2e-7 if s == 1 else 2e-6 * s)),  # step 1: the floor
         "ckpt-64x1": _log_training_run(tr, "ckpt-64x1", KEY_A, 64, 1, ckpt=True, mem=2e9, sps=75.0),
         "drop-8x8": _log_training_run(tr, "drop-8x8", KEY_A, 8, 8, dropout=0.1, mem=1.5e9, sps=70.0,
-                                      loss_factor=lambda s: 1.0 if s < 3 else 1.03, eval_accuracy=0.88),
+                                      loss_factor=lambda s: 1.0 if s < 3 else 1.03, test_accuracy=0.88),
         "other": _log_training_run(tr, "other", KEY_B, 16, 1),
     }
     empty = tracking.connect("empty")

@@ -63,11 +63,11 @@ def test_evaluate_metrics_belong_to_the_run_and_to_the_model_on_the_test_dataset
     df = pd.DataFrame({"text": ["a b", "c d", "e f"], "label": [0, 1, 0]})
     [test] = store.log_data_inputs(rid, [(df, "bbcnews-test", "evaluation")], "data/processed@x.dir")
     assert test[0] == "bbcnews-test" and len(test[1]) == 8
-    store.log_metrics(rid, {"eval_accuracy": 0.75, "eval_loss": 0.5}, model_id=model_id, dataset=test)
-    assert store.client.get_run(rid).data.metrics == {"eval_accuracy": 0.75, "eval_loss": 0.5}
+    store.log_metrics(rid, {"test_accuracy": 0.75, "test_loss": 0.5}, model_id=model_id, dataset=test)
+    assert store.client.get_run(rid).data.metrics == {"test_accuracy": 0.75, "test_loss": 0.5}
     linked = {m.key: (m.value, m.model_id, m.dataset_name, m.dataset_digest)
               for m in store.client.get_logged_model(model_id).metrics}
-    assert linked == {"eval_accuracy": (0.75, model_id, *test), "eval_loss": (0.5, model_id, *test)}
+    assert linked == {"test_accuracy": (0.75, model_id, *test), "test_loss": (0.5, model_id, *test)}
     store.end_run(rid)
 
 
@@ -84,9 +84,9 @@ def test_an_outage_costs_the_model_record_only_and_its_metrics_are_spooled_with_
     tr = tracking.Tracker(client=_DownClient(), experiment_id="1", uri="http://store:5000", spool_dir=tmp_path)
     assert tr.log_model("r1", SPEC) is None
     assert "evaluate records it" in capsys.readouterr().err
-    tr.log_metrics("r1", {"eval_accuracy": 0.5}, model_id="m-1", dataset=("bbcnews-test", "abcd1234"))
+    tr.log_metrics("r1", {"test_accuracy": 0.5}, model_id="m-1", dataset=("bbcnews-test", "abcd1234"))
     [rec] = [json.loads(ln) for ln in (tmp_path / "r1.jsonl").read_text().splitlines()]
-    assert rec["kind"] == "metrics" and rec["items"][0][0] == "eval_accuracy"
+    assert rec["kind"] == "metrics" and rec["items"][0][0] == "test_accuracy"
     assert rec["items"][0][4:] == ["m-1", "bbcnews-test", "abcd1234"]
     with pytest.raises(requests.exceptions.ConnectionError):  # without a spool a failure is the caller's
         tracking.Tracker(client=_DownClient(), experiment_id="1", uri="http://store:5000").log_model("r1", SPEC)

@@ -296,10 +296,10 @@ def test_train_ends_its_run_and_evaluate_reopens_and_ends_it_again(store):
     store.resume_run(run_id)  # evaluate
     assert store.run_status(run_id) == "RUNNING"
     with store.guard(run_id):
-        store.log_metrics(run_id, {"eval_loss": 0.5})
+        store.log_metrics(run_id, {"test_loss": 0.5})
     run = store.client.get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.metrics == {"train_runtime": 1.0, "eval_loss": 0.5}
+    assert run.data.metrics == {"train_runtime": 1.0, "test_loss": 0.5}
     assert run.info.run_name == "lifecycle"
 
 

@@ -17,7 +17,7 @@ def test_speed_excludes_step_one_and_memory_is_the_breakdown_on_cpu():
     assert row.memory_bytes == 500 * 2**20 and row.memory_kind == "breakdown"
     assert row.memory_ratio == pytest.approx(500 / 450)
     assert row.verdict == measurement.SAME_TRAINING and row.same_training
-    assert row.time_to_eval_loss_s == row.train_runtime_s  # same eval loss: reached
+    assert row.time_to_test_loss_s == row.train_runtime_s  # same eval loss: reached
     assert row.notes == []
     recompiled = _run("compile", step_time=0.5, first=30.0)
     recompiled.series["step_time_s"][-1] = (STEPS, 20.0)  # the last step recompiles for its new shape
@@ -39,13 +39,13 @@ def test_verdicts_precision_different_and_diverged():
     far = _run("bf16", key="k2", loss_scale=1.5, params={"train.bf16": "true"})
     row = measurement.measure_row(_variant("bf16", "precision", knobs.PRECISION), far, base)
     assert row.verdict == "differs beyond bf16 tolerance at step 1"
-    ada = _run("adafactor", key="k3", loss_scale=1.0, eval_loss=1.2)
+    ada = _run("adafactor", key="k3", loss_scale=1.0, test_loss=1.2)
     row = measurement.measure_row(_variant("adafactor", "optimizer", knobs.DIFFERENT), ada, base)
     assert row.verdict == measurement.DIFFERENT_TRAINING  # another key, even with equal losses
-    assert row.time_to_eval_loss_s is None  # 1.2 > 1.0: not reached
+    assert row.time_to_test_loss_s is None  # 1.2 > 1.0: not reached
     assert tradeoffs_report._time_to_loss(row) == "not reached"
-    better = _run("lora", key="k4", eval_loss=0.9)
-    assert measurement.measure_row(_variant("lora", "lora", knobs.DIFFERENT), better, base).time_to_eval_loss_s \
+    better = _run("lora", key="k4", test_loss=0.9)
+    assert measurement.measure_row(_variant("lora", "lora", knobs.DIFFERENT), better, base).time_to_test_loss_s \
         == better.metrics["train_runtime"]
     eager = _run("attn-eager", loss_scale=1.01, params={"model.attn_implementation": "eager"})
     row = measurement.measure_row(_variant("attn-eager", "attention"), eager, base)

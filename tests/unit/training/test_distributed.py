@@ -96,7 +96,38 @@ def _oom_retry_part(rank: int, out: str, inject_rank: int = 1) -> None:
         json.dump(result, f)
 
 
-_PARTS = {"all_reduce": _all_reduce_part, "oom_retry": _oom_retry_part}
+def _validation_cfg(processes: int):
+    from onegpu.config import from_container
+    micro = 8 // processes  # effective batch 8: 2 processes x 4, or 1 x 8
+    return from_container({"model": {"dropout": 0.0}, "evaluate": {"per_device_eval_batch_size": 3}, "train": {
+        "per_device_train_batch_size": micro, "gradient_accumulation_steps": 1, "max_steps": 2,
+        "num_processes": processes, "learning_rate": 1e-3, "seed": 7, "eval_steps": 1}}, source="test")
+
+
+def _validation_data():
+    """32 training rows and a validation split of 7 (batches of 3, 3 and an uneven 1)."""
+    from datasets import DatasetDict
+
+    from tests.unit import tiny as tb
+    d = tb.dataset(40)["train"]
+    return DatasetDict(train=d.select(range(32)), validation=d.select(range(32, 39)))
+
+
+def _validation_part(rank: int, out: str) -> None:
+    """The trainer backend on rank ``rank`` of 2, validating after each of 2 steps; writes ``<out>.json``:
+    the validation points this rank logged and its step losses."""
+    distributed.TIMEOUT_S = 60
+    from onegpu.training.backends import hf_trainer
+    from onegpu.training.backends.base import TrainRequest
+    from tests.unit import tiny as tb
+    points = []
+    _, steps = hf_trainer.train(TrainRequest(tb.tiny_bert(), tb.tokenizer(), _validation_data(), _validation_cfg(2),
+                                             sink=lambda m, s: points.append((s, m)) if "eval_loss" in m else None))
+    with open(f"{out}.json", "w") as f:
+        json.dump({"points": points, "loss": [r["loss"] for r in steps.rows]}, f)
+
+
+_PARTS = {"all_reduce": _all_reduce_part, "oom_retry": _oom_retry_part, "validation": _validation_part}
 
 
 def _ranks(rank: int, ports: list[int], out_dir: str, parts: list[str]) -> None:
@@ -126,7 +157,8 @@ def rank_results(request, tmp_path_factory) -> dict:
     before it keep their results."""
     import torch.multiprocessing as mp
     tests = {"all_reduce": test_two_gloo_ranks_all_reduce_once_per_step_and_give_the_one_process_gradient,
-             "oom_retry": test_an_out_of_memory_retry_on_one_rank_keeps_the_ranks_in_step_and_the_losses}
+             "oom_retry": test_an_out_of_memory_retry_on_one_rank_keeps_the_ranks_in_step_and_the_losses,
+             "validation": test_two_processes_validate_as_one_the_first_alone_over_the_whole_split}
     selected = {getattr(item, "originalname", None) for item in request.session.items}
     parts = [part for part, test in tests.items() if test.__name__ in selected] or list(tests)
     out = tmp_path_factory.mktemp("ranks")
@@ -159,6 +191,24 @@ def test_an_out_of_memory_retry_on_one_rank_keeps_the_ranks_in_step_and_the_loss
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     assert plain[0]["loss"] == plain[1]["loss"]  # every rank logs the whole step's loss
+
+
+def test_two_processes_validate_as_one_the_first_alone_over_the_whole_split(rank_results):
+    """2 processes x 4 = 1 x 8: the first process logs the validation points (over all 7 rows, the last
+    batch uneven: no row counted twice or left out), the other none, and they are the one-process figures."""
+    from onegpu.training.backends import hf_trainer
+    from onegpu.training.backends.base import TrainRequest
+    from tests.unit import tiny as tb
+    ranks = _part(rank_results, "validation")
+    assert [len(r["points"]) for r in ranks] == [2, 0]
+    one = []
+    hf_trainer.train(TrainRequest(tb.tiny_bert(), tb.tokenizer(), _validation_data(), _validation_cfg(1),
+                                  sink=lambda m, s: one.append((s, m)) if "eval_loss" in m else None))
+    assert [s for s, _ in ranks[0]["points"]] == [s for s, _ in one] == [1, 2]
+    for (_, two), (_, single) in zip(ranks[0]["points"], one):
+        assert two["eval_rows"] == single["eval_rows"] == 7
+        assert two["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-6)
+        assert two["eval_accuracy"] == single["eval_accuracy"]
 
 
 def _free_port() -> int:

@@ -28,7 +28,7 @@ from functools import partial
 
 from onegpu.config import TORCHAO_OPTIMIZERS, Config
 from onegpu.measure import memory
-from onegpu.training import activation_offloading, checkpointing, distributed, oom
+from onegpu.training import activation_offloading, checkpointing, distributed, oom, validation
 from onegpu.training.backends.base import TrainRequest
 from onegpu.training.batches import probe_batch, train_collator, train_set
 from onegpu.training.interrupt import Interrupted
@@ -256,6 +256,8 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     set_seed(t.seed)  # Trainer.__init__ seeds again after the model is built (dropout draws from here)
     lp = _build(req)
     recorder = StepRecorder(req.sink, lp.accelerator.device, BatchCounter())
+    recorder.validation = validation.for_run(_plain(lp), req.tokenizer, req.dsd, cfg, lp.accelerator.device,
+                                             lp.total_steps, lp.steps_per_epoch, req.checkpoint_dir)
     micro, accum, world = t.per_device_train_batch_size, t.gradient_accumulation_steps, t.num_processes
     procs = f" x {world} processes" if world > 1 else ""
     distributed.print_main(
@@ -319,7 +321,7 @@ def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> No
             if t.torch_empty_cache_steps and step % t.torch_empty_cache_steps == 0:
                 memory.empty_cache()
             _after_step(lp, req, recorder, step)
-            if step >= lp.total_steps:
+            if step >= lp.total_steps or recorder.stopped_early:
                 return
 
 
@@ -331,11 +333,12 @@ def _after_step(lp: _Loop, req: TrainRequest, recorder: StepRecorder, step: int)
     """
     t, stop, checkpoint_dir = req.cfg.train, req.stop, req.checkpoint_dir
     if step % t.logging_steps == 0 or step == lp.total_steps:
-        distributed.print_main(progress_line(step, lp.total_steps, recorder.rows, lp.accelerator.device))
+        distributed.print_main(progress_line(step, lp.total_steps, recorder.rows, lp.accelerator.device,
+                                             recorder.evals))
     requested = stop is not None and stop.requested is not None
     if lp.accelerator.num_processes > 1:  # a stop on one rank stops all after the same step
         requested = distributed.any_rank(requested, lp.accelerator.device)
-    stopping = requested and step < lp.total_steps
+    stopping = requested and step < lp.total_steps and not recorder.stopped_early  # early stopping: complete
     if checkpoint_dir and (stopping or (t.save_steps and step % t.save_steps == 0 and step < lp.total_steps)):
         if lp.accelerator.is_main_process:  # one writer; the ranks' weights and optimizer states are equal
             save_loop_state(checkpoint_dir, step, _plain(lp), lp.optimizer, lp.scheduler,

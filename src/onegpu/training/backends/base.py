@@ -30,11 +30,14 @@ class TrainRequest:
 
     Attributes:
         model: a float32 transformers model; tokenizer: its tokenizer (pads each micro-batch).
-        dsd: the prepared ``DatasetDict`` (the backend trains on ``dsd["train"]``).
+        dsd: the prepared ``DatasetDict`` (the backend trains on ``dsd["train"]`` and validates on
+            ``dsd["validation"]`` as ``train.eval_strategy`` says, where it has that split:
+            :mod:`onegpu.training.validation`).
         cfg: the params, with the batch layout in use in ``train``: ``per_device_train_batch_size`` is the
             micro-batch (an int: an ``auto`` one is the finder's, :func:`onegpu.config.with_layout`) and
             ``gradient_accumulation_steps`` the accumulation; the one place a backend reads them from.
-        sink: receives ``(metrics, step)`` once per optimizer step (:class:`StepRecorder`).
+        sink: receives ``(metrics, step)`` once per optimizer step (:class:`StepRecorder`: ``loss`` and the
+            step's measurements), and once more after a validation point (its ``eval_*`` figures, no ``loss``).
         checkpoint_dir: where ``checkpoint-N`` folders go every ``train.save_steps`` steps and on a stop
             (None: no checkpoints); checkpoint_meta: extra keys for ``onegpu_state.json``.
         stop: a requested stop ends training after the step in progress, with a checkpoint.

@@ -10,6 +10,7 @@ print its progress lines, add onegpu's checkpoint state and honour a requested s
 from __future__ import annotations
 
 import contextlib
+import math
 import tempfile
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -17,7 +18,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from onegpu.config import Config
 from onegpu.measure import memory
-from onegpu.training import activation_offloading as offloading, checkpointing, distributed, oom
+from onegpu.training import activation_offloading as offloading, checkpointing, distributed, oom, validation
 from onegpu.training.backends.base import TrainRequest
 from onegpu.training.batches import probe_batch, train_collator, train_set
 from onegpu.training.loss import count_items, loss_for
@@ -250,6 +251,23 @@ class StepMetrics(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:
             self.recorder.log(state.global_step, logs["loss"], logs.get("grad_norm"), logs.get("learning_rate"))
+            if self.recorder.stopped_early:  # early stopping (onegpu.training.validation): Trainer ends here
+                control.should_training_stop = True
+
+
+class Validate(TrainerCallback):
+    """Hands the recorder its :class:`onegpu.training.validation.Validation` when training begins (Trainer
+    knows its step count then): onegpu's exact validation, in place of Trainer's own evaluation loop (off:
+    :func:`training_arguments`), whose loss is a mean of batch means."""
+
+    def __init__(self, recorder: StepRecorder, req: TrainRequest) -> None:
+        self.recorder, self.req = recorder, req
+
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kw):
+        per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
+        self.recorder.validation = validation.for_run(model, self.req.tokenizer, self.req.dsd, self.req.cfg,
+                                                      args.device, state.max_steps, per_epoch,
+                                                      self.req.checkpoint_dir)
 
 
 class Progress(TrainerCallback):
@@ -276,7 +294,8 @@ class Progress(TrainerCallback):
         if not (logs and "loss" in logs) or not self.recorder.rows or self.recorder.rows[-1]["step"] != step:
             return
         if step % self.every == 0 or step == state.max_steps:
-            distributed.print_main(progress_line(step, state.max_steps, self.recorder.rows, self.recorder.device))
+            distributed.print_main(progress_line(step, state.max_steps, self.recorder.rows, self.recorder.device,
+                                                 self.recorder.evals))
 
 
 class EmptyCache(TrainerCallback):
@@ -338,6 +357,7 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
         trainer.add_callback(StopCallback(stop))
     if t.torch_empty_cache_steps:
         trainer.add_callback(EmptyCache(t.torch_empty_cache_steps))
+    trainer.add_callback(Validate(steps, req))
     trainer.add_callback(StepMetrics(steps, probe=(probe_batch(train_ds, collator, t.per_device_train_batch_size),
                                                    loss_for(task))))
     trainer.remove_callback(ProgressCallback)
@@ -347,7 +367,8 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     finally:
         if scratch is not None:
             scratch.cleanup()
-    stopped_by_other_rank = args.world_size > 1 and trainer.state.global_step < trainer.state.max_steps
-    if stop is not None and (stop.requested is not None or stopped_by_other_rank):
+    stopped_by_other_rank = (args.world_size > 1 and trainer.state.global_step < trainer.state.max_steps
+                             and not steps.stopped_early)
+    if stop is not None and not steps.stopped_early and (stop.requested is not None or stopped_by_other_rank):
         raise Interrupted(stop.requested or 15, trainer.state.global_step)  # 15: SIGTERM, another rank's stop
     return trainer.model, steps
