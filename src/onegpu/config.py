@@ -487,6 +487,8 @@ def from_container(raw: dict, source: str = "params") -> Config:
     if lora is not None and not isinstance(lora, dict):  # OmegaConf's message for a list names no key
         raise ConfigError(f"{source}: model.lora: expected {_EXPECTED['LoraConfig | None']}, got {lora!r}")
     train = raw.get("train")
+    if isinstance(train, dict) and train.get("eval_strategy") is False:
+        train["eval_strategy"] = "no"  # HF's value, unquoted: YAML 1.1 (OmegaConf's, PyYAML's) reads `no` as false
     gck = train.get("gradient_checkpointing_kwargs", {}) if isinstance(train, dict) else {}
     if not isinstance(gck, dict):
         raise ConfigError(f"{source}: train.gradient_checkpointing_kwargs: expected "

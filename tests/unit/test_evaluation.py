@@ -154,3 +154,20 @@ def test_a_failed_or_stopped_evaluation_says_so_and_that_the_pipeline_reruns_eva
     assert note.startswith("**Evaluation failed**: `ValueError: test split has 0 rows` (FAILED; tag `error.message`).")
     assert note.endswith("`dvc repro` (or the same `dvc exp run`) runs the evaluation again, not the training.")
     assert evaluation.failure_note(KeyboardInterrupt()).startswith("**Evaluation stopped** (interrupted; KILLED).")
+
+
+@pytest.mark.parametrize("gold, pred", [
+    ([0, 1, 2, 0, 1, 2], [0, 2, 1, 0, 0, 2]),
+    ([0, 0, 0, 1], [0, 0, 0, 0]),          # a label never predicted: its F1 is 0
+    ([0, 0, 1, 1], [2, 2, 1, 1]),          # a label predicted that is in no gold row counts too
+    ([3, 3, 3], [3, 3, 3]),
+])
+def test_macro_f1_is_scikit_learns(gold, pred):
+    import warnings
+
+    from sklearn.metrics import f1_score
+
+    from onegpu.training import heldout
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # scikit-learn warns of labels without a prediction
+        assert heldout.f1_macro(gold, pred) == pytest.approx(f1_score(gold, pred, average="macro"), abs=1e-15)

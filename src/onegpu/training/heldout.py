@@ -8,7 +8,7 @@ all target tokens (causal LM) and divided once by the count, not a mean of per-b
 ``evaluation_loop`` repeats each batch's mean by its rows: on batches of unequal target counts that is
 another figure; ``tests/unit/test_evaluation.py`` shows by how much). Each split is read in batches of
 ``evaluate.per_device_eval_batch_size`` under ``torch.no_grad()`` with the model in eval mode (no HF
-``Trainer``). torch, transformers and scikit-learn (heavy) are imported where they are used.
+``Trainer``). torch and transformers (heavy) are imported where they are used.
 """
 from __future__ import annotations
 
@@ -81,22 +81,34 @@ def _named(prefix: str, metrics: dict) -> dict:
     return {f"{prefix}_{k}": v for k, v in metrics.items()}
 
 
+def f1_macro(gold: list[int], pred: list[int]) -> float:
+    """Macro F1 as scikit-learn's ``f1_score(gold, pred, average="macro")`` computes it (checked against it
+    in tests/unit/test_evaluation.py), without importing scikit-learn (a second of CPU in every train stage
+    that validates): per label in ``gold`` or ``pred``, ``2 TP / (2 TP + FP + FN)``, then their mean."""
+    labels = sorted(set(gold) | set(pred))
+    if not labels:
+        return 0.0
+    scores = []
+    for label in labels:
+        tp = sum(g == p == label for g, p in zip(gold, pred))
+        wrong = sum((g == label) != (p == label) for g, p in zip(gold, pred))  # FP + FN
+        scores.append(2 * tp / (2 * tp + wrong))
+    return sum(scores) / len(scores)
+
+
 def classifier_metrics(model, tokenizer, dataset, cfg: Config, device: str | None = None, prefix: str = TEST
                        ) -> tuple[dict, list[int], list[int]]:
     """Predict the split (:func:`predict`); return metrics, gold and predicted class ids.
 
     Metrics, each under ``prefix`` (``test_loss``...): ``loss`` (mean cross-entropy per example, nats),
-    ``accuracy``, ``f1_macro`` (scikit-learn), ``runtime`` (s), ``samples_per_second``, ``rows``.
+    ``accuracy``, ``f1_macro`` (:func:`f1_macro`), ``runtime`` (s), ``samples_per_second``, ``rows``.
     """
-    from sklearn.metrics import accuracy_score, f1_score
-
     out = predict(model, tokenizer, dataset, cfg, device)
-    pred = out.logits.argmax(-1).numpy()
-    gold = out.labels.numpy()
-    metrics = {"loss": out.loss, "accuracy": float(accuracy_score(gold, pred)),
-               "f1_macro": float(f1_score(gold, pred, average="macro")), "runtime": out.runtime,
+    pred, gold = out.logits.argmax(-1).tolist(), out.labels.tolist()
+    metrics = {"loss": out.loss, "accuracy": sum(g == p for g, p in zip(gold, pred)) / len(gold),
+               "f1_macro": f1_macro(gold, pred), "runtime": out.runtime,
                "samples_per_second": len(gold) / out.runtime, "rows": len(gold)}
-    return _named(prefix, metrics), gold.tolist(), pred.tolist()
+    return _named(prefix, metrics), gold, pred
 
 
 def causal_lm_metrics(model, tokenizer, dataset, cfg: Config, device: str, prefix: str = TEST) -> dict:

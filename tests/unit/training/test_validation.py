@@ -193,3 +193,12 @@ def test_a_resumed_run_continues_the_points_the_best_and_the_patience(backend, m
     assert rec.stopped_early.startswith("early stopping after optimizer step 4 of 8")
     assert rec.best == {"step": 2, "metric": "eval_loss", "value": 0.8}
     assert all(bool((model.state_dict()[k] == seen[2][k]).all()) for k in seen[2])
+
+
+def test_eval_strategy_no_may_be_written_unquoted_as_hf_users_write_it(tmp_path):
+    """YAML 1.1 reads an unquoted `no` as false: params.yaml's `eval_strategy: no` and `-S
+    train.eval_strategy=no` mean HF's "no", not an error."""
+    (tmp_path / "params.yaml").write_text("train:\n  eval_strategy: no\n")
+    assert config.load(tmp_path / "params.yaml").train.eval_strategy == "no"
+    (tmp_path / "params.yaml").write_text("train:\n  eval_strategy: steps\n")
+    assert config.load(tmp_path / "params.yaml", ["train.eval_strategy=no"]).train.eval_strategy == "no"
