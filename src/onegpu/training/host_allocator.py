@@ -78,3 +78,17 @@ def apply(setting: str, device: str) -> str:
     _state["applied"] = (f"caching (glibc mallopt: M_MMAP_THRESHOLD {MMAP_THRESHOLD >> 20} MiB, "
                          f"M_TRIM_THRESHOLD {TRIM_THRESHOLD >> 20} MiB)")
     return _state["applied"]
+
+
+def release() -> bool:
+    """Give the free heap back to the kernel (glibc's ``malloc_trim(0)``), once, after work that is not
+    the training's: a validation pass's blocks, kept by ``caching``, would otherwise stay in the process and
+    count in the next steps' RSS peaks. Returns whether glibc released anything; False where the C
+    library is not glibc (nothing to do)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))

@@ -195,6 +195,9 @@ class StepRecorder:
         metrics = validate(step)
         memory.synchronize(self.device)
         metrics["eval_mem_peak_bytes"] = memory.peak_bytes(self.device)
+        if not memory.is_cuda(self.device):  # the pass's freed host blocks out of the next steps' RSS peaks
+            from onegpu.training import host_allocator
+            host_allocator.release()
         if self._watch is not None:
             self._watch.lap()
         memory.reset_peak(self.device)
