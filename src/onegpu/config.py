@@ -289,7 +289,7 @@ class TrainConfig:
     eval_strategy: str = knob("steps", help=(
         "validation during training (HF's names): no | steps (every eval_steps) | epoch; and at the end"),
         rule=_one_of(EVAL_STRATEGIES), key=_VALIDATION)
-    eval_steps: float = knob(0.25, help=(
+    eval_steps: float = knob(0.5, help=(
         "with steps: validate every N optimizer steps, or every such share of the run below 1 (as HF)"),
         rule=(lambda v: v > 0 and (v < 1 or float(v).is_integer()),
               "must be a positive integer (optimizer steps) or a fraction of the run in (0, 1), got {v}"),
