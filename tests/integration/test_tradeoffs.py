@@ -31,7 +31,8 @@ def test_full_rows_and_probe_rows_give_the_same_verdicts(tmp_path, monkeypatch, 
                                                                repeats=1, combine=False))}
     assert list(full) == ["baseline", "split-8x1"] and full["split-8x1"].verdict == tradeoffs.SAME_TRAINING
     for r in full.values():  # every optimizer step in MLflow, and evaluate ran
-        assert [s for s, _ in r.run.series["loss"]] == [1, 2, 3] and "test_loss" in r.run.metrics, r.variant.name
+        assert [s for s, _ in r.run.series["loss"]] == [1, 2, 3] and "test_loss" in r.run.metrics \
+            and "eval_loss" in r.run.metrics, r.variant.name  # --full: validation as the params say
     md = (project / "reports" / "tradeoffs.md").read_text()
     assert "The whole job: each row trains the job to its end and evaluates it (`--full`)." in md
     assert "Each row is a DVC experiment of its own" in md
@@ -46,6 +47,7 @@ def test_full_rows_and_probe_rows_give_the_same_verdicts(tmp_path, monkeypatch, 
     assert by["lora"].memory_ratio < 0.5  # LoRA's breakdown is smaller
     for r in rows:
         assert [s for s, _ in r.run.series["loss"]] == [1, 2] and "test_loss" not in r.run.metrics, r.variant.name
+        assert "eval_loss" not in r.run.metrics, r.variant.name  # the probe window validates nothing
     rec = by["recommended"]
     assert rec.run is not None and rec.verdict == tradeoffs.SAME_TRAINING
     assert dict(rec.variant.overrides) == {"train.per_device_train_batch_size": "8",

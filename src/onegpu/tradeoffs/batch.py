@@ -100,11 +100,17 @@ REPEATS = rounds.REPEATS
 DVC_TEMP = "dvc exp run --temp"
 
 
+# What a probe window switches off besides: validation during training (a pass costs about as much as a few
+# steps of the default job, and the window measures the steps), and with it what needs validation points.
+NO_VALIDATION = ["train.eval_strategy=no", "train.load_best_model_at_end=false", "train.early_stopping_patience=null"]
+
+
 def window(steps: int | None) -> list[str]:
     """The probe window as ``key=value``, put before each row's own overrides (every row, the baseline
-    too, trains ``steps`` optimizer steps; the learning-rate schedule then spans those steps); none for
-    ``--full`` (``steps`` None). Not a row's override: a recommendation never carries it."""
-    return [] if steps is None else [f"train.max_steps={steps}"]
+    too, trains ``steps`` optimizer steps, without validation: :data:`NO_VALIDATION`; the learning-rate
+    schedule then spans those steps); none for ``--full`` (``steps`` None). Not a row's override: a
+    recommendation never carries it."""
+    return [] if steps is None else [f"train.max_steps={steps}", *NO_VALIDATION]
 
 
 def window_args(steps: int | None) -> list[str]:

@@ -132,7 +132,7 @@ def window_text(plan: dict) -> str:
     steps, repeats, in_workers = plan.get("steps"), plan.get("repeats", 1), plan.get("runner") == WORKERS
     what = (f"The probe window: each row trains its first {steps} optimizer steps (`train.max_steps={steps}`, "
             "the baseline too, so the learning-rate schedule spans those steps) up to the train stage; "
-            "evaluate is skipped, so there is no test loss." if steps else
+            "evaluate and validation (`train.eval_strategy=no`) are skipped, so there is no test loss." if steps else
             "The whole job: each row trains the job to its end and evaluates it (`--full`).")
     what += (" The rows trained in worker processes on the data prepared once, each an MLflow run of its own "
              "(no DVC experiment each: `--full` and `--queue-only` rows are DVC experiments)." if in_workers else

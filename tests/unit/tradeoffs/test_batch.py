@@ -90,12 +90,14 @@ def test_rows_run_in_interleaved_rounds_with_the_probe_window_before_their_own_p
     assert not interrupted
     (names, targets, force, window), = calls
     assert names == ["baseline", "split-16x1", "checkpointing", "baseline-r2", "split-16x1-r2", "checkpointing-r2"]
-    assert targets == ["train"] and window == ["-S", "train.max_steps=10"] and force == set()
+    assert targets == ["train"] and force == set()
+    assert window == ["-S", "train.max_steps=10", "-S", "train.eval_strategy=no", "-S",
+                      "train.load_best_model_at_end=false", "-S", "train.early_stopping_patience=null"]
     kept = batch.load_plan(name)
     assert kept["steps"] == 10 and kept["repeats"] == 2
     assert all(("train.max_steps", "10") not in v.overrides for v in batch.variants_of(kept))
     batch.start(cfg, "params.yaml", ("split",), ["train.max_steps=4"], False, facts, 10, 1)
-    assert calls[-1][3] == ["-S", "train.max_steps=4"]
+    assert calls[-1][3][:2] == ["-S", "train.max_steps=4"] and "train.eval_strategy=no" in calls[-1][3]
     batch.start(cfg, "params.yaml", ("split",), [], False, facts, None, 1)  # --full: whole pipeline, --force
     assert calls[-1][1:] == ([], {"baseline"}, [])
 
