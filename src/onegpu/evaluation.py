@@ -96,6 +96,20 @@ METRICS = {("sequence-classification", False): _classified, ("sequence-classific
            ("causal-lm", False): _language_modelled, ("causal-lm", True): _instructed}
 
 
+def as_trained(model, cfg: Config):
+    """``model`` (loaded from models/) with the output layer training ran: under ``train.fused_lm_head`` a
+    causal LM's held-out loss then comes from the targets' logits in tiles, never the whole logits
+    (:func:`onegpu.training.lm_head.attach`; generation runs the model's own forward). Returns ``model``.
+    Raises:
+        onegpu.errors.ModelError: an output layer the fused path would not reproduce (as training refused it).
+    """
+    if cfg.model.task == "causal-lm" and cfg.train.fused_lm_head:
+        from onegpu.training import lm_head
+        lm_head.check(model, "models/ (train.fused_lm_head)")
+        lm_head.attach(model)
+    return model
+
+
 def metrics(model, tokenizer, test, cfg: Config, device: str) -> tuple[dict, dict | None, list[int], list[int]]:
     """The test split's metrics for the data's kind (:data:`METRICS`): ``(metrics, generations table or
     None, gold, predicted)`` (gold and predicted label ids for a classifier; empty for a causal LM).

@@ -171,3 +171,68 @@ def test_macro_f1_is_scikit_learns(gold, pred):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # scikit-learn warns of labels without a prediction
         assert heldout.f1_macro(gold, pred) == pytest.approx(f1_score(gold, pred, average="macro"), abs=1e-15)
+
+
+@pytest.mark.parametrize("rows, world, shares", [(7, 2, [3, 4]), (7, 3, [2, 2, 3]), (1, 2, [0, 1]), (8, 1, [8])])
+def test_each_process_reads_its_own_rows_of_a_held_out_split_once(monkeypatch, rows, world, shares):
+    """heldout.shard: contiguous shares over the processes, every row once (none padded in twice)."""
+    from datasets import Dataset
+
+    from onegpu.training import heldout
+    split, seen = Dataset.from_dict({"i": list(range(rows))}), []
+    for rank in range(world):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("RANK", str(rank))
+        seen.append(list(heldout.shard(split)["i"]))
+    assert [len(s) for s in seen] == shares
+    assert sum(seen, []) == list(range(rows))
+
+
+def _whole_and_fused(model, split, tokenizer, batch: int) -> tuple[dict, dict]:
+    """The held-out figures of ``model`` over ``split`` with the whole logits, then under the fused LM head
+    with the output layer's own forward made to fail (so the whole logits cannot have been built)."""
+    from onegpu.training import lm_head
+    cfg = from_container({"evaluate": {"per_device_eval_batch_size": batch}}, source="test")
+    whole = evaluation.causal_lm_metrics(model, tokenizer, split, cfg, "cpu")
+    lm_head.attach(model)
+
+    def whole_logits(*a, **kw):
+        raise AssertionError("the fused LM head's figures built the whole logits")
+    model.get_output_embeddings().forward = whole_logits
+    return whole, evaluation.causal_lm_metrics(model, tokenizer, split, cfg, "cpu")
+
+
+def test_under_the_fused_lm_head_the_held_out_figures_are_the_whole_logits_in_float64():
+    """train.fused_lm_head: validation and test figures come from the targets' logits in tiles (no whole
+    logits), and in float64 they are the whole logits' figures (loss within 1e-12, the same hits)."""
+    torch = pytest.importorskip("torch")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from onegpu.data import tokenize
+    from tests.unit.tiny import dataset, tokenizer
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=tokenizer().vocab_size, n_positions=64, n_embd=32, n_layer=1,
+                                       n_head=2, pad_token_id=tokenizer().pad_token_id)).double()
+    split = tokenize(dataset(10), tokenizer(), max_length=32, task="causal-lm")["train"]
+    whole, fused = _whole_and_fused(model, split, tokenizer(), 3)
+    assert fused["test_tokens"] == whole["test_tokens"] > 0
+    assert fused["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-12)
+    assert fused["test_mean_token_accuracy"] == whole["test_mean_token_accuracy"]
+
+
+@pytest.mark.slow
+def test_on_the_packaged_chat_model_the_fused_heads_validation_figures_are_the_whole_logits_in_float64():
+    """The packaged SmolLM2-135M-Instruct in float64 (its norms too), 8 answers of 1..9 words in batches of
+    3, 3 and 2 (completion-only targets): the fused head's loss within 1e-12 of the whole logits', the same
+    token accuracy."""
+    torch = pytest.importorskip("torch")
+    from onegpu.training import batches
+    from tests.unit.equivalence import float64 as f64
+    model = f64.packaged_chat_model().to(torch.float64)
+    f64.float64_norms(model)
+    split = f64.instruction_data("answers", 8)["train"]
+    whole, fused = _whole_and_fused(model, split, f64.chat_tokenizer(), 3)
+    assert fused["test_tokens"] == whole["test_tokens"] == sum(
+        sum(t != -100 for t in r["labels"][1:]) for r in batches.model_inputs(split, "causal-lm"))
+    assert fused["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-12)
+    assert fused["test_mean_token_accuracy"] == whole["test_mean_token_accuracy"]

@@ -36,6 +36,7 @@ def run(cfg: Config) -> dict:
         hf_logging.disable_progress_bar()  # no "Loading weights" bar in the pipeline's output
 
         model, tokenizer = loader.load_trained(paths.MODEL_DIR, task)
+        evaluation.as_trained(model, cfg)  # the output layer as training ran it (train.fused_lm_head)
         processed = load_from_disk(str(paths.PROCESSED))
         test, test_input = processed["test"], None
         if (fmt := paths.read_json(paths.STATS).get("format") if paths.STATS.is_file() else None) is not None:

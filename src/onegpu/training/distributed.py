@@ -223,6 +223,17 @@ def gather_over_ranks(values: list[float], device) -> list[list[float]]:
     return [t.tolist() for t in out]
 
 
+def gather_objects(obj) -> list:
+    """Every rank's ``obj`` (picklable: e.g. CPU tensors), indexed by rank; ``[obj]`` outside a launch.
+    One ``all_gather_object``: every rank must call it at the same point."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def any_rank(flag: bool, device) -> bool:
     """Whether ``flag`` is true on any rank (a stop requested on one stops all at the same step)."""
     import torch

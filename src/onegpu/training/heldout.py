@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from onegpu.config import Config
 from onegpu.measure import memory
+from onegpu.training import distributed, lm_head
 from onegpu.training.batches import CausalLMCollator, model_inputs
-from onegpu.training.loss import count_items, loss_for
+from onegpu.training.loss import causal_lm_loss, classification_loss, count_items
 
 TEST, EVAL = "test", "eval"  # the metric prefixes: the evaluate stage's test split, validation during training
 
@@ -39,42 +40,87 @@ def predict(model, tokenizer, dataset, cfg: Config, device: str | None = None) -
     """Run a classifier over ``dataset`` (prepared columns: ``input_ids``, ``attention_mask``, ``label``)
     in order, in batches of ``evaluate.per_device_eval_batch_size`` padded by ``DataCollatorWithPadding``,
     on ``device`` (None: :func:`onegpu.measure.memory.default_device`), under ``torch.no_grad()`` in eval
-    mode. Returns its :class:`Prediction`."""
+    mode. Under several processes each reads its share of the rows (:func:`shard`) and every process gets
+    the whole split's :class:`Prediction` (rows in rank order: the split's order)."""
     import torch
-    from torch.utils.data import DataLoader
     from transformers import DataCollatorWithPadding
-    batches = DataLoader(model_inputs(dataset), batch_size=cfg.evaluate.per_device_eval_batch_size,
-                         collate_fn=DataCollatorWithPadding(tokenizer), pin_memory=memory.cuda_available())
+    batches = _batches(model_inputs(dataset), cfg, DataCollatorWithPadding(tokenizer))
     logits, labels = [], []
 
-    def keep(out, gold) -> None:
-        logits.append(out.logits.float().cpu())
+    def keep(out_logits, gold) -> None:
+        logits.append(out_logits.float().cpu())
         labels.append(gold.cpu())
 
-    loss, _, runtime = _summed_loss(model, batches, "sequence-classification", device or memory.default_device(), keep)
-    return Prediction(torch.cat(logits), torch.cat(labels), loss, runtime)
+    loss, _, _, runtime = _summed(model, batches, _classifier_batch, device or memory.default_device(), keep)
+    logits = torch.cat(logits) if logits else torch.zeros(0, model.config.num_labels)  # (an empty share)
+    labels = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int64)
+    if distributed.world_size() > 1:  # every rank's rows, in rank order (one object all-gather)
+        parts = distributed.gather_objects((logits, labels))
+        logits, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return Prediction(logits, labels, loss, runtime)
 
 
-def _summed_loss(model, batches, task: str, device: str, keep=None) -> tuple[float, int, float]:
-    """The loss of ``task`` summed over every item of ``batches`` (float64) under ``torch.no_grad()`` in
-    eval mode, divided once by the item count: ``(mean loss, items, seconds)``. ``keep(out, labels)`` sees
-    each batch's model output (the classifier's logits)."""
+def shard(dataset):
+    """This process's contiguous share of ``dataset``'s rows under several processes: rank r of W reads
+    rows ``[r n // W, (r + 1) n // W)``, so every row is read once and none twice (no padding duplicates,
+    as a ``DistributedSampler`` or Accelerate's ``even_batches`` would add for an uneven split; a share may
+    be empty). The dataset itself outside a launch."""
+    world, rank = distributed.world_size(), distributed.rank()
+    if world == 1:
+        return dataset
+    return dataset.select(range(rank * len(dataset) // world, (rank + 1) * len(dataset) // world))
+
+
+def _batches(dataset, cfg: Config, collator):
+    from torch.utils.data import DataLoader
+    return DataLoader(shard(dataset), batch_size=cfg.evaluate.per_device_eval_batch_size, collate_fn=collator,
+                      pin_memory=memory.cuda_available())
+
+
+def _classifier_batch(model, batch: dict, gold):
+    """One batch's ``(summed cross-entropy, examples, logits)``."""
+    out = model(**batch)
+    items = count_items(gold, "sequence-classification")
+    return classification_loss(out, gold, num_items_in_batch=1), items, out.logits
+
+
+def _causal_lm_batch(model, batch: dict, gold):
+    """One batch's ``(summed next-token loss, target tokens, hits)``; hits: target tokens the model ranks
+    first. Under ``train.fused_lm_head`` (:func:`onegpu.training.lm_head.attached`) from the targets' logits
+    in tiles, as training computes its loss (:func:`onegpu.training.lm_head.target_scores`), else from the
+    whole logits."""
+    items = count_items(gold, "causal-lm")
+    if lm_head.attached(model):
+        nll, hits = lm_head.target_scores(lm_head.hidden_states(model, batch), gold)
+        return nll, items, hits
+    out = model(**batch)
+    targets = gold[..., 1:]  # next-token hits at the target positions (labels shifted by one)
+    hits = out.logits[..., :-1, :].argmax(-1).eq(targets).logical_and(targets.ne(-100)).sum()
+    return causal_lm_loss(out, gold, num_items_in_batch=1), items, hits
+
+
+def _summed(model, batches, score, device: str, keep=None) -> tuple[float, int, int, float]:
+    """``score(model, batch, gold) -> (summed loss, items, extra)`` over every batch under
+    ``torch.no_grad()`` in eval mode, the losses summed in float64 and divided once by the item count,
+    over all processes (one all-reduce): ``(mean loss, items, hits, seconds)``. ``extra`` is a 0-dim hit
+    count (summed into ``hits``), or handed to ``keep(extra, gold)`` (the classifier's logits; hits 0)."""
     import torch
-    loss_fn = loss_for(task)
     model.to(device).eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    items = torch.zeros((), dtype=torch.int64, device=device)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, items, hits (counts exact below 2**53)
     start = time.perf_counter()
     with torch.no_grad():
         for batch in batches:
             batch = {k: v.to(device) for k, v in batch.items()}
             gold = batch.pop("labels")
-            out = model(**batch)
-            total += loss_fn(out, gold, num_items_in_batch=1).double()  # the batch's sum
-            items += count_items(gold, task)
-            if keep is not None:
-                keep(out, gold)
-    return float(total / items), int(items), time.perf_counter() - start
+            loss, items, extra = score(model, batch, gold)
+            sums[0] += loss.double()
+            sums[1] += items
+            if keep is None:
+                sums[2] += extra
+            else:
+                keep(extra, gold)
+    total, items, hits = distributed.sum_over_ranks(sums).tolist()
+    return total / items, int(items), int(hits), time.perf_counter() - start
 
 
 def _named(prefix: str, metrics: dict) -> dict:
@@ -119,18 +165,9 @@ def causal_lm_metrics(model, tokenizer, dataset, cfg: Config, device: str, prefi
     ``mean_token_accuracy`` (TRL's name: argmax of the logits = the target, over all target tokens of the
     split), ``runtime`` (s), ``samples_per_second``, ``tokens`` (target tokens), ``rows``.
     """
-    from torch.utils.data import DataLoader
     ds = model_inputs(dataset, "causal-lm")
-    loader = DataLoader(ds, batch_size=cfg.evaluate.per_device_eval_batch_size,
-                        collate_fn=CausalLMCollator(tokenizer))
-    correct = []
-
-    def keep(out, gold) -> None:  # next-token hits at the target positions (labels shifted by one)
-        targets = gold[..., 1:]
-        correct.append(out.logits[..., :-1, :].argmax(-1).eq(targets).logical_and(targets.ne(-100)).sum())
-
-    loss, tokens, runtime = _summed_loss(model, loader, "causal-lm", device, keep)
-    hits = int(sum(c.item() for c in correct))
+    loss, tokens, hits, runtime = _summed(model, _batches(ds, cfg, CausalLMCollator(tokenizer)), _causal_lm_batch,
+                                          device)
     return _named(prefix, {"loss": loss, "perplexity": math.exp(loss), "mean_token_accuracy": hits / tokens,
                            "runtime": runtime, "samples_per_second": len(ds) / runtime, "tokens": tokens,
                            "rows": len(ds)})

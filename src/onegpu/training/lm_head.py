@@ -149,6 +149,19 @@ def _tile_nll(hidden, weight, bias, targets, scale: float, softcap: float | None
     return F.cross_entropy(upcast(logits), targets, reduction="sum")
 
 
+def _gathered(outputs: HiddenStates, labels):
+    """``(hidden, targets)``: the hidden states ``(n, hidden)`` of the positions whose next-token label is
+    a target and those labels ``(n,)``, padded with zero rows (label -100) to a multiple of ``ROW_ALIGN``."""
+    import torch.nn.functional as F
+    targets = labels[:, 1:].to(outputs.hidden.device)
+    mask = targets.ne(IGNORE_INDEX)
+    hidden, targets = outputs.hidden[:, :-1][mask], targets[mask]
+    pad = -targets.shape[0] % ROW_ALIGN  # zero rows without a target: an aligned matrix (ROW_ALIGN)
+    if pad:  # (a copy of the gathered rows: only when it changes them)
+        hidden, targets = F.pad(hidden, (0, 0, 0, pad)), F.pad(targets, (0, pad), value=IGNORE_INDEX)
+    return hidden, targets
+
+
 def target_nll(outputs: HiddenStates, labels):
     """The summed next-token negative log-likelihood over ``labels``' targets: a 0-dim float32 tensor
     (float64 for a float64 model).
@@ -161,21 +174,43 @@ def target_nll(outputs: HiddenStates, labels):
     :func:`tokens_per_tile` targets, each under
     ``torch.utils.checkpoint`` (non-reentrant: autocast is recomputed as it was).
     """
-    import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
     model = outputs.model
     head = model.get_output_embeddings()
-    targets = labels[:, 1:].to(outputs.hidden.device)
-    mask = targets.ne(IGNORE_INDEX)
-    hidden, targets = outputs.hidden[:, :-1][mask], targets[mask]
-    pad = -targets.shape[0] % ROW_ALIGN  # zero rows without a target: an aligned matrix (ROW_ALIGN)
-    if pad:  # (a copy of the gathered rows: only when it changes them)
-        hidden, targets = F.pad(hidden, (0, 0, 0, pad)), F.pad(targets, (0, pad), value=IGNORE_INDEX)
+    hidden, targets = _gathered(outputs, labels)
     scale, softcap = logit_transform(model.config)
     step = tokens_per_tile(head.weight.shape[0])
     tiles = [checkpoint(_tile_nll, hidden[i:i + step], head.weight, head.bias, targets[i:i + step], scale, softcap,
                         use_reentrant=False, preserve_rng_state=False) for i in range(0, targets.shape[0], step)]
     return sum(tiles[1:], tiles[0]) if tiles else upcast(hidden.sum())  # no target: 0, still in the graph
+
+
+def hidden_states(model, batch: dict) -> HiddenStates:
+    """The decoder's last hidden state for ``batch`` (the model's inputs, no ``labels``), in the model's
+    current mode: what a train-mode forward returns under :func:`attach`, for held-out figures under
+    ``torch.no_grad()`` in eval mode (the same output layer in tiles as training, never the whole logits)."""
+    inner = _inner(model)
+    return HiddenStates(inner.base_model(**batch, use_cache=False).last_hidden_state, inner)
+
+
+def target_scores(outputs: HiddenStates, labels):
+    """``(summed nll, hits)`` over ``labels``' targets, tile by tile as :func:`target_nll` computes each
+    target's loss (no autograd: call under ``torch.no_grad()``). ``summed nll``: 0-dim float32 (float64 for
+    a float64 model); ``hits``: 0-dim int64, the targets whose logit is the largest (TRL's mean token
+    accuracy's numerator). ``labels``: ``(rows, seq_len)`` int64, unshifted, -100 where no target."""
+    import torch
+    model = outputs.model
+    head = model.get_output_embeddings()
+    hidden, targets = _gathered(outputs, labels)
+    scale, softcap = logit_transform(model.config)
+    step = tokens_per_tile(head.weight.shape[0])
+    nll = upcast(hidden.new_zeros(()))
+    hits = torch.zeros((), dtype=torch.int64, device=hidden.device)
+    for i in range(0, targets.shape[0], step):
+        logits = _transform(torch.nn.functional.linear(hidden[i:i + step], head.weight, head.bias), scale, softcap)
+        nll = nll + torch.nn.functional.cross_entropy(upcast(logits), targets[i:i + step], reduction="sum")
+        hits += logits.argmax(-1).eq(targets[i:i + step]).sum()
+    return nll, hits
 
 
 def transient_bytes(targets: int, vocab: int, hidden: int, head_trains: bool) -> int:
@@ -193,6 +228,14 @@ def transient_bytes(targets: int, vocab: int, hidden: int, head_trains: bool) ->
     tile = rows * vocab
     peak = max(tile * 4 * TILE_BUFFERS, tile * 4 + (4 * vocab * hidden if head_trains else 0))
     return int(peak + 4 * targets * hidden)
+
+
+def eval_transient_bytes(targets: int, vocab: int, hidden: int) -> int:
+    """Bytes :func:`target_scores` allocates at its peak for ``targets`` target positions (held-out figures,
+    no autograd): its largest tile's float32 logits and their log-softmax (``2 x rows x vocab x 4``, rows
+    as in :func:`transient_bytes`), plus the gathered hidden states (``targets x hidden x 4``)."""
+    rows = min(-(-targets // ROW_ALIGN) * ROW_ALIGN, tokens_per_tile(vocab))
+    return int(2 * 4 * rows * vocab + 4 * targets * hidden)
 
 
 def attached(model) -> bool:

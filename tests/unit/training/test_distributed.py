@@ -117,14 +117,16 @@ def _validation_part(rank: int, out: str) -> None:
     """The trainer backend on rank ``rank`` of 2, validating after each of 2 steps; writes ``<out>.json``:
     the validation points this rank logged and its step losses."""
     distributed.TIMEOUT_S = 60
+    from onegpu.training import heldout
     from onegpu.training.backends import hf_trainer
     from onegpu.training.backends.base import TrainRequest
     from tests.unit import tiny as tb
-    points = []
+    points, shares, own = [], [], heldout.shard
+    heldout.shard = lambda ds: shares.append(len(own(ds))) or own(ds)  # the rows this rank reads per point
     _, steps = hf_trainer.train(TrainRequest(tb.tiny_bert(), tb.tokenizer(), _validation_data(), _validation_cfg(2),
                                              sink=lambda m, s: points.append((s, m)) if "eval_loss" in m else None))
     with open(f"{out}.json", "w") as f:
-        json.dump({"points": points, "loss": [r["loss"] for r in steps.rows]}, f)
+        json.dump({"points": points, "shares": shares, "loss": [r["loss"] for r in steps.rows]}, f)
 
 
 _PARTS = {"all_reduce": _all_reduce_part, "oom_retry": _oom_retry_part, "validation": _validation_part}
@@ -158,7 +160,7 @@ def rank_results(request, tmp_path_factory) -> dict:
     import torch.multiprocessing as mp
     tests = {"all_reduce": test_two_gloo_ranks_all_reduce_once_per_step_and_give_the_one_process_gradient,
              "oom_retry": test_an_out_of_memory_retry_on_one_rank_keeps_the_ranks_in_step_and_the_losses,
-             "validation": test_two_processes_validate_as_one_the_first_alone_over_the_whole_split}
+             "validation": test_two_processes_validate_as_one_each_its_share_of_the_split}
     selected = {getattr(item, "originalname", None) for item in request.session.items}
     parts = [part for part, test in tests.items() if test.__name__ in selected] or list(tests)
     out = tmp_path_factory.mktemp("ranks")
@@ -193,14 +195,17 @@ def test_an_out_of_memory_retry_on_one_rank_keeps_the_ranks_in_step_and_the_loss
     assert plain[0]["loss"] == plain[1]["loss"]  # every rank logs the whole step's loss
 
 
-def test_two_processes_validate_as_one_the_first_alone_over_the_whole_split(rank_results):
-    """2 processes x 4 = 1 x 8: the first process logs the validation points (over all 7 rows, the last
-    batch uneven: no row counted twice or left out), the other none, and they are the one-process figures."""
+def test_two_processes_validate_as_one_each_its_share_of_the_split(rank_results):
+    """2 processes x 4 = 1 x 8: each process reads its share of the 7 validation rows (3 and 4: the second's
+    last batch of 3 uneven; no row counted twice or left out), and both hold the one-process figures."""
     from onegpu.training.backends import hf_trainer
     from onegpu.training.backends.base import TrainRequest
     from tests.unit import tiny as tb
     ranks = _part(rank_results, "validation")
-    assert [len(r["points"]) for r in ranks] == [2, 0]
+    assert [r["shares"] for r in ranks] == [[3, 3], [4, 4]]  # rows 0-2 and 3-6, at each of the 2 points
+    figures = ("eval_loss", "eval_accuracy", "eval_f1_macro", "eval_rows")  # (runtime and peak are each rank's)
+    assert [[(s, [m[k] for k in figures]) for s, m in r["points"]] for r in ranks] == [
+        [(s, [m[k] for k in figures]) for s, m in ranks[0]["points"]]] * 2  # all-reduced: equal on every process
     one = []
     hf_trainer.train(TrainRequest(tb.tiny_bert(), tb.tokenizer(), _validation_data(), _validation_cfg(1),
                                   sink=lambda m, s: one.append((s, m)) if "eval_loss" in m else None))
