@@ -18,7 +18,7 @@ from onegpu.data import pipeline
 from onegpu.formatting import GiB
 from onegpu.measure import memory
 from onegpu.models import loader
-from onegpu.training import autobatch, checkpointing
+from onegpu.training import autobatch, checkpointing, validation
 from onegpu.training.batches import train_collator, training_rows
 from onegpu.training.loss import loss_for
 from onegpu.training.session import build_model, check_flattened
@@ -67,6 +67,8 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     print(f"memory estimate for {type(model).__name__}, precision {precision}, attention "
           f"{loader.attention_kernel(model)}, optimizer {cfg.train.optim}{lora_note}, rows from {where}:")
     print(autobatch.format_estimate(est, budget, cfg.train.gradient_checkpointing))
+    if (line := validation.estimate_line(model, tokenizer, dsd, cfg, est)) is not None:
+        print(line)
     if cfg.train.activation_offloading:
         print(autobatch.offloading_line(est, cfg.train.gradient_checkpointing))
     print(f"({time.perf_counter() - start:.1f} s; CUDA adds its context and allocator slack, the CPU process "

@@ -60,7 +60,7 @@ def _write_outputs(result: tracked_run.TrainResult) -> None:
                            ([{**r, "mem_peak_mib": round(r["mem_peak_bytes"] / 2**20, 1)}.get(c, "")
                              for c in STEP_COLUMNS] for r in result.steps.rows))
     paths.write_csv_atomic(paths.EVAL_PLOT, EVAL_COLUMNS, ([p.get(c, "") for c in EVAL_COLUMNS]
-                                                           for p in getattr(result.steps, "evals", [])))
+                                                           for p in result.steps.evals))
     headline = {k: result.summary[k] for k in HEADLINE if k in result.summary}
     if outside_load.under_load(result.outside_load):  # a caution beside the speed, only when there is one
         headline[outside_load.METRIC] = result.outside_load["cpu_busy"]

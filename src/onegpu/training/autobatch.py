@@ -282,6 +282,21 @@ def logits_term(model, probe: dict, mixed_precision: str = "no"):
     return lambda m: lm_head.transient_bytes(targets * m, vocab, hidden, head.weight.requires_grad)
 
 
+def validation_term(model, probe: dict, rows: int) -> int:
+    """Bytes a validation (or test) pass's output layer and loss hold at their peak beyond the model's states,
+    for batches of ``rows`` rows like ``probe`` (one collated row, the longest of the split), under
+    ``torch.no_grad()`` outside autocast as :mod:`onegpu.training.heldout` runs them: the whole logits, their
+    float32 copy and their log-softmax (:func:`logits_bytes` per row), or under ``train.fused_lm_head`` one
+    tile's (:func:`onegpu.training.lm_head.eval_transient_bytes`). 0 for a classifier (its logits are a few
+    numbers per row). The layers' own temporaries (one layer's at a time without autograd) are not counted."""
+    from onegpu.training import lm_head
+    from onegpu.training.loss import count_items
+    if not lm_head.attached(model):
+        return logits_bytes(model, int(probe["input_ids"].shape[-1])) * rows
+    vocab, hidden = model.get_output_embeddings().weight.shape
+    return lm_head.eval_transient_bytes(int(count_items(probe["labels"], "causal-lm")) * rows, vocab, hidden)
+
+
 def logits_bytes(model, length: int, mixed_precision: str = "no") -> int:
     """Bytes per row of a language model's logits that the saved activations leave out: the logits
     (``length x vocab``, 2 bytes under bf16/fp16 autocast, else 4), their float32 copy that the loss

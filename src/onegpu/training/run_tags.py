@@ -71,8 +71,8 @@ def validation_tags(steps) -> dict:
     """What validation decided, on the run page: ``onegpu.early_stopping`` (the sentence: at which step and
     why), and with ``train.load_best_model_at_end`` ``onegpu.best_step`` and ``onegpu.best_metric``
     (``eval_loss=0.5123``): the validation point whose weights models/ holds."""
-    tags = {"onegpu.early_stopping": steps.stopped_early} if getattr(steps, "stopped_early", None) else {}
-    best = getattr(steps, "best", None)
+    tags = {"onegpu.early_stopping": steps.stopped_early} if steps.stopped_early else {}
+    best = steps.best
     if best is not None:
         tags.update({"onegpu.best_step": str(best["step"]),
                      "onegpu.best_metric": f"{best['metric']}={best['value']:.6g}"})

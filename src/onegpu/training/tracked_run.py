@@ -136,7 +136,7 @@ def _run(plan: TrainPlan, tracker, dsd, run_id: str, rows: list, stop: GracefulS
             load.stop()
         summary = log_results(plan, tracker, run_id, buffer, model, steps)
         spec = record.logged_model(plan.cfg, plan.key, tracking.run_name() or config_name(plan.cfg))
-        if getattr(steps, "best", None) is not None:  # the model holds the best point's weights, not the last's
+        if steps.best is not None:  # the model holds the best point's weights, not the last's
             spec.params.update({"best_step": str(steps.best["step"]),
                                 steps.best["metric"]: f"{steps.best['value']:.6g}"})
         result = TrainResult(model, tokenizer, steps, summary, plan, run_id, tracker.experiment_id,

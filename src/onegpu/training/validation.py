@@ -13,9 +13,9 @@ Validation changes nothing of the training: the model is put in eval mode under 
 back in its mode afterwards, and the random number generators are restored afterwards
 (``torch.random.fork_rng``; a DataLoader draws its base seed from the global generator when it is
 iterated), so the steps' losses, gradient norms and weights are bit-equal with validation on or off
-(``tests/unit/training/test_validation.py``). Under several processes the first process validates the
-whole split alone (the others wait at the next step's collectives), so the figures are the one-process
-figures.
+(``tests/unit/training/test_validation.py``). Under several processes each validates its contiguous share
+of the split (:func:`onegpu.training.heldout.shard`: every row once) and the sums are all-reduced, so every
+process holds the one-process figures.
 """
 from __future__ import annotations
 
@@ -63,14 +63,15 @@ class Validation:
         self.model, self.tokenizer, self.dataset, self.cfg = model, tokenizer, dataset, cfg
         self.device, self.every, self.total_steps = str(device), every, total_steps
         self._best_dir, self._scratch = best_dir, None
+        self.best_bytes = 0  # bytes of the best point's weights on disk (train.load_best_model_at_end)
 
     def is_point(self, step: int) -> bool:
         """Whether optimizer ``step`` is followed by a validation point (every ``every`` steps, and the last)."""
         return step % self.every == 0 or step == self.total_steps
 
     def due(self, step: int) -> bool:
-        """Whether this process validates after ``step``: the first process, at a point."""
-        return distributed.is_main() and self.is_point(step)
+        """Whether the processes validate after ``step`` (every process, each its share of the split)."""
+        return self.is_point(step)
 
     def __call__(self, step: int) -> dict:
         """The split's ``eval_*`` figures with the weights after ``step`` (:func:`onegpu.training.heldout.
@@ -100,7 +101,7 @@ class Validation:
             self._save_best()
         patience = t.early_stopping_patience
         stop = patience is not None and waited >= patience and step < self.total_steps
-        if distributed.world_size() > 1:  # the first process decided: every process stops after the same step
+        if distributed.world_size() > 1:  # the same all-reduced figures on every process: a stop agreed anyway
             stop = distributed.any_rank(stop, self.device)
         if not stop:
             return None
@@ -119,12 +120,19 @@ class Validation:
         return os.path.join(str(self._best_dir), BEST_FILE)
 
     def _save_best(self) -> None:
-        """The model's weights (on the host, then to disk: no second copy stays in memory), atomically."""
+        """The model's weights to disk, atomically: on a GPU through a host copy freed once written (nothing
+        more on the device), on a CPU the state dict's own tensors (no copy), so no second copy of the model
+        stays in memory; their bytes are :attr:`best_bytes` (the breakdown's ``mem_best_model_bytes``)."""
         import os
 
         import torch
+
+        from onegpu.measure import memory
         path = self._best_file()
-        torch.save({k: v.detach().cpu() for k, v in self.model.state_dict().items()}, path + ".tmp")
+        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        torch.save(state, path + ".tmp")
+        self.best_bytes = memory.tensors_bytes(state.values())
+        del state
         os.replace(path + ".tmp", path)
 
     def load_best(self, model, evals: list[dict]) -> dict | None:
@@ -218,8 +226,8 @@ def finish(model, recorder):
     """After a backend's training: early stopping's line, and with ``train.load_best_model_at_end`` the best
     point's weights loaded into ``model`` and said (``recorder.best``: ``{"step", "metric", "value"}`` of that
     point; None otherwise). Returns ``(model, recorder)``, as the backend did."""
-    v = getattr(recorder, "validation", None)
-    if getattr(recorder, "stopped_early", None):
+    v = recorder.validation
+    if recorder.stopped_early:
         distributed.print_main(f"train: {recorder.stopped_early}")
     best = v.load_best(model, recorder.evals) if v is not None else None
     if best is not None:
@@ -228,3 +236,28 @@ def finish(model, recorder):
         distributed.print_main(f"train: models/ gets the weights of optimizer step {best['step']}, the best "
                                f"validation point ({metric} {best[metric]:.6g}; train.load_best_model_at_end)")
     return model, recorder
+
+
+def estimate_line(model, tokenizer, dsd, cfg: Config, est: dict) -> str | None:
+    """``onegpu estimate``'s line on what a validation pass adds (None: ``train.eval_strategy: no`` or no
+    validation rows): the model's params and optimizer states stay (the gradients are freed after each
+    optimizer step, before the pass), the pass adds its output layer's and loss's peak for batches of
+    ``evaluate.per_device_eval_batch_size`` rows as long as the split's longest
+    (:func:`onegpu.training.autobatch.validation_term`; before prepare has run, the longest of the sampled
+    rows, which the split is cut from). ``est``: :func:`onegpu.training.autobatch.estimate`'s."""
+    from onegpu.formatting import mib
+    from onegpu.training import autobatch
+    from onegpu.training.batches import collator_for, model_inputs
+    split = dsd["validation"] if "validation" in dsd else dsd["train"]  # (prepare not run: the source's sample)
+    if cfg.train.eval_strategy == "no" or len(split) == 0:
+        return None
+    task, rows = cfg.model.task, min(cfg.evaluate.per_device_eval_batch_size, len(split))
+    inputs = model_inputs(split, task)
+    probe = collator_for(task, tokenizer)([inputs[autobatch.longest_rows(inputs, 1)[0]]])
+    term = autobatch.validation_term(model, probe, rows)
+    s = est["states"]
+    total = s["mem_params_bytes"] + s["mem_optimizer_bytes"] + term
+    return (f"validation (train.eval_strategy: {cfg.train.eval_strategy}): a pass over batches of {rows} rows up to "
+            f"{int(probe['input_ids'].shape[-1])} tokens adds its logits and loss, {mib(term)}, to the params and "
+            f"optimizer states (the gradients are freed after each step): {mib(total)}, plus one layer's "
+            "temporaries at a time (not estimated; no activations are kept without autograd)")

@@ -183,3 +183,23 @@ def test_without_prepared_data_the_estimate_sees_prepares_own_rows(tmp_path, mon
     assert len(common) > 100
     for r in common:
         assert r == by_row[r[column]]  # the same ids, masks, labels, lengths (and prompt length, reference)
+
+
+def test_the_estimate_says_what_a_validation_pass_adds_unless_the_run_does_not_validate(monkeypatch, capsys):
+    """With ``train.eval_strategy`` on, one line: the pass's batches (evaluate.per_device_eval_batch_size
+    rows, the split's longest length), its logits and loss, and params + optimizer states (the gradients
+    are freed before it); none with ``eval_strategy: no``."""
+    from onegpu.formatting import mib
+    from onegpu.models import loader
+    from onegpu.stages import estimate as stage
+    dsd = _uniform_rows()
+    monkeypatch.setattr(stage, "_rows", lambda cfg, path: (dsd, tokenizer(), "test rows"))
+    monkeypatch.setattr(loader, "build_classifier", lambda path, labels, dropout, attn: tiny_bert(attn))
+    est = stage.run(from_container({"evaluate": {"per_device_eval_batch_size": 5}}, source="test"), [MICRO])
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("validation")]
+    states = est["states"]["mem_params_bytes"] + est["states"]["mem_optimizer_bytes"]
+    assert line.startswith("validation (train.eval_strategy: steps): a pass over batches of 5 rows up to 32 tokens "
+                           "adds its logits and loss, 0 MiB, to the params and optimizer states"), line
+    assert f": {mib(states)}, plus one layer's temporaries" in line
+    stage.run(from_container({"train": {"eval_strategy": "no"}}, source="test"), [MICRO])
+    assert not [x for x in capsys.readouterr().out.splitlines() if x.startswith("validation")]

@@ -213,3 +213,21 @@ def test_the_offloading_line_names_the_activations_each_micro_batch_moves_off_th
     assert line.startswith("train.activation_offloading: the activations move to pinned host memory")
     assert "3 MiB at 2, 6 MiB at 4" in line
     assert "1 MiB at 2, 2 MiB at 4" in autobatch.offloading_line(est, checkpointing=True)
+
+
+def test_a_validation_passs_term_is_the_whole_logits_or_one_fused_tile():
+    """autobatch.validation_term for 5 rows like a probe of 12 positions (7 targets): the whole logits'
+    bytes per row (logits, their float32 copy, their log-softmax) x 5, or under the fused head one tile of
+    the 35 targets (lm_head.eval_transient_bytes); what ``onegpu estimate``'s validation line adds."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from onegpu.training import lm_head
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    labels = torch.arange(12)[None]
+    labels[:, :5] = -100
+    probe = {"input_ids": torch.arange(12)[None], "labels": labels}
+    assert autobatch.validation_term(model, probe, 5) == 5 * 12 * 300 * (4 + 4 + 4)
+    lm_head.attach(model)
+    assert autobatch.validation_term(model, probe, 5) == lm_head.eval_transient_bytes(5 * 7, 300, 32)
+    assert lm_head.eval_transient_bytes(30, 300, 32) == 2 * 4 * 32 * 300 + 4 * 30 * 32  # 30 targets: 32 rows
+

@@ -66,9 +66,11 @@ def test_the_training_loop_runs_with_cpythons_collector_after_the_commands_start
 
     from onegpu import interpreter
     from onegpu.training.backends import base
+    from onegpu.training.recorder import StepRecorder
     seen = []
     monkeypatch.setattr(base, "get", lambda name: types.SimpleNamespace(
-        train=lambda request: seen.append((gc.get_threshold(), gc.get_freeze_count() > 0)) or (None, None)))
+        train=lambda request: seen.append((gc.get_threshold(), gc.get_freeze_count() > 0))
+        or (None, StepRecorder(lambda m, s: None, "cpu", None))))
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
     plan = session.plan(_cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2), STATS)
     interpreter.start()

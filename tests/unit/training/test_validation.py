@@ -12,6 +12,8 @@ from onegpu.errors import ConfigError
 from onegpu.training import validation
 from tests.unit.tiny import dataset, tiny_bert, tokenizer
 
+torch = pytest.importorskip("torch")
+
 
 def _cfg(**train) -> config.Config:
     base = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 4, "learning_rate": 1e-3}
@@ -134,6 +136,24 @@ def test_early_stopping_stops_at_the_planted_step_and_the_best_weights_are_kept(
     weights = model.state_dict()
     assert all(bool((weights[k] == seen[2][k]).all()) for k in seen[2])
     assert not all(bool((weights[k] == seen[4][k]).all()) for k in seen[4])
+    on_disk = torch.load(tmp_path / validation.BEST_FILE, weights_only=True)  # the best point, the breakdown's bytes
+    assert rec.memory()["mem_best_model_bytes"] == sum(t.numel() * t.element_size() for t in on_disk.values()) > 0
+
+
+def test_keeping_the_best_weights_on_a_cpu_copies_no_tensor(monkeypatch, tmp_path):
+    """Validation._save_best writes the state dict's own tensors on a CPU (the same storage as the model's:
+    no second copy of the model in memory), and counts their bytes for the breakdown."""
+    model = tiny_bert()
+    written = {}
+    monkeypatch.setattr(torch, "save", lambda state, path: written.update(state))
+    v = validation.Validation(model, tokenizer(), _data()["validation"], _cfg(load_best_model_at_end=True), "cpu",
+                              1, 2, tmp_path)
+    (tmp_path / (validation.BEST_FILE + ".tmp")).write_bytes(b"")  # what torch.save would have written
+    v._save_best()
+    own = model.state_dict()
+    assert written.keys() == own.keys()
+    assert all(written[k].data_ptr() == own[k].data_ptr() for k in own)
+    assert v.best_bytes == sum(t.numel() * t.element_size() for t in own.values())
 
 
 def test_best_model_and_early_stopping_need_validation_and_a_figure_of_the_task():
@@ -159,10 +179,11 @@ def test_the_plan_refuses_an_empty_split_or_an_eval_steps_beyond_the_run_before_
 
 @pytest.mark.parametrize("backend", ["trainer", "accelerate"])
 def test_a_resumed_run_continues_the_points_the_best_and_the_patience(backend, monkeypatch, tmp_path):
-    """A stop asked for after step 2 (the accelerate loop stops there, Trainer after the step in progress:
-    3), then resumed: the checkpoint holds the points so far, the resumed run adds the rest (no point
-    twice, none missing), the patience counted over all of them stops it after step 4 as the uninterrupted
-    run does, and the best (step 2, saved before the stop) is what models/ gets."""
+    """A stop asked for as step 2's validation point is logged (both backends check for a stop once
+    the pass is over, and stop there with its point in the checkpoint), then resumed: the checkpoint
+    holds the points so far, the resumed run adds the rest (no point twice, none missing), the
+    patience counted over all of them stops it after step 4 as the uninterrupted run does, and the best
+    (step 2, saved before the stop) is what models/ gets."""
     import importlib
 
     from onegpu.training.backends.base import TrainRequest
@@ -183,7 +204,7 @@ def test_a_resumed_run_continues_the_points_the_best_and_the_patience(backend, m
         module.train(TrainRequest(tiny_bert(), tokenizer(), _data(), cfg, sink, checkpoint_dir=tmp_path, stop=stop,
                                   checkpoint_meta={"run_id": "r1"}))
     point = latest_checkpoint(tmp_path)
-    assert point.step == (3 if backend == "trainer" else 2)
+    assert point.step == 2
     assert [p["step"] for p in point.evals] == list(range(1, point.step + 1))
     later = []
     model, rec = validation.finish(*module.train(TrainRequest(
