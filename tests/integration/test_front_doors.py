@@ -1,8 +1,9 @@
 """The README's commands in a terminal, stopped the ways users stop them (issue 30): Ctrl-C (SIGINT to
 the terminal's whole foreground process group, make's output filters included), the terminal closed
 (SIGHUP) and SIGTERM to the group (a scheduler, `kill -TERM -<pgid>`). Each case: the exit status, the
-MLflow run's status and steps, the checkpoint kept, and that the next `make run` resumes to the losses
-and weights of an uninterrupted training. docs/details.md ("When a run is stopped") has the table.
+MLflow run's status and steps, the checkpoint kept, and that the next `make run` resumes to the
+losses, validation points and weights of an uninterrupted training (the Ctrl-C lands during a
+validation pass). docs/details.md ("When a run is stopped") has the table.
 
 Through a pseudo-terminal (tests/integration/terminal.py), not a pipe or a background job: there the
 shell makes the filters ignore SIGINT, which is why the broken pipe that lost `make run`'s training never
@@ -26,14 +27,20 @@ pytestmark = pytest.mark.slow
 
 STEPS = 10
 PARAMS = {"train": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": STEPS,
-                    "logging_steps": 1},
+                    "logging_steps": 1, "eval_steps": 2, "load_best_model_at_end": True},
           "model": {"dropout": 0.1}}  # dropout: the RNG state must resume too
+FAULTS = Path(__file__).with_name("faults")  # sitecustomize.py: ONEGPU_TEST_FAULT=slow_validation:<rank>:<step>
 MAKE_RUN = "make -o .venv/.installed run"
 
 
 def _losses(project: Path) -> list[float]:
     with open(project / "plots/train_steps.csv") as f:
         return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+def _evals(project: Path, run) -> list[tuple[int, float]]:
+    """The run's validation points in MLflow: (step, eval_loss), in step order."""
+    return sorted((m.step, m.value) for m in client(project).get_metric_history(run.info.run_id, "eval_loss"))
 
 
 def _checkpoints(project: Path) -> list[int]:
@@ -81,20 +88,24 @@ def test_make_run_stopped_by_ctrl_c_a_closed_terminal_and_sigterm_resumes_to_the
     run([str(BIN / "onegpu"), "train"], project)  # the uninterrupted reference (outside DVC: dvc.lock unchanged)
     reference = _losses(project), load_file(project / "models/model/model.safetensors")
 
-    # Ctrl-C after step 2: the filters outlive it, train stops after its step with a checkpoint.
+    # Ctrl-C during the validation pass after step 2 (made 5 s longer by a test fault): the filters outlive
+    # it, train stops after the pass with a checkpoint that holds the point.
     term = open_terminal()
-    term.start(MAKE_RUN)
-    term.read_until(r"^step 2/10 ")
+    term.start(f"ONEGPU_TEST_FAULT=slow_validation:0:2 PYTHONPATH={FAULTS} {MAKE_RUN}")
+    term.read_until(r"^test fault: validating after optimizer step 2$")
     term.ctrl_c()
     assert term.exit_status() != 0
     shown = term.output
-    assert "SIGINT: stopping after optimizer step" in shown and "Traceback" not in shown, shown
+    assert "SIGINT: stopping after the validation pass of optimizer step 2 and saving a checkpoint" in shown, shown
+    assert "Traceback" not in shown, shown
     stopped = _checkpoints(project)[-1]
     assert (f"onegpu train: stopped by SIGINT after optimizer step {stopped}; kept the checkpoint of optimizer "
             f"step {stopped} (.onegpu/checkpoints/") in shown, shown
     assert "`make run` again (`dvc repro`) resumes it" in shown
     first = _train_runs(project)[-1]
+    assert stopped == 2, shown
     assert first.info.status == "KILLED" and _loss_steps(project, first) == list(range(1, stopped + 1))
+    assert [s for s, _ in _evals(project, first)] == [2]  # the pass it was stopped in, completed once
     assert "training_steps.png" in [a.path for a in client(project).list_artifacts(first.info.run_id)]
     # its MLflow page says so too, over its figure, with the command that resumes it
     assert first.data.tags["mlflow.note.content"].startswith(
@@ -140,6 +151,11 @@ def test_make_run_stopped_by_ctrl_c_a_closed_terminal_and_sigterm_resumes_to_the
     assert [r.data.tags.get("onegpu.resumed_by") for r in chain[:2]] == [chain[1].info.run_id, chain[2].info.run_id]
     assert chain[2].data.tags["onegpu.resumed_from"] == chain[1].info.run_id
     assert _losses(project) == pytest.approx(reference[0], abs=1e-6)
+    # one validation point per step, none twice, the uninterrupted run's; the same best step kept in models/
+    ref_run = _train_runs(project)[0]
+    assert [s for s, _ in _evals(project, last)] == [2, 4, 6, 8, 10]
+    assert [v for _, v in _evals(project, last)] == pytest.approx([v for _, v in _evals(project, ref_run)], abs=1e-6)
+    assert last.data.tags["onegpu.best_step"] == ref_run.data.tags["onegpu.best_step"]
     weights = load_file(project / "models/model/model.safetensors")
     assert max(float((weights[k] - reference[1][k]).abs().max()) for k in weights) <= 1e-6
 

@@ -53,6 +53,22 @@ def stopped_by(signum: int, what: str = "") -> KeyboardInterrupt:
     return e
 
 
+# The optimizer step whose validation pass is running (:func:`validating`), for the stop line; empty between.
+VALIDATING: list[int] = []
+
+
+@contextlib.contextmanager
+def validating(step: int):
+    """Mark a validation pass after optimizer ``step`` (:class:`onegpu.training.recorder.StepRecorder`), so
+    a signal during it says that the run stops after the pass, with ``step``'s checkpoint (both backends
+    check for a stop once the pass is over)."""
+    VALIDATING.append(step)
+    try:
+        yield
+    finally:
+        VALIDATING.pop()
+
+
 class GracefulStop:
     """A context manager (main thread only; elsewhere it does nothing) that handles SIGINT, SIGTERM and
     SIGHUP as the module docstring says and restores the previous handlers on exit.
@@ -88,8 +104,12 @@ class GracefulStop:
 
     def _stop_line(self, name: str) -> str:
         done, step_s, saved = self.progress() if self.progress else (None, None, None)
-        where = f"optimizer step {done + 1}" if done is not None else "this optimizer step"
-        line = f"\n{name}: stopping after {where} and saving a checkpoint (send it again to abandon the step)"
+        if VALIDATING:  # between two steps: the pass ends, then the checkpoint of the step it follows
+            where = f"the validation pass of optimizer step {VALIDATING[-1]}"
+        else:
+            where = f"optimizer step {done + 1}" if done is not None else "this optimizer step"
+        line = (f"\n{name}: stopping after {where} and saving a checkpoint (send it again to abandon the "
+                + ("pass)" if VALIDATING else "step)"))
         if name == "SIGTERM" and step_s is not None and step_s >= SCHEDULER_GRACE_S / 2:
             line += (f"; an optimizer step takes about {step_s:.0f} s here: with the checkpoint's save it may not "
                      f"fit a scheduler's usual {SCHEDULER_GRACE_S} s from SIGTERM to SIGKILL (SLURM KillWait, "

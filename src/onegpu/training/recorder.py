@@ -16,6 +16,7 @@ from onegpu.config import TORCHAO_OPTIMIZERS
 from onegpu.errors import UserError
 from onegpu.formatting import duration, gib, mib
 from onegpu.measure import memory
+from onegpu.training import interrupt
 
 
 class TrainingDiverged(UserError):
@@ -192,7 +193,8 @@ class StepRecorder:
         start after it (the steps' speed, MFU and memory are the training's alone)."""
         memory.synchronize(self.device)
         memory.reset_peak(self.device)
-        metrics = validate(step)
+        with interrupt.validating(step):  # a signal now: the run stops after the pass, at this step
+            metrics = validate(step)
         memory.synchronize(self.device)
         metrics["eval_mem_peak_bytes"] = memory.peak_bytes(self.device)
         if not memory.is_cuda(self.device):  # the pass's freed host blocks out of the next steps' RSS peaks
@@ -205,13 +207,17 @@ class StepRecorder:
 
     def memory(self) -> dict[str, int]:
         """The breakdown plus run peaks: ``mem_allocated_peak_bytes``/``mem_reserved_peak_bytes`` (CUDA,
-        max over steps) and ``mem_rss_peak_bytes`` (process peak RSS over the steps, any device)."""
+        max over steps) and ``mem_rss_peak_bytes`` (process peak RSS over the steps, any device); with
+        ``train.load_best_model_at_end``, ``mem_best_model_bytes``: the best point's weights, kept on disk,
+        not in device memory (:meth:`onegpu.training.validation.Validation._save_best`)."""
         out = dict(self.breakdown)
         out.update(self._cuda_peaks)
         rss = memory.rss_peak_bytes()
         if not memory.is_cuda(self.device) and self.rows:
             rss = max(rss, max(r["mem_peak_bytes"] for r in self.rows))
         out["mem_rss_peak_bytes"] = rss
+        if self.validation is not None and self.validation.best_bytes:  # train.load_best_model_at_end: on disk
+            out["mem_best_model_bytes"] = self.validation.best_bytes
         return out
 
     def partial_steps(self, effective_batch: int) -> list[dict]:

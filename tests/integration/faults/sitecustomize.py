@@ -1,7 +1,12 @@
-"""A test-only fault for the processes of a launch: with ``ONEGPU_TEST_FAULT=raise:<rank>:<step>`` in the
-environment and this folder on ``PYTHONPATH``, the process of that rank raises right after optimizer step
-``<step>`` (``StepRecorder.end_step``), as a rank whose own code fails would. Python imports
-``sitecustomize`` at start-up (the ``site`` module); every other process is left as it is."""
+"""Test-only faults for the stage's processes, with this folder on ``PYTHONPATH`` (Python imports
+``sitecustomize`` at start-up, the ``site`` module); every other process is left as it is:
+
+- ``ONEGPU_TEST_FAULT=raise:<rank>:<step>``: the process of that rank raises right after optimizer step
+  ``<step>`` (``StepRecorder.end_step``), as a rank whose own code fails would.
+- ``ONEGPU_TEST_FAULT=slow_validation:<rank>:<step>``: the validation pass after optimizer step ``<step>``
+  prints ``test fault: validating after optimizer step <step>`` and takes 5 s more, before it validates
+  (``Validation.__call__``), so that a signal sent on that line arrives during the pass.
+"""
 import os
 import sys
 
@@ -9,23 +14,42 @@ _SPEC = os.environ.get("ONEGPU_TEST_FAULT", "")
 _KIND, _, _REST = _SPEC.partition(":")
 _RANK, _, _STEP = _REST.partition(":")
 
-if _KIND == "raise" and os.environ.get("RANK") == _RANK:
+
+def _failing_end_step(module) -> None:
+    end_step = module.StepRecorder.end_step
+
+    def failing_end_step(self, step, *a, **kw):
+        out = end_step(self, step, *a, **kw)
+        if step == int(_STEP):
+            raise RuntimeError(f"injected failure on rank {_RANK} after optimizer step {step}")
+        return out
+    module.StepRecorder.end_step = failing_end_step
+
+
+def _slow_validation(module) -> None:
+    import time
+    validate = module.Validation.__call__
+
+    def slow(self, step, *a, **kw):
+        if step == int(_STEP):
+            print(f"test fault: validating after optimizer step {step}", flush=True)
+            time.sleep(5)
+        return validate(self, step, *a, **kw)
+    module.Validation.__call__ = slow
+
+
+_PATCHES = {"raise": ("onegpu.training.recorder", _failing_end_step),
+            "slow_validation": ("onegpu.training.validation", _slow_validation)}
+
+if _KIND in _PATCHES and os.environ.get("RANK", "0") == _RANK:
     import importlib.abc
     import importlib.machinery
 
-    def _patch(module) -> None:
-        end_step = module.StepRecorder.end_step
-
-        def failing_end_step(self, step, *a, **kw):
-            out = end_step(self, step, *a, **kw)
-            if step == int(_STEP):
-                raise RuntimeError(f"injected failure on rank {_RANK} after optimizer step {step}")
-            return out
-        module.StepRecorder.end_step = failing_end_step
+    _MODULE, _PATCH = _PATCHES[_KIND]
 
     class _Hook(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "onegpu.training.recorder":
+            if name != _MODULE:
                 return None
             sys.meta_path.remove(self)
             spec = importlib.machinery.PathFinder.find_spec(name, path)
@@ -33,7 +57,7 @@ if _KIND == "raise" and os.environ.get("RANK") == _RANK:
 
             def exec_module(module):
                 load(module)
-                _patch(module)
+                _PATCH(module)
             spec.loader.exec_module = exec_module
             return spec
 

@@ -118,3 +118,15 @@ def test_the_last_line_names_the_signal_what_was_kept_and_how_to_resume(monkeypa
     assert interrupt.describe(interrupt.stopped_by(signal.SIGTERM)) == "interrupted by SIGTERM"
     assert interrupt.describe(interrupt.stopped_by(signal.SIGINT, "the run before its training began")) == (
         "SIGINT stopped the run before its training began")
+
+
+def test_a_signal_during_a_validation_pass_says_the_run_stops_after_the_pass():
+    """Between two optimizer steps (the pass after step 3) the stop line names the pass, not step 4."""
+    from onegpu.training import interrupt
+    stop = interrupt.GracefulStop(progress=lambda: (3, 1.0, None))
+    assert "stopping after optimizer step 4 and saving" in stop._stop_line("SIGINT")
+    with interrupt.validating(3):
+        line = stop._stop_line("SIGINT")
+    assert line.strip() == ("SIGINT: stopping after the validation pass of optimizer step 3 and saving a checkpoint "
+                            "(send it again to abandon the pass)")
+    assert interrupt.VALIDATING == []

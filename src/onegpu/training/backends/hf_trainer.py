@@ -311,12 +311,16 @@ class EmptyCache(TrainerCallback):
 
 class StopCallback(TrainerCallback):
     """After a requested stop (:class:`onegpu.training.interrupt.GracefulStop`), save a checkpoint at the
-    step's end and stop."""
+    step's end and stop. Checked once the step is logged (added after :class:`StepMetrics`, whose
+    ``on_log`` runs the step's validation pass): a stop requested during the pass stops after that step,
+    with its point in the checkpoint, as the accelerate backend does; Trainer saves right after ``on_log``."""
 
     def __init__(self, stop) -> None:
         self.stop = stop
 
-    def on_step_end(self, args, state, control, **kw):
+    def on_log(self, args, state, control, logs=None, **kw):
+        if not logs or "loss" not in logs:  # a step's own log (every step, every rank: the collective below)
+            return
         requested = self.stop.requested is not None
         if args.world_size > 1:  # a stop on one rank stops all after the same step
             requested = distributed.any_rank(requested, args.device)
@@ -353,13 +357,13 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
         steps.restore(resume)
     if req.checkpoint_dir:
         trainer.add_callback(CheckpointState(steps, req.checkpoint_meta or {}))
-    if stop is not None:
-        trainer.add_callback(StopCallback(stop))
     if t.torch_empty_cache_steps:
         trainer.add_callback(EmptyCache(t.torch_empty_cache_steps))
     trainer.add_callback(Validate(steps, req))
     trainer.add_callback(StepMetrics(steps, probe=(probe_batch(train_ds, collator, t.per_device_train_batch_size),
                                                    loss_for(task))))
+    if stop is not None:  # after StepMetrics: a stop is checked once the step's validation pass is over
+        trainer.add_callback(StopCallback(stop))
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(Progress(steps, t.logging_steps))
     try:
