@@ -197,6 +197,23 @@ def other_code(run: RunRecord, reference: RunRecord) -> Iterable[str]:
         yield f"different code (commit {rc[:8]} vs {fc[:8]})"
 
 
+def another_training(run: RunRecord, reference: RunRecord, named: list[str]) -> Iterable[str]:
+    """A run of another equivalence key (compared only when runs are named together, ``--exp`` / ``--runs``):
+    the params in the key that differ (at most 4) and that no sentence of ``named`` (the other causes)
+    names already; when none of the logged ones differs and no other cause is given, its data or code."""
+    if run.key is None or reference.key is None or run.key == reference.key:
+        return
+    from onegpu.equivalence.key import NOT_IN_EQUIVALENCE_KEY
+    differ = [f"{k} {run.params[k]} (reference {reference.params[k]})"
+              for k in sorted(set(run.params) & set(reference.params))
+              if k.startswith(("data.", "model.", "train.")) and k not in NOT_IN_EQUIVALENCE_KEY
+              and _param(run, k, "") != _param(reference, k, "") and not any(k in sentence for sentence in named)]
+    if differ:
+        yield "another training (another equivalence key): " + ", ".join(differ[:4])
+    elif not named:
+        yield "another training (another equivalence key: its data or a setting not logged as a param differ)"
+
+
 # Every cause, in the order the report lists them.
 CAUSES: tuple[Callable[[RunRecord, RunRecord], Iterable[str]], ...] = (
     instruction_data, dropout_with_another_split, dropout_with_another_kernel, batchnorm_with_another_split,
@@ -207,7 +224,8 @@ CAUSES: tuple[Callable[[RunRecord, RunRecord], Iterable[str]], ...] = (
 
 def likely_causes(run: RunRecord, reference: RunRecord) -> list[str]:
     """Params and tags of a pair that explain why their losses can differ step by step: the sentences of
-    every function in :data:`CAUSES`, in that order. Each names a setting in which ``run`` differs from
+    every function in :data:`CAUSES`, in that order, after :func:`another_training`'s. Each names a setting in which ``run`` differs from
     ``reference`` (a split alone is none: splits are the same training); [] when no such setting differs
     (:func:`numerical_note` says what that means)."""
-    return [sentence for cause in CAUSES for sentence in cause(run, reference)]
+    named = [sentence for cause in CAUSES for sentence in cause(run, reference)]
+    return list(another_training(run, reference, named)) + named

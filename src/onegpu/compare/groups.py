@@ -122,11 +122,16 @@ def compare_group(key: str, runs: list[RunRecord], overlaps: dict[str, list[str]
     return g
 
 
-def compare(runs: list[RunRecord], others: list[RunRecord] = ()) -> Comparison:
+def compare(runs: list[RunRecord], others: list[RunRecord] = (), named: bool = False) -> Comparison:
     """Group ``runs`` by ``equivalence_key`` and compare each group. Groups with something to compare
     (two runs or more) come first, then single runs; within each, the most recently started first.
-    ``others``: further training runs (not compared) whose windows count for :func:`find_overlaps`."""
+    ``others``: further training runs (not compared) whose windows count for :func:`find_overlaps`.
+    ``named``: the user named these runs (``--exp``, ``--runs``): runs of several keys are then compared
+    as one group (key ``KEY1+KEY2...``), each run of another key than the reference's diverging where
+    its curves leave the reference's, its key's differing params the cause."""
     groups, skipped = group_by_key(runs)
+    if named and len(groups) > 1:
+        groups = {"+".join(k[:8] for k in groups): [r for rs in groups.values() for r in rs]}
     overlaps = find_overlaps(runs, others)
     out = [compare_group(k, rs, overlaps) for k, rs in groups.items()]
     out.sort(key=lambda g: (len(g.rows) < 2, -max(r.start_time for r in g.runs)))

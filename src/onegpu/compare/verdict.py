@@ -234,13 +234,15 @@ def _validation_curve(c: RunComparison, run: RunRecord, reference: RunRecord, to
     """The validation curves (``eval_loss`` at the points both runs have) within the loss tolerance: the same
     training gives the same validation loss at the same step. A divergence there (the training curves
     within tolerance) is the run's first (``first_divergent_metric`` ``eval_loss``); a note says how many
-    points were compared."""
+    points were compared and at which one the curve left the reference's, if it did."""
     ev, ref = run.series.get("eval_loss", []), reference.series.get("eval_loss", [])
     c.eval_loss = series_diff(ev, ref)
     if not c.eval_loss.common_steps:
         return
-    c.notes.append(f"validation curve: {c.eval_loss.common_steps} common point(s), largest relative "
-                   f"difference {c.eval_loss.max_rel:.2g}")
     at = first_divergence(ev, ref, tol)
+    first = " (its first)" if at is not None and at == min(s for s, _ in ev) else ""
+    c.notes.append(f"validation curve: {c.eval_loss.common_steps} common point(s), largest relative "
+                   f"difference {c.eval_loss.max_rel:.2g}"
+                   + (f"; diverged at validation step {at}{first}" if at is not None else ""))
     if at is not None and c.first_divergent_step is None:
         c.first_divergent_step, c.first_divergent_metric = at, "eval_loss"

@@ -31,7 +31,7 @@ def run(experiment: str, key: str | None = None, run_ids: list[str] | None = Non
     # Runs outside the filters still count for overlaps in time (they shared the machine).
     others = [compare.RunRecord(**d) for d in tracking.training_run_windows(tracker)] \
         if any(filters.values()) else []
-    comparison = compare.compare(records, others)
+    comparison = compare.compare(records, others, named=bool(run_ids or exp_names))
     if not comparison.groups:
         raise UserError(f"none of the {len(records)} training runs has an equivalence_key tag "
                         "(runs from an older onegpu?): nothing to compare")

@@ -80,3 +80,25 @@ def test_an_overlap_with_a_run_outside_the_selection_counts():
     assert cmp.groups[0].rows[0].overlaps == ["sweep"]
     # A touch of less than a second is not an overlap (a queue's next run starting as one ends).
     assert eq.find_overlaps([windowed("x", 1, 1, 0, 10)], [windowed("y", 1, 1, 9.5, 20)]) == {}
+
+
+def test_runs_named_together_across_keys_are_one_group_and_another_learning_rate_diverges_with_its_cause():
+    """``onegpu compare --exp A B C``: a run of another equivalence key (another learning rate, planted:
+    its training and validation curves leave the reference's from step 2 on) is compared with the
+    others, diverged, its cause the key's differing param; unnamed, it stays a group of its own."""
+    from tests.unit.compare.records import _with
+    ref = _with(record("16x1", 16, 1), **{"train.learning_rate": 1e-4})
+    split = _with(record("4x4", 4, 4), **{"train.learning_rate": 1e-4})
+    lr = _with(record("lr", 16, 1, key="fedcba9876543210", loss=drifted(2)), **{"train.learning_rate": 2e-4})
+    for r, off in ((ref, 0.0), (split, 1e-8), (lr, 5e-2)):
+        r.series["eval_loss"] = [(4, 1.2 * (1 + off)), (8, 1.0 * (1 + off))]
+    assert len(eq.compare([ref, split, lr]).groups) == 2  # by key
+    [group] = eq.compare([ref, split, lr], named=True).groups
+    assert group.key == f"{KEY[:8]}+fedcba98" and group.reference is ref
+    verdicts = {c.run.name: c for c in group.rows}
+    assert verdicts["4x4"].verdict == "equivalent"
+    assert verdicts["lr"].verdict == "diverged at step 2"
+    assert "validation curve: 2 common point(s), largest relative difference 0.05; diverged at validation step 4 " \
+           "(its first)" in verdicts["lr"].notes
+    assert verdicts["lr"].causes[0] == ("another training (another equivalence key): train.learning_rate 0.0002 "
+                                        "(reference 0.0001)")
