@@ -180,9 +180,11 @@ def test_each_process_reads_its_own_rows_of_a_held_out_split_once(monkeypatch, r
 
     from onegpu.training import heldout
     split, seen = Dataset.from_dict({"i": list(range(rows))}), []
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # a process group of `world`, as rank `rank`
+    monkeypatch.setattr(dist, "get_world_size", lambda: world)
     for rank in range(world):
-        monkeypatch.setenv("WORLD_SIZE", str(world))
-        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setattr(dist, "get_rank", lambda rank=rank: rank)
         seen.append(list(heldout.shard(split)["i"]))
     assert [len(s) for s in seen] == shares
     assert sum(seen, []) == list(range(rows))

@@ -54,8 +54,7 @@ def predict(model, tokenizer, dataset, cfg: Config, device: str | None = None) -
     loss, _, _, runtime = _summed(model, batches, _classifier_batch, device or memory.default_device(), keep)
     logits = torch.cat(logits) if logits else torch.zeros(0, model.config.num_labels)  # (an empty share)
     labels = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int64)
-    if distributed.world_size() > 1:  # every rank's rows, in rank order (one object all-gather)
-        parts = distributed.gather_objects((logits, labels))
+    if len(parts := distributed.gather_objects((logits, labels))) > 1:  # every rank's rows, in rank order
         logits, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     return Prediction(logits, labels, loss, runtime)
 
@@ -64,10 +63,11 @@ def shard(dataset):
     """This process's contiguous share of ``dataset``'s rows under several processes: rank r of W reads
     rows ``[r n // W, (r + 1) n // W)``, so every row is read once and none twice (no padding duplicates,
     as a ``DistributedSampler`` or Accelerate's ``even_batches`` would add for an uneven split; a share may
-    be empty). The dataset itself outside a launch."""
-    world, rank = distributed.world_size(), distributed.rank()
-    if world == 1:
+    be empty). The dataset itself outside an initialized process group (the sums are all-reduced over it)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return dataset
+    world, rank = dist.get_world_size(), dist.get_rank()
     return dataset.select(range(rank * len(dataset) // world, (rank + 1) * len(dataset) // world))
 
 
