@@ -204,12 +204,13 @@ def another_training(run: RunRecord, reference: RunRecord, named: list[str]) -> 
     if run.key is None or reference.key is None or run.key == reference.key:
         return
     from onegpu.equivalence.key import NOT_IN_EQUIVALENCE_KEY
-    differ = [f"{k} {run.params[k]} (reference {reference.params[k]})"
+    differ = [f"{k} {run.params[k]} vs {reference.params[k]}"
               for k in sorted(set(run.params) & set(reference.params))
               if k.startswith(("data.", "model.", "train.")) and k not in NOT_IN_EQUIVALENCE_KEY
               and _param(run, k, "") != _param(reference, k, "") and not any(k in sentence for sentence in named)]
     if differ:
-        yield "another training (another equivalence key): " + ", ".join(differ[:4])
+        yield (f"{', '.join(differ[:4])} differ{'s' if len(differ) == 1 else ''}: another training (another "
+               "equivalence key, compared because the runs were named together)")
     elif not named:
         yield "another training (another equivalence key: its data or a setting not logged as a param differ)"
 

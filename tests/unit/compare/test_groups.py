@@ -100,5 +100,6 @@ def test_runs_named_together_across_keys_are_one_group_and_another_learning_rate
     assert verdicts["lr"].verdict == "diverged at step 2"
     assert "validation curve: 2 common point(s), largest relative difference 0.05; diverged at validation step 4 " \
            "(its first)" in verdicts["lr"].notes
-    assert verdicts["lr"].causes[0] == ("another training (another equivalence key): train.learning_rate 0.0002 "
-                                        "(reference 0.0001)")
+    assert verdicts["lr"].causes[0] == ("train.learning_rate 0.0002 vs 0.0001 differs: another training (another "
+                                        "equivalence key, compared because the runs were named together)")
+    assert "lr at step 2, likely cause: train.learning_rate 0.0002 vs 0.0001 differs." in group.summary
