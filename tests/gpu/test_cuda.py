@@ -194,3 +194,49 @@ def test_the_fused_lm_head_on_cuda_gives_the_whole_logits_loss_and_gradients(dty
     assert fused == pytest.approx(whole, rel=tol)
     assert (fused_grads - whole_grads).norm() <= tol * 10 * whole_grads.norm()
     assert fused_peak < whole_peak
+
+
+def test_keeping_the_best_weights_adds_nothing_to_device_memory(tokenizer, dsd, tmp_path):
+    """train.load_best_model_at_end: Validation._save_best copies the weights to the host and writes them;
+    the device's allocated bytes are the same after it, and its peak during it no higher than before."""
+    from onegpu.training import validation
+    model = _model(tokenizer).cuda()
+    cfg = config.from_container({"train": {"load_best_model_at_end": True}})
+    v = validation.Validation(model, tokenizer, dsd["train"], cfg, "cuda", 1, 2, tmp_path)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    v._save_best()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before and torch.cuda.max_memory_allocated() == before
+    assert v.best_bytes == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def test_a_fused_validation_pass_peaks_below_the_whole_logits_on_cuda():
+    """Held-out figures of a SmolLM2-width causal LM (vocab 49,152) over 8 rows x 96 tokens: under the
+    fused head the pass's CUDA peak above the weights is at most a third of the whole logits' (on the
+    CPU: tests/unit/training/test_lm_head.py measures both against the estimate)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from onegpu.training import heldout, lm_head
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                         num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+                                         tie_word_embeddings=True)).cuda().eval()
+    ids = torch.randint(0, 49152, (8, 96), device="cuda")
+    labels = ids.clone()
+    labels[:, :56] = -100  # 40 targets a row
+
+    def peak(fused: bool) -> int:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            if fused:
+                lm_head.attach(model)
+            heldout._causal_lm_batch(model, batch, labels)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    whole = peak(False)
+    assert peak(True) <= whole / 3
