@@ -225,8 +225,8 @@ CAUSES: tuple[Callable[[RunRecord, RunRecord], Iterable[str]], ...] = (
 
 def likely_causes(run: RunRecord, reference: RunRecord) -> list[str]:
     """Params and tags of a pair that explain why their losses can differ step by step: the sentences of
-    every function in :data:`CAUSES`, in that order, after :func:`another_training`'s. Each names a setting in which ``run`` differs from
-    ``reference`` (a split alone is none: splits are the same training); [] when no such setting differs
-    (:func:`numerical_note` says what that means)."""
+    every function in :data:`CAUSES`, in that order, after :func:`another_training`'s. Each names a
+    setting in which ``run`` differs from ``reference`` (a split alone is none: splits are the same
+    training); [] when no such setting differs (:func:`numerical_note` says what that means)."""
     named = [sentence for cause in CAUSES for sentence in cause(run, reference)]
     return list(another_training(run, reference, named)) + named
