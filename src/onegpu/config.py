@@ -32,7 +32,32 @@ PACKAGED_CHAT_MODEL = "packaged:SmolLM2-135M-Instruct"
 # File types data.source may name.
 TABLE_SUFFIXES = (".csv", ".jsonl", ".parquet")
 
-TASKS = ("sequence-classification", "causal-lm")
+
+
+@dataclass(frozen=True)
+class TaskTraits:
+    """What the params, data and model layers need to know of a ``model.task`` (what it trains and how:
+    :mod:`onegpu.training.objectives`). ``token_level``: its items are a causal LM's target tokens
+    (padding-free batches, packing, answer-only losses and the fused LM head apply; the pad token may be
+    the EOS); ``eval_metrics``: its validation figures, which ``train.metric_for_best_model`` may name."""
+    token_level: bool
+    eval_metrics: tuple[str, ...]
+
+
+TASK_TRAITS = {
+    "sequence-classification": TaskTraits(False, ("eval_loss", "eval_accuracy", "eval_f1_macro")),
+    "causal-lm": TaskTraits(True, ("eval_loss", "eval_perplexity", "eval_mean_token_accuracy")),
+}
+TASKS = tuple(TASK_TRAITS)
+
+
+def token_level(task: str) -> bool:
+    """Whether ``task``'s items are target tokens (:class:`TaskTraits`); False for a name no task has
+    (the params' own check refuses it in one line)."""
+    traits = TASK_TRAITS.get(task)
+    return traits is not None and traits.token_level
+
+
 BACKENDS = ("trainer", "accelerate")
 # transformers.SchedulerType values (transformers/trainer_utils.py).
 LR_SCHEDULERS = (
@@ -571,7 +596,7 @@ def _check_model(m: ModelConfig, source: str) -> None:
     """Heads divide the width; a model built from config (name_or_path null) only for causal-lm."""
     if m.n_embd % m.n_head:
         _fail(source, "model.n_head", f"must divide model.n_embd ({m.n_embd}), got {m.n_head}")
-    if m.name_or_path is None and m.task == "sequence-classification":
+    if m.name_or_path is None and not token_level(m.task):
         _fail(source, "model.name_or_path", "null (a model built from config) exists only for "
               f"causal-lm; for sequence-classification use '{PACKAGED_MODEL}', a local directory or a hub id")
     if m.lora is not None:
@@ -644,7 +669,7 @@ def _check_sft(cfg: Config, source: str) -> None:
     """The instruction-data keys against the task: padding-free batches, packing and the answer-only
     losses exist for causal LM only (a classifier has one label per row, nothing to flatten or mask)."""
     d = cfg.data
-    if cfg.model.task == "causal-lm":
+    if token_level(cfg.model.task):
         return
     for key, on in (("padding_free", d.padding_free), ("packing", d.packing),
                     ("completion_only_loss", d.completion_only_loss), ("assistant_only_loss", d.assistant_only_loss)):
@@ -657,8 +682,7 @@ def _check_sft(cfg: Config, source: str) -> None:
 
 
 # The validation figures of each task (onegpu.training.heldout): what train.metric_for_best_model may name.
-TASK_EVAL_METRICS = {"sequence-classification": ("eval_loss", "eval_accuracy", "eval_f1_macro"),
-                     "causal-lm": ("eval_loss", "eval_perplexity", "eval_mean_token_accuracy")}
+TASK_EVAL_METRICS = {task: traits.eval_metrics for task, traits in TASK_TRAITS.items()}
 
 
 def _check_validation(cfg: Config, source: str) -> None:

@@ -1,7 +1,7 @@
 """The evaluate stage's figures on the test split (``test_*``, HF ``Trainer.predict``'s prefix): a
 classifier's and a causal LM's exact figures (:mod:`onegpu.training.heldout`, which validation during
 training shares), and for instruction data also greedy generations scored by ROUGE-L; which of them comes
-from the data's kind through one table (:data:`METRICS`), not a branch per format. rouge-score and
+from the run's objective (:mod:`onegpu.training.objectives`), not a branch per task. rouge-score and
 matplotlib (heavy) are imported where they are used.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 from onegpu import interpreter
 from onegpu.config import Config
 from onegpu.errors import failure_note as failure_note_of
+from onegpu.training import objectives
 from onegpu.training.heldout import TEST, Prediction, causal_lm_metrics, classifier_metrics, predict
 
 __all__ = ["Prediction", "causal_lm_metrics", "classifier_metrics", "predict"]  # held-out figures, re-exported
@@ -77,25 +78,6 @@ def sft_metrics(model, tokenizer, dataset, cfg: Config, device: str, prefix: str
     return metrics, table
 
 
-def _classified(model, tokenizer, test, cfg: Config, device: str):
-    scores, gold, pred = classifier_metrics(model, tokenizer, test, cfg, device)
-    return scores, None, gold, pred
-
-
-def _language_modelled(model, tokenizer, test, cfg: Config, device: str):
-    return causal_lm_metrics(model, tokenizer, test, cfg, device), None, [], []
-
-
-def _instructed(model, tokenizer, test, cfg: Config, device: str):
-    return (*sft_metrics(model, tokenizer, test, cfg, device), [], [])
-
-
-# The data's kind -> its metrics, each returning (metrics, generations table or None, gold, predicted). The
-# kind is (model.task, whether the test split has instruction data's `reference` column, which prepare writes).
-METRICS = {("sequence-classification", False): _classified, ("sequence-classification", True): _classified,
-           ("causal-lm", False): _language_modelled, ("causal-lm", True): _instructed}
-
-
 def as_trained(model, cfg: Config):
     """``model`` (loaded from models/) with the output layer training ran: under ``train.fused_lm_head`` a
     causal LM's held-out loss then comes from the targets' logits in tiles, never the whole logits
@@ -103,7 +85,7 @@ def as_trained(model, cfg: Config):
     Raises:
         onegpu.errors.ModelError: an output layer the fused path would not reproduce (as training refused it).
     """
-    if cfg.model.task == "causal-lm" and cfg.train.fused_lm_head:
+    if objectives.of(cfg).token_level and cfg.train.fused_lm_head:
         from onegpu.training import lm_head
         lm_head.check(model, "models/ (train.fused_lm_head)")
         lm_head.attach(model)
@@ -111,23 +93,17 @@ def as_trained(model, cfg: Config):
 
 
 def metrics(model, tokenizer, test, cfg: Config, device: str) -> tuple[dict, dict | None, list[int], list[int]]:
-    """The test split's metrics for the data's kind (:data:`METRICS`): ``(metrics, generations table or
-    None, gold, predicted)`` (gold and predicted label ids for a classifier; empty for a causal LM).
-    Instruction data (a ``reference`` column) adds generation and ROUGE-L (:func:`sft_metrics`). The
-    measured loop collects garbage as in any PyTorch process, as training's does
-    (:func:`onegpu.interpreter.settle`)."""
+    """The test split's metrics: ``(metrics, generations table or None, gold, predicted)``, the objective's
+    exact figures (:meth:`~onegpu.training.objectives.base.Objective.test_figures`: gold and predicted
+    label ids for a classifier, empty for a causal LM); instruction data (a token-level objective, a
+    ``reference`` column) adds generation and ROUGE-L (:func:`sft_metrics`). The measured loop collects
+    garbage as in any PyTorch process, as training's does (:func:`onegpu.interpreter.settle`)."""
     interpreter.settle()
-    return METRICS[cfg.model.task, "reference" in test.column_names](model, tokenizer, test, cfg, device)
-
-
-# The evaluate stage's last line per task: what it measured, in the task's words.
-RESULT_LINES = {
-    "causal-lm": lambda m: (f"loss {m['test_loss']:.4f} nats/token, perplexity {m['test_perplexity']:.1f} on "
-                            f"{m['test_tokens']} test tokens"
-                            + (f", ROUGE-L {m['test_rouge_l']:.3f}" if "test_rouge_l" in m else "")),
-    "sequence-classification": lambda m: (f"accuracy {m['test_accuracy']:.4f}, f1_macro {m['test_f1_macro']:.4f}, "
-                                          f"loss {m['test_loss']:.4f} on {m['test_rows']} test rows"),
-}
+    objective = objectives.of(cfg)
+    if objective.token_level and "reference" in test.column_names:
+        return (*sft_metrics(model, tokenizer, test, cfg, device), [], [])
+    scores, gold, pred = objective.test_figures(model, tokenizer, test, cfg, device)
+    return scores, None, gold, pred
 
 
 def failure_note(error: BaseException) -> str:
@@ -139,8 +115,9 @@ def failure_note(error: BaseException) -> str:
 
 
 def result_line(task: str, metrics: dict, run_id: str) -> str:
-    """``evaluate: <the task's figures>; MLflow run <run_id> finished`` (:data:`RESULT_LINES`)."""
-    return f"evaluate: {RESULT_LINES[task](metrics)}; MLflow run {run_id} finished"
+    """``evaluate: <the task's figures>; MLflow run <run_id> finished`` (the objective's
+    :meth:`~onegpu.training.objectives.base.Objective.result_line`)."""
+    return f"evaluate: {objectives.get(task).result_line(metrics)}; MLflow run {run_id} finished"
 
 
 def generations_text(table: dict, metrics: dict, max_new_tokens: int) -> str:

@@ -235,7 +235,7 @@ def test_a_fused_validation_pass_peaks_below_the_whole_logits_on_cuda():
             batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
             if fused:
                 lm_head.attach(model)
-            heldout._causal_lm_batch(model, batch, labels)
+            heldout.causal_lm_batch(model, batch, labels)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
     whole = peak(False)

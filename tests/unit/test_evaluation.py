@@ -21,8 +21,9 @@ GROUPS = ("market shares bank rates growth", "team final match crowd won", "film
 def test_the_evaluation_loop_runs_with_cpythons_collector_after_the_commands_start_up(monkeypatch, collector):
     """`onegpu evaluate` starts with onegpu.interpreter's start-up threshold; the measured loop (here the
     classifier's) runs with CPython's default thresholds, the start-up objects frozen, as training's does."""
+    from onegpu.training import heldout
     seen = []
-    monkeypatch.setattr(evaluation, "classifier_metrics", lambda *a: seen.append(
+    monkeypatch.setattr(heldout, "classifier_metrics", lambda *a: seen.append(
         (gc.get_threshold(), gc.get_freeze_count() > 0)) or ({}, [], []))
     cfg = from_container({}, source="test")
     interpreter.start()
@@ -30,12 +31,14 @@ def test_the_evaluation_loop_runs_with_cpythons_collector_after_the_commands_sta
     assert seen == [(interpreter.DEFAULT_THRESHOLD, True)]
 
 
-def test_each_kind_of_data_gets_its_metrics_from_the_table(monkeypatch):
-    """No branch on the data's format: (task, a `reference` column) picks the metric function."""
+def test_each_kind_of_data_gets_its_metrics_from_its_objective(monkeypatch):
+    """No branch on model.task: the objective gives the test figures; instruction data (a token-level
+    objective's rows with a `reference` column) adds generation."""
+    from onegpu.training import heldout
     calls = []
-    monkeypatch.setattr(evaluation, "classifier_metrics",
+    monkeypatch.setattr(heldout, "classifier_metrics",
                         lambda *a: calls.append("classifier") or ({"c": 1}, [0], [1]))
-    monkeypatch.setattr(evaluation, "causal_lm_metrics", lambda *a: calls.append("causal") or {"l": 1})
+    monkeypatch.setattr(heldout, "causal_lm_metrics", lambda *a: calls.append("causal") or {"l": 1})
     monkeypatch.setattr(evaluation, "sft_metrics", lambda *a: calls.append("sft") or ({"s": 1}, {"generation": []}))
     text = types.SimpleNamespace(column_names=["input_ids", "label"])
     instructions = types.SimpleNamespace(column_names=["input_ids", "label", "reference", "prompt_length"])

@@ -24,6 +24,7 @@ EXEMPT = {
     "tracking/uri.py": "the store URI: tests/unit/tracking/test_store.py, tests/unit/test_paths.py",
     "training/heldout.py": "the exact held-out figures: tests/unit/test_evaluation.py (through evaluation's "
                            "names), tests/unit/training/test_validation.py",
+    "training/objectives/base.py": "the interface: tests/unit/training/objectives/ (each objective, the registry)",
     "training/backends/accelerate.py": "tests/unit/training/backends/test_base.py: both backends step for step",
 }
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from onegpu.config import PACKAGED_HEADLINES, Config
+from onegpu.config import PACKAGED_HEADLINES, Config, token_level
 from onegpu.data import files, formats
 from onegpu.errors import DataError
 
@@ -21,15 +21,15 @@ def _table_format(cfg: Config, path: Path) -> str:
     """The format of table ``path`` for ``cfg``'s task; raises DataError for missing columns."""
     d, task = cfg.data, cfg.model.task
     columns, first = files.header(path)
-    fmt = formats.detect(columns) if task == "causal-lm" else formats.TEXT
+    fmt = formats.detect(columns) if token_level(task) else formats.TEXT
     listed = ", ".join(map(str, columns))
     if fmt == formats.TEXT:
         needed = [("data.text_column", d.text_column)] + (
-            [("data.label_column", d.label_column)] if task == "sequence-classification" else [])
+            [("data.label_column", d.label_column)] if not token_level(task) else [])
         for key, col in needed:
             if col not in columns and first is None:  # JSON Lines: a later line may hold it (prepare decides)
                 hint = (" (instruction data needs a completion column next to prompt)"
-                        if "prompt" in columns and task == "causal-lm" else "")
+                        if "prompt" in columns and token_level(task) else "")
                 raise DataError(f"{key}={col!r} is not a column of {path} (columns: {listed}){hint}")
     if first is not None and fmt == formats.MESSAGES:
         msgs = formats.messages_cell(first["messages"], "line 1", str(path))

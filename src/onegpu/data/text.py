@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from onegpu.config import Config, DataConfig
+from onegpu.config import Config, DataConfig, token_level
 from onegpu.data import files, formats, tokens
 from onegpu.data.base import Reader, Rows
 from onegpu.errors import DataError
@@ -97,7 +97,7 @@ class TextReader(Reader):
             return read_text_tree(files.bbcnews_dir())
         if kind == "directory":
             return read_text_tree(Path(d.source).expanduser())
-        return read_table(d, label_required=cfg.model.task == "sequence-classification")
+        return read_table(d, label_required=not token_level(cfg.model.task))
 
     def empty(self, row: dict, label: str) -> str | None:
         return "empty_text" if not row["text"] else "empty_label" if not label else None

@@ -1,6 +1,7 @@
 """Tokenization of the split texts (unpadded; padding happens per micro-batch in the collator)."""
 from __future__ import annotations
 
+from onegpu.config import token_level
 from onegpu.data import formats
 from onegpu.errors import DataError
 
@@ -18,7 +19,7 @@ def tokenize(dsd, tokenizer, max_length: int, task: str = "sequence-classificati
         DataError: ``max_length`` is above the tokenizer's ``model_max_length`` (the model's limit).
     """
     check_limit(tokenizer, max_length)
-    eos = tokenizer.eos_token if task == "causal-lm" and tokenizer.eos_token else ""
+    eos = tokenizer.eos_token if token_level(task) and tokenizer.eos_token else ""
 
     def fn(batch):
         texts = [t + eos for t in batch["text"]] if eos else batch["text"]

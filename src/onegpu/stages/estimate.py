@@ -18,9 +18,7 @@ from onegpu.data import pipeline
 from onegpu.formatting import GiB
 from onegpu.measure import memory
 from onegpu.models import loader
-from onegpu.training import autobatch, checkpointing, validation
-from onegpu.training.batches import train_collator, training_rows
-from onegpu.training.loss import loss_for
+from onegpu.training import autobatch, checkpointing, objectives, validation
 from onegpu.training.session import build_model, check_flattened
 
 DEFAULT_MICRO_BATCHES = [1, 2, 4, 8, 16, 32, 64]
@@ -52,8 +50,8 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     # does not) and LoRA (grads and optimizer states then exist for the adapters only)
     model, _ = build_model(cfg, path, {"labels": dsd["train"].features["label"].names}, tokenizer)
     loader.no_kv_cache(model)  # as training runs it
-    rows = training_rows(dsd, task, cfg)
-    est = autobatch.estimate(model, rows, train_collator(cfg, tokenizer), loss_for(task),
+    parts = objectives.training_parts(dsd, cfg, tokenizer, with_length=True)
+    est = autobatch.estimate(model, parts.rows, parts.collator, parts.loss,
                              micro_batches or DEFAULT_MICRO_BATCHES, cfg.train.optim,
                              cfg.train.gradient_checkpointing,
                              lambda m: checkpointing.enable(m, cfg.train),
@@ -62,7 +60,7 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     budget = int(budget_gib * GiB) if budget_gib else None
     precision = "fp32" if cfg.train.mixed_precision == "no" else f"{cfg.train.mixed_precision} autocast"
     lora_note = "" if cfg.model.lora_adapters is None else f", LoRA r={cfg.model.lora.r}"
-    if task == "causal-lm":
+    if objectives.get(task).token_level:
         lora_note += ", LM head " + ("fused (targets only, in tiles)" if cfg.train.fused_lm_head else "whole logits")
     print(f"memory estimate for {type(model).__name__}, precision {precision}, attention "
           f"{loader.attention_kernel(model)}, optimizer {cfg.train.optim}{lora_note}, rows from {where}:")

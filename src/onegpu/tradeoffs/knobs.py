@@ -177,7 +177,8 @@ def lora(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
 
 
 def _causal_lm_only(cfg: Config) -> str | None:
-    if cfg.model.task != "causal-lm":
+    from onegpu.config import token_level
+    if not token_level(cfg.model.task):
         return (f"causal LM (instruction fine-tuning) only: model.task is {cfg.model.task}, whose rows are "
                 "one label each, nothing to flatten or pack")
     return None
@@ -206,7 +207,8 @@ def packing(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
 def fused_lm_head(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     """The fused LM head the other way (causal LM only): the targets' logits in tiles, or the whole
     ``(micro_batch, seq_len, vocab)`` logits; the same loss over the same targets, outside the equivalence key."""
-    if cfg.model.task != "causal-lm":
+    from onegpu.config import token_level
+    if not token_level(cfg.model.task):
         return f"causal LM only: model.task is {cfg.model.task}, whose output layer is one row per example"
     return [_toggle("fused-lm-head", "fused_lm_head", "train.fused_lm_head", not cfg.train.fused_lm_head, SAME,
                     "the fused LM head (logits only at target positions, in tiles)")]

@@ -272,13 +272,13 @@ def logits_term(model, probe: dict, mixed_precision: str = "no"):
     the tiles' temporaries for the targets of ``m`` such rows (:func:`onegpu.training.lm_head.transient_bytes`;
     the gathered hidden states it saves are in the activations already)."""
     from onegpu.training import lm_head
-    from onegpu.training.loss import count_items
+    from onegpu.training.loss import count_targets
     if not lm_head.attached(model):
         per_row = logits_bytes(model, int(probe["input_ids"].shape[-1]), mixed_precision)
         return lambda m: per_row * m
     head = model.get_output_embeddings()
     vocab, hidden = head.weight.shape
-    targets = int(count_items(probe["labels"], "causal-lm"))
+    targets = int(count_targets(probe["labels"]))
     return lambda m: lm_head.transient_bytes(targets * m, vocab, hidden, head.weight.requires_grad)
 
 
@@ -290,11 +290,11 @@ def validation_term(model, probe: dict, rows: int) -> int:
     tile's (:func:`onegpu.training.lm_head.eval_transient_bytes`). 0 for a classifier (its logits are a few
     numbers per row). The layers' own temporaries (one layer's at a time without autograd) are not counted."""
     from onegpu.training import lm_head
-    from onegpu.training.loss import count_items
+    from onegpu.training.loss import count_targets
     if not lm_head.attached(model):
         return logits_bytes(model, int(probe["input_ids"].shape[-1])) * rows
     vocab, hidden = model.get_output_embeddings().weight.shape
-    return lm_head.eval_transient_bytes(int(count_items(probe["labels"], "causal-lm")) * rows, vocab, hidden)
+    return lm_head.eval_transient_bytes(int(count_targets(probe["labels"])) * rows, vocab, hidden)
 
 
 def logits_bytes(model, length: int, mixed_precision: str = "no") -> int:

@@ -12,15 +12,16 @@ MODEL_COLUMNS = ("input_ids", "attention_mask", "token_type_ids", "labels", "seq
 
 
 def model_inputs(dsd, task: str = "sequence-classification"):
-    """The prepared dataset(s) reduced to the model's columns.
+    """The prepared dataset(s) reduced to the columns ``model.task`` ``task``'s model consumes (its
+    objective's :meth:`~onegpu.training.objectives.base.Objective.model_inputs`: a classifier's ``label``
+    renamed ``labels``; a causal LM's dropped, the collator makes token labels). Works on a
+    ``DatasetDict`` or a single ``Dataset``."""
+    from onegpu.training import objectives
+    return objectives.get(task).model_inputs(dsd)
 
-    Classification: ``label`` renamed ``labels``. Causal LM: the label column is dropped (the collator
-    makes token labels). Works on a ``DatasetDict`` or a single ``Dataset``.
-    """
-    if task == "causal-lm":
-        dsd = dsd.remove_columns("label")
-    else:
-        dsd = dsd.rename_column("label", "labels")
+
+def keep_model_columns(dsd):
+    """``dsd`` (a ``DatasetDict`` or a ``Dataset``) without the columns no model consumes (:data:`MODEL_COLUMNS`)."""
     cols = dsd.column_names if hasattr(dsd, "features") else dsd["train"].column_names
     return dsd.remove_columns([c for c in cols if c not in MODEL_COLUMNS])
 
@@ -85,33 +86,10 @@ class PaddingFreeCollator:
 
 
 def collator_for(task: str, tokenizer, padding_free: bool = False):
-    """The micro-batch collator for ``task``: padding per micro-batch, or (causal LM, ``padding_free``)
-    one flattened row per micro-batch (:class:`PaddingFreeCollator`)."""
-    if task == "causal-lm":
-        return PaddingFreeCollator() if padding_free else CausalLMCollator(tokenizer)
-    from transformers import DataCollatorWithPadding
-    return DataCollatorWithPadding(tokenizer)
-
-
-def flattened(cfg) -> bool:
-    """Whether training batches are flattened rows: ``data.padding_free``, or ``data.packing`` (packed rows
-    are always collated padding-free, as TRL does for its best-fit-decreasing packing)."""
-    return cfg.model.task == "causal-lm" and (cfg.data.padding_free or cfg.data.packing)
-
-
-def train_collator(cfg, tokenizer):
-    """The training collator the config asks for (:func:`collator_for`, :func:`flattened`)."""
-    return collator_for(cfg.model.task, tokenizer, flattened(cfg))
-
-
-def train_set(dsd, cfg):
-    """The training rows as the backends iterate them: :func:`model_inputs` of ``dsd['train']``, packed
-    into rows of ``data.max_length`` under ``data.packing`` (:func:`onegpu.data.packing.pack`)."""
-    rows = model_inputs(dsd, cfg.model.task)["train"]
-    if cfg.model.task == "causal-lm" and cfg.data.packing:
-        from onegpu.data import packing
-        rows = packing.pack(rows, cfg.data.max_length, cfg.train.seed)
-    return rows
+    """The micro-batch collator of ``model.task`` ``task``'s objective: padding per micro-batch, or (a
+    token-level objective, ``padding_free``) one flattened row per micro-batch (:class:`PaddingFreeCollator`)."""
+    from onegpu.training import objectives
+    return objectives.get(task).collator(tokenizer, padding_free)
 
 
 def probe_batch(train_ds, collator, micro_batch: int) -> dict:
@@ -122,15 +100,3 @@ def probe_batch(train_ds, collator, micro_batch: int) -> dict:
     """
     n = min(micro_batch, len(train_ds))
     return collator([train_ds[i] for i in range(n)])
-
-
-def training_rows(dsd, task: str, cfg=None):
-    """``dsd['train']`` reduced to the model's columns (with ``cfg``: :func:`train_set`, packed rows under
-    ``data.packing``), with the ``length`` column kept when prepare wrote one (the ``auto`` finder and
-    the estimate pick the longest rows by it; packed rows are measured by their ``input_ids``)."""
-    rows = model_inputs(dsd, task)["train"] if cfg is None else train_set(dsd, cfg)
-    if cfg is not None and cfg.model.task == "causal-lm" and cfg.data.packing:
-        return rows
-    if "length" in dsd["train"].column_names:
-        rows = rows.add_column("length", dsd["train"]["length"])
-    return rows

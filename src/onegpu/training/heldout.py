@@ -20,7 +20,7 @@ from onegpu.config import Config
 from onegpu.measure import memory
 from onegpu.training import distributed, lm_head
 from onegpu.training.batches import CausalLMCollator, model_inputs
-from onegpu.training.loss import causal_lm_loss, classification_loss, count_items
+from onegpu.training.loss import causal_lm_loss, classification_loss, count_examples, count_targets
 
 TEST, EVAL = "test", "eval"  # the metric prefixes: the evaluate stage's test split, validation during training
 
@@ -51,7 +51,7 @@ def predict(model, tokenizer, dataset, cfg: Config, device: str | None = None) -
         logits.append(out_logits.float().cpu())
         labels.append(gold.cpu())
 
-    loss, _, _, runtime = _summed(model, batches, _classifier_batch, device or memory.default_device(), keep)
+    loss, _, _, runtime = _summed(model, batches, classifier_batch, device or memory.default_device(), keep)
     logits = torch.cat(logits) if logits else torch.zeros(0, model.config.num_labels)  # (an empty share)
     labels = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int64)
     if len(parts := distributed.gather_objects((logits, labels))) > 1:  # every rank's rows, in rank order
@@ -77,19 +77,19 @@ def _batches(dataset, cfg: Config, collator):
                       pin_memory=memory.cuda_available())
 
 
-def _classifier_batch(model, batch: dict, gold):
+def classifier_batch(model, batch: dict, gold):
     """One batch's ``(summed cross-entropy, examples, logits)``."""
     out = model(**batch)
-    items = count_items(gold, "sequence-classification")
+    items = count_examples(gold)
     return classification_loss(out, gold, num_items_in_batch=1), items, out.logits
 
 
-def _causal_lm_batch(model, batch: dict, gold):
+def causal_lm_batch(model, batch: dict, gold):
     """One batch's ``(summed next-token loss, target tokens, hits)``; hits: target tokens the model ranks
     first. Under ``train.fused_lm_head`` (:func:`onegpu.training.lm_head.attached`) from the targets' logits
     in tiles, as training computes its loss (:func:`onegpu.training.lm_head.target_scores`), else from the
     whole logits."""
-    items = count_items(gold, "causal-lm")
+    items = count_targets(gold)
     if lm_head.attached(model):
         nll, hits = lm_head.target_scores(lm_head.hidden_states(model, batch), gold)
         return nll, items, hits
@@ -166,7 +166,7 @@ def causal_lm_metrics(model, tokenizer, dataset, cfg: Config, device: str, prefi
     split), ``runtime`` (s), ``samples_per_second``, ``tokens`` (target tokens), ``rows``.
     """
     ds = model_inputs(dataset, "causal-lm")
-    loss, tokens, hits, runtime = _summed(model, _batches(ds, cfg, CausalLMCollator(tokenizer)), _causal_lm_batch,
+    loss, tokens, hits, runtime = _summed(model, _batches(ds, cfg, CausalLMCollator(tokenizer)), causal_lm_batch,
                                           device)
     return _named(prefix, {"loss": loss, "perplexity": math.exp(loss), "mean_token_accuracy": hits / tokens,
                            "runtime": runtime, "samples_per_second": len(ds) / runtime, "tokens": tokens,
@@ -177,7 +177,7 @@ def validation_metrics(model, tokenizer, validation, cfg: Config, device: str) -
     """The validation split's figures during training, under ``eval_``: a classifier's loss, accuracy and
     macro F1 (:func:`classifier_metrics`), a causal LM's loss, perplexity and mean token accuracy
     (:func:`causal_lm_metrics`; no generation: too slow per point), exact over the split as the test
-    split's are. The model is left in eval mode (the caller puts it back)."""
-    if cfg.model.task == "causal-lm":
-        return causal_lm_metrics(model, tokenizer, validation, cfg, device, EVAL)
-    return classifier_metrics(model, tokenizer, validation, cfg, device, EVAL)[0]
+    split's are (the objective's :meth:`~onegpu.training.objectives.base.Objective.heldout_metrics`). The
+    model is left in eval mode (the caller puts it back)."""
+    from onegpu.training import objectives
+    return objectives.of(cfg).heldout_metrics(model, tokenizer, validation, cfg, device, EVAL)

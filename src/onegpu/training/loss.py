@@ -17,17 +17,28 @@ from onegpu.data.chat import IGNORE_INDEX  # the labels' mask value is data's (d
 from onegpu.training import lm_head
 
 
-def count_items(labels, task: str):
-    """Items (targets) in one micro-batch: a 0-dim int64 tensor on ``labels``' device.
-
-    Args:
-        labels: ``(micro_batch,)`` for ``sequence-classification``; ``(micro_batch, seq_len)`` for
-            ``causal-lm`` (unshifted, -100 at padding).
-        task: ``sequence-classification`` or ``causal-lm``.
-    """
-    if task == "causal-lm":
-        return labels[..., 1:].ne(IGNORE_INDEX).sum()
+def count_examples(labels):
+    """Examples of one micro-batch: ``labels`` ``(micro_batch,)`` not -100; a 0-dim int64 tensor on
+    ``labels``' device."""
     return labels.ne(IGNORE_INDEX).sum()
+
+
+def count_targets(labels):
+    """Target tokens of one micro-batch: ``labels`` ``(micro_batch, seq_len)``, unshifted, -100 at padding
+    and masked positions; counted over ``labels[..., 1:]`` (position t predicts token t + 1). A 0-dim
+    int64 tensor on ``labels``' device."""
+    return labels[..., 1:].ne(IGNORE_INDEX).sum()
+
+
+def count_items(labels, task: str):
+    """Items (targets) in one micro-batch of ``model.task`` ``task``, as its objective counts them
+    (:mod:`onegpu.training.objectives`: :func:`count_examples`, :func:`count_targets`).
+
+    Raises:
+        onegpu.errors.ConfigError: no objective has that name.
+    """
+    from onegpu.training import objectives
+    return objectives.get(task).count_items(labels)
 
 
 def classification_loss(outputs, labels, num_items_in_batch=None):
@@ -45,7 +56,7 @@ def classification_loss(outputs, labels, num_items_in_batch=None):
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
     total = F.cross_entropy(lm_head.upcast(logits), labels, ignore_index=IGNORE_INDEX, reduction="sum")
     if num_items_in_batch is None:
-        num_items_in_batch = count_items(labels, "sequence-classification")
+        num_items_in_batch = count_examples(labels)
     return total / num_items_in_batch
 
 
@@ -64,7 +75,7 @@ def causal_lm_loss(outputs, labels, num_items_in_batch=None):
         token loss.
     """
     if num_items_in_batch is None:
-        num_items_in_batch = count_items(labels, "causal-lm")
+        num_items_in_batch = count_targets(labels)
     if isinstance(outputs, lm_head.HiddenStates):  # train.fused_lm_head: the targets' logits only, in tiles
         return lm_head.target_nll(outputs, labels) / num_items_in_batch
     import torch.nn.functional as F
@@ -76,5 +87,11 @@ def causal_lm_loss(outputs, labels, num_items_in_batch=None):
 
 
 def loss_for(task: str):
-    """The loss function for ``task`` (signature ``(outputs, labels, num_items_in_batch)``)."""
-    return causal_lm_loss if task == "causal-lm" else classification_loss
+    """The loss function of ``model.task`` ``task``'s objective (signature ``(outputs, labels,
+    num_items_in_batch)``; :mod:`onegpu.training.objectives`).
+
+    Raises:
+        onegpu.errors.ConfigError: no objective has that name.
+    """
+    from onegpu.training import objectives
+    return objectives.get(task).loss

@@ -35,8 +35,9 @@ class BatchCounter:
     the model.
 
     ``add`` keeps the counts on the device (no sync); ``take`` reads and resets them once per step.
-    Targets are what the loss averages over (:func:`onegpu.training.loss.count_items`): the examples of
-    a classifier (1-D labels), the shifted target tokens of a causal LM (2-D labels).
+    Targets are what the loss averages over: the examples of a classifier (1-D labels,
+    :func:`onegpu.training.loss.count_examples`), the shifted target tokens of a causal LM (2-D labels,
+    :func:`onegpu.training.loss.count_targets`).
     """
 
     def __init__(self) -> None:
@@ -50,7 +51,7 @@ class BatchCounter:
         ``sum(2 p + 1)`` over its positions is the sum of its sequences' squared lengths."""
         import torch
 
-        from onegpu.training.loss import count_items
+        from onegpu.training.loss import count_examples, count_targets
         ids = inputs["input_ids"]
         mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
         flat = mask is None and positions is not None
@@ -67,7 +68,7 @@ class BatchCounter:
         if labels is None:
             targets = torch.tensor(ids.shape[0], device=ids.device)
         else:
-            targets = count_items(labels, "causal-lm" if labels.dim() > 1 else "sequence-classification")
+            targets = count_targets(labels) if labels.dim() > 1 else count_examples(labels)  # tokens or rows
         n = torch.stack([lengths.sum(), targets.to(lengths.device, torch.int64), squares, sequences])
         self._counts = n if self._counts is None else self._counts + n
 

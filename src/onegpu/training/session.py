@@ -22,9 +22,17 @@ from onegpu.equivalence import equivalence_key, run_config_hash
 from onegpu.errors import ConfigError
 from onegpu.measure import memory
 from onegpu.models import loader, lora
-from onegpu.training import autobatch, checkpointing, distributed, host_allocator, lm_head, prepared, validation
+from onegpu.training import (
+    autobatch,
+    checkpointing,
+    distributed,
+    host_allocator,
+    lm_head,
+    objectives,
+    prepared,
+    validation,
+)
 from onegpu.training.backends import base
-from onegpu.training.batches import flattened
 from onegpu.training.interrupt import GracefulStop
 from onegpu.training.resume import ResumePoint, latest_checkpoint
 
@@ -62,7 +70,7 @@ def check_flattened(cfg: Config, model_path: str | None) -> None:
     """Raises ConfigError, before any work, when ``data.padding_free`` or ``data.packing`` asks for rows
     of several sequences and the model at ``model_path`` (resolved; None: built from config) cannot keep
     them apart (:func:`onegpu.models.loader.packed_sequences_problem`)."""
-    if not flattened(cfg):
+    if not objectives.flattened(cfg):
         return
     key = "data.packing" if cfg.data.packing else "data.padding_free"
     problem = loader.packed_sequences_problem(model_path, cfg.model.attn_implementation)
@@ -117,19 +125,19 @@ def build_model(cfg: Config, model_path: str | None, stats: dict, tokenizer=None
             reproduce (:func:`onegpu.training.lm_head.check`).
     """
     from transformers import set_seed  # heavy: estimate and the launcher import this module too
-    task = cfg.model.task
+    objective = objectives.of(cfg)
     if tokenizer is None:
-        tokenizer = loader.load_tokenizer(str(paths.TOKENIZER) if model_path is None else model_path, task)
+        tokenizer = loader.load_tokenizer(str(paths.TOKENIZER) if model_path is None else model_path, cfg.model.task)
     set_seed(cfg.train.seed)
-    if task == "causal-lm":
+    if objective.token_level:  # a causal LM, whatever it is trained for
         model = loader.build_causal_lm(model_path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout,
                                        cfg.model.attn_implementation)
     else:
         model = loader.build_classifier(model_path, stats["labels"], cfg.model.dropout, cfg.model.attn_implementation)
     checkpointing.check(model, cfg.train)
     if cfg.model.lora_adapters is not None:
-        model = lora.apply(model, cfg.model.lora_adapters, task, cfg.train.gradient_checkpointing)
-    if task == "causal-lm" and cfg.train.fused_lm_head:
+        model = lora.apply(model, cfg.model.lora_adapters, cfg.model.task, cfg.train.gradient_checkpointing)
+    if objective.token_level and cfg.train.fused_lm_head:
         lm_head.check(model, f"model.name_or_path {cfg.model.name_or_path or 'null (built from config)'}")
         lm_head.attach(model)
     return model, tokenizer

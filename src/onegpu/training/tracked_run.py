@@ -28,11 +28,9 @@ from onegpu.equivalence import resolved_params
 from onegpu.formatting import gib
 from onegpu.measure import memory, outside_load
 from onegpu.models import loader, record
-from onegpu.training import autobatch, checkpointing, distributed, host_allocator, session
-from onegpu.training.batches import train_collator, training_rows
+from onegpu.training import autobatch, checkpointing, distributed, host_allocator, objectives, session
 from onegpu.training.closing_record import closing_record, own_tree_root, reaped_figure
 from onegpu.training.interrupt import GracefulStop, Interrupted
-from onegpu.training.loss import loss_for
 from onegpu.training.recorder import step_metrics
 from onegpu.training.resume import latest_checkpoint, tidy_other_checkpoints
 from onegpu.training.run_tags import CONFIG_TAG, config_name, log_results
@@ -241,14 +239,14 @@ def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: s
     checkpointed as configured) within ``plan.budget`` bytes; print and log its probes
     (``auto_micro_batch.json``, ``auto_micro_batch.md``). Returns the micro-batch, the smallest over ranks."""
     cfg, device, budget = plan.cfg, plan.device, plan.budget
-    task = cfg.model.task
+    parts = objectives.training_parts(dsd, cfg, tokenizer, with_length=True)
     model.to(device)
     loader.no_kv_cache(model)  # as training runs it
     if cfg.train.gradient_checkpointing:
         checkpointing.enable(model, cfg.train)
     world = cfg.train.num_processes
     micro, probes = autobatch.find_micro_batch(
-        model, training_rows(dsd, task, cfg), train_collator(cfg, tokenizer), loss_for(task),
+        model, parts.rows, parts.collator, parts.loss,
         cfg.train.effective_batch_size, budget, cfg.train.optim, device, world_size=world,
         mixed_precision=cfg.train.mixed_precision)  # probe under the training's autocast
     micro = int(min(r[0] for r in distributed.gather_over_ranks([micro], device)))  # one split for all ranks

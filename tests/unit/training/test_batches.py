@@ -258,10 +258,11 @@ def test_a_model_that_builds_its_own_mask_is_refused_for_padding_free(monkeypatc
 
 
 def test_the_first_micro_batch_holds_one_row_for_each_example_padding_free():
-    from onegpu.training.batches import train_collator, train_set
+    from onegpu.training import objectives
     cfg = config("accelerate", 4, 2, padding_free=True)
-    ds = train_set(dataset(), cfg)
-    batch = train_collator(cfg, tokenizer())([ds[i] for i in range(4)])
+    parts = objectives.training_parts(dataset(), cfg, tokenizer())
+    ds = parts.rows
+    batch = parts.collator([ds[i] for i in range(4)])
     assert set(batch) == {"input_ids", "labels", "position_ids"} and batch["input_ids"].shape[0] == 1
     assert int((batch["position_ids"] == 0).sum()) == 4
     assert json.dumps(batch["labels"][0][batch["position_ids"][0] == 0].tolist()) == "[-100, -100, -100, -100]"

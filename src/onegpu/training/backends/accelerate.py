@@ -28,9 +28,9 @@ from functools import partial
 
 from onegpu.config import TORCHAO_OPTIMIZERS, Config
 from onegpu.measure import memory
-from onegpu.training import activation_offloading, checkpointing, distributed, oom, validation
+from onegpu.training import activation_offloading, checkpointing, distributed, objectives, oom, validation
 from onegpu.training.backends.base import TrainRequest
-from onegpu.training.batches import probe_batch, train_collator, train_set
+from onegpu.training.batches import probe_batch
 from onegpu.training.interrupt import Interrupted
 from onegpu.training.loss import count_items, loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
@@ -182,8 +182,8 @@ def _build(req: TrainRequest) -> _Loop:
         cpu=not cuda, mixed_precision=t.mixed_precision, dynamo_plugin=dynamo,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=distributed.TIMEOUT_S))],
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=t.seed))
-    rows = train_set(req.dsd, cfg)
-    collator = train_collator(cfg, req.tokenizer)
+    parts = objectives.training_parts(req.dsd, cfg, req.tokenizer)
+    rows, collator = parts.rows, parts.collator
     loader = DataLoader(
         rows, batch_size=t.per_device_train_batch_size, sampler=RandomSampler(rows),
         drop_last=False, collate_fn=collator, num_workers=t.dataloader_num_workers,

@@ -18,9 +18,16 @@ from transformers.trainer_callback import ProgressCallback
 
 from onegpu.config import Config
 from onegpu.measure import memory
-from onegpu.training import activation_offloading as offloading, checkpointing, distributed, oom, validation
+from onegpu.training import (
+    activation_offloading as offloading,
+    checkpointing,
+    distributed,
+    objectives,
+    oom,
+    validation,
+)
 from onegpu.training.backends.base import TrainRequest
-from onegpu.training.batches import probe_batch, train_collator, train_set
+from onegpu.training.batches import probe_batch
 from onegpu.training.loss import count_items, loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
 from onegpu.training.resume import complete
@@ -345,8 +352,8 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     args = training_arguments(cfg, out)
     if t.gradient_checkpointing and not trainer_checkpoints(t):
         checkpointing.enable(req.model, t)  # Trainer's own checkpointing is off (args)
-    train_ds = train_set(req.dsd, cfg)
-    collator = train_collator(cfg, req.tokenizer)
+    parts = objectives.training_parts(req.dsd, cfg, req.tokenizer)
+    train_ds, collator = parts.rows, parts.collator
     trainer = ExactLossTrainer(
         model=req.model, args=args, train_dataset=train_ds, data_collator=collator, processing_class=req.tokenizer,
         counter=counter, task=task, oom_retry=t.oom_retry, oom_injector=req.oom_injector,

@@ -1,0 +1,69 @@
+"""What every objective supplies (:class:`Objective`) and what training assembles from one
+(:class:`TrainingParts`). No torch or transformers import here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from onegpu.config import token_level
+
+
+@dataclass
+class TrainingParts:
+    """What both backends, the ``auto`` finder and ``onegpu estimate`` train or probe with: ``rows`` (the
+    training split as the backends iterate it), ``collator`` (rows -> a micro-batch of tensors) and
+    ``loss`` (``(outputs, labels, num_items_in_batch) -> 0-dim tensor``: this micro-batch's share of the
+    optimizer step's mean)."""
+    rows: object
+    collator: object
+    loss: object
+
+
+class Objective:
+    """One ``model.task``: its rows, collator, item count, loss and held-out figures (the model is a causal
+    LM's for a token-level objective, a classifier's otherwise: :func:`onegpu.training.session.build_model`).
+    Registered in :mod:`onegpu.training.objectives` by its ``task``.
+
+    ``task``: the ``model.task`` value; its traits are declared with the params (``config.TASK_TRAITS``).
+    """
+    task: str = ""
+
+    @property
+    def token_level(self) -> bool:
+        """Whether the items are a causal LM's target tokens (padding-free batches, packing, the fused LM
+        head and generation apply), not examples: ``config.TASK_TRAITS``."""
+        return token_level(self.task)
+
+    def count_items(self, labels):
+        """The items of one micro-batch's ``labels``: a 0-dim int64 tensor on their device."""
+        raise NotImplementedError
+
+    def loss(self, outputs, labels, num_items_in_batch=None):
+        """This micro-batch's summed loss divided by ``num_items_in_batch`` (the whole optimizer step's
+        items; None: this micro-batch's): a 0-dim tensor."""
+        raise NotImplementedError
+
+    def model_inputs(self, dsd):
+        """The prepared ``DatasetDict`` (or one ``Dataset``) reduced to the model's columns."""
+        raise NotImplementedError
+
+    def collator(self, tokenizer, flattened: bool = False):
+        """Rows -> a micro-batch of tensors (``flattened``: one padding-free row, token-level only)."""
+        raise NotImplementedError
+
+    def heldout_batch(self, model, batch: dict, gold):
+        """One held-out batch under ``torch.no_grad()``: ``(summed loss, items, extra)``, ``extra`` a 0-dim
+        hit count, or what :meth:`heldout_metrics` keeps (a classifier's logits)."""
+        raise NotImplementedError
+
+    def heldout_metrics(self, model, tokenizer, dataset, cfg, device: str, prefix: str) -> dict:
+        """The split's exact figures under ``prefix`` (``eval`` during training, ``test`` in evaluate)."""
+        raise NotImplementedError
+
+    def test_figures(self, model, tokenizer, dataset, cfg, device: str) -> tuple[dict, list[int], list[int]]:
+        """The test split's ``test_*`` figures (:meth:`heldout_metrics`) and the gold and predicted class ids
+        (a classifier's, for its confusion matrix; empty lists otherwise)."""
+        return self.heldout_metrics(model, tokenizer, dataset, cfg, device, "test"), [], []
+
+    def result_line(self, metrics: dict) -> str:
+        """The evaluate stage's last line: what it measured on the test split, in the task's words."""
+        raise NotImplementedError

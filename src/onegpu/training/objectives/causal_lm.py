@@ -1,0 +1,46 @@
+"""Causal language modelling (``model.task: causal-lm``), plain text or instruction data: the items are
+the target tokens (position t predicts token t + 1; completion-only and assistant-only masks as prepare
+wrote them); the loss is summed over them (:func:`onegpu.training.loss.causal_lm_loss`, the fused LM head
+where it is on), perplexity and mean token accuracy held out (:mod:`onegpu.training.heldout`)."""
+from __future__ import annotations
+
+from onegpu.training import loss
+from onegpu.training.batches import CausalLMCollator, PaddingFreeCollator, keep_model_columns
+from onegpu.training.objectives.base import Objective
+
+
+class CausalLM(Objective):
+    task = "causal-lm"
+
+    def count_items(self, labels):
+        """Target tokens of ``labels`` ``(rows, seq_len)`` (unshifted): ``labels[..., 1:] != -100``."""
+        return loss.count_targets(labels)
+
+    def loss(self, outputs, labels, num_items_in_batch=None):
+        return loss.causal_lm_loss(outputs, labels, num_items_in_batch)
+
+    def model_inputs(self, dsd):
+        """The class column dropped (the collator makes token labels, or the rows bring theirs)."""
+        return keep_model_columns(dsd.remove_columns("label"))
+
+    def collator(self, tokenizer, flattened: bool = False):
+        """Padded per micro-batch (:class:`~onegpu.training.batches.CausalLMCollator`), or one flattened
+        row (:class:`~onegpu.training.batches.PaddingFreeCollator`)."""
+        return PaddingFreeCollator() if flattened else CausalLMCollator(tokenizer)
+
+    def heldout_batch(self, model, batch: dict, gold):
+        from onegpu.training import heldout
+        return heldout.causal_lm_batch(model, batch, gold)
+
+    def heldout_metrics(self, model, tokenizer, dataset, cfg, device: str, prefix: str) -> dict:
+        from onegpu.training import heldout
+        return heldout.causal_lm_metrics(model, tokenizer, dataset, cfg, device, prefix)
+
+    def result_line(self, metrics: dict) -> str:
+        m = metrics
+        rouge = f", ROUGE-L {m['test_rouge_l']:.3f}" if "test_rouge_l" in m else ""
+        return (f"loss {m['test_loss']:.4f} nats/token, perplexity {m['test_perplexity']:.1f} on "
+                f"{m['test_tokens']} test tokens{rouge}")
+
+
+OBJECTIVE = CausalLM()

@@ -1,0 +1,48 @@
+"""Sequence classification (``model.task: sequence-classification``): one label per row, the items are
+the rows; cross-entropy over the classes (:func:`onegpu.training.loss.classification_loss`), accuracy and
+macro F1 held out (:mod:`onegpu.training.heldout`)."""
+from __future__ import annotations
+
+from onegpu.training import loss
+from onegpu.training.batches import keep_model_columns
+from onegpu.training.objectives.base import Objective
+
+
+class SequenceClassification(Objective):
+    task = "sequence-classification"
+
+    def count_items(self, labels):
+        """Rows whose label is not -100: ``labels`` ``(rows,)`` int64."""
+        return loss.count_examples(labels)
+
+    def loss(self, outputs, labels, num_items_in_batch=None):
+        return loss.classification_loss(outputs, labels, num_items_in_batch)
+
+    def model_inputs(self, dsd):
+        """``label`` renamed ``labels``; the other prepared columns (text, length) dropped."""
+        return keep_model_columns(dsd.rename_column("label", "labels"))
+
+    def collator(self, tokenizer, flattened: bool = False):
+        """Each micro-batch padded to its longest row (``DataCollatorWithPadding``; nothing to flatten)."""
+        from transformers import DataCollatorWithPadding
+        return DataCollatorWithPadding(tokenizer)
+
+    def heldout_batch(self, model, batch: dict, gold):
+        from onegpu.training import heldout
+        return heldout.classifier_batch(model, batch, gold)
+
+    def heldout_metrics(self, model, tokenizer, dataset, cfg, device: str, prefix: str) -> dict:
+        from onegpu.training import heldout
+        return heldout.classifier_metrics(model, tokenizer, dataset, cfg, device, prefix)[0]
+
+    def test_figures(self, model, tokenizer, dataset, cfg, device: str) -> tuple[dict, list[int], list[int]]:
+        from onegpu.training import heldout
+        return heldout.classifier_metrics(model, tokenizer, dataset, cfg, device, heldout.TEST)
+
+    def result_line(self, metrics: dict) -> str:
+        m = metrics
+        return (f"accuracy {m['test_accuracy']:.4f}, f1_macro {m['test_f1_macro']:.4f}, loss {m['test_loss']:.4f} "
+                f"on {m['test_rows']} test rows")
+
+
+OBJECTIVE = SequenceClassification()
