@@ -3,6 +3,8 @@
 
 - ``ONEGPU_TEST_FAULT=raise:<rank>:<step>``: the process of that rank raises right after optimizer step
   ``<step>`` (``StepRecorder.end_step``), as a rank whose own code fails would.
+- ``ONEGPU_TEST_FAULT=raise_validating:<rank>:<step>``: the process of that rank raises in the validation
+  pass after optimizer step ``<step>`` (``Validation.__call__``), while the others validate their shares.
 - ``ONEGPU_TEST_FAULT=slow_validation:<rank>:<step>``: the validation pass after optimizer step ``<step>``
   prints ``test fault: validating after optimizer step <step>`` and takes 5 s more, before it validates
   (``Validation.__call__``), so that a signal sent on that line arrives during the pass.
@@ -38,7 +40,18 @@ def _slow_validation(module) -> None:
     module.Validation.__call__ = slow
 
 
+def _failing_validation(module) -> None:
+    validate = module.Validation.__call__
+
+    def failing(self, step, *a, **kw):
+        if step == int(_STEP):
+            raise RuntimeError(f"injected failure on rank {_RANK} in the validation pass after optimizer step {step}")
+        return validate(self, step, *a, **kw)
+    module.Validation.__call__ = failing
+
+
 _PATCHES = {"raise": ("onegpu.training.recorder", _failing_end_step),
+            "raise_validating": ("onegpu.training.validation", _failing_validation),
             "slow_validation": ("onegpu.training.validation", _slow_validation)}
 
 if _KIND in _PATCHES and os.environ.get("RANK", "0") == _RANK:
