@@ -37,15 +37,18 @@ def test_on_the_packaged_chat_model_every_same_training_knob_is_exact_in_float64
 @pytest.mark.slow
 def test_on_the_packaged_chat_model_the_splits_are_equal_in_float32():
     """The issue's job in float32, the fused head on: step 1 within 1e-6 of 8 x 1 (loss and grad_norm; the
-    float32 floor of the reduction order is 1e-7..3e-7 here), every step within 1e-5 (bench/same_training.py
-    prints every split on both backends)."""
+    float32 floor of the reduction order is 1e-7..3e-7 here) and every parameter's gradient within 3e-5
+    (the floor depends on the threads summing: under xdist, one thread per worker, within 1e-5; run alone
+    with 2 threads, a layer norm's weight 1.4e-5 apart; a wrong loss, as the float32 log-normaliser of
+    TRL's chunked head was, moved gradients by 1e-4), every step within 1e-5 (bench/same_training.py
+    prints every split on both backends; exactness is float64's proof above)."""
     adamw = {"dtype": torch.float32, "steps": 3, "optim": "adamw_torch", "learning_rate": 1e-4, "weight_decay": 0.0,
              "max_grad_norm": 1.0, "seed": 42}  # the job's own training params (bench/same_training.py)
     ref = _packaged(**adamw)
     for run in (_packaged(1, 8, backend="accelerate", **adamw), _packaged(2, 4, padding_free=True, **adamw)):
         d1 = f64.distance(f64.Run(run.rows[:1], run.grads), f64.Run(ref.rows[:1], ref.grads))
         assert max(d1["loss"], d1["grad_norm"]) <= 1e-6, d1
-        assert d1["gradient"] <= 1e-5, d1
+        assert d1["gradient"] <= 3e-5, d1
         assert max(f64.distance(run, ref)[k] for k in ("loss", "grad_norm")) <= 1e-5
 
 
