@@ -181,7 +181,7 @@ class StepRecorder:
         self.sink(step_metrics(row), step)
         if not math.isfinite(loss):
             raise TrainingDiverged(step, loss, learning_rate)
-        if self.validation is not None and self.validation.due(step):
+        if self.validation is not None and self.validation.is_point(step):
             metrics = self._between_steps(self.validation, step)
             self.evals.append({"step": step, **metrics})
             self.sink(metrics, step)

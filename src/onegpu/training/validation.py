@@ -66,12 +66,9 @@ class Validation:
         self.best_bytes = 0  # bytes of the best point's weights on disk (train.load_best_model_at_end)
 
     def is_point(self, step: int) -> bool:
-        """Whether optimizer ``step`` is followed by a validation point (every ``every`` steps, and the last)."""
+        """Whether optimizer ``step`` is followed by a validation point (every ``every`` steps, and the last):
+        every process then validates its share of the split."""
         return step % self.every == 0 or step == self.total_steps
-
-    def due(self, step: int) -> bool:
-        """Whether the processes validate after ``step`` (every process, each its share of the split)."""
-        return self.is_point(step)
 
     def __call__(self, step: int) -> dict:
         """The split's ``eval_*`` figures with the weights after ``step`` (:func:`onegpu.training.heldout.
@@ -137,7 +134,8 @@ class Validation:
 
     def load_best(self, model, evals: list[dict]) -> dict | None:
         """With ``train.load_best_model_at_end``: the best point's weights loaded into ``model`` (the trained
-        model, unwrapped) and that point returned; None otherwise (or when no point was kept)."""
+        model, unwrapped) and that point returned, their bytes in :attr:`best_bytes` (also when an earlier,
+        resumed run kept them); None otherwise (or when no point was kept)."""
         import os
 
         import torch
@@ -145,7 +143,10 @@ class Validation:
         best, _ = best_point(evals, t.metric_for_best_model, greater(t), t.early_stopping_threshold)
         if not t.load_best_model_at_end or best is None or not os.path.isfile(self._best_file()):
             return None
-        model.load_state_dict(torch.load(self._best_file(), map_location=self.device, weights_only=True))
+        from onegpu.measure import memory
+        state = torch.load(self._best_file(), map_location=self.device, weights_only=True)
+        self.best_bytes = memory.tensors_bytes(state.values())
+        model.load_state_dict(state)
         return best
 
 

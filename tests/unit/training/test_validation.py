@@ -214,6 +214,8 @@ def test_a_resumed_run_continues_the_points_the_best_and_the_patience(backend, m
     assert rec.stopped_early.startswith("early stopping after optimizer step 4 of 8")
     assert rec.best == {"step": 2, "metric": "eval_loss", "value": 0.8}
     assert all(bool((model.state_dict()[k] == seen[2][k]).all()) for k in seen[2])
+    # the best was kept by the stopped run: the resumed run's breakdown still counts its bytes
+    assert rec.memory()["mem_best_model_bytes"] == sum(t.numel() * t.element_size() for t in seen[2].values())
 
 
 def test_eval_strategy_no_may_be_written_unquoted_as_hf_users_write_it(tmp_path):
