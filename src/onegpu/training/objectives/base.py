@@ -50,11 +50,6 @@ class Objective:
         """Rows -> a micro-batch of tensors (``flattened``: one padding-free row, token-level only)."""
         raise NotImplementedError
 
-    def heldout_batch(self, model, batch: dict, gold):
-        """One held-out batch under ``torch.no_grad()``: ``(summed loss, items, extra)``, ``extra`` a 0-dim
-        hit count, or what :meth:`heldout_metrics` keeps (a classifier's logits)."""
-        raise NotImplementedError
-
     def heldout_metrics(self, model, tokenizer, dataset, cfg, device: str, prefix: str) -> dict:
         """The split's exact figures under ``prefix`` (``eval`` during training, ``test`` in evaluate)."""
         raise NotImplementedError
@@ -62,7 +57,8 @@ class Objective:
     def test_figures(self, model, tokenizer, dataset, cfg, device: str) -> tuple[dict, list[int], list[int]]:
         """The test split's ``test_*`` figures (:meth:`heldout_metrics`) and the gold and predicted class ids
         (a classifier's, for its confusion matrix; empty lists otherwise)."""
-        return self.heldout_metrics(model, tokenizer, dataset, cfg, device, "test"), [], []
+        from onegpu.training.heldout import TEST
+        return self.heldout_metrics(model, tokenizer, dataset, cfg, device, TEST), [], []
 
     def result_line(self, metrics: dict) -> str:
         """The evaluate stage's last line: what it measured on the test split, in the task's words."""

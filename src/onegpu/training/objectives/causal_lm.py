@@ -28,10 +28,6 @@ class CausalLM(Objective):
         row (:class:`~onegpu.training.batches.PaddingFreeCollator`)."""
         return PaddingFreeCollator() if flattened else CausalLMCollator(tokenizer)
 
-    def heldout_batch(self, model, batch: dict, gold):
-        from onegpu.training import heldout
-        return heldout.causal_lm_batch(model, batch, gold)
-
     def heldout_metrics(self, model, tokenizer, dataset, cfg, device: str, prefix: str) -> dict:
         from onegpu.training import heldout
         return heldout.causal_lm_metrics(model, tokenizer, dataset, cfg, device, prefix)

@@ -27,10 +27,6 @@ class SequenceClassification(Objective):
         from transformers import DataCollatorWithPadding
         return DataCollatorWithPadding(tokenizer)
 
-    def heldout_batch(self, model, batch: dict, gold):
-        from onegpu.training import heldout
-        return heldout.classifier_batch(model, batch, gold)
-
     def heldout_metrics(self, model, tokenizer, dataset, cfg, device: str, prefix: str) -> dict:
         from onegpu.training import heldout
         return heldout.classifier_metrics(model, tokenizer, dataset, cfg, device, prefix)[0]
