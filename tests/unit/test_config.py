@@ -45,11 +45,10 @@ def test_defaults_fill_missing_sections():
 # -- bad inputs ----------------------------------------------------------------------------------
 
 def _set(d: dict, dotted: str, value) -> None:
-    section, _, key = dotted.rpartition(".")
-    if section:
-        d.setdefault(section, {})[key] = value
-    else:
-        d[key] = value
+    *path, key = dotted.split(".")
+    for part in path:
+        d = d.setdefault(part, {})
+    d[key] = value
 
 
 BAD = [
@@ -127,7 +126,7 @@ BAD = [
                                          "train.effective_batch_size": 9, "train.num_processes": 2},
      "train.effective_batch_size", ["not divisible by train.num_processes (2)"]),
     # instruction data (issue 21): causal LM only
-    ("padding-free-classifier", {"data.padding_free": True}, "data.padding_free", ["causal-lm only"]),
+    ("padding-free-classifier", {"data.padding_free": True}, "data.padding_free", ["causal-lm and preference only"]),
     ("packing-classifier", {"data.packing": True}, "data.packing", ["causal-lm only"]),
     ("completion-only-classifier", {"data.completion_only_loss": True}, "data.completion_only_loss", ["causal-lm"]),
     ("headlines-classifier", {"data.source": "bbcnews-headlines"}, "data.source", ["instruction data"]),
@@ -137,6 +136,26 @@ BAD = [
     ("assistant-only-classifier", {"data.assistant_only_loss": True}, "data.assistant_only_loss", ["causal-lm only"]),
     ("packing-not-bool", {"data.packing": "sometimes"}, "data.packing", ["true or false"]),
     ("assistant-only-not-bool", {"data.assistant_only_loss": "maybe"}, "data.assistant_only_loss", ["true or false"]),
+    # preference tuning (issue 42): its data, its keys
+    ("pairs-classifier", {"data.source": "bbcnews-headline-pairs"}, "data.source",
+     ["preference pairs", "for model.task: preference, but model.task is sequence-classification"]),
+    ("headlines-preference", {"data.source": "bbcnews-headlines", "model.task": "preference",
+                              "model.name_or_path": None}, "data.source", ["for model.task: causal-lm"]),
+    ("packing-preference", {"data.source": "bbcnews-headline-pairs", "model.task": "preference",
+                            "model.name_or_path": None, "data.packing": True}, "data.packing", ["causal-lm only"]),
+    ("completion-only-preference", {"data.source": "bbcnews-headline-pairs", "model.task": "preference",
+                                    "model.name_or_path": None, "data.completion_only_loss": True},
+     "data.completion_only_loss", ["causal-lm only"]),
+    ("dpo-beta-0", {"train.dpo.beta": 0}, "train.dpo.beta", ["positive number"]),
+    ("dpo-loss-unknown", {"train.dpo.loss_type": ["kto"]}, "train.dpo.loss_type", ["sigmoid", "sigmoid_norm"]),
+    ("dpo-loss-empty", {"train.dpo.loss_type": []}, "train.dpo.loss_type", ["non-empty list"]),
+    ("dpo-loss-string", {"train.dpo.loss_type": "ipo"}, "train.dpo.loss_type", ["a list of strings"]),
+    ("dpo-weights-count", {"train.dpo.loss_weights": [1.0, 0.5]}, "train.dpo.loss_weights",
+     ["2 weights for 1 loss types"]),
+    ("dpo-smoothing-half", {"train.dpo.label_smoothing": 0.5}, "train.dpo.label_smoothing", ["[0, 0.5)"]),
+    ("dpo-dropout-both", {"data.source": "bbcnews-headline-pairs", "model.task": "preference",
+                          "model.name_or_path": None, "model.dropout": 0.1}, "model.dropout",
+     ["train.dpo.disable_dropout is true"]),
     ("max-new-tokens-0", {"evaluate.max_new_tokens": 0}, "evaluate.max_new_tokens", ["from 1 to 4096"]),
     ("source-parquet-typo", {"data.source": "d.parqet"}, "data.source", [".parquet"]),
 ]
@@ -381,7 +400,7 @@ def test_every_key_is_declared_in_or_out_of_the_equivalence_key_with_help():
     mappings = {k: f for k, f in config.declarations(leaves=False).items() if k not in declared}
     assert sorted(mappings) == sorted(config.SUBSECTIONS)
     assert all(f.metadata["key"] == config.EACH_KEY for f in mappings.values())
-    assert len(declared) == 68  # the schema's keys today: a new key is declared with knob()
+    assert len(declared) == 73  # the schema's keys today: a new key is declared with knob()
 
 
 def test_the_key_the_rules_and_the_help_are_derived_from_the_declarations():

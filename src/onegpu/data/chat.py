@@ -38,7 +38,8 @@ def has_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def _ids(tokenizer, text: str) -> list[int]:
+def token_ids(tokenizer, text: str) -> list[int]:
+    """``text``'s token ids, no special token added."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -51,11 +52,16 @@ def _common_prefix(a: str, b: str) -> int:
     return n
 
 
-def render(tokenizer, prompt, completion) -> tuple[str, str]:
+def render(tokenizer, prompt, completion, strict: bool = False) -> tuple[str, str]:
     """``(prompt text, completion text)`` as the model sees them (see the module docstring).
 
+    ``strict``: the prompt rendered alone (with the generation prompt) must be a prefix of the rendering of
+    prompt + completion, so the answer follows the very context the model generates it from (preference
+    data: TRL only warns, and trains the answer after a context the model never sees).
+
     Raises:
-        DataError: conversational cells and a tokenizer without a chat template.
+        DataError: conversational cells and a tokenizer without a chat template; under ``strict``, a prompt
+            rendered alone that is not a prefix of prompt + completion (the message quotes where they part).
     """
     if has_template(tokenizer):
         p = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
@@ -63,6 +69,10 @@ def render(tokenizer, prompt, completion) -> tuple[str, str]:
         alone = tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(p + c, tokenize=False)
         cut = _common_prefix(alone, full)  # TRL's rule: the completion starts where the two renderings part
+        if strict and cut < len(alone):
+            raise DataError(f"the chat template renders this prompt alone as ...{alone[max(cut - 20, 0):cut + 20]!r} "
+                            f"but followed by its answer as ...{full[max(cut - 20, 0):cut + 20]!r}: the answer would "
+                            "be trained after a context the model never generates from; fix the template or the row")
         return full[:cut], full[cut:]
     if isinstance(prompt, list) or isinstance(completion, list):
         raise DataError("the data has conversational (role/content) cells but the tokenizer has no chat template: "
@@ -71,11 +81,11 @@ def render(tokenizer, prompt, completion) -> tuple[str, str]:
     return prompt + sep, completion + (tokenizer.eos_token or "")
 
 
-def _shortened(prompt, tokenizer, over: int):
+def shortened(prompt, tokenizer, over: int):
     """``prompt`` with its last message's text (or the string itself) ``over`` tokens shorter; None when
     nothing is left to cut."""
     text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
-    ids = _ids(tokenizer, text)
+    ids = token_ids(tokenizer, text)
     if not ids:
         return None
     cut = tokenizer.decode(ids[:max(len(ids) - over, 0)])
@@ -90,13 +100,13 @@ def prompt_completion(tokenizer, prompt, completion, max_length: int,
     truncated = False
     for _ in range(8):  # each round cuts what is still over; decoding and re-encoding may shift a token
         p_text, c_text = render(tokenizer, prompt, completion)
-        p_ids, c_ids = _ids(tokenizer, p_text), _ids(tokenizer, c_text)
+        p_ids, c_ids = token_ids(tokenizer, p_text), token_ids(tokenizer, c_text)
         over = len(p_ids) + len(c_ids) - max_length
         if over <= 0:
             ids = p_ids + c_ids
             labels = [IGNORE_INDEX] * len(p_ids) + c_ids if completion_only else list(ids)
             return {"input_ids": ids, "labels": labels, "prompt_length": len(p_ids), "truncated": truncated}
-        prompt = _shortened(prompt, tokenizer, over)
+        prompt = shortened(prompt, tokenizer, over)
         truncated = True
         if prompt is None:
             return None
@@ -163,7 +173,7 @@ def messages(tokenizer, msgs: list[dict], max_length: int, assistant_only: bool)
     require_template(tokenizer)
     ids, mask, last_start = [], [], 0
     for text, is_turn in _pieces(tokenizer, msgs, assistant_only):
-        piece = _ids(tokenizer, text) if text else []
+        piece = token_ids(tokenizer, text) if text else []
         last_start = len(ids) if is_turn else last_start
         ids += piece
         mask += [1 if is_turn or not assistant_only else 0] * len(piece)

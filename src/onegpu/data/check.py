@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from onegpu.config import PACKAGED_HEADLINES, Config, token_level
+from onegpu.config import PACKAGED_HEADLINES, PACKAGED_PAIRS, Config, causal_lm, token_level
 from onegpu.data import files, formats
 from onegpu.errors import DataError
 
@@ -21,9 +21,9 @@ def _table_format(cfg: Config, path: Path) -> str:
     """The format of table ``path`` for ``cfg``'s task; raises DataError for missing columns."""
     d, task = cfg.data, cfg.model.task
     columns, first = files.header(path)
-    fmt = formats.detect(columns) if token_level(task) else formats.TEXT
+    fmt = formats.detect(columns) if causal_lm(task) else formats.TEXT
     listed = ", ".join(map(str, columns))
-    if fmt == formats.TEXT:
+    if fmt == formats.TEXT and task != "preference":  # (preference: _check_pairs names what is missing)
         needed = [("data.text_column", d.text_column)] + (
             [("data.label_column", d.label_column)] if not token_level(task) else [])
         for key, col in needed:
@@ -37,25 +37,39 @@ def _table_format(cfg: Config, path: Path) -> str:
     return fmt
 
 
+def _check_pairs(cfg: Config, fmt: str) -> None:
+    """Raises DataError when preference data and ``model.task: preference`` do not come together."""
+    source, task = cfg.data.source, cfg.model.task
+    if task == "preference" and fmt != formats.PREFERENCE:
+        raise DataError(f"model.task is preference, but data.source={source!r} is {fmt} data: preference tuning "
+                        "needs chosen and rejected columns (and a prompt column, or the prompt inside both), e.g. "
+                        f"data.source: {PACKAGED_PAIRS}")
+    if fmt == formats.PREFERENCE and task != "preference":
+        raise DataError(f"data.source={source!r} is preference data (chosen and rejected columns), which "
+                        f"model.task: preference trains on, but model.task is {task}")
+
+
 def check_input(cfg: Config) -> str:
     """Check ``data.source`` and its columns against the task and the loss keys; return its format
-    (:data:`~onegpu.data.formats.TEXT`, ``PROMPT_COMPLETION`` or ``MESSAGES``).
+    (:data:`~onegpu.data.formats.TEXT`, ``PROMPT_COMPLETION``, ``MESSAGES`` or ``PREFERENCE``).
 
     Raises:
         DataError: the source is missing or of the wrong kind (:func:`~onegpu.data.files.check_source`);
             a column the task needs is missing; a first ``messages`` cell that is not a list of role/content
-            (or has no assistant turn under ``data.assistant_only_loss``); ``data.completion_only_loss: true``
+            (or has no assistant turn under ``data.assistant_only_loss``); preference data without
+            ``model.task: preference`` or the other way round; ``data.completion_only_loss: true``
             on data without completions; ``data.assistant_only_loss: true`` on data without ``messages``.
     """
     d = cfg.data
     files.check_source(d)
     kind = files.source_kind(d.source)
-    if d.source == PACKAGED_HEADLINES:
-        fmt = formats.PROMPT_COMPLETION
+    if d.source in (PACKAGED_HEADLINES, PACKAGED_PAIRS):
+        fmt = formats.PROMPT_COMPLETION if d.source == PACKAGED_HEADLINES else formats.PREFERENCE
     elif kind in ("package", "directory"):
         fmt = formats.TEXT
     else:
         fmt = _table_format(cfg, Path(d.source).expanduser())
+    _check_pairs(cfg, fmt)
     if d.completion_only_loss and fmt != formats.PROMPT_COMPLETION:
         raise DataError(f"data.completion_only_loss is true, but data.source={d.source!r} is {fmt} data: it needs "
                         "prompt and completion columns (set it to null or false)")

@@ -1,8 +1,10 @@
 """Which kind of data a source holds, from its columns, as TRL decides it (standard library only).
 
-TRL's dataset types (``trl.data_utils``, SFTTrainer): a ``messages`` column (a list of ``{role, content}``
-per row: conversational language modelling), ``prompt`` + ``completion`` columns (prompt-completion; a cell
-may be a string or, conversational, a list of messages), else plain text in the text column. onegpu
+TRL's dataset types (``trl.data_utils``, SFTTrainer, DPOTrainer): ``chosen`` + ``rejected`` columns (preference
+pairs, with a ``prompt`` column or the prompt implicit in both answers), a ``messages`` column (a list of
+``{role, content}`` per row: conversational language modelling), ``prompt`` + ``completion`` columns
+(prompt-completion; a cell may be a string or, conversational, a list of messages), else plain text in the
+text column. onegpu
 reads them the same way; its own copy of ``trl.data_utils.is_conversational`` exists because importing
 ``trl.data_utils`` loads transformers and torch (seconds), and this check must answer before any heavy
 import (:func:`onegpu.data.check.check_input`).
@@ -13,21 +15,26 @@ import json
 
 from onegpu.errors import DataError
 
-TEXT, PROMPT_COMPLETION, MESSAGES = "text", "prompt-completion", "messages"
+TEXT, PROMPT_COMPLETION, MESSAGES, PREFERENCE = "text", "prompt-completion", "messages", "preference"
 ROLES = ("system", "user", "assistant", "tool")
 # Each format's data columns: a reader keeps them as columns through the splits and tokenization.
-COLUMNS = {TEXT: ("text",), PROMPT_COMPLETION: ("prompt", "completion"), MESSAGES: ("messages",)}
+COLUMNS = {TEXT: ("text",), PROMPT_COMPLETION: ("prompt", "completion"), MESSAGES: ("messages",),
+           PREFERENCE: ("prompt", "chosen", "rejected")}
 # Why a row read from the source is not used, per format, in the order they are tested (a row counts once;
 # the last of an instruction format's is counted by tokenization).
 DROP_REASONS = {TEXT: ("empty_text", "empty_label", "duplicate"),
                 PROMPT_COMPLETION: ("empty_prompt", "empty_completion", "duplicate", "completion_too_long"),
-                MESSAGES: ("empty_messages", "duplicate", "no_target_after_truncation")}
+                MESSAGES: ("empty_messages", "duplicate", "no_target_after_truncation"),
+                PREFERENCE: ("empty_prompt", "empty_chosen", "empty_rejected", "identical_answers", "duplicate",
+                             "answer_too_long")}
 
 
 def detect(columns) -> str:
-    """:data:`MESSAGES` when a ``messages`` column exists, :data:`PROMPT_COMPLETION` for ``prompt`` and
-    ``completion`` columns, else :data:`TEXT` (TRL's order)."""
+    """:data:`PREFERENCE` for ``chosen`` and ``rejected`` columns, :data:`MESSAGES` when a ``messages`` column
+    exists, :data:`PROMPT_COMPLETION` for ``prompt`` and ``completion`` columns, else :data:`TEXT`."""
     cols = set(columns)
+    if {"chosen", "rejected"} <= cols:
+        return PREFERENCE
     if "messages" in cols:
         return MESSAGES
     if {"prompt", "completion"} <= cols:

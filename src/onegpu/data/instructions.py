@@ -1,6 +1,6 @@
-"""What the two instruction formats' readers share (:mod:`onegpu.data.prompt_completion`,
-:mod:`onegpu.data.messages`): reading a table (.jsonl, .csv, .parquet) row by row into the format's
-columns, the row's identity, tokenization with the loss masks (:mod:`onegpu.data.chat`).
+"""What the instruction formats' readers share (:mod:`onegpu.data.prompt_completion`,
+:mod:`onegpu.data.messages`, :mod:`onegpu.data.preference`): reading a table (.jsonl, .csv, .parquet) row by
+row into the format's columns, the row's identity, tokenization with the loss masks (:mod:`onegpu.data.chat`).
 
 A table's label column (``data.label_column``) stratifies the splits when present; without one every row
 has the label ``text``. Rows are de-duplicated and counted per reason
@@ -19,7 +19,9 @@ from onegpu.errors import DataError
 
 
 class InstructionReader(Reader):
-    """An instruction format's reader; a subclass gives :meth:`cells` (one record's cells of its columns)."""
+    """An instruction format's reader; a subclass gives :meth:`cells` (one record's cells of its columns).
+    ``required``: the columns a table must have (empty: all of :attr:`columns`)."""
+    required: tuple[str, ...] = ()
 
     def cells(self, record: dict, where: str, cfg: Config, csv_text: bool) -> dict:
         """``{column: cell}`` of one table record, checked (``where`` is ``"line 3"`` or ``"row 3"``;
@@ -35,9 +37,9 @@ class InstructionReader(Reader):
         """
         d = cfg.data
         table = files.read_records(d.source, ' such as {"text": ..., "label": ...}')
-        if not set(self.columns) <= set(table.columns):
-            raise DataError(f"data.source={d.source!r} has neither prompt + completion nor messages columns "
-                            f"(columns: {', '.join(map(str, table.columns))})")
+        if not set(self.required or self.columns) <= set(table.columns):
+            raise DataError(f"data.source={d.source!r} has neither prompt + completion, chosen + rejected nor "
+                            f"messages columns (columns: {', '.join(map(str, table.columns))})")
         csv_text = Path(d.source).suffix.lower() == ".csv"
         rows = [self.cells(r, f"{table.unit} {n}", cfg, csv_text) for n, r in table.records]
         if d.label_column in table.columns:

@@ -1,7 +1,7 @@
 """De-duplication (every dropped row counted under one reason) and the seeded, stratified splits."""
 from __future__ import annotations
 
-from onegpu.config import DataConfig, token_level
+from onegpu.config import DataConfig, causal_lm
 from onegpu.errors import DataError
 
 SPLITS = ("train", "validation", "test")
@@ -64,7 +64,7 @@ def split(columns: dict[str, list], labels: list[str], cfg: DataConfig, task: st
         raise DataError(f"data.source={cfg.source!r}: no row has a non-blank text in data.text_column="
                         f"{cfg.text_column!r}")
     names = sorted(set(labels))
-    if len(names) < 2 and not token_level(task):
+    if len(names) < 2 and not causal_lm(task):
         raise DataError(f"the data has a single label ({names[0]!r}) in data.label_column={cfg.label_column!r}; "
                         "classification needs at least two")
     counts = {n: labels.count(n) for n in names}
@@ -91,7 +91,7 @@ def split(columns: dict[str, list], labels: list[str], cfg: DataConfig, task: st
                         f"validation and test (data.validation_size={cfg.validation_size}, "
                         f"data.test_size={cfg.test_size}, data.max_train_samples={cfg.max_train_samples}, "
                         f"data.max_eval_samples={cfg.max_eval_samples}): {first_line}") from None
-    if not token_level(task):
+    if not causal_lm(task):
         _check_train_has_every_label(out, names, cfg)
     return out
 

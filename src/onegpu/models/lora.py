@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from onegpu import paths
-from onegpu.config import LoraConfig, token_level
+from onegpu.config import LoraConfig, causal_lm
 from onegpu.errors import ModelError
 
 
@@ -24,7 +24,7 @@ def apply(model, lora: LoraConfig, task: str, checkpointing: bool = False):
         model: a built ``transformers`` model (float32, on CPU); its frozen weights are shared, not copied.
         lora: ``model.lora`` (rank ``r``, ``alpha``, ``dropout``, ``target_modules`` or None = peft's
             default for the architecture, e.g. ``query``/``value`` for BERT, ``c_attn`` for GPT-2).
-        task: ``model.task``; a classifier's (not token-level: ``config.token_level``) keeps its head
+        task: ``model.task``; a classifier's (no causal LM: ``config.causal_lm``) keeps its head
             trainable (peft's ``SEQ_CLS``), a causal LM's is ``CAUSAL_LM``.
         checkpointing: activation checkpointing will be on. The input embeddings are frozen, so their
             output does not require grad; reentrant checkpointing then gives the adapters inside a
@@ -40,7 +40,7 @@ def apply(model, lora: LoraConfig, task: str, checkpointing: bool = False):
     import warnings
 
     from peft import LoraConfig as PeftLoraConfig, TaskType, get_peft_model
-    task_type = TaskType.CAUSAL_LM if token_level(task) else TaskType.SEQ_CLS
+    task_type = TaskType.CAUSAL_LM if causal_lm(task) else TaskType.SEQ_CLS
     conv1d = _uses_conv1d(model)  # GPT-2 stores weights as (in, out): peft needs fan_in_fan_out=True
     config = PeftLoraConfig(task_type=task_type, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                             target_modules=list(lora.target_modules) if lora.target_modules else None,

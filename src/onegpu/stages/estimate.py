@@ -60,7 +60,7 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     budget = int(budget_gib * GiB) if budget_gib else None
     precision = "fp32" if cfg.train.mixed_precision == "no" else f"{cfg.train.mixed_precision} autocast"
     lora_note = "" if cfg.model.lora_adapters is None else f", LoRA r={cfg.model.lora.r}"
-    if objectives.get(task).token_level:
+    if objectives.get(task).causal_lm:
         lora_note += ", LM head " + ("fused (targets only, in tiles)" if cfg.train.fused_lm_head else "whole logits")
     print(f"memory estimate for {type(model).__name__}, precision {precision}, attention "
           f"{loader.attention_kernel(model)}, optimizer {cfg.train.optim}{lora_note}, rows from {where}:")

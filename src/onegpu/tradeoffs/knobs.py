@@ -176,9 +176,9 @@ def lora(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
                     "full fine-tuning instead of LoRA")]
 
 
-def _causal_lm_only(cfg: Config) -> str | None:
-    from onegpu.config import token_level
-    if not token_level(cfg.model.task):
+def _causal_lm_only(cfg: Config, pairs_too: bool = False) -> str | None:
+    from onegpu.config import causal_lm, token_level
+    if not (causal_lm if pairs_too else token_level)(cfg.model.task):
         return (f"causal LM (instruction fine-tuning) only: model.task is {cfg.model.task}, whose rows are "
                 "one label each, nothing to flatten or pack")
     return None
@@ -187,7 +187,7 @@ def _causal_lm_only(cfg: Config) -> str | None:
 def padding_free(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     """Padding-free batches the other way (causal LM only): the same examples in the same steps, each
     micro-batch flattened into one row (no compute on padding); outside the equivalence key."""
-    if (why := _causal_lm_only(cfg)) is not None:
+    if (why := _causal_lm_only(cfg, pairs_too=True)) is not None:
         return why
     if cfg.data.packing:
         return "data.packing is on: packed rows are collated padding-free already"
@@ -207,8 +207,8 @@ def packing(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
 def fused_lm_head(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     """The fused LM head the other way (causal LM only): the targets' logits in tiles, or the whole
     ``(micro_batch, seq_len, vocab)`` logits; the same loss over the same targets, outside the equivalence key."""
-    from onegpu.config import token_level
-    if not token_level(cfg.model.task):
+    from onegpu.config import causal_lm
+    if not causal_lm(cfg.model.task):
         return f"causal LM only: model.task is {cfg.model.task}, whose output layer is one row per example"
     return [_toggle("fused-lm-head", "fused_lm_head", "train.fused_lm_head", not cfg.train.fused_lm_head, SAME,
                     "the fused LM head (logits only at target positions, in tiles)")]

@@ -44,14 +44,14 @@ def predict(model, tokenizer, dataset, cfg: Config, device: str | None = None) -
     the whole split's :class:`Prediction` (rows in rank order: the split's order)."""
     import torch
     from transformers import DataCollatorWithPadding
-    batches = _batches(model_inputs(dataset), cfg, DataCollatorWithPadding(tokenizer))
+    loader = batches(model_inputs(dataset), cfg, DataCollatorWithPadding(tokenizer))
     logits, labels = [], []
 
     def keep(out_logits, gold) -> None:
         logits.append(out_logits.float().cpu())
         labels.append(gold.cpu())
 
-    loss, _, _, runtime = _summed(model, batches, classifier_batch, device or memory.default_device(), keep)
+    loss, _, _, runtime = _summed(model, loader, classifier_batch, device or memory.default_device(), keep)
     logits = torch.cat(logits) if logits else torch.zeros(0, model.config.num_labels)  # (an empty share)
     labels = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int64)
     if len(parts := distributed.gather_objects((logits, labels))) > 1:  # every rank's rows, in rank order
@@ -71,7 +71,9 @@ def shard(dataset):
     return dataset.select(range(rank * len(dataset) // world, (rank + 1) * len(dataset) // world))
 
 
-def _batches(dataset, cfg: Config, collator):
+def batches(dataset, cfg: Config, collator):
+    """This process's share of ``dataset`` (:func:`shard`) in order, in batches of
+    ``evaluate.per_device_eval_batch_size`` collated by ``collator``."""
     from torch.utils.data import DataLoader
     return DataLoader(shard(dataset), batch_size=cfg.evaluate.per_device_eval_batch_size, collate_fn=collator,
                       pin_memory=memory.cuda_available())
@@ -166,7 +168,7 @@ def causal_lm_metrics(model, tokenizer, dataset, cfg: Config, device: str, prefi
     split), ``runtime`` (s), ``samples_per_second``, ``tokens`` (target tokens), ``rows``.
     """
     ds = model_inputs(dataset, "causal-lm")
-    loss, tokens, hits, runtime = _summed(model, _batches(ds, cfg, CausalLMCollator(tokenizer)), causal_lm_batch,
+    loss, tokens, hits, runtime = _summed(model, batches(ds, cfg, CausalLMCollator(tokenizer)), causal_lm_batch,
                                           device)
     return _named(prefix, {"loss": loss, "perplexity": math.exp(loss), "mean_token_accuracy": hits / tokens,
                            "runtime": runtime, "samples_per_second": len(ds) / runtime, "tokens": tokens,

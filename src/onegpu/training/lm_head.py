@@ -185,6 +185,39 @@ def target_nll(outputs: HiddenStates, labels):
     return sum(tiles[1:], tiles[0]) if tiles else upcast(hidden.sum())  # no target: 0, still in the graph
 
 
+def _tile_token_nll(hidden, weight, bias, targets, scale: float, softcap: float | None):
+    """Each row's cross-entropy of ``hidden`` ``(n, hidden)``'s logits against ``targets`` ``(n,)``: ``(n,)``."""
+    import torch.nn.functional as F
+    logits = _transform(F.linear(hidden, weight, bias), scale, softcap)
+    return F.cross_entropy(upcast(logits), targets, reduction="none")
+
+
+def token_nll(outputs: HiddenStates, labels):
+    """Each target's next-token negative log-likelihood, in the order of ``labels[:, 1:] != -100`` (row by
+    row): a 1-D float32 tensor (float64 for a float64 model) of the targets' count.
+
+    Args:
+        outputs: a forward's :class:`HiddenStates` (train mode under :func:`attach`, or :func:`hidden_states`).
+        labels: ``(rows, seq_len)`` int64, unshifted, -100 where no target.
+    Tiles as :func:`target_nll` (each target's loss computed as the whole logits compute it), each under
+    ``torch.utils.checkpoint`` while autograd records; one host sync (the gathered targets' count).
+    """
+    import torch
+    from torch.utils.checkpoint import checkpoint
+    model = outputs.model
+    head = model.get_output_embeddings()
+    hidden, targets = _gathered(outputs, labels)
+    scale, softcap = logit_transform(model.config)
+    step = tokens_per_tile(head.weight.shape[0])
+    tiles = []
+    for i in range(0, targets.shape[0], step):
+        args = (hidden[i:i + step], head.weight, head.bias, targets[i:i + step], scale, softcap)
+        tiles.append(checkpoint(_tile_token_nll, *args, use_reentrant=False, preserve_rng_state=False)
+                     if torch.is_grad_enabled() else _tile_token_nll(*args))
+    n = int(labels[:, 1:].ne(IGNORE_INDEX).sum())  # the real targets (the aligned tail is zero rows)
+    return torch.cat(tiles)[:n] if tiles else upcast(hidden.new_zeros((0,)))
+
+
 def hidden_states(model, batch: dict) -> HiddenStates:
     """The decoder's last hidden state for ``batch`` (the model's inputs, no ``labels``), in the model's
     current mode: what a train-mode forward returns under :func:`attach`, for held-out figures under

@@ -40,7 +40,9 @@ class BatchCounter:
     :func:`onegpu.training.loss.count_targets`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sequences_per_example: int = 1) -> None:
+        # Sequences an example puts through the model: 2 for a preference pair (its chosen and rejected answer).
+        self.per_example = sequences_per_example
         self.samples = 0
         # device tensor: (tokens, targets, sum of squared non-padding lengths, sequences in flattened rows)
         self._counts = None
@@ -73,10 +75,10 @@ class BatchCounter:
         self._counts = n if self._counts is None else self._counts + n
 
     def take_all(self) -> tuple[int, int, int, int]:
-        """(examples, non-padding tokens, loss targets, sum of squared non-padding lengths) since the
-        last take; one host sync."""
+        """(examples (pairs for preference data), non-padding tokens, loss targets, sum of squared non-padding
+        lengths) since the last take; one host sync."""
         counts = self._counts.tolist() if self._counts is not None else [0, 0, 0, 0]
-        s = self.samples + int(counts[3])
+        s = (self.samples + int(counts[3])) // self.per_example
         self.samples, self._counts = 0, None
         return s, int(counts[0]), int(counts[1]), int(counts[2])
 
@@ -128,6 +130,8 @@ class StepRecorder:
         # own metrics; None: none. Its points, ``{"step": N, "eval_loss": ..., ...}`` in step order, are kept
         # with the rows (a checkpoint holds them; a resumed run continues them).
         self.validation = None
+        # The objective's own per-step metrics (Objective.step_figures: DPO's rewards/*), taken by log(); None: none.
+        self.figures = None
         self.evals: list[dict] = []
         self.stopped_early: str | None = None  # early stopping's sentence, once it stopped the run
         self.best: dict | None = None  # the validation point whose weights the model holds (load_best_model_at_end)
@@ -177,6 +181,8 @@ class StepRecorder:
         if row is None:
             return
         row.update(loss=loss, grad_norm=grad_norm, learning_rate=learning_rate)
+        if self.figures is not None:  # the objective's own (DPO's rewards/*), over the whole step
+            row.update(self.figures())
         self.rows.append({"step": step, **row})
         self.sink(step_metrics(row), step)
         if not math.isfinite(loss):

@@ -129,17 +129,18 @@ def build_model(cfg: Config, model_path: str | None, stats: dict, tokenizer=None
     if tokenizer is None:
         tokenizer = loader.load_tokenizer(str(paths.TOKENIZER) if model_path is None else model_path, cfg.model.task)
     set_seed(cfg.train.seed)
-    if objective.token_level:  # a causal LM, whatever it is trained for
-        model = loader.build_causal_lm(model_path, tokenizer, cfg.model, cfg.data.max_length, cfg.model.dropout,
-                                       cfg.model.attn_implementation)
+    if objective.causal_lm:  # a causal LM, whatever it is trained for
+        model = loader.build_causal_lm(model_path, tokenizer, cfg.model, cfg.data.max_length,
+                                       objective.dropout(cfg), cfg.model.attn_implementation)
     else:
         model = loader.build_classifier(model_path, stats["labels"], cfg.model.dropout, cfg.model.attn_implementation)
     checkpointing.check(model, cfg.train)
     if cfg.model.lora_adapters is not None:
         model = lora.apply(model, cfg.model.lora_adapters, cfg.model.task, cfg.train.gradient_checkpointing)
-    if objective.token_level and cfg.train.fused_lm_head:
+    if objective.causal_lm and cfg.train.fused_lm_head:
         lm_head.check(model, f"model.name_or_path {cfg.model.name_or_path or 'null (built from config)'}")
         lm_head.attach(model)
+    objective.prepare_model(model, cfg)
     return model, tokenizer
 
 

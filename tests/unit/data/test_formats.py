@@ -11,8 +11,11 @@ def test_the_format_comes_from_the_columns_in_trls_order():
     assert formats.detect(["messages", "prompt", "completion"]) == formats.MESSAGES
     assert formats.detect(["prompt", "completion", "label"]) == formats.PROMPT_COMPLETION
     assert formats.detect(["prompt", "label"]) == formats.TEXT
+    assert formats.detect(["prompt", "chosen", "rejected", "completion"]) == formats.PREFERENCE
+    assert formats.detect(["chosen", "rejected"]) == formats.PREFERENCE  # the implicit prompt
+    assert formats.detect(["prompt", "chosen"]) == formats.TEXT
     assert set(formats.COLUMNS) == set(formats.DROP_REASONS) == {formats.TEXT, formats.PROMPT_COMPLETION,
-                                                                 formats.MESSAGES}
+                                                                 formats.MESSAGES, formats.PREFERENCE}
 
 
 def test_is_conversational_is_trls_test():

@@ -18,7 +18,8 @@ def test_a_label_column_stratifies_and_without_one_every_row_is_text(tmp_path):
 
 def test_a_table_without_the_formats_columns_or_rows_is_one_line(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q"}])
-    with pytest.raises(DataError, match=r"has neither prompt \+ completion nor messages columns \(columns: prompt\)"):
+    with pytest.raises(DataError, match=r"has neither prompt \+ completion, chosen \+ rejected nor messages "
+                                          r"columns \(columns: prompt\)"):
         prompt_completion.READER.read(cfg(path))
     with pytest.raises(DataError, match="has neither prompt"):
         messages.READER.read(cfg(path))

@@ -287,4 +287,59 @@ def packaged_run(micro: int = 8, accum: int = 1, fused: bool = True, backend: st
            "max_steps": steps, **train_cfg}
     model_cfg = {**CAUSAL, "name_or_path": PACKAGED_CHAT_MODEL, "attn_implementation": attn}
     return train(model, chat_tokenizer(), instruction_data(kind, micro * accum * steps), cfg, model_cfg,
-                 {"padding_free": padding_free}, dtype=dtype)
+                 {"source": "pairs.jsonl", "padding_free": padding_free}, dtype=dtype)
+
+
+# -- preference pairs (DPO) --
+
+PREFERENCE = {"task": "preference", "name_or_path": None}
+
+
+def pair_rows(n: int) -> dict:
+    """``n`` preference rows whose chosen and rejected answers have 1..9 and 1..7 words (different lengths
+    within a pair and across pairs: the micro-batches of a split hold different target counts)."""
+    words = WORDS * 4
+    return {"prompt": ["Headline: " + " ".join(words[i:i + 3 + (5 * i) % 18]) for i in range(n)],
+            "chosen": [" ".join(words[2 * i:2 * i + 1 + (3 * i) % 9]) for i in range(n)],
+            "rejected": [" ".join(words[3 * i + 1:3 * i + 2 + (5 * i) % 7]) for i in range(n)]}
+
+
+@functools.cache
+def preference_data(n: int = 8, max_length: int = 64):
+    """:func:`pair_rows` tokenized as prepare does (:func:`onegpu.data.preference.tokenize_pairs`)."""
+    from datasets import ClassLabel, Dataset, DatasetDict
+
+    from onegpu.data.preference import tokenize_pairs
+    ds = Dataset.from_dict({**pair_rows(n), "label": ["text"] * n}).cast_column("label", ClassLabel(names=["text"]))
+    out, dropped, _ = tokenize_pairs(DatasetDict(train=ds), chat_tokenizer(), max_length)
+    assert dropped == 0
+    return out
+
+
+def dpo_run(micro: int = 8, accum: int = 1, pairs: int = 8, steps: int = 2, fused: bool = True,
+            backend: str = "trainer", padding_free: bool = False, lora: bool = False, dpo: dict | None = None,
+            rows: int | None = None, dtype=torch.float64) -> Run:
+    """``steps`` optimizer steps of DPO on the from-config model (:func:`smollm2_shaped`), ``pairs`` pairs per
+    step (``rows`` pairs of data, default ``pairs x steps``: fewer repeat them in another epoch), its reference
+    set up as the stage sets it (the objective's ``prepare_model``, after the cast)."""
+    from onegpu.training import lm_head, objectives
+    model = smollm2_shaped()
+    if lora:
+        from onegpu.config import LoraConfig
+        from onegpu.models import lora as lora_mod
+        torch.manual_seed(1)
+        model = lora_mod.apply(model, LoraConfig(r=4, alpha=8.0), "preference", False)
+    if fused:
+        lm_head.attach(model)
+    model = model.to(dtype)
+    if dtype == torch.float64:
+        float64_norms(model)  # before the reference is copied from it: the copy computes as the policy
+    train_cfg = {"backend": backend, "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum,
+                 "max_steps": steps, "dpo": dpo or {}}
+    cfg = from_container({"model": {**PREFERENCE, **({"lora": {"r": 4, "alpha": 8.0}} if lora else {})},
+                          "data": {"source": "pairs.jsonl", "padding_free": padding_free}, "train": train_cfg},
+                         source="test")
+    objectives.get("preference").prepare_model(model, cfg)
+    return train(model, chat_tokenizer(), preference_data(rows or pairs * steps), train_cfg,
+                 {**PREFERENCE, **({"lora": {"r": 4, "alpha": 8.0}} if lora else {})},
+                 {"source": "pairs.jsonl", "padding_free": padding_free}, dtype=dtype)

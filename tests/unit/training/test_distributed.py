@@ -45,8 +45,9 @@ def _all_reduce_part(rank: int, out: str) -> None:
     from accelerate import Accelerator
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+    from onegpu.training import objectives
     from onegpu.training.backends.accelerate import _forward_backward
-    from onegpu.training.loss import classification_loss, count_items
+    from onegpu.training.loss import count_items
     accelerator = Accelerator(cpu=True)
     model = accelerator.prepare(_Linear())
     calls = []
@@ -59,7 +60,8 @@ def _all_reduce_part(rank: int, out: str) -> None:
     batches = _micro_batches(rank)
     num_items = distributed.sum_over_ranks(sum(count_items(b["labels"], "sequence-classification")
                                                for b in batches))
-    share = _forward_backward(accelerator, model, batches, num_items, classification_loss, 1, None, 1)
+    share = _forward_backward(accelerator, model, batches, num_items,
+                              objectives.get("sequence-classification").step_loss, 1, None, 1)
     loss = distributed.sum_over_ranks(share.detach().clone())
     grads = [p.grad.tolist() for p in model.parameters()]
     with open(f"{out}.json", "w") as f:

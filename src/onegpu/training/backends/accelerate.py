@@ -32,7 +32,7 @@ from onegpu.training import activation_offloading, checkpointing, distributed, o
 from onegpu.training.backends.base import TrainRequest
 from onegpu.training.batches import probe_batch
 from onegpu.training.interrupt import Interrupted
-from onegpu.training.loss import count_items, loss_for
+from onegpu.training.loss import loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
 from onegpu.training.resume import load_loop_state, load_rng, save_loop_state
 
@@ -105,12 +105,13 @@ def schedule(len_dataloader: int, cfg: Config) -> tuple[int, int, int]:
     return math.ceil(t.num_train_epochs * per_epoch), per_epoch, math.ceil(t.num_train_epochs)
 
 
-def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, loss_fn, pieces: int,
+def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, loss_of, pieces: int,
                       oom_injector, step: int, offload=None):
     """Forward and backward over one optimizer step's micro-batches, each cut into ``pieces`` pieces.
 
     Returns this rank's share of the step's loss (a 0-d tensor on the device, not synced): the sum of
-    the pieces' losses, each already divided by the step's item count over all ranks ``num_items``.
+    the pieces' losses, each already divided by the step's item count over all ranks ``num_items``
+    (``loss_of``: the objective's :meth:`~onegpu.training.objectives.base.Objective.step_loss`).
     Gradients are all-reduced (under DDP) only after the last piece (``accelerator.no_sync`` before);
     each piece's backward is scaled by the number of processes, since DDP averages the ranks' gradients
     where the step's loss sums them. ``labels`` stay in the inputs. ``offload``: the context each piece's
@@ -126,9 +127,8 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
         last = i == len(parts) - 1
         accelerator.sync_gradients = last  # as Trainer sets it; the optimizer steps only when True
         oom.injected(oom_injector, step, piece)
-        features = {k: v for k, v in piece.items() if k != "labels"}
         with contextlib.nullcontext() if last else accelerator.no_sync(model), offload:
-            loss = loss_fn(model(**features), piece["labels"], num_items)  # this piece's share of the mean
+            loss = loss_of(model, piece, num_items)  # this piece's share of the mean
             accelerator.backward(loss * scale if scale > 1 else loss)  # Accelerate's accumulation count is 1
         step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
     return step_loss
@@ -255,7 +255,8 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     cfg, t, resume = req.cfg, req.cfg.train, req.resume
     set_seed(t.seed)  # Trainer.__init__ seeds again after the model is built (dropout draws from here)
     lp = _build(req)
-    recorder = StepRecorder(req.sink, lp.accelerator.device, BatchCounter())
+    recorder = StepRecorder(req.sink, lp.accelerator.device, BatchCounter(objectives.of(cfg).sequences_per_item))
+    recorder.figures = objectives.of(cfg).step_figures(lp.model)
     recorder.validation = validation.for_run(_plain(lp), req.tokenizer, req.dsd, cfg, lp.accelerator.device,
                                              lp.total_steps, lp.steps_per_epoch, req.checkpoint_dir)
     micro, accum, world = t.per_device_train_batch_size, t.gradient_accumulation_steps, t.num_processes
@@ -286,7 +287,7 @@ def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> No
     """The optimizer steps from ``start`` to the end: one host sync per step (loss, grad norm, counts)."""
     import torch
     cfg, resume = req.cfg, req.resume
-    t, device, loss_fn = cfg.train, lp.accelerator.device, loss_for(cfg.model.task)
+    t, device, objective = cfg.train, lp.accelerator.device, objectives.of(cfg)
     accum = t.gradient_accumulation_steps
     step, pieces = start, 1  # pieces per micro-batch (more after out-of-memory recoveries)
     first_epoch, first_update = divmod(start, lp.steps_per_epoch)
@@ -297,12 +298,12 @@ def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> No
                 # first batch, which the uninterrupted run did before step 1. Dropout then matches.
                 load_rng(resume.path)
             # The step's items over all ranks: each rank's loss is its share of the whole step's mean.
-            num_items = distributed.sum_over_ranks(sum(count_items(b["labels"], cfg.model.task)
-                                                       for b in micro_batches))
+            num_items = distributed.sum_over_ranks(sum(objective.count_batch(b) for b in micro_batches))
             while True:  # more than once only after an out-of-memory error (train.oom_retry)
                 try:
-                    step_loss = _forward_backward(lp.accelerator, lp.model, micro_batches, num_items, loss_fn,
-                                                  pieces, req.oom_injector, step + 1, lp.offload)
+                    step_loss = _forward_backward(lp.accelerator, lp.model, micro_batches, num_items,
+                                                  objective.step_loss, pieces, req.oom_injector, step + 1,
+                                                  lp.offload)
                     break
                 except torch.OutOfMemoryError as e:
                     rows = max(oom.rows(b) for b in micro_batches)

@@ -28,7 +28,7 @@ from onegpu.training import (
 )
 from onegpu.training.backends.base import TrainRequest
 from onegpu.training.batches import probe_batch
-from onegpu.training.loss import count_items, loss_for
+from onegpu.training.loss import loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
 from onegpu.training.resume import complete
 
@@ -125,6 +125,7 @@ class ExactLossTrainer(Trainer):
         # train.activation_offloading: each micro-batch's forward and backward in it, as SFTTrainer does
         self.offload = offloading.context(self.model, activation_offloading)
         self.task = task
+        self.objective = objectives.get(task)
         self.counter = counter
         self.oom_retry = oom_retry
         self.oom_injector = oom_injector  # tests: (step, rows) -> True raises an injected OOM
@@ -142,8 +143,8 @@ class ExactLossTrainer(Trainer):
             super()._save_checkpoint(model, trial)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """Trainer's prefetch of one optimizer step's micro-batches, with the step's item count taken by
-        :func:`onegpu.training.loss.count_items` instead of Trainer's guess.
+        """Trainer's prefetch of one optimizer step's micro-batches, with the step's item count taken by the
+        objective's :meth:`~onegpu.training.objectives.base.Objective.count_batch` instead of Trainer's guess.
 
         Trainer decides whether to count causal-LM labels shifted from ``model.loss_type``; a GPT-2 in
         transformers 5.24 has ``loss_type`` None, so Trainer counts every label and each row's first
@@ -154,14 +155,21 @@ class ExactLossTrainer(Trainer):
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         if not batch_samples or "labels" not in batch_samples[0]:
             return batch_samples, None
-        num_items = sum(count_items(b["labels"], self.task) for b in batch_samples)
+        num_items = sum(self.objective.count_batch(b) for b in batch_samples)
         return batch_samples, distributed.sum_over_ranks(num_items.to(device))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.counter is not None and model.training:
             self.counter.add(inputs)
-        return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
+        if not self.objective.own_forward:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        # The objective's forward and loss (a reference model beside the policy), scaled as Trainer.compute_loss
+        # scales a compute_loss_func's under average_tokens_across_devices (DDP averages what the step sums).
+        loss = self.objective.step_loss(model, inputs, num_items_in_batch)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * self.accelerator.num_processes
+        return (loss, None) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         import torch
@@ -346,7 +354,7 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     """
     from onegpu.training.interrupt import Interrupted
     cfg, t, task, stop, resume = req.cfg, req.cfg.train, req.cfg.model.task, req.stop, req.resume
-    counter = BatchCounter()
+    counter = BatchCounter(objectives.of(cfg).sequences_per_item)
     scratch = None if req.checkpoint_dir else tempfile.TemporaryDirectory(prefix="onegpu-trainer-")
     out = str(req.checkpoint_dir) if req.checkpoint_dir else scratch.name  # scratch: removed when training ends
     args = training_arguments(cfg, out)
@@ -359,6 +367,7 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
         counter=counter, task=task, oom_retry=t.oom_retry, oom_injector=req.oom_injector,
         activation_offloading=t.activation_offloading)
     steps = StepRecorder(req.sink, args.device, counter)
+    steps.figures = objectives.of(cfg).step_figures(trainer.model)
     steps.events = trainer.oom_events
     if resume is not None:
         steps.restore(resume)

@@ -3,14 +3,14 @@
 held-out figures (:class:`~onegpu.training.objectives.base.Objective`).
 
 The backends, the ``auto`` finder, ``onegpu estimate``, validation and the evaluate stage ask
-:func:`get` for the objective instead of comparing ``model.task`` with a string, so a new objective (a
+:func:`get` for the objective instead of comparing ``model.task`` with a string, so a new objective (the
 preference objective: DPO) is one module and its :func:`register` call; an unknown task fails in one
 line (``config.TASKS`` lists the names the params accept: ``tests/unit/training/objectives`` checks both
 agree).
 """
 from __future__ import annotations
 
-from onegpu.training.objectives import causal_lm, classification
+from onegpu.training.objectives import causal_lm, classification, preference
 from onegpu.training.objectives.base import Objective, TrainingParts
 from onegpu.training.objectives.registry import (
     REGISTRY,
@@ -23,9 +23,9 @@ from onegpu.training.objectives.registry import (
     training_parts,
 )
 
-for _module in (classification, causal_lm):
+for _module in (classification, causal_lm, preference):
     register(_module.OBJECTIVE)
 del _module
 
 __all__ = ["Objective", "REGISTRY", "TrainingParts", "causal_lm", "classification", "flattened", "get", "of",
-           "packed", "register", "train_rows", "training_parts"]
+           "packed", "preference", "register", "train_rows", "training_parts"]

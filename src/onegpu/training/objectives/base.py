@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from onegpu.config import token_level
+from onegpu.config import causal_lm, token_level
 
 
 @dataclass
@@ -33,6 +33,12 @@ class Objective:
         head and generation apply), not examples: ``config.TASK_TRAITS``."""
         return token_level(self.task)
 
+    @property
+    def causal_lm(self) -> bool:
+        """Whether the model is a causal LM (padding-free batches and the fused LM head apply):
+        ``config.TASK_TRAITS``."""
+        return causal_lm(self.task)
+
     def count_items(self, labels):
         """The items of one micro-batch's ``labels``: a 0-dim int64 tensor on their device."""
         raise NotImplementedError
@@ -41,6 +47,33 @@ class Objective:
         """This micro-batch's summed loss divided by ``num_items_in_batch`` (the whole optimizer step's
         items; None: this micro-batch's): a 0-dim tensor."""
         raise NotImplementedError
+
+    # Sequences one item puts through the model (a preference pair: 2); the step's examples count items.
+    sequences_per_item = 1
+    # Whether :meth:`step_loss` is the objective's own (more than the model's forward and :meth:`loss`: a
+    # reference model, say); HF Trainer's backend then calls it instead of its own forward and loss function.
+    own_forward = False
+
+    def count_batch(self, inputs: dict):
+        """The items of one collated micro-batch: :meth:`count_items` of its ``labels``."""
+        return self.count_items(inputs["labels"])
+
+    def step_loss(self, model, inputs: dict, num_items):
+        """Forward one collated micro-batch (``labels`` included) through ``model`` and return its share of
+        the optimizer step's loss (:meth:`loss` of the outputs, divided by the step's ``num_items``)."""
+        features = {k: v for k, v in inputs.items() if k != "labels"}
+        return self.loss(model(**features), inputs["labels"], num_items)
+
+    def step_figures(self, model):
+        """A callable giving the objective's own per-step metrics at each optimizer step (None: none)."""
+        return None
+
+    def prepare_model(self, model, cfg) -> None:
+        """Set up what the objective keeps beside a freshly built model (nothing, but for a reference)."""
+
+    def dropout(self, cfg):
+        """The dropout probability the model is built with (``model.dropout``; null keeps the model's)."""
+        return cfg.model.dropout
 
     def model_inputs(self, dsd):
         """The prepared ``DatasetDict`` (or one ``Dataset``) reduced to the model's columns."""

@@ -34,10 +34,10 @@ def of(cfg: Config) -> Objective:
 
 
 def flattened(cfg: Config) -> bool:
-    """Whether training batches are flattened rows: a token-level objective with ``data.padding_free``, or
+    """Whether training batches are flattened rows: a causal LM's objective with ``data.padding_free``, or
     ``data.packing`` (packed rows are always collated padding-free, as TRL does for its best-fit-decreasing
     packing)."""
-    return of(cfg).token_level and (cfg.data.padding_free or cfg.data.packing)
+    return of(cfg).causal_lm and (cfg.data.padding_free or cfg.data.packing)
 
 
 def packed(cfg: Config) -> bool:

@@ -1,0 +1,224 @@
+"""Preference tuning (``model.task: preference``): DPO and its kin on preference pairs
+(:mod:`onegpu.data.preference`), the loss and figures of :mod:`onegpu.training.dpo`, TRL's names.
+
+The items are the pairs. A micro-batch is one forward of the policy over both answers of each pair
+(:class:`~onegpu.training.batches.PreferenceCollator`, padded or padding-free) and one of the reference model
+over the same batch under ``torch.no_grad()`` in eval mode: a frozen copy of the model as built (before the
+first step; its parameters never train), or for LoRA the model itself with the adapter disabled (the base).
+:meth:`Preference.prepare_model` sets the reference up when the model is built
+(:func:`onegpu.training.session.build_model`), keyed by the model, so both backends, validation and the
+memory probes find it.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+
+from onegpu.training import dpo, lm_head
+from onegpu.training.batches import PreferenceCollator
+from onegpu.training.objectives.base import Objective
+
+PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+@dataclass
+class Reference:
+    """A policy's reference: ``model`` (a frozen copy; None: the policy with its LoRA adapter disabled) and
+    ``dpo`` (``train.dpo``, :class:`onegpu.config.DPOConfig`); ``sums``: the current optimizer step's pairs
+    and figures so far (a float64 tensor on the device, :meth:`Preference.step_figures` takes it)."""
+    model: object
+    dpo: object
+    sums: object = None
+
+
+# The policy's transformers model -> its Reference; weak, so a dropped policy frees its reference copy.
+_REFERENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _unwrapped(model):
+    """The model inside a DDP wrapper (or ``model`` itself)."""
+    return getattr(model, "module", model)
+
+
+def reference_of(model) -> Reference:
+    """The :class:`Reference` :meth:`Preference.prepare_model` set for ``model`` (wrapped or not).
+
+    Raises:
+        RuntimeError: none was set (a model not built by ``session.build_model``).
+    """
+    ref = _REFERENCES.get(lm_head._inner(_unwrapped(model)))
+    if ref is None:
+        raise RuntimeError("this model has no DPO reference: build it with onegpu.training.session.build_model")
+    return ref
+
+
+def _forward(model, features: dict):
+    """``model``'s output for ``features`` in its current mode: hidden states where the fused LM head is
+    attached (no whole logits), else the model's own output."""
+    if lm_head.attached(model):
+        return lm_head.hidden_states(model, features)
+    return model(**features, use_cache=False)
+
+
+def _sequences(inputs: dict) -> int:
+    """Sequences in a collated micro-batch (2 per pair); one host sync for a flattened row."""
+    if inputs.get("attention_mask") is None and inputs.get("position_ids") is not None:
+        return int(inputs["position_ids"].eq(0).sum())
+    return int(inputs["input_ids"].shape[0])
+
+
+def initial_model(cfg, tokenizer):
+    """The model training started from, frozen (eval mode, no gradient): ``model.name_or_path`` loaded, or
+    built from config, with ``train.seed`` as the train stage builds it (for LoRA the base, which is what a
+    fresh adapter computes; dropout as :meth:`Preference.dropout`, off by default). The evaluate stage's
+    reference (the train stage's is kept from before the first step)."""
+    from transformers import set_seed
+
+    from onegpu.models import loader
+    set_seed(cfg.train.seed)
+    dropout = 0.0 if cfg.train.dpo.disable_dropout else cfg.model.dropout
+    model = loader.build_causal_lm(loader.resolve_model_path(cfg.model.name_or_path), tokenizer, cfg.model,
+                                   cfg.data.max_length, dropout, cfg.model.attn_implementation)
+    return model.eval().requires_grad_(False)
+
+
+class Preference(Objective):
+    task = "preference"
+    own_forward = True
+    sequences_per_item = 2
+
+    def dropout(self, cfg):
+        """0 under ``train.dpo.disable_dropout`` (TRL's default: the policy's log-probabilities are then the
+        reference's at step 1), else ``model.dropout`` (as :func:`initial_model` builds it)."""
+        return 0.0 if cfg.train.dpo.disable_dropout else cfg.model.dropout
+
+    def count_items(self, labels):
+        """Pairs of a padded micro-batch's ``labels`` ``(2 pairs, seq_len)``: a 0-dim int64 tensor."""
+        import torch
+        return torch.tensor(labels.shape[0] // 2, device=labels.device)
+
+    def count_batch(self, inputs: dict):
+        """Pairs of a collated micro-batch, padded or flattened: a 0-dim int64 tensor on its device."""
+        import torch
+        if inputs.get("attention_mask") is None and inputs.get("position_ids") is not None:
+            return inputs["position_ids"].eq(0).sum() // 2
+        return torch.tensor(inputs["input_ids"].shape[0] // 2, device=inputs["input_ids"].device)
+
+    def loss(self, outputs, labels, num_items_in_batch=None):
+        """The policy's half alone, for the memory probes (what a forward and backward save and peak at; the
+        reference runs without autograd): minus the rows' summed answer log-probabilities over the pairs.
+        Training's loss is :meth:`step_loss`."""
+        seq = dpo.sequence_ids({"input_ids": labels})
+        logps, _ = dpo.sequence_logps(outputs, labels, seq, labels.shape[0])
+        return -logps.sum() / (num_items_in_batch if num_items_in_batch is not None else max(labels.shape[0] // 2, 1))
+
+    def step_loss(self, model, inputs: dict, num_items):
+        """One micro-batch's share of the step's loss (:func:`onegpu.training.dpo.step_share`): the policy's
+        forward with autograd, the reference's without, the per-pair losses of ``train.dpo``."""
+        features = {k: v for k, v in inputs.items() if k != "labels"}
+        labels, seq, n = inputs["labels"], dpo.sequence_ids(inputs), _sequences(inputs)
+        import torch
+        policy, tokens = dpo.sequence_logps(model(**features), labels, seq, n)
+        ref = reference_of(model)
+        reference = self.reference_logps(model, features, labels, seq, n)
+        figures = dpo.figures(policy, reference, ref.dpo.beta)
+        row = torch.stack([figures[k].double() for k in dpo.FIGURES] + [policy.new_tensor(n // 2).double()])
+        ref.sums = row if ref.sums is None else ref.sums + row  # the step's figures, no host sync
+        return dpo.step_share(dpo.pair_losses(policy, reference, tokens, ref.dpo), num_items)
+
+    def step_figures(self, model):
+        """A callable that returns the optimizer step's figures (:data:`onegpu.training.dpo.FIGURES`, TRL's
+        names) as means over the step's pairs, all micro-batches and all processes (an all-reduce of sums:
+        no padded duplicate counted), and starts the next step's; one host sync."""
+        ref = reference_of(model)
+
+        def take() -> dict:
+            from onegpu.training import distributed
+            sums, ref.sums = ref.sums, None
+            if sums is None:
+                return {}
+            *values, pairs = distributed.sum_over_ranks(sums).tolist()
+            return {k: v / pairs for k, v in zip(dpo.FIGURES, values)}
+        return take
+
+    def reference_logps(self, model, features: dict, labels, seq, n: int):
+        """The reference's sequence log-probabilities ``(n,)`` for the batch (no autograd, eval mode)."""
+        import torch
+        ref, inner = reference_of(model), _unwrapped(model)
+        with torch.no_grad():
+            if ref.model is not None:
+                device = features["input_ids"].device
+                if next(ref.model.parameters()).device != device:
+                    ref.model.to(device)  # once: where the policy went
+                return dpo.sequence_logps(_forward(ref.model, features), labels, seq, n)[0]
+            was = inner.training
+            inner.eval()
+            try:
+                with inner.disable_adapter():
+                    return dpo.sequence_logps(_forward(inner, features), labels, seq, n)[0]
+            finally:
+                inner.train(was)
+
+    def prepare_model(self, model, cfg) -> None:
+        """Set ``model``'s reference: a frozen copy (eval mode, no gradient), or for LoRA the base under the
+        disabled adapter (the model itself: nothing copied)."""
+        import copy
+        frozen = None
+        if cfg.model.lora_adapters is None:
+            frozen = copy.deepcopy(model).eval().requires_grad_(False)
+        _REFERENCES[lm_head._inner(model)] = Reference(frozen, cfg.train.dpo)
+
+    def model_inputs(self, dsd):
+        """The pairs' token columns (``prompt_ids``, ``chosen_ids``, ``rejected_ids``) alone."""
+        cols = dsd.column_names if hasattr(dsd, "features") else dsd["train"].column_names
+        return dsd.remove_columns([c for c in cols if c not in PAIR_COLUMNS])
+
+    def collator(self, tokenizer, flattened: bool = False):
+        return PreferenceCollator(tokenizer.pad_token_id, flattened)
+
+    def heldout_metrics(self, model, tokenizer, dataset, cfg, device: str, prefix: str) -> dict:
+        """The split's DPO loss (a mean over its pairs), TRL's figures (:data:`onegpu.training.dpo.FIGURES`,
+        means over the pairs), ``reference_accuracy`` (the reference's own pairwise accuracy: the share of pairs
+        whose chosen answer it finds likelier, the baseline a trained policy must beat), ``pairs`` and
+        ``runtime`` (s), each under ``prefix``; exact over the split (sums in float64, all-reduced over the
+        processes, each reading its share)."""
+        import torch
+
+        from onegpu.training import distributed, heldout
+        ref = reference_of(model)
+        model.to(device).eval()
+        sums = torch.zeros(3 + len(dpo.FIGURES), dtype=torch.float64, device=device)  # loss, pairs, ref., figures
+        start = time.perf_counter()
+        with torch.no_grad():
+            for batch in heldout.batches(self.model_inputs(dataset), cfg, self.collator(tokenizer)):
+                batch = {k: v.to(device) for k, v in batch.items()}
+                labels = batch.pop("labels")
+                seq, n = dpo.sequence_ids(batch), _sequences(batch)
+                policy, tokens = dpo.sequence_logps(_forward(model, batch), labels, seq, n)
+                reference = self.reference_logps(model, batch, labels, seq, n)
+                figures = dpo.figures(policy, reference, ref.dpo.beta)
+                sums += torch.stack([dpo.pair_losses(policy, reference, tokens, ref.dpo).sum().double(),
+                                     torch.tensor(n // 2, device=device, dtype=torch.float64),
+                                     reference[0::2].gt(reference[1::2]).sum().double(),
+                                     *(figures[k].double() for k in dpo.FIGURES)])
+        total, pairs, ref_hits, *figures = distributed.sum_over_ranks(sums).tolist()
+        out = {"loss": total / pairs, **{k: v / pairs for k, v in zip(dpo.FIGURES, figures)},
+               "reference_accuracy": ref_hits / pairs, "pairs": int(pairs), "runtime": time.perf_counter() - start}
+        return {f"{prefix}_{k}": v for k, v in out.items()}
+
+    def test_figures(self, model, tokenizer, dataset, cfg, device: str) -> tuple[dict, list[int], list[int]]:
+        """:meth:`heldout_metrics` of the trained ``model`` (loaded from models/) against the reference training
+        started from (:func:`initial_model`)."""
+        from onegpu.training import heldout
+        _REFERENCES[lm_head._inner(_unwrapped(model))] = Reference(initial_model(cfg, tokenizer), cfg.train.dpo)
+        return self.heldout_metrics(model, tokenizer, dataset, cfg, device, heldout.TEST), [], []
+
+    def result_line(self, metrics: dict) -> str:
+        m = metrics
+        return (f"DPO loss {m['test_loss']:.4f}, reward accuracy {m['test_rewards/accuracies']:.3f} against the "
+                f"reference's own {m['test_reference_accuracy']:.3f} (pairs whose chosen answer it finds likelier), "
+                f"margin {m['test_rewards/margins']:.4f} on {m['test_pairs']} test pairs")
+
+
+OBJECTIVE = Preference()
