@@ -15,7 +15,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: install run sft lint test test-quick lock clean
+.PHONY: install run sft dpo lint test test-quick lock clean
 
 install: $(VENV)/.installed
 
@@ -72,6 +72,18 @@ SFT := -S data.source=bbcnews-headlines -S model.task=causal-lm -S model.name_or
        -S train.logging_steps=4 -S evaluate.max_new_tokens=20 -S evaluate.per_device_eval_batch_size=24
 sft: install
 	PYTHONUNBUFFERED=1 $(BIN)/dvc exp run -n sft-smollm2-headlines $(SFT) $(FILTERED)
+	$(BIN)/onegpu summary
+
+# The preference tuning example (docs/dpo.md): LoRA DPO on the packaged SmolLM2-135M-Instruct with the packaged
+# headline pairs (chosen = the article's headline, rejected = another of its topic), padding-free batches; one
+# DVC experiment, then the summary: the trained policy's reward accuracy against the reference's own.
+DPO := -S data.source=bbcnews-headline-pairs -S model.task=preference -S model.name_or_path=packaged:SmolLM2-135M-Instruct \
+       -S model.lora.r=8 -S data.padding_free=true \
+       -S data.max_length=128 -S data.max_train_samples=128 -S data.max_eval_samples=64 \
+       -S train.per_device_train_batch_size=4 -S train.gradient_accumulation_steps=2 -S train.learning_rate=5e-4 \
+       -S train.eval_steps=0.25 -S train.logging_steps=4 -S evaluate.per_device_eval_batch_size=16
+dpo: install
+	PYTHONUNBUFFERED=1 $(BIN)/dvc exp run -n dpo-smollm2-headline-pairs $(DPO) $(FILTERED)
 	$(BIN)/onegpu summary
 
 # pytest-xdist: two workers per core plus one, at most 5 (the integration tests wait on subprocesses, DVC

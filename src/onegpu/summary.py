@@ -43,6 +43,9 @@ def text(cfg=None) -> str:
     test = " | ".join(f"perplexity {ev[k]:.1f}" if k == "test_perplexity" else
                       f"ROUGE-L {ev[k]:.3f}" if k == "test_rouge_l" else f"{k.removeprefix('test_')} {ev[k]:.4f}"
                       for k in ("test_accuracy", "test_rouge_l", "test_perplexity", "test_loss") if k in ev)
+    if "test_rewards/accuracies" in ev:  # preference: the trained policy against where it started
+        test += (f" | reward accuracy {ev['test_rewards/accuracies']:.3f} (the reference's own pairwise accuracy "
+                 f"{ev['test_reference_accuracy']:.3f}) | margin {ev['test_rewards/margins']:.4f}")
     train = [f"loss {tr['train_loss']:.4f}" if "train_loss" in tr else None,
              f"{tr['train_samples_per_second']:.1f} samples/s{' (under outside load)' if METRIC in tr else ''}"
              if "train_samples_per_second" in tr else None,

@@ -166,6 +166,9 @@ CSV = {"data.source": "d.csv"}
 # Instruction data with a causal LM built from config (its BPE tokenizer, trained by prepare, has no chat template).
 SFT_JSONL = {"data.source": "d.jsonl", "model.task": "causal-lm", "model.name_or_path": None}
 TURNS = {"messages": [{"role": "user", "content": "Write a headline."}, {"role": "assistant", "content": "News."}]}
+# Preference pairs with a causal LM built from config (prepare trains its tokenizer).
+DPO_JSONL = {"data.source": "d.jsonl", "model.task": "preference", "model.name_or_path": None}
+PAIR = {"prompt": "Write a headline.", "chosen": "News.", "rejected": "Olds."}
 
 
 def _write_jsonl(path: Path, rows) -> None:
@@ -294,6 +297,22 @@ CASES = [
     Case("sft-completion-only-on-text-data", "inputs", ("data.completion_only_loss is true", "text data"),
          _set(**SFT_JSONL, **{"data.completion_only_loss": True}),
          lambda d: _write_jsonl(d / "d.jsonl", [{"text": "plain words"}] * 3)),
+
+    # ---- preference pairs (DPO) ------------------------------------------------------------------------
+    Case("dpo-without-rejected", "prepare", ("model.task is preference", "needs chosen and rejected columns"),
+         _set(**DPO_JSONL), lambda d: _write_jsonl(d / "d.jsonl", [{"prompt": "q", "chosen": "a"}] * 3)),
+    Case("dpo-cell-of-the-wrong-type", "prepare", ("line 3", "the rejected cell is a int"), _set(**DPO_JSONL),
+         lambda d: _write_jsonl(d / "d.jsonl", [PAIR] * 2 + [{"prompt": "q", "chosen": "a", "rejected": 7}])),
+    Case("dpo-every-answer-empty", "prepare", ("no row has a non-blank prompt and two different non-blank answers",
+                                               "empty chosen 24"), _set(**DPO_JSONL),
+         lambda d: _write_jsonl(d / "d.jsonl", [{"prompt": f"q {i}", "chosen": " ", "rejected": "b"}
+                                               for i in range(24)])),
+    Case("dpo-every-pair-truncated-away", "prepare", ("no train pair fits data.max_length=16", "never an answer"),
+         _set(**DPO_JSONL, **{"data.max_length": 16}),
+         lambda d: _write_jsonl(d / "d.jsonl", [{"prompt": f"p {i}", "chosen": " ".join(["long"] * 40),
+                                                 "rejected": f"short {i}"} for i in range(24)])),
+    Case("dpo-pairs-for-a-classifier", "prepare", ("data.source", "preference pairs", "sequence-classification"),
+         _set(**{"data.source": "bbcnews-headline-pairs"})),
 
     # ---- model paths ---------------------------------------------------------------------------------
     _model_case("model-missing-directory", "./no-such-model", ("model.name_or_path='./no-such-model'",

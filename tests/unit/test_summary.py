@@ -39,6 +39,15 @@ def test_summary_of_a_causal_lm_gives_perplexity(tmp_path, monkeypatch):
     assert "  test:  perplexity 90.0 | loss 4.5000\n" in summary.text()
 
 
+def test_summary_of_preference_tuning_sets_the_reward_accuracy_against_the_references_own(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path, "metrics/train.json", {"train_loss": 0.59})
+    _write(tmp_path, "metrics/eval.json", {"test_loss": 0.5077, "test_rewards/accuracies": 0.9375,
+                                           "test_reference_accuracy": 0.90625, "test_rewards/margins": 0.4421})
+    assert ("  test:  loss 0.5077 | reward accuracy 0.938 (the reference's own pairwise accuracy 0.906) | margin "
+            "0.4421\n") in summary.text()
+
+
 def test_summary_before_any_run_says_what_to_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "params.yaml").write_text("tracking:\n  experiment_name: t\n")

@@ -70,3 +70,42 @@ def test_the_splits_agree_in_float32_within_1e_6_at_step_1_and_1e_5_later():
     for i, (r, s) in enumerate(zip(a.rows, b.rows)):
         for k in ("loss", "grad_norm"):
             assert abs(r[k] - s[k]) <= (1e-6 if i == 0 else 1e-5) * abs(s[k]), (i, k, r[k], s[k])
+
+
+@pytest.mark.parametrize("backend", ["trainer", "accelerate"])
+def test_a_stopped_and_resumed_run_is_the_uninterrupted_one(tmp_path, monkeypatch, backend):
+    """Stopped during step 2 and resumed from its checkpoint: steps 3 and 4 as in one run (loss, grad_norm and
+    rewards/* within 1e-12 in float64); the resumed run's reference is the model it started from, not the
+    checkpoint's weights (a policy equal to its reference would give ln 2 again at step 3)."""
+    import importlib
+
+    from onegpu.config import from_container
+    from onegpu.training import lm_head, objectives
+    from onegpu.training.backends import base
+    from tests.unit import tiny
+    monkeypatch.chdir(tmp_path)
+    train = {"backend": backend, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 4,
+             "optim": "sgd", "learning_rate": 1e-2, "max_grad_norm": 0.0, "seed": 3}
+    cfg = from_container({"model": dict(float64.PREFERENCE), "data": {"source": "pairs.jsonl"}, "train": train},
+                         source="test")
+    module = importlib.import_module(base.REGISTRY[backend])
+
+    def run(sink, **kw):
+        model = float64.smollm2_shaped()
+        lm_head.attach(model)
+        model = model.double()
+        float64.float64_norms(model)
+        objectives.get("preference").prepare_model(model, cfg)
+        with float64.float64_throughout(model):
+            return module.train(base.TrainRequest(model, float64.chat_tokenizer(), float64.preference_data(16), cfg,
+                                                  sink, **kw))
+    whole = []
+    run(lambda m, s: whole.append(m))
+    first, resume = tiny.interrupt_at_step_2(run, tmp_path / "ckpt")
+    assert resume is not None and resume.step == 2
+    rest = []
+    run(lambda m, s: rest.append(m), checkpoint_dir=tmp_path / "ckpt", resume=resume)
+    assert len(rest) == 2 and rest[0]["loss"] != math.log(2)
+    for r, s in zip(rest, whole[2:]):
+        for k in ("loss", "grad_norm", *FIGURES):
+            assert abs(r[k] - s[k]) <= 1e-12 * max(1.0, abs(s[k])), (k, r[k], s[k])
