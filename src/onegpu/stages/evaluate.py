@@ -20,7 +20,8 @@ from onegpu.models import loader
 
 # metrics/eval.json (`dvc exp show`, `dvc metrics diff`): the headline figures only; test_f1_macro,
 # runtime, throughput, memory and row/token counts are in the MLflow run.
-HEADLINE = ("test_loss", "test_accuracy", "test_perplexity", "test_rouge_l")
+HEADLINE = ("test_loss", "test_accuracy", "test_perplexity", "test_rouge_l", "test_rewards/accuracies",
+            "test_reference_accuracy", "test_rewards/margins")
 
 
 def run(cfg: Config) -> dict:

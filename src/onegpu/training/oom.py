@@ -21,27 +21,33 @@ def rows(inputs: dict) -> int:
     return int(inputs["input_ids"].shape[0])
 
 
-def _flat_pieces(inputs: dict, pieces: int) -> list[dict]:
-    """A padding-free row cut between sequences into ``min(pieces, sequences)`` pieces of whole sequences."""
+def _runs(n: int, pieces: int, group: int) -> list:
+    """``range(n)`` cut into at most ``pieces`` runs of whole groups of ``group`` (int64 index tensors)."""
     import torch
+    units = torch.arange(n // group).tensor_split(min(pieces, max(n // group, 1)))
+    return [torch.arange(int(u[0]) * group, (int(u[-1]) + 1) * group) for u in units if len(u)]
+
+
+def _flat_pieces(inputs: dict, pieces: int, group: int) -> list[dict]:
+    """A padding-free row cut between sequences into at most ``pieces`` pieces of whole groups of sequences."""
     width = int(inputs["input_ids"].shape[1])
     starts = inputs["position_ids"][0].eq(0).nonzero().flatten().tolist() + [width]
-    groups = torch.arange(len(starts) - 1).tensor_split(min(pieces, len(starts) - 1))
     return [{k: v[:, starts[int(g[0])]:starts[int(g[-1]) + 1]] if hasattr(v, "shape") and v.dim() == 2 else v
-             for k, v in inputs.items()} for g in groups if len(g)]
+             for k, v in inputs.items()} for g in _runs(len(starts) - 1, pieces, group)]
 
 
-def cut(inputs: dict, pieces: int) -> list[dict]:
-    """``inputs`` (one collated micro-batch) cut along the row dimension into ``min(pieces, rows)`` pieces
-    (a padding-free row between its sequences); tensors without that leading dimension are passed whole."""
-    import torch
+def cut(inputs: dict, pieces: int, group: int = 1) -> list[dict]:
+    """``inputs`` (one collated micro-batch) cut along the row dimension into at most ``pieces`` pieces
+    (a padding-free row between its sequences), each of whole groups of ``group`` rows or sequences (the
+    objective's ``sequences_per_item``: a preference pair's chosen and rejected stay together); tensors
+    without that leading dimension are passed whole."""
     rows = int(inputs["input_ids"].shape[0])
     if pieces == 1:
         return [inputs]
     if _flat(inputs):
-        return _flat_pieces(inputs, pieces)
+        return _flat_pieces(inputs, pieces, group)
     return [{k: v[idx] if hasattr(v, "shape") and v.dim() > 0 and v.shape[0] == rows else v
-             for k, v in inputs.items()} for idx in torch.arange(rows).tensor_split(min(pieces, rows))]
+             for k, v in inputs.items()} for idx in _runs(rows, pieces, group)]
 
 
 def recover(error, model, micro: int, pieces: int, accum: int, step: int, enabled: bool,

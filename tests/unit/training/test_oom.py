@@ -26,6 +26,17 @@ def test_cut_splits_the_rows_and_passes_other_tensors_whole():
     assert len(oom.cut(b, 8)) == 5  # never more pieces than rows
 
 
+def test_cut_keeps_each_preference_pair_whole_padded_and_flattened():
+    """3 pairs (6 rows, chosen and rejected alternating) in 2 pieces: 2 pairs and 1, never a pair split."""
+    from onegpu.training.batches import PreferenceCollator
+    rows = [{"prompt_ids": [1, 2], "chosen_ids": [3] * (i + 1), "rejected_ids": [4]} for i in range(3)]
+    padded, flat = PreferenceCollator(0)(rows), PreferenceCollator(0, flattened=True)(rows)
+    assert [p["input_ids"].shape[0] for p in oom.cut(padded, 2, group=2)] == [4, 2]
+    assert [int(p["position_ids"].eq(0).sum()) for p in oom.cut(flat, 2, group=2)] == [4, 2]
+    assert [p["input_ids"].shape[0] for p in oom.cut(padded, 8, group=2)] == [2, 2, 2]  # a pair at most
+    assert [p["input_ids"].shape[0] for p in oom.cut(padded, 2)] == [3, 3]  # (rows alone would split pair 1)
+
+
 def _model():
     m = torch.nn.Linear(2, 1)
     m(torch.ones(1, 2)).sum().backward()

@@ -106,7 +106,7 @@ def schedule(len_dataloader: int, cfg: Config) -> tuple[int, int, int]:
 
 
 def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, loss_of, pieces: int,
-                      oom_injector, step: int, offload=None):
+                      oom_injector, step: int, offload=None, group: int = 1):
     """Forward and backward over one optimizer step's micro-batches, each cut into ``pieces`` pieces.
 
     Returns this rank's share of the step's loss (a 0-d tensor on the device, not synced): the sum of
@@ -114,12 +114,13 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
     (``loss_of``: the objective's :meth:`~onegpu.training.objectives.base.Objective.step_loss`).
     Gradients are all-reduced (under DDP) only after the last piece (``accelerator.no_sync`` before);
     each piece's backward is scaled by the number of processes, since DDP averages the ranks' gradients
-    where the step's loss sums them. ``labels`` stay in the inputs. ``offload``: the context each piece's
-    forward and backward run in (:func:`onegpu.training.activation_offloading.context`; None: none).
+    where the step's loss sums them. Pieces hold whole groups of ``group`` rows (:func:`onegpu.training.oom.cut`).
+    ``labels`` stay in the inputs. ``offload``: the context each piece's forward and backward run in
+    (:func:`onegpu.training.activation_offloading.context`; None: none).
     Raises:
         torch.OutOfMemoryError: a piece did not fit (or ``oom_injector`` said so).
     """
-    parts = [p for inputs in micro_batches for p in oom.cut(inputs, pieces)]  # never empty
+    parts = [p for inputs in micro_batches for p in oom.cut(inputs, pieces, group)]  # never empty
     step_loss = None  # in the loss's dtype, added in Trainer's order: both backends log the same float
     scale = accelerator.num_processes
     offload = offload or contextlib.nullcontext()
@@ -303,7 +304,7 @@ def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> No
                 try:
                     step_loss = _forward_backward(lp.accelerator, lp.model, micro_batches, num_items,
                                                   objective.step_loss, pieces, req.oom_injector, step + 1,
-                                                  lp.offload)
+                                                  lp.offload, objective.sequences_per_item)
                     break
                 except torch.OutOfMemoryError as e:
                     rows = max(oom.rows(b) for b in micro_batches)

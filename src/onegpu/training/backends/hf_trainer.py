@@ -203,7 +203,7 @@ class ExactLossTrainer(Trainer):
         if self.pieces == 1 and self.oom_injector is None:
             return super().training_step(model, inputs, num_items_in_batch)
         total = None
-        parts = oom.cut(inputs, self.pieces)
+        parts = oom.cut(inputs, self.pieces, self.objective.sequences_per_item)
         for i, piece in enumerate(parts):
             oom.injected(self.oom_injector, self.state.global_step + 1, piece)
             # Under several processes only the last piece may all-reduce (if Trainer syncs this
