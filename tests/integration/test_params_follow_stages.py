@@ -20,7 +20,8 @@ OTHER = {"model.task": "sequence-classification", "model.name_or_path": "gpt2", 
          "train.cpu_allocator": "system", "train.torch_compile_mode": "default", "tracking.experiment_name": "other",
          "train.effective_batch_size": 8, "train.max_steps": 5, "train.memory_budget_gib": 1.5,
          "train.dataloader_pin_memory": True, "data.source": "bbcnews-headlines", "train.eval_strategy": "epoch",
-         "train.metric_for_best_model": "eval_mean_token_accuracy", "train.greater_is_better": True}
+         "train.metric_for_best_model": "eval_mean_token_accuracy", "train.greater_is_better": True,
+         "train.dpo.loss_type": ["hinge"], "train.dpo.loss_weights": [0.5]}
 # Keys whose other value is valid only with another key changed too (config.validate's combinations): the
 # params file that `dvc status` reads changes the key alone, the one onegpu validates both.
 COMPANION = {"model.task": ("model.name_or_path", "gpt2"), "train.torch_compile_mode": ("train.torch_compile", True),

@@ -83,6 +83,7 @@ def test_a_stopped_and_resumed_run_is_the_uninterrupted_one(tmp_path, monkeypatc
     from onegpu.training import lm_head, objectives
     from onegpu.training.backends import base
     from tests.unit import tiny
+    from tests.unit.training.test_batches import tiny_llama
     monkeypatch.chdir(tmp_path)
     train = {"backend": backend, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 4,
              "optim": "sgd", "learning_rate": 1e-2, "max_grad_norm": 0.0, "seed": 3}
@@ -91,7 +92,7 @@ def test_a_stopped_and_resumed_run_is_the_uninterrupted_one(tmp_path, monkeypatc
     module = importlib.import_module(base.REGISTRY[backend])
 
     def run(sink, **kw):
-        model = float64.smollm2_shaped()
+        model = tiny_llama()  # (a narrow model: resuming is about the loop, not the output layer's width)
         lm_head.attach(model)
         model = model.double()
         float64.float64_norms(model)

@@ -131,7 +131,39 @@ def _validation_part(rank: int, out: str) -> None:
         json.dump({"points": points, "shares": shares, "loss": [r["loss"] for r in steps.rows]}, f)
 
 
-_PARTS = {"all_reduce": _all_reduce_part, "oom_retry": _oom_retry_part, "validation": _validation_part}
+DPO_FIGURES = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+
+
+def _dpo_train(processes: int, sink=None):
+    """DPO with the trainer backend on a tiny Llama (its reference a frozen copy), 2 steps of 8 pairs (2 x 2 x 2
+    or 4 x 2): the recorder's rows."""
+    from onegpu.config import from_container
+    from onegpu.training import lm_head, objectives
+    from onegpu.training.backends import hf_trainer
+    from onegpu.training.backends.base import TrainRequest
+    from tests.unit.equivalence import float64
+    from tests.unit.training.test_batches import tiny_llama
+    cfg = from_container({"data": {"source": "pairs.jsonl"}, "model": {"task": "preference", "name_or_path": None},
+                          "train": {"per_device_train_batch_size": 4 // processes, "gradient_accumulation_steps": 2,
+                                    "max_steps": 2, "num_processes": processes, "learning_rate": 1e-2, "seed": 7,
+                                    "eval_strategy": "no"}}, source="test")
+    model = tiny_llama()
+    lm_head.attach(model)
+    objectives.get("preference").prepare_model(model, cfg)
+    _, steps = hf_trainer.train(TrainRequest(model, float64.chat_tokenizer(), float64.preference_data(16), cfg,
+                                             sink=sink or (lambda m, s: None)))
+    return [{k: r[k] for k in DPO_FIGURES} for r in steps.rows]
+
+
+def _dpo_part(rank: int, out: str) -> None:
+    """DPO on rank ``rank`` of 2; writes ``<out>.json``: its rows."""
+    distributed.TIMEOUT_S = 60
+    with open(f"{out}.json", "w") as f:
+        json.dump({"rows": _dpo_train(2)}, f)
+
+
+_PARTS = {"all_reduce": _all_reduce_part, "oom_retry": _oom_retry_part, "validation": _validation_part,
+          "dpo": _dpo_part}
 
 
 def _ranks(rank: int, ports: list[int], out_dir: str, parts: list[str]) -> None:
@@ -162,7 +194,8 @@ def rank_results(request, tmp_path_factory) -> dict:
     import torch.multiprocessing as mp
     tests = {"all_reduce": test_two_gloo_ranks_all_reduce_once_per_step_and_give_the_one_process_gradient,
              "oom_retry": test_an_out_of_memory_retry_on_one_rank_keeps_the_ranks_in_step_and_the_losses,
-             "validation": test_two_processes_validate_as_one_each_its_share_of_the_split}
+             "validation": test_two_processes_validate_as_one_each_its_share_of_the_split,
+             "dpo": test_two_processes_train_dpo_as_one_the_figures_over_every_pair_once}
     selected = {getattr(item, "originalname", None) for item in request.session.items}
     parts = [part for part, test in tests.items() if test.__name__ in selected] or list(tests)
     out = tmp_path_factory.mktemp("ranks")
@@ -216,6 +249,18 @@ def test_two_processes_validate_as_one_each_its_share_of_the_split(rank_results)
         assert two["eval_rows"] == single["eval_rows"] == 7
         assert two["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-6)
         assert two["eval_accuracy"] == single["eval_accuracy"]
+
+
+def test_two_processes_train_dpo_as_one_the_figures_over_every_pair_once(rank_results):
+    """2 processes x 2 pairs x 2 = 1 x 4 x 2 per step: loss, grad_norm and TRL's figures (all-reduced sums over
+    the step's 8 pairs) within 1e-5, the same on both processes."""
+    ranks = _part(rank_results, "dpo")
+    assert ranks[0]["rows"] == ranks[1]["rows"]
+    one = _dpo_train(1)
+    assert len(one) == len(ranks[0]["rows"]) == 2
+    for two, single in zip(ranks[0]["rows"], one):
+        for k in DPO_FIGURES:
+            assert abs(two[k] - single[k]) <= 1e-5 * max(1.0, abs(single[k])), (k, two[k], single[k])
 
 
 def _free_port() -> int:
