@@ -122,14 +122,8 @@ def tokenize_pairs(dsd, tokenizer, max_length: int):
         return {**out, "length": len(out["prompt_ids"]) + longer, "kept": True}
     for s in dsd:
         dsd[s] = dsd[s].map(fn, with_indices=True, fn_kwargs={"split": s}, desc="tokenize pairs")
-    dropped = sum(not k for s in dsd for k in dsd[s]["kept"])
-    truncated = sum(sum(dsd[s]["truncated"]) for s in dsd)
-    dsd = dsd.filter(lambda kept: kept, input_columns="kept").remove_columns(["kept", "truncated"])
-    for s in dsd:
-        if len(dsd[s]) == 0:
-            raise DataError(f"no {s} pair fits data.max_length={max_length} tokens with both answers whole (the "
+    return tokens.kept_rows(dsd, f"pair fits data.max_length={max_length} tokens with both answers whole (the "
                             "prompt is cut, never an answer); raise data.max_length")
-    return dsd, dropped, truncated
 
 
 class PreferenceReader(InstructionReader):

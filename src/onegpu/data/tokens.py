@@ -60,14 +60,23 @@ def tokenize_instructions(dsd, tokenizer, d, fmt: str):
                     "length": 0, "reference": "", "kept": False}
         return {**out, "attention_mask": [1] * len(out["input_ids"]), "length": len(out["input_ids"]),
                 "reference": chat.reference(row), "kept": True}
-    dsd = dsd.map(fn, desc="tokenize")
+    return kept_rows(dsd.map(fn, desc="tokenize"), f"row fits data.max_length={d.max_length} tokens with its whole "
+                     "answer (the prompt is cut, never the answer); raise data.max_length")
+
+
+def kept_rows(dsd, fits: str):
+    """``dsd`` without the rows tokenization marked ``kept: False`` (its ``kept`` and ``truncated`` columns
+    dropped): ``(dsd, rows dropped, rows truncated)`` over all splits.
+
+    Raises:
+        DataError: a split left empty: ``no <split> <fits>``.
+    """
     dropped = sum(not k for s in dsd for k in dsd[s]["kept"])
     truncated = sum(sum(dsd[s]["truncated"]) for s in dsd)
     dsd = dsd.filter(lambda kept: kept, input_columns="kept").remove_columns(["kept", "truncated"])
     for s in dsd:
         if len(dsd[s]) == 0:
-            raise DataError(f"no {s} row fits data.max_length={d.max_length} tokens with its whole answer (the "
-                            "prompt is cut, never the answer); raise data.max_length")
+            raise DataError(f"no {s} {fits}")
     return dsd, dropped, truncated
 
 
