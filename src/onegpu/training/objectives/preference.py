@@ -180,8 +180,8 @@ class Preference(Objective):
     def heldout_metrics(self, model, tokenizer, dataset, cfg, device: str, prefix: str) -> dict:
         """The split's DPO loss (a mean over its pairs), TRL's figures (:data:`onegpu.training.dpo.FIGURES`,
         means over the pairs), ``reference_accuracy`` (the reference's own pairwise accuracy: the share of pairs
-        whose chosen answer it finds likelier, the baseline a trained policy must beat), ``pairs`` and
-        ``runtime`` (s), each under ``prefix``; exact over the split (sums in float64, all-reduced over the
+        whose chosen answer it finds likelier, the baseline a trained policy must beat), ``pairs``, ``runtime``
+        (s) and ``samples_per_second`` (pairs), each under ``prefix``; exact over the split (sums in float64, all-reduced over the
         processes, each reading its share)."""
         import torch
 
@@ -203,8 +203,10 @@ class Preference(Objective):
                                      reference[0::2].gt(reference[1::2]).sum().double(),
                                      *(figures[k].double() for k in dpo.FIGURES)])
         total, pairs, ref_hits, *figures = distributed.sum_over_ranks(sums).tolist()
+        runtime = time.perf_counter() - start
         out = {"loss": total / pairs, **{k: v / pairs for k, v in zip(dpo.FIGURES, figures)},
-               "reference_accuracy": ref_hits / pairs, "pairs": int(pairs), "runtime": time.perf_counter() - start}
+               "reference_accuracy": ref_hits / pairs, "pairs": int(pairs), "runtime": runtime,
+               "samples_per_second": pairs / runtime}
         return {f"{prefix}_{k}": v for k, v in out.items()}
 
     def test_figures(self, model, tokenizer, dataset, cfg, device: str) -> tuple[dict, list[int], list[int]]:

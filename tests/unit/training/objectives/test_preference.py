@@ -98,6 +98,7 @@ def test_held_out_figures_of_a_policy_that_is_its_reference():
     c.evaluate.per_device_eval_batch_size = 4  # batches of 4, 4 and 1 pairs
     m = OBJECTIVE.heldout_metrics(model, tok, ds, c, "cpu", "eval")
     assert m["eval_loss"] == pytest.approx(math.log(2), abs=1e-15) and m["eval_pairs"] == 9
+    assert m["eval_samples_per_second"] == pytest.approx(9 / m["eval_runtime"])  # (the contract's eval_ figures)
     assert (m["eval_rewards/accuracies"], m["eval_rewards/ties"], m["eval_rewards/margins"]) == (0.0, 1.0, 0.0)
     assert OBJECTIVE.result_line({"test_" + k[5:]: v for k, v in m.items()}).startswith("DPO loss 0.6931")
 
