@@ -65,7 +65,8 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
     print(f"memory estimate for {type(model).__name__}, precision {precision}, attention "
           f"{loader.attention_kernel(model)}, optimizer {cfg.train.optim}{lora_note}, rows from {where}:")
     print(autobatch.format_estimate(est, budget, cfg.train.gradient_checkpointing))
-    if (line := validation.estimate_line(model, tokenizer, dsd, cfg, est)) is not None:
+    for line in filter(None, (validation.estimate_line(model, tokenizer, dsd, cfg, est),
+                              objectives.get(task).estimate_line(model))):  # a pass; a reference model
         print(line)
     if cfg.train.activation_offloading:
         print(autobatch.offloading_line(est, cfg.train.gradient_checkpointing))

@@ -254,7 +254,7 @@ def estimate_line(model, tokenizer, dsd, cfg: Config, est: dict) -> str | None:
         return None
     task, rows = cfg.model.task, min(cfg.evaluate.per_device_eval_batch_size, len(split))
     inputs = model_inputs(split, task)
-    probe = collator_for(task, tokenizer)([inputs[autobatch.longest_rows(inputs, 1)[0]]])
+    probe = collator_for(task, tokenizer)([inputs[autobatch.longest_rows(split, 1)[0]]])  # (split: its length)
     term = autobatch.validation_term(model, probe, rows)
     s = est["states"]
     total = s["mem_params_bytes"] + s["mem_optimizer_bytes"] + term

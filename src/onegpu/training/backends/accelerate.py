@@ -258,6 +258,7 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     lp = _build(req)
     recorder = StepRecorder(req.sink, lp.accelerator.device, BatchCounter(objectives.of(cfg).sequences_per_item))
     recorder.figures = objectives.of(cfg).step_figures(lp.model)
+    recorder.breakdown.update(objectives.of(cfg).memory_terms(lp.model))
     recorder.validation = validation.for_run(_plain(lp), req.tokenizer, req.dsd, cfg, lp.accelerator.device,
                                              lp.total_steps, lp.steps_per_epoch, req.checkpoint_dir)
     micro, accum, world = t.per_device_train_batch_size, t.gradient_accumulation_steps, t.num_processes

@@ -368,6 +368,7 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
         activation_offloading=t.activation_offloading)
     steps = StepRecorder(req.sink, args.device, counter)
     steps.figures = objectives.of(cfg).step_figures(trainer.model)
+    steps.breakdown.update(objectives.of(cfg).memory_terms(trainer.model))
     steps.events = trainer.oom_events
     if resume is not None:
         steps.restore(resume)

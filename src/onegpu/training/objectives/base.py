@@ -68,6 +68,14 @@ class Objective:
         """A callable giving the objective's own per-step metrics at each optimizer step (None: none)."""
         return None
 
+    def estimate_line(self, model) -> str | None:
+        """``onegpu estimate``'s line on memory the objective keeps beside the model (None: none)."""
+        return None
+
+    def memory_terms(self, model) -> dict[str, int]:
+        """The objective's own terms of the run's memory breakdown (bytes; none but a reference model's)."""
+        return {}
+
     def prepare_model(self, model, cfg) -> None:
         """Set up what the objective keeps beside a freshly built model (nothing, but for a reference)."""
 

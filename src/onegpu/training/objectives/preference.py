@@ -127,6 +127,23 @@ class Preference(Objective):
         ref.sums = row if ref.sums is None else ref.sums + row  # the step's figures, no host sync
         return dpo.step_share(dpo.pair_losses(policy, reference, tokens, ref.dpo), num_items)
 
+    def memory_terms(self, model) -> dict[str, int]:
+        """``mem_reference_bytes``: the frozen copy's parameters and buffers, beside the policy's; 0 for LoRA
+        (the reference is the policy's own base weights)."""
+        from onegpu.measure import memory
+        ref = reference_of(model).model
+        return {"mem_reference_bytes": 0 if ref is None else
+                memory.tensors_bytes(list(ref.parameters()) + list(ref.buffers()))}
+
+    def estimate_line(self, model) -> str:
+        from onegpu.formatting import mib
+        ref = self.memory_terms(model)["mem_reference_bytes"]
+        if not ref:
+            return ("the reference model: 0 MiB (LoRA: the policy's base under the disabled adapter, an extra "
+                    "forward without autograd per micro-batch)")
+        return (f"the reference model: {mib(ref)} more, a frozen copy beside the policy (not in the totals above), "
+                "and an extra forward without autograd per micro-batch")
+
     def step_figures(self, model):
         """A callable that returns the optimizer step's figures (:data:`onegpu.training.dpo.FIGURES`, TRL's
         names) as means over the step's pairs, all micro-batches and all processes (an all-reduce of sums:
@@ -181,8 +198,8 @@ class Preference(Objective):
         """The split's DPO loss (a mean over its pairs), TRL's figures (:data:`onegpu.training.dpo.FIGURES`,
         means over the pairs), ``reference_accuracy`` (the reference's own pairwise accuracy: the share of pairs
         whose chosen answer it finds likelier, the baseline a trained policy must beat), ``pairs``, ``runtime``
-        (s) and ``samples_per_second`` (pairs), each under ``prefix``; exact over the split (sums in float64, all-reduced over the
-        processes, each reading its share)."""
+        (s) and ``samples_per_second`` (pairs), each under ``prefix``; exact over the split (sums in float64,
+        all-reduced over the processes, each reading its share)."""
         import torch
 
         from onegpu.training import distributed, heldout

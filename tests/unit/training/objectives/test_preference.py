@@ -57,6 +57,8 @@ def test_a_frozen_copy_is_the_model_as_built_and_stays_so():
     OBJECTIVE.prepare_model(model, cfg())
     ref = objectives.preference.reference_of(model).model
     assert ref is not model and not ref.training and not any(p.requires_grad for p in ref.parameters())
+    own = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])  # float64
+    assert OBJECTIVE.memory_terms(model) == {"mem_reference_bytes": own} and own > 300 * 32 * 8
     batch = PreferenceCollator(0)(ROWS)
     before = _logps(model, batch, reference=False)
     with torch.no_grad():
@@ -72,6 +74,8 @@ def test_loras_disabled_adapter_is_a_frozen_copy_of_the_base_at_step_0_and_after
     model = lora.apply(base, cfg(lora=True).model.lora, "preference", False)
     OBJECTIVE.prepare_model(model, cfg(lora=True))
     assert objectives.preference.reference_of(model).model is None  # nothing copied
+    assert OBJECTIVE.memory_terms(model) == {"mem_reference_bytes": 0}
+    assert OBJECTIVE.estimate_line(model).startswith("the reference model: 0 MiB (LoRA")
     batch = PreferenceCollator(0)(ROWS)
     assert torch.equal(_logps(model, batch, reference=True), _logps(frozen, batch, reference=False))
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
