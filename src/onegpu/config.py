@@ -237,6 +237,10 @@ class DPOConfig:
     label_smoothing: float = knob(0.0, key=IN_KEY, help="robust: the assumed share of flipped preferences, [0, 0.5)",
                                   rule=(lambda v: 0.0 <= v < 0.5, "must be in [0, 0.5), got {v}"))
     disable_dropout: bool = knob(True, key=IN_KEY, help="every dropout of the policy off (TRL's default)")
+    precompute_ref_log_probs: bool = knob(False, help=(
+        "the reference's log-probabilities computed once before step 1, no reference kept (TRL's name)"),
+        key=OutOfKey("the same reference log-probabilities, computed once before the first step (in other "
+                     "batches: other summation order) instead of beside each micro-batch"))
 
 
 @dataclass
@@ -600,7 +604,8 @@ _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", 
              "LoraConfig | None": "a mapping with keys r (0 = off), alpha, dropout, target_modules, or null (off)",
              "CheckpointingKwargs": ("a mapping with keys use_reentrant (true/false), every_n_layers "
                                      "(a positive integer)"),
-             "DPOConfig": "a mapping with keys beta, loss_type, loss_weights, label_smoothing, disable_dropout"}
+             "DPOConfig": ("a mapping with keys beta, loss_type, loss_weights, label_smoothing, disable_dropout, "
+                           "precompute_ref_log_probs")}
 
 
 def _non_finite(value) -> bool:

@@ -71,11 +71,12 @@ def shard(dataset):
     return dataset.select(range(rank * len(dataset) // world, (rank + 1) * len(dataset) // world))
 
 
-def batches(dataset, cfg: Config, collator):
-    """This process's share of ``dataset`` (:func:`shard`) in order, in batches of
+def batches(dataset, cfg: Config, collator, whole: bool = False):
+    """This process's share of ``dataset`` (:func:`shard`; ``whole``: every row) in order, in batches of
     ``evaluate.per_device_eval_batch_size`` collated by ``collator``."""
     from torch.utils.data import DataLoader
-    return DataLoader(shard(dataset), batch_size=cfg.evaluate.per_device_eval_batch_size, collate_fn=collator,
+    rows = dataset if whole else shard(dataset)
+    return DataLoader(rows, batch_size=cfg.evaluate.per_device_eval_batch_size, collate_fn=collator,
                       pin_memory=memory.cuda_available())
 
 

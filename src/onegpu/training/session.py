@@ -165,6 +165,7 @@ def train(plan: TrainPlan, model, tokenizer, dsd, sink: Callable[[dict, int], No
         onegpu.training.interrupt.Interrupted: a stop was requested (after the checkpoint is saved).
     """
     backend = base.get(plan.cfg.train.backend)
+    dsd = objectives.of(plan.cfg).prepared_data(dsd, model, tokenizer, plan.cfg)  # before a resume loads weights
     interpreter.settle()  # the steps collect garbage as in any PyTorch process (after the imports' tuning)
     cfg = with_layout(plan.cfg, plan.resolved)
     if not checkpoints:

@@ -340,6 +340,8 @@ def dpo_run(micro: int = 8, accum: int = 1, pairs: int = 8, steps: int = 2, fuse
                           "data": {"source": "pairs.jsonl", "padding_free": padding_free}, "train": train_cfg},
                          source="test")
     objectives.get("preference").prepare_model(model, cfg)
-    return train(model, chat_tokenizer(), preference_data(rows or pairs * steps), train_cfg,
+    data = objectives.get("preference").prepared_data(preference_data(rows or pairs * steps), model, chat_tokenizer(),
+                                                      cfg)  # (as session.train: a precomputed reference's columns)
+    return train(model, chat_tokenizer(), data, train_cfg,
                  {**PREFERENCE, **({"lora": {"r": 4, "alpha": 8.0}} if lora else {})},
                  {"source": "pairs.jsonl", "padding_free": padding_free}, dtype=dtype)

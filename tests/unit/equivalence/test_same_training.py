@@ -30,7 +30,7 @@ from onegpu.equivalence.key import NOT_IN_EQUIVALENCE_KEY  # noqa: E402
 from tests.unit.equivalence import float64 as f64  # noqa: E402
 
 PROOF_MODULES = ("test_same_training", "test_same_training_knobs", "test_same_training_classifier",
-                 "test_same_training_packaged")
+                 "test_same_training_packaged", "test_same_training_preference")
 
 # Each knob out of the equivalence key: how it is proven the same training.
 PROOFS = {
@@ -51,6 +51,7 @@ PROOFS = {
                                  "test_the_attention_kernel_eager_is_sdpa_in_float64 (Llama, its eager "
                                  "softmax in float64); flash_attention_2 is CUDA only",
     "train.fused_lm_head": "float64: test_the_fused_head_*",
+    "train.dpo.precompute_ref_log_probs": "float64: test_a_precomputed_reference_*",
     "train.cpu_allocator": "float64: test_two_processes_are_one_in_float64_and_the_host_allocator_* (each rank "
                            "under glibc's defaults, the reference under the caching allocator)",
     "train.dataloader_num_workers": "float64: test_dataloader_workers_are_the_same_training",

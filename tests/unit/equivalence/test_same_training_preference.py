@@ -30,12 +30,12 @@ def baseline(dtype=torch.float64) -> float64.Run:
     return float64.dpo_run(8, 1, dtype=dtype)
 
 
-def assert_same(a: float64.Run, b: float64.Run) -> None:
-    """:func:`float64.assert_same`, and TRL's figures of every step within 1e-12 (absolute: rewards are 0 at
+def assert_same(a: float64.Run, b: float64.Run, figures=FIGURES) -> None:
+    """:func:`float64.assert_same`, and TRL's ``figures`` of every step within 1e-12 (absolute: rewards are 0 at
     step 1)."""
     float64.assert_same(a, b)
     for r, s in zip(a.rows, b.rows):
-        assert all(abs(r[k] - s[k]) <= 1e-12 * max(1.0, abs(s[k])) for k in FIGURES), (r, s)
+        assert all(abs(r[k] - s[k]) <= 1e-12 * max(1.0, abs(s[k])) for k in figures), (r, s)
 
 
 def test_step_1_of_a_policy_that_is_its_reference_is_ln2():
@@ -54,6 +54,16 @@ def test_step_1_of_a_policy_that_is_its_reference_is_ln2():
                                                                            "8x1-padding-free"])
 def test_the_splits_of_a_step_are_one_training_in_float64(split):
     assert_same(float64.dpo_run(**split), baseline())
+
+
+def test_a_precomputed_reference_is_the_live_one_over_a_whole_run_in_float64():
+    """train.dpo.precompute_ref_log_probs: the reference's log-probabilities computed once before step 1 (in
+    batches of their own) and read from the rows, no reference model kept: the live frozen copy's steps. Not
+    its ties: at step 1 a reward of 1.8e-16 (rounding) is no tie, so rewards/accuracies counts it."""
+    run = float64.dpo_run(2, 4, backend="accelerate", dpo={"precompute_ref_log_probs": True})
+    assert_same(run, baseline(), [k for k in FIGURES if k not in ("rewards/accuracies", "rewards/ties")])
+    assert [r["rewards/accuracies"] for r in run.rows[1:]] == [r["rewards/accuracies"] for r in baseline().rows[1:]]
+    assert 0 < run.rows[0]["rewards/accuracies"] + run.rows[0]["rewards/ties"] <= 1
 
 
 @pytest.mark.parametrize("backend", ["trainer", "accelerate"])

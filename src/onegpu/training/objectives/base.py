@@ -72,6 +72,11 @@ class Objective:
         """``onegpu estimate``'s line on memory the objective keeps beside the model (None: none)."""
         return None
 
+    def prepared_data(self, dsd, model, tokenizer, cfg):
+        """The prepared ``DatasetDict`` as this run trains and validates on it (``dsd`` itself but for an
+        objective that adds columns before the first step: DPO's precomputed reference)."""
+        return dsd
+
     def memory_terms(self, model) -> dict[str, int]:
         """The objective's own terms of the run's memory breakdown (bytes; none but a reference model's)."""
         return {}

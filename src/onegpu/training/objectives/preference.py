@@ -20,16 +20,19 @@ from onegpu.training.batches import PreferenceCollator
 from onegpu.training.objectives.base import Objective
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # train.dpo.precompute_ref_log_probs (TRL's names)
 
 
 @dataclass
 class Reference:
-    """A policy's reference: ``model`` (a frozen copy; None: the policy with its LoRA adapter disabled) and
-    ``dpo`` (``train.dpo``, :class:`onegpu.config.DPOConfig`); ``sums``: the current optimizer step's pairs
-    and figures so far (a float64 tensor on the device, :meth:`Preference.step_figures` takes it)."""
+    """A policy's reference: ``model`` (a frozen copy; None: the policy with its LoRA adapter disabled, or
+    ``precomputed``: the rows carry its log-probabilities) and ``dpo`` (``train.dpo``,
+    :class:`onegpu.config.DPOConfig`); ``sums``: the current optimizer step's pairs and figures so far (a
+    float64 tensor on the device, :meth:`Preference.step_figures` takes it)."""
     model: object
     dpo: object
     sums: object = None
+    precomputed: bool = False
 
 
 # The policy's transformers model -> its Reference; weak, so a dropped policy frees its reference copy.
@@ -116,12 +119,13 @@ class Preference(Objective):
     def step_loss(self, model, inputs: dict, num_items):
         """One micro-batch's share of the step's loss (:func:`onegpu.training.dpo.step_share`): the policy's
         forward with autograd, the reference's without, the per-pair losses of ``train.dpo``."""
-        features = {k: v for k, v in inputs.items() if k != "labels"}
+        features = {k: v for k, v in inputs.items() if k not in ("labels", "ref_logps")}
         labels, seq, n = inputs["labels"], dpo.sequence_ids(inputs), _sequences(inputs)
         import torch
         policy, tokens = dpo.sequence_logps(model(**features), labels, seq, n)
         ref = reference_of(model)
-        reference = self.reference_logps(model, features, labels, seq, n)
+        reference = (inputs["ref_logps"].to(policy.dtype) if "ref_logps" in inputs
+                     else self.reference_logps(model, features, labels, seq, n))
         figures = dpo.figures(policy, reference, ref.dpo.beta)
         row = torch.stack([figures[k].double() for k in dpo.FIGURES] + [policy.new_tensor(n // 2).double()])
         ref.sums = row if ref.sums is None else ref.sums + row  # the step's figures, no host sync
@@ -138,6 +142,9 @@ class Preference(Objective):
     def estimate_line(self, model) -> str:
         from onegpu.formatting import mib
         ref = self.memory_terms(model)["mem_reference_bytes"]
+        if reference_of(model).precomputed:
+            return ("the reference model: 0 MiB (train.dpo.precompute_ref_log_probs: its log-probabilities computed "
+                    "once before step 1, one pass over the pairs without autograd)")
         if not ref:
             return ("the reference model: 0 MiB (LoRA: the policy's base under the disabled adapter, an extra "
                     "forward without autograd per micro-batch)")
@@ -163,6 +170,8 @@ class Preference(Objective):
         """The reference's sequence log-probabilities ``(n,)`` for the batch (no autograd, eval mode)."""
         import torch
         ref, inner = reference_of(model), _unwrapped(model)
+        if ref.precomputed:
+            raise RuntimeError("train.dpo.precompute_ref_log_probs: these rows carry no reference log-probabilities")
         with torch.no_grad():
             if ref.model is not None:
                 device = features["input_ids"].device
@@ -181,15 +190,54 @@ class Preference(Objective):
         """Set ``model``'s reference: a frozen copy (eval mode, no gradient), or for LoRA the base under the
         disabled adapter (the model itself: nothing copied)."""
         import copy
-        frozen = None
-        if cfg.model.lora_adapters is None:
+        frozen, precomputed = None, cfg.train.dpo.precompute_ref_log_probs
+        if cfg.model.lora_adapters is None and not precomputed:
             frozen = copy.deepcopy(model).eval().requires_grad_(False)
-        _REFERENCES[lm_head._inner(model)] = Reference(frozen, cfg.train.dpo)
+        _REFERENCES[lm_head._inner(model)] = Reference(frozen, cfg.train.dpo, precomputed=precomputed)
+
+    def prepared_data(self, dsd, model, tokenizer, cfg):
+        """``dsd`` with the reference's log-probabilities of every training and validation pair as columns
+        (:data:`REF_COLUMNS`, float64) under ``train.dpo.precompute_ref_log_probs``: computed by ``model`` as
+        built (it is the reference before the first step: a LoRA adapter's first state adds nothing), in eval
+        mode without autograd, in batches of ``evaluate.per_device_eval_batch_size`` pairs; else ``dsd``."""
+        if not cfg.train.dpo.precompute_ref_log_probs:
+            return dsd
+        from datasets import DatasetDict
+
+        from onegpu.training import distributed
+        start, was, dsd = time.perf_counter(), model.training, DatasetDict(dict(dsd))
+        model.eval()
+        try:
+            for s in [s for s in ("train", "validation") if s in dsd]:
+                logps = self._logps_of(model, dsd[s], tokenizer, cfg)
+                dsd[s] = dsd[s].add_column(REF_COLUMNS[0], logps[0::2]).add_column(REF_COLUMNS[1], logps[1::2])
+        finally:
+            model.train(was)
+        distributed.print_main(f"train: the reference's log-probabilities of {len(dsd['train'])} training pairs "
+                               f"computed before step 1 in {time.perf_counter() - start:.1f} s "
+                               "(train.dpo.precompute_ref_log_probs: no reference model kept)")
+        return dsd
+
+    def _logps_of(self, model, rows, tokenizer, cfg) -> list[float]:
+        """``model``'s sequence log-probabilities of every pair of ``rows`` (chosen, rejected alternating),
+        in its current mode, without autograd, each process all of them."""
+        import torch
+
+        from onegpu.training import heldout
+        device, out = next(model.parameters()).device, []
+        for batch in heldout.batches(self.model_inputs(rows), cfg, self.collator(tokenizer), whole=True):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            labels = batch.pop("labels")
+            with torch.no_grad():
+                seq, n = dpo.sequence_ids(batch), _sequences(batch)
+                out += dpo.sequence_logps(_forward(model, batch), labels, seq, n)[0].tolist()
+        return out
 
     def model_inputs(self, dsd):
-        """The pairs' token columns (``prompt_ids``, ``chosen_ids``, ``rejected_ids``) alone."""
+        """The pairs' token columns (``prompt_ids``, ``chosen_ids``, ``rejected_ids``) and any precomputed
+        reference log-probabilities (:data:`REF_COLUMNS`) alone."""
         cols = dsd.column_names if hasattr(dsd, "features") else dsd["train"].column_names
-        return dsd.remove_columns([c for c in cols if c not in PAIR_COLUMNS])
+        return dsd.remove_columns([c for c in cols if c not in PAIR_COLUMNS + REF_COLUMNS])
 
     def collator(self, tokenizer, flattened: bool = False):
         return PreferenceCollator(tokenizer.pad_token_id, flattened)
@@ -210,10 +258,11 @@ class Preference(Objective):
         with torch.no_grad():
             for batch in heldout.batches(self.model_inputs(dataset), cfg, self.collator(tokenizer)):
                 batch = {k: v.to(device) for k, v in batch.items()}
-                labels = batch.pop("labels")
+                labels, stored = batch.pop("labels"), batch.pop("ref_logps", None)
                 seq, n = dpo.sequence_ids(batch), _sequences(batch)
                 policy, tokens = dpo.sequence_logps(_forward(model, batch), labels, seq, n)
-                reference = self.reference_logps(model, batch, labels, seq, n)
+                reference = (stored.to(policy.dtype) if stored is not None
+                             else self.reference_logps(model, batch, labels, seq, n))
                 figures = dpo.figures(policy, reference, ref.dpo.beta)
                 sums += torch.stack([dpo.pair_losses(policy, reference, tokens, ref.dpo).sum().double(),
                                      torch.tensor(n // 2, device=device, dtype=torch.float64),

@@ -107,6 +107,31 @@ def test_held_out_figures_of_a_policy_that_is_its_reference():
     assert OBJECTIVE.result_line({"test_" + k[5:]: v for k, v in m.items()}).startswith("DPO loss 0.6931")
 
 
+def test_precomputed_reference_log_probs_are_the_live_references_per_pair():
+    """float32: the columns prepare_data adds (every training and validation pair, batches of 4 pairs) within
+    1e-6 of the live frozen copy's log-probabilities, pair by pair (batches of 3); no copy is kept."""
+    from datasets import Dataset, DatasetDict
+
+    from onegpu.config import from_container
+    pre = from_container({"data": {"source": "pairs.jsonl"}, "model": {"task": "preference", "name_or_path": None},
+                          "train": {"dpo": {"precompute_ref_log_probs": True}},
+                          "evaluate": {"per_device_eval_batch_size": 4}}, source="test")
+    tok = type("Tok", (), {"pad_token_id": 0})()
+    model, live = tiny_llama().float(), tiny_llama().float()
+    OBJECTIVE.prepare_model(model, pre)
+    OBJECTIVE.prepare_model(live, cfg())
+    assert OBJECTIVE.memory_terms(model) == {"mem_reference_bytes": 0}
+    dsd = OBJECTIVE.prepared_data(DatasetDict(train=Dataset.from_list(ROWS * 3), validation=Dataset.from_list(ROWS)),
+                                  model, tok, pre)
+    assert dsd["validation"]["ref_chosen_logps"] == dsd["train"]["ref_chosen_logps"][:3]
+    batch = PreferenceCollator(0)(ROWS)
+    expected = _logps(live, batch, reference=True).tolist()
+    got = [x for r in dsd["train"].select(range(3)) for x in (r["ref_chosen_logps"], r["ref_rejected_logps"])]
+    assert got == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    collated = OBJECTIVE.collator(tok)([dsd["train"][i] for i in range(3)])
+    assert collated["ref_logps"].tolist() == got  # carried to the loss, in the sequences' order
+
+
 def test_a_model_built_elsewhere_has_no_reference():
     with pytest.raises(RuntimeError, match="no DPO reference"):
         objectives.preference.reference_of(tiny_llama())
