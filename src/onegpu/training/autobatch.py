@@ -120,7 +120,7 @@ def _batch(dataset, collator, rows: list[int], device) -> dict:
 
 def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: int, budget_bytes: int,
                      optim: str, device: str, world_size: int = 1,
-                     mixed_precision: str = "no") -> tuple[int, list[Probe]]:
+                     mixed_precision: str = "no", extra_bytes: int = 0) -> tuple[int, list[Probe]]:
     """The largest micro-batch dividing ``effective_batch_size / world_size`` whose step fits.
 
     Args:
@@ -130,6 +130,8 @@ def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: in
         budget_bytes: memory the step may use; :data:`SAFETY` of it is used.
         mixed_precision: ``train.mixed_precision``; each probe's forward pass runs under :func:`autocast`
             for it, as the training's does (bf16/fp16 activations are half the fp32 bytes).
+        extra_bytes: what the run keeps beside the model and is not on the device yet (a DPO reference copy,
+            :meth:`onegpu.training.objectives.base.Objective.memory_terms`), added to every probe's peak.
     Returns:
         (micro-batch, every probe tried, largest first).
     Raises:
@@ -145,8 +147,8 @@ def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: in
         batch = _batch(dataset, collator, longest_rows(dataset, m), device)
         if cuda:
             try:
-                peak = memory.cuda_step_peak(model, batch, loss_fn, device,
-                                              autocast(mixed_precision, device)) + states["mem_optimizer_bytes"]
+                peak = memory.cuda_step_peak(model, batch, loss_fn, device, autocast(mixed_precision, device)) + (
+                    states["mem_optimizer_bytes"] + extra_bytes)
                 how = "measured (CUDA allocator)"
             except torch.OutOfMemoryError:
                 model.zero_grad(set_to_none=True)
@@ -155,7 +157,7 @@ def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: in
                 continue
         else:
             with autocast(mixed_precision, device):
-                peak = sum(states.values()) + sum(memory.saved_bytes(model, batch, loss_fn).values())
+                peak = sum(states.values()) + sum(memory.saved_bytes(model, batch, loss_fn).values()) + extra_bytes
             how = "breakdown"
         del batch
         probes.append(Probe(m, int(peak), usable, peak <= usable, how))

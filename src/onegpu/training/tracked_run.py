@@ -248,7 +248,8 @@ def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: s
     micro, probes = autobatch.find_micro_batch(
         model, parts.rows, parts.collator, parts.loss,
         cfg.train.effective_batch_size, budget, cfg.train.optim, device, world_size=world,
-        mixed_precision=cfg.train.mixed_precision)  # probe under the training's autocast
+        mixed_precision=cfg.train.mixed_precision,  # probe under the training's autocast
+        extra_bytes=sum(objectives.of(cfg).memory_terms(model).values()))  # a DPO reference copy
     micro = int(min(r[0] for r in distributed.gather_over_ranks([micro], device)))  # one split for all ranks
     table = autobatch.format_probes(probes)
     procs = f" x {world} processes" if world > 1 else ""

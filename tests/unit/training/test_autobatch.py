@@ -66,6 +66,11 @@ def test_finder_takes_the_largest_divisor_that_fits_the_budget(tokenizer, dsd):
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(UserError, match="not even a micro-batch of 1"):
         autobatch.find_micro_batch(model, ds, collator, classification_loss, 32, states // 2, "adamw_torch", "cpu")
+    # What the run keeps beside the model (a DPO reference copy) counts in every probe: 8 no longer fits.
+    kept = act[16] - act[8]
+    micro, probes = autobatch.find_micro_batch(model, ds, collator, classification_loss, 32, budget,
+                                               "adamw_torch", "cpu", extra_bytes=kept)
+    assert micro < 8 and probes[2].peak_bytes == states + act[8] + kept
 
 
 def test_budget_is_required_on_cpu():
