@@ -318,12 +318,13 @@ def preference_data(n: int = 8, max_length: int = 64):
 
 def dpo_run(micro: int = 8, accum: int = 1, pairs: int = 8, steps: int = 2, fused: bool = True,
             backend: str = "trainer", padding_free: bool = False, lora: bool = False, dpo: dict | None = None,
-            rows: int | None = None, dtype=torch.float64) -> Run:
+            rows: int | None = None, packaged: bool = False, dtype=torch.float64) -> Run:
     """``steps`` optimizer steps of DPO on the from-config model (:func:`smollm2_shaped`), ``pairs`` pairs per
     step (``rows`` pairs of data, default ``pairs x steps``: fewer repeat them in another epoch), its reference
-    set up as the stage sets it (the objective's ``prepare_model``, after the cast)."""
+    set up as the stage sets it (the objective's ``prepare_model``, after the cast). ``packaged``: the packaged
+    SmolLM2-135M-Instruct itself."""
     from onegpu.training import lm_head, objectives
-    model = smollm2_shaped()
+    model = packaged_chat_model() if packaged else smollm2_shaped()
     if lora:
         from onegpu.config import LoraConfig
         from onegpu.models import lora as lora_mod

@@ -120,3 +120,13 @@ def test_a_stopped_and_resumed_run_is_the_uninterrupted_one(tmp_path, monkeypatc
     for r, s in zip(rest, whole[2:]):
         for k in ("loss", "grad_norm", *FIGURES):
             assert abs(r[k] - s[k]) <= 1e-12 * max(1.0, abs(s[k])), (k, r[k], s[k])
+
+
+def test_on_the_packaged_chat_model_a_dpo_step_split_is_exact_in_float64():
+    """The packaged SmolLM2-135M-Instruct itself, 4 pairs in one step (the whole 30-layer model in float64
+    costs the suite in proportion to its rows: test_same_training_packaged.py), 4 x 1 on the Trainer against
+    2 x 2 padding-free on the Accelerate loop: loss, grad_norm and every parameter's gradient within 1e-12."""
+    whole = float64.dpo_run(4, 1, pairs=4, steps=1, packaged=True)
+    split = float64.dpo_run(2, 2, pairs=4, steps=1, packaged=True, backend="accelerate", padding_free=True)
+    assert whole.rows[0]["loss"] == math.log(2)
+    float64.assert_same(split, whole, steps=1)
