@@ -715,7 +715,7 @@ COMBINATIONS: dict[str, Callable[[Any, str], None]] = {"data": _check_data, "mod
 def _check_sft(cfg: Config, source: str) -> None:
     """The instruction-data keys against the task: padding-free batches exist for a causal LM only; packing
     and the answer-only losses for causal-lm only (a classifier has one label per row, a preference pair
-    two whole answers); the packaged sources for their task."""
+    two whole answers); the packaged sources for their task (:func:`_check_dpo`: DPO's own keys)."""
     d, task = cfg.data, cfg.model.task
     keys = (("padding_free", d.padding_free),) if not causal_lm(task) else ()
     if not token_level(task):
@@ -733,13 +733,18 @@ def _check_sft(cfg: Config, source: str) -> None:
                 PACKAGED_DATA: "labelled text"}[d.source]
         _fail(source, "data.source", f"'{d.source}' is {what} for model.task: {wanted[d.source]}, but model.task "
               f"is {task}")
-    if task == "preference" and cfg.train.dpo.disable_dropout and cfg.model.dropout:
+
+
+def _check_dpo(cfg: Config, source: str) -> None:
+    """``train.dpo`` against itself and the model: one weight per loss type; no dropout asked for where the
+    policy's is switched off."""
+    d = cfg.train.dpo
+    if cfg.model.task == "preference" and d.disable_dropout and cfg.model.dropout:
         _fail(source, "model.dropout", f"is {cfg.model.dropout}, but train.dpo.disable_dropout is true (every dropout "
               "of the policy off); set one of them back")
-    w = cfg.train.dpo.loss_weights
-    if w is not None and len(w) != len(cfg.train.dpo.loss_type):
-        _fail(source, "train.dpo.loss_weights", f"has {len(w)} weights for {len(cfg.train.dpo.loss_type)} loss "
-              f"types ({', '.join(cfg.train.dpo.loss_type)}); give one per loss type or null")
+    if d.loss_weights is not None and len(d.loss_weights) != len(d.loss_type):
+        _fail(source, "train.dpo.loss_weights", f"has {len(d.loss_weights)} weights for {len(d.loss_type)} loss "
+              f"types ({', '.join(d.loss_type)}); give one per loss type or null")
 
 
 # The validation figures of each task (onegpu.training.heldout): what train.metric_for_best_model may name.
@@ -784,6 +789,7 @@ def validate(cfg: Config, source: str = "params") -> None:
         if section in COMBINATIONS:
             COMBINATIONS[section](values, source)
     _check_sft(cfg, source)
+    _check_dpo(cfg, source)
     _check_validation(cfg, source)
 
 

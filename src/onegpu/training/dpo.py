@@ -54,7 +54,7 @@ def sequence_logps(outputs, labels, seq_ids, n_seqs: int):
     mask = labels[:, 1:].ne(IGNORE_INDEX)
     owner = seq_ids[:, 1:][mask]  # the sequence of each target, in row-major order
     if isinstance(outputs, lm_head.HiddenStates):
-        nll = lm_head.token_nll(outputs, labels)
+        nll = lm_head.token_nll(outputs, labels)[:owner.shape[0]]  # (its aligned tail dropped: no sync)
     else:
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
         nll = F.cross_entropy(lm_head.upcast(logits[:, :-1][mask]), labels[:, 1:][mask], reduction="none")

@@ -194,13 +194,14 @@ def _tile_token_nll(hidden, weight, bias, targets, scale: float, softcap: float 
 
 def token_nll(outputs: HiddenStates, labels):
     """Each target's next-token negative log-likelihood, in the order of ``labels[:, 1:] != -100`` (row by
-    row): a 1-D float32 tensor (float64 for a float64 model) of the targets' count.
+    row), then 0 for each zero row that aligns the tail (:data:`ROW_ALIGN`): a 1-D float32 tensor (float64 for
+    a float64 model) of the targets' count rounded up; the caller, who gathered the targets, slices them.
 
     Args:
         outputs: a forward's :class:`HiddenStates` (train mode under :func:`attach`, or :func:`hidden_states`).
         labels: ``(rows, seq_len)`` int64, unshifted, -100 where no target.
     Tiles as :func:`target_nll` (each target's loss computed as the whole logits compute it), each under
-    ``torch.utils.checkpoint`` while autograd records; one host sync (the gathered targets' count).
+    ``torch.utils.checkpoint`` while autograd records; one host sync (:func:`_gathered`'s).
     """
     import torch
     from torch.utils.checkpoint import checkpoint
@@ -214,8 +215,7 @@ def token_nll(outputs: HiddenStates, labels):
         args = (hidden[i:i + step], head.weight, head.bias, targets[i:i + step], scale, softcap)
         tiles.append(checkpoint(_tile_token_nll, *args, use_reentrant=False, preserve_rng_state=False)
                      if torch.is_grad_enabled() else _tile_token_nll(*args))
-    n = int(labels[:, 1:].ne(IGNORE_INDEX).sum())  # the real targets (the aligned tail is zero rows)
-    return torch.cat(tiles)[:n] if tiles else upcast(hidden.new_zeros((0,)))
+    return torch.cat(tiles) if tiles else upcast(hidden.new_zeros((0,)))
 
 
 def hidden_states(model, batch: dict) -> HiddenStates:
