@@ -110,7 +110,7 @@ class Arm:
     def batch(self, pairs: list[dict], device: str) -> dict:
         """The arm's collated micro-batch on ``device``."""
         if self.name == "onegpu":
-            from onegpu.training.batches import PreferenceCollator
+            from onegpu.training.dpo import PreferenceCollator
             b = PreferenceCollator(self.pad)(pairs)
         else:
             from trl.trainer.dpo_trainer import DataCollatorForPreference

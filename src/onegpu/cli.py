@@ -7,7 +7,7 @@ import sys
 
 from onegpu.tradeoffs.knobs import KNOBS, parse_knobs  # the standard library only: --help stays instant
 
-STAGES = ("inputs", "prepare", "train", "evaluate")
+STAGES = ("inputs", "prepare", "reference", "train", "evaluate")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,6 +37,8 @@ def _stage_commands(sub) -> None:
     for name, text in (("inputs", "link the data source and the model that params.yaml names as "
                                   "data/inputs/*, the paths DVC hashes for prepare and train (DVC stage)"),
                        ("prepare", "read, de-duplicate, split and tokenize the data (DVC stage)"),
+                       ("reference", "DPO with train.dpo.precompute_ref_log_probs: score every pair once with "
+                                     "the reference model (DVC stage; otherwise it writes a note and loads nothing)"),
                        ("train", "fine-tune the model with the params' micro-batch, accumulation and "
                                  "checkpointing (DVC stage)"),
                        ("evaluate", "evaluate the trained model on the test split (DVC stage)")):

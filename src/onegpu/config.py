@@ -43,17 +43,20 @@ class TaskTraits:
     :mod:`onegpu.training.objectives`). ``token_level``: its items are a causal LM's target tokens (packing
     and the answer-only losses apply); ``causal_lm``: its model is a causal LM (padding-free batches and the
     fused LM head apply, the pad token may be the EOS, a model can be built from config); ``eval_metrics``:
-    its validation figures, which ``train.metric_for_best_model`` may name."""
+    its validation figures, which ``train.metric_for_best_model`` may name; ``reference``: its loss compares the
+    trained model with a frozen reference model (DPO: the ``reference`` stage may score its pairs once)."""
     token_level: bool
     causal_lm: bool
     eval_metrics: tuple[str, ...]
+    reference: bool = False
 
 
 TASK_TRAITS = {
     "sequence-classification": TaskTraits(False, False, ("eval_loss", "eval_accuracy", "eval_f1_macro")),
     "causal-lm": TaskTraits(True, True, ("eval_loss", "eval_perplexity", "eval_mean_token_accuracy")),
     # DPO and its kin: the items are preference pairs; TRL's metric names (rewards/*).
-    "preference": TaskTraits(False, True, ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins")),
+    "preference": TaskTraits(False, True, ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"),
+                             reference=True),
 }
 TASKS = tuple(TASK_TRAITS)
 
@@ -63,6 +66,12 @@ def token_level(task: str) -> bool:
     (the params' own check refuses it in one line)."""
     traits = TASK_TRAITS.get(task)
     return traits is not None and traits.token_level
+
+
+def has_reference(task: str) -> bool:
+    """Whether ``task``'s loss has a reference model (:class:`TaskTraits`); False for a name no task has."""
+    traits = TASK_TRAITS.get(task)
+    return traits is not None and traits.reference
 
 
 def causal_lm(task: str) -> bool:
@@ -238,7 +247,7 @@ class DPOConfig:
                                   rule=(lambda v: 0.0 <= v < 0.5, "must be in [0, 0.5), got {v}"))
     disable_dropout: bool = knob(True, key=IN_KEY, help="every dropout of the policy off (TRL's default)")
     precompute_ref_log_probs: bool = knob(False, help=(
-        "the reference's log-probabilities computed once before step 1, no reference kept (TRL's name)"),
+        "the reference's log-probabilities scored once (the reference stage), no reference model kept (TRL's name)"),
         key=OutOfKey("the same reference log-probabilities, computed once before the first step (in other "
                      "batches: other summation order) instead of beside each micro-batch"))
 

@@ -24,6 +24,7 @@ from onegpu.errors import DiskFullError
 PARAMS = Path("params.yaml")
 PROCESSED = Path("data/processed")
 STATS = Path("data/stats.json")
+REFERENCE = Path("data/reference")  # DPO: the reference model's log-probabilities, scored once (reference stage)
 TOKENIZER = PROCESSED / "tokenizer"  # causal-lm from config: the BPE tokenizer prepare trained
 MODEL_DIR = Path("models/model")
 ADAPTER_DIR = Path("models/adapter")  # model.lora: the LoRA adapter (MODEL_DIR holds the merged model)

@@ -87,7 +87,7 @@ def test_every_key_a_stage_reads_makes_dvc_status_name_it(causal):
     params = yaml.safe_load(text)
     assert _changed_stages(causal) == set()
     keys = {}
-    for stage in ("train", "evaluate"):
+    for stage in ("reference", "train", "evaluate"):
         for read in params_read_by(stage):
             for key in _leaves(params, read):
                 keys.setdefault(key, set()).add(stage)
@@ -106,3 +106,21 @@ def test_every_key_a_stage_reads_makes_dvc_status_name_it(causal):
     assert missed == {}, f"these keys, set as shown, left their stage up to date: {missed}"
     assert _changed_stages(causal) == set()
 
+
+def test_the_reference_stage_runs_again_for_what_decides_its_scores_alone(causal):
+    """DPO's precomputed reference (the reference stage) is scored again when the model, the data or a param
+    of :data:`onegpu.training.precomputed.PARAMS` changes, not for a sweep of the learning rate, beta, the
+    split or the LoRA rank: those re-run train alone (and evaluate)."""
+    params_file = causal / "params.yaml"
+    text = params_file.read_text()
+    params = yaml.safe_load(text)
+    named = {}
+    try:
+        for key, value in (("train.learning_rate", 1e-3), ("train.dpo.beta", 0.2), ("model.lora.r", 4),
+                           ("train.per_device_train_batch_size", 2), ("train.seed", 7), ("data.max_length", 32)):
+            params_file.write_text(yaml.safe_dump(_set(params, key, value), sort_keys=False))
+            named[key] = "reference" in _changed_stages(causal)
+    finally:
+        params_file.write_text(text)
+    assert named == {"train.learning_rate": False, "train.dpo.beta": False, "model.lora.r": False,
+                     "train.per_device_train_batch_size": False, "train.seed": True, "data.max_length": True}

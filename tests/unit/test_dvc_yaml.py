@@ -50,7 +50,7 @@ def code_read_by(stage: str) -> set[str]:
     return {_file(m).relative_to(REPO).as_posix() for m in seen if _file(m).name != "__init__.py"}
 
 
-@pytest.mark.parametrize("stage", ["inputs", "prepare", "train", "evaluate"])
+@pytest.mark.parametrize("stage", ["inputs", "prepare", "reference", "train", "evaluate"])
 def test_code_deps_match_what_the_stage_imports(stage):
     deps = [d for d in STAGES[stage]["deps"] if d.startswith("src/")]
     code = code_read_by(stage)
@@ -294,7 +294,7 @@ def params_read_by(stage: str) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("stage", ["inputs", "prepare", "train", "evaluate"])
+@pytest.mark.parametrize("stage", ["inputs", "prepare", "reference", "train", "evaluate"])
 def test_each_stage_declares_every_param_its_code_reads(stage):
     """Issue 31: train's collator reads data.padding_free and data.packing, but dvc.yaml declared them for
     prepare only, so `dvc exp run -S data.padding_free=true` re-ran prepare (the same output) and not train:

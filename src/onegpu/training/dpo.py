@@ -3,7 +3,7 @@ under gradient accumulation, and TRL's figures (TRL 1.16 ``DPOTrainer``'s defini
 
 **Pairs in a micro-batch.** Sequences 2i and 2i + 1 of a micro-batch are pair i's chosen and rejected answer
 after their prompt: rows 2i and 2i + 1 when padded, or sequences 2i and 2i + 1 of one flattened row
-(padding-free, ``position_ids`` restarting at 0 for each; :class:`onegpu.training.batches.PreferenceCollator`).
+(padding-free, ``position_ids`` restarting at 0 for each; :class:`PreferenceCollator`).
 
 **Sequence log-probabilities** (:func:`sequence_logps`): the sum of the answer tokens' next-token
 log-probabilities (the prompt's labels are -100), each computed in float32 (float64 for a float64 model) from
@@ -111,3 +111,47 @@ def step_share(losses, num_pairs):
     """One micro-batch's share of the optimizer step's loss: its per-pair losses summed, divided by the pairs
     in the whole step ``num_pairs`` (all micro-batches and processes; None: this micro-batch's). 0-dim."""
     return losses.sum() / (losses.shape[0] if num_pairs is None else num_pairs)
+
+
+class PreferenceCollator:
+    """Preference pairs (``prompt_ids``, ``chosen_ids``, ``rejected_ids`` per row,
+    :mod:`onegpu.data.preference`) as one micro-batch of 2 x pairs sequences, pair i's chosen then its
+    rejected answer after the prompt (TRL's ``DataCollatorForPreference`` puts all chosen first; alternating,
+    a cut between rows keeps pairs whole): padded to the longest (right) with ``input_ids``,
+    ``attention_mask`` and ``labels`` ``(2 pairs, longest)`` int64, or (``flattened``) one row of them all
+    with ``position_ids`` restarting at 0 per sequence and no attention mask (padding-free).
+
+    Masks come from the lengths, never from the pad id (SmolLM2's pad is its EOS, which ends each answer and
+    is a target): ``labels`` are the answer's ids, -100 on the prompt and on padding. Rows with precomputed
+    reference log-probabilities (``ref_chosen_logps``, ``ref_rejected_logps``) add ``ref_logps`` ``(2 pairs,)``
+    float64, in the sequences' order.
+    """
+
+    def __init__(self, pad_token_id: int, flattened: bool = False) -> None:
+        self.pad, self.flattened = pad_token_id, flattened
+
+    def __call__(self, features: list[dict]) -> dict:
+        import torch
+        seqs, labels = [], []
+        for f in features:
+            prompt = list(f["prompt_ids"])
+            for answer in (f["chosen_ids"], f["rejected_ids"]):
+                seqs.append(prompt + list(answer))
+                labels.append([IGNORE_INDEX] * len(prompt) + list(answer))
+        # precomputed reference log-probabilities (train.dpo.precompute_ref_log_probs): (2 pairs,) float64
+        ref = {}
+        if "ref_chosen_logps" in features[0]:
+            pairs = [(f["ref_chosen_logps"], f["ref_rejected_logps"]) for f in features]
+            ref["ref_logps"] = torch.tensor([x for p in pairs for x in p], dtype=torch.float64)
+        if self.flattened:
+            positions = [torch.arange(len(s)) for s in seqs]
+            return {"input_ids": torch.tensor([t for s in seqs for t in s])[None],
+                    "labels": torch.tensor([t for row in labels for t in row])[None],
+                    "position_ids": torch.cat(positions)[None], **ref}
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        lab = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
+        for i, (s, row) in enumerate(zip(seqs, labels)):
+            ids[i, :len(s)], mask[i, :len(s)], lab[i, :len(s)] = torch.tensor(s), 1, torch.tensor(row)
+        return {"input_ids": ids, "attention_mask": mask, "labels": lab, **ref}

@@ -77,7 +77,7 @@ def _tiny_llama():
 
 
 def test_sequence_logps_are_the_same_through_the_fused_head_and_padded_or_flattened():
-    from onegpu.training.batches import PreferenceCollator
+    from onegpu.training.dpo import PreferenceCollator
     model = _tiny_llama()
     rows = [{"prompt_ids": [5, 6, 7], "chosen_ids": [8, 9], "rejected_ids": [10, 11, 12, 13]},
             {"prompt_ids": [14], "chosen_ids": [15, 16, 17], "rejected_ids": [18]}]

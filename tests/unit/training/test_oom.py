@@ -28,7 +28,7 @@ def test_cut_splits_the_rows_and_passes_other_tensors_whole():
 
 def test_cut_keeps_each_preference_pair_whole_padded_and_flattened():
     """3 pairs (6 rows, chosen and rejected alternating) in 2 pieces: 2 pairs and 1, never a pair split."""
-    from onegpu.training.batches import PreferenceCollator
+    from onegpu.training.dpo import PreferenceCollator
     rows = [{"prompt_ids": [1, 2], "chosen_ids": [3] * (i + 1), "rejected_ids": [4]} for i in range(3)]
     padded, flat = PreferenceCollator(0)(rows), PreferenceCollator(0, flattened=True)(rows)
     assert [p["input_ids"].shape[0] for p in oom.cut(padded, 2, group=2)] == [4, 2]

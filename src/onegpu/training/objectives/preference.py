@@ -2,7 +2,7 @@
 (:mod:`onegpu.data.preference`), the loss and figures of :mod:`onegpu.training.dpo`, TRL's names.
 
 The items are the pairs. A micro-batch is one forward of the policy over both answers of each pair
-(:class:`~onegpu.training.batches.PreferenceCollator`, padded or padding-free) and one of the reference model
+(:class:`~onegpu.training.dpo.PreferenceCollator`, padded or padding-free) and one of the reference model
 over the same batch under ``torch.no_grad()`` in eval mode: a frozen copy of the model as built (before the
 first step; its parameters never train), or for LoRA the model itself with the adapter disabled (the base).
 :meth:`Preference.prepare_model` sets the reference up when the model is built
@@ -15,8 +15,8 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from onegpu.training import dpo, lm_head
-from onegpu.training.batches import PreferenceCollator
+from onegpu.training import dpo, lm_head, precomputed
+from onegpu.training.dpo import PreferenceCollator
 from onegpu.training.objectives.base import Objective
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -71,21 +71,6 @@ def _sequences(inputs: dict) -> int:
     return int(inputs["input_ids"].shape[0])
 
 
-def initial_model(cfg, tokenizer):
-    """The model training started from, frozen (eval mode, no gradient): ``model.name_or_path`` loaded, or
-    built from config, with ``train.seed`` as the train stage builds it (for LoRA the base, which is what a
-    fresh adapter computes; dropout as :meth:`Preference.dropout`, off by default). The evaluate stage's
-    reference (the train stage's is kept from before the first step)."""
-    from transformers import set_seed
-
-    from onegpu.models import loader
-    set_seed(cfg.train.seed)
-    dropout = 0.0 if cfg.train.dpo.disable_dropout else cfg.model.dropout
-    model = loader.build_causal_lm(loader.resolve_model_path(cfg.model.name_or_path), tokenizer, cfg.model,
-                                   cfg.data.max_length, dropout, cfg.model.attn_implementation)
-    return model.eval().requires_grad_(False)
-
-
 class Preference(Objective):
     task = "preference"
     own_forward = True
@@ -93,7 +78,7 @@ class Preference(Objective):
 
     def dropout(self, cfg):
         """0 under ``train.dpo.disable_dropout`` (TRL's default: the policy's log-probabilities are then the
-        reference's at step 1), else ``model.dropout`` (as :func:`initial_model` builds it)."""
+        reference's at step 1), else ``model.dropout``."""
         return 0.0 if cfg.train.dpo.disable_dropout else cfg.model.dropout
 
     def count_items(self, labels):
@@ -197,41 +182,31 @@ class Preference(Objective):
 
     def prepared_data(self, dsd, model, tokenizer, cfg):
         """``dsd`` with the reference's log-probabilities of every training and validation pair as columns
-        (:data:`REF_COLUMNS`, float64) under ``train.dpo.precompute_ref_log_probs``: computed by ``model`` as
-        built (it is the reference before the first step: a LoRA adapter's first state adds nothing), in eval
-        mode without autograd, in batches of ``evaluate.per_device_eval_batch_size`` pairs; else ``dsd``."""
+        (:data:`REF_COLUMNS`, float64) under ``train.dpo.precompute_ref_log_probs``: the reference stage's
+        (data/reference/, :mod:`onegpu.training.precomputed`) where they were scored for these pairs and
+        params, else scored here by ``model`` as built (it is the reference before the first step: a LoRA
+        adapter's first state adds nothing), in eval mode without autograd; without the flag ``dsd``."""
         if not cfg.train.dpo.precompute_ref_log_probs:
             return dsd
         from datasets import DatasetDict
 
         from onegpu.training import distributed
-        start, was, dsd = time.perf_counter(), model.training, DatasetDict(dict(dsd))
+        start, was, dsd, whence = time.perf_counter(), model.training, DatasetDict(dict(dsd)), []
         model.eval()
         try:
             for s in [s for s in ("train", "validation") if s in dsd]:
-                logps = self._logps_of(model, dsd[s], tokenizer, cfg)
+                logps, why = precomputed.load(s, dsd[s], cfg)
+                if logps is None:
+                    logps = precomputed.score(model, dsd[s], tokenizer, cfg)
+                    why = f"scored before step 1 ({why})"
+                whence.append(why)
                 dsd[s] = dsd[s].add_column(REF_COLUMNS[0], logps[0::2]).add_column(REF_COLUMNS[1], logps[1::2])
         finally:
             model.train(was)
         distributed.print_main(f"train: the reference's log-probabilities of {len(dsd['train'])} training pairs "
-                               f"computed before step 1 in {time.perf_counter() - start:.1f} s "
+                               f"{'; '.join(dict.fromkeys(whence))}, {time.perf_counter() - start:.1f} s "
                                "(train.dpo.precompute_ref_log_probs: no reference model kept)")
         return dsd
-
-    def _logps_of(self, model, rows, tokenizer, cfg) -> list[float]:
-        """``model``'s sequence log-probabilities of every pair of ``rows`` (chosen, rejected alternating),
-        in its current mode, without autograd, each process all of them."""
-        import torch
-
-        from onegpu.training import heldout
-        device, out = next(model.parameters()).device, []
-        for batch in heldout.batches(self.model_inputs(rows), cfg, self.collator(tokenizer), whole=True):
-            batch = {k: v.to(device) for k, v in batch.items()}
-            labels = batch.pop("labels")
-            with torch.no_grad():
-                seq, n = dpo.sequence_ids(batch), _sequences(batch)
-                out += dpo.sequence_logps(_forward(model, batch), labels, seq, n)[0].tolist()
-        return out
 
     def model_inputs(self, dsd):
         """The pairs' token columns (``prompt_ids``, ``chosen_ids``, ``rejected_ids``) and any precomputed
@@ -277,9 +252,17 @@ class Preference(Objective):
 
     def test_figures(self, model, tokenizer, dataset, cfg, device: str) -> tuple[dict, list[int], list[int]]:
         """:meth:`heldout_metrics` of the trained ``model`` (loaded from models/) against the reference training
-        started from (:func:`initial_model`)."""
+        started from: its scores from the reference stage under ``train.dpo.precompute_ref_log_probs`` where
+        they were scored for these pairs and params (:func:`onegpu.training.precomputed.load`), else the
+        model itself, rebuilt (:func:`onegpu.training.precomputed.initial_model`)."""
         from onegpu.training import heldout
-        _REFERENCES[lm_head._inner(_unwrapped(model))] = Reference(initial_model(cfg, tokenizer), cfg.train.dpo)
+        logps = precomputed.load("test", dataset, cfg)[0] if precomputed.wanted(cfg) else None
+        if logps is None:
+            reference = Reference(precomputed.initial_model(cfg, tokenizer), cfg.train.dpo)
+        else:
+            reference = Reference(None, cfg.train.dpo, precomputed=True)
+            dataset = dataset.add_column(REF_COLUMNS[0], logps[0::2]).add_column(REF_COLUMNS[1], logps[1::2])
+        _REFERENCES[lm_head._inner(_unwrapped(model))] = reference
         return self.heldout_metrics(model, tokenizer, dataset, cfg, device, heldout.TEST), [], []
 
     def result_line(self, metrics: dict) -> str:
