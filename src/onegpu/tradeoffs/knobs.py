@@ -222,12 +222,25 @@ def activation_offloading(cfg: Config, facts: DeviceFacts) -> list[Variant] | st
                     not cfg.train.activation_offloading, SAME, "activation offloading to host memory")]
 
 
+def reference(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
+    """DPO's reference the other way (preference tuning only): its log-probabilities scored once before training
+    (``train.dpo.precompute_ref_log_probs``: no frozen copy in memory, no reference forward per micro-batch), or
+    a live reference beside each micro-batch (a frozen copy, or LoRA's base: the lora row); the same reference,
+    outside the equivalence key."""
+    from onegpu.config import has_reference
+    if not has_reference(cfg.model.task):
+        return f"preference tuning (DPO) only: model.task {cfg.model.task} has no reference model"
+    return [_toggle("precomputed-reference", "reference", "train.dpo.precompute_ref_log_probs",
+                    not cfg.train.dpo.precompute_ref_log_probs, SAME,
+                    "the reference's log-probabilities scored once (no reference model kept or run per step)")]
+
+
 # The knob names (`--knobs` takes these), in the guide's order, and the function of each.
 KNOBS: dict[str, Callable[[Config, DeviceFacts], list[Variant] | str]] = {
     "split": split, "checkpointing": checkpointing, "precision": precision, "tf32": tf32,
     "optimizer": optimizer, "attention": attention, "compile": torch_compile, "allocator": allocator, "lora": lora,
     "padding_free": padding_free, "packing": packing, "fused_lm_head": fused_lm_head,
-    "activation_offloading": activation_offloading,
+    "activation_offloading": activation_offloading, "reference": reference,
 }
 
 

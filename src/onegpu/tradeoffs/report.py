@@ -31,6 +31,7 @@ GUIDE = {
     "packing": "not in the guide (TRL's packing: no padding, other examples per step)",
     "activation_offloading": "not in the guide (TRL's activation_offloading: device memory for PCIe traffic)",
     "fused_lm_head": "not in the guide (TRL's fused LM head, Liger's fused linear cross-entropy: no whole logits)",
+    "reference": "not in the guide (TRL's precompute_ref_log_probs: no reference model in memory or per step)",
 }
 
 

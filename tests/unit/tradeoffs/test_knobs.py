@@ -34,7 +34,7 @@ def test_plan_on_cpu_for_the_defaults():
     assert by["lora"].set_args == ["-S", "model.lora.r=8"]  # the dotted form a user types
     # tf32: a no-op on CPU; padding-free, packing and the fused LM head: causal LM only
     assert [s.split(":")[0] for s in skipped] == ["tf32", "padding_free", "packing", "fused_lm_head",
-                                                  "activation_offloading"]
+                                                  "activation_offloading", "reference"]
 
 
 def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
@@ -45,7 +45,8 @@ def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
     assert "tf32" in names and "adamw_bnb_8bit" in names and "cpu-allocator-system" not in names
     assert "offloading" in names and next(v for v in variants if v.name == "offloading").expect == knobs.SAME
     # host memory is not the tensors' on a GPU
-    assert [s.split(":")[0] for s in skipped] == ["allocator", "padding_free", "packing", "fused_lm_head"]
+    assert [s.split(":")[0] for s in skipped] == ["allocator", "padding_free", "packing", "fused_lm_head",
+                                                  "reference"]
 
 
 def test_torchao_adds_8bit_and_4bit_adamw_where_bitsandbytes_is_not_usable():
@@ -196,3 +197,21 @@ def test_the_fused_lm_head_row_only_for_a_causal_lm_and_the_baselines_key():
     off = config.from_container({**base.to_dict(), "train": {**base.to_dict()["train"], "fused_lm_head": False}})
     assert equivalence_key(off, config.resolve(off), "fp") == equivalence_key(base, config.resolve(base), "fp")
     assert _names(knobs.plan(off, CPU, knobs=("fused_lm_head",))[0]) == ["baseline", "fused-lm-head"]
+
+
+def test_the_reference_row_only_for_preference_tuning_and_the_baselines_key():
+    """DPO's reference scored once (train.dpo.precompute_ref_log_probs) is the same training as a live one
+    (the baseline's key), turned on when off and off when on; a task without a reference gets no row, with
+    the reason."""
+    _, skipped = knobs.plan(_sft(), CPU, knobs=("reference",))
+    assert skipped == ["reference: preference tuning (DPO) only: model.task causal-lm has no reference model"]
+    raw = _sft().to_dict()
+    raw["model"]["task"], raw["data"]["source"] = "preference", "bbcnews-headline-pairs"
+    base = config.from_container(raw)
+    variants, _ = knobs.plan(base, CPU, knobs=("reference",))
+    assert [(v.name, v.overrides, v.expect) for v in variants[1:]] == [
+        ("precomputed-reference", (("train.dpo.precompute_ref_log_probs", "true"),), knobs.SAME)]
+    config.apply_override(raw, "train.dpo.precompute_ref_log_probs=true")
+    on = config.from_container(raw)
+    assert equivalence_key(on, config.resolve(on), "fp") == equivalence_key(base, config.resolve(base), "fp")
+    assert _names(knobs.plan(on, CPU, knobs=("reference",))[0]) == ["baseline", "no-precomputed-reference"]
