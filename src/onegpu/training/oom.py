@@ -29,18 +29,30 @@ def _runs(n: int, pieces: int, group: int) -> list:
 
 
 def _flat_pieces(inputs: dict, pieces: int, group: int) -> list[dict]:
-    """A padding-free row cut between sequences into at most ``pieces`` pieces of whole groups of sequences."""
+    """A padding-free row cut between sequences into at most ``pieces`` pieces of whole groups of sequences:
+    its ``(1, tokens)`` tensors by token, its per-sequence ``(sequences,)`` tensors (DPO's precomputed
+    ``ref_logps``) by sequence."""
     width = int(inputs["input_ids"].shape[1])
     starts = inputs["position_ids"][0].eq(0).nonzero().flatten().tolist() + [width]
-    return [{k: v[:, starts[int(g[0])]:starts[int(g[-1]) + 1]] if hasattr(v, "shape") and v.dim() == 2 else v
-             for k, v in inputs.items()} for g in _runs(len(starts) - 1, pieces, group)]
+    n = len(starts) - 1
+
+    def piece(first: int, last: int) -> dict:
+        out = {}
+        for k, v in inputs.items():
+            if hasattr(v, "shape") and v.dim() == 2:
+                v = v[:, starts[first]:starts[last + 1]]
+            elif hasattr(v, "shape") and v.dim() == 1 and v.shape[0] == n:
+                v = v[first:last + 1]
+            out[k] = v
+        return out
+    return [piece(int(g[0]), int(g[-1])) for g in _runs(n, pieces, group)]
 
 
 def cut(inputs: dict, pieces: int, group: int = 1) -> list[dict]:
     """``inputs`` (one collated micro-batch) cut along the row dimension into at most ``pieces`` pieces
     (a padding-free row between its sequences), each of whole groups of ``group`` rows or sequences (the
-    objective's ``sequences_per_item``: a preference pair's chosen and rejected stay together); tensors
-    without that leading dimension are passed whole."""
+    objective's ``sequences_per_item``: a preference pair's chosen and rejected stay together), tensors of one
+    value per row or sequence with them; tensors without that leading dimension are passed whole."""
     rows = int(inputs["input_ids"].shape[0])
     if pieces == 1:
         return [inputs]

@@ -318,7 +318,7 @@ def preference_data(n: int = 8, max_length: int = 64):
 
 def dpo_run(micro: int = 8, accum: int = 1, pairs: int = 8, steps: int = 2, fused: bool = True,
             backend: str = "trainer", padding_free: bool = False, lora: bool = False, dpo: dict | None = None,
-            rows: int | None = None, packaged: bool = False, dtype=torch.float64) -> Run:
+            rows: int | None = None, packaged: bool = False, dtype=torch.float64, oom_injector=None) -> Run:
     """``steps`` optimizer steps of DPO on the from-config model (:func:`smollm2_shaped`), ``pairs`` pairs per
     step (``rows`` pairs of data, default ``pairs x steps``: fewer repeat them in another epoch), its reference
     set up as the stage sets it (the objective's ``prepare_model``, after the cast). ``packaged``: the packaged
@@ -345,4 +345,4 @@ def dpo_run(micro: int = 8, accum: int = 1, pairs: int = 8, steps: int = 2, fuse
                                                       cfg)  # (as session.train: a precomputed reference's columns)
     return train(model, chat_tokenizer(), data, train_cfg,
                  {**PREFERENCE, **({"lora": {"r": 4, "alpha": 8.0}} if lora else {})},
-                 {"source": "pairs.jsonl", "padding_free": padding_free}, dtype=dtype)
+                 {"source": "pairs.jsonl", "padding_free": padding_free}, dtype=dtype, oom_injector=oom_injector)

@@ -66,6 +66,30 @@ def test_a_precomputed_reference_is_the_live_one_over_a_whole_run_in_float64():
     assert 0 < run.rows[0]["rewards/accuracies"] + run.rows[0]["rewards/ties"] <= 1
 
 
+@pytest.mark.parametrize("backend,padding_free", [("trainer", True), ("accelerate", False)])
+def test_an_out_of_memory_retry_is_the_same_training_rewards_included(backend, padding_free):
+    """An injected out-of-memory error in step 1's second micro-batch (4 x 2): the step is redone in pieces of
+    2 pairs, and is the step without the error, its rewards/* counted once (the retried micro-batches' figures
+    were added to the failed attempt's). Padding-free with a precomputed reference, whose per-sequence
+    log-probabilities the cut must carry; its step-1 rewards are rounding (1e-16) whose sign the pieces'
+    summation order changes, so its ties and accuracies are not compared (as in
+    test_a_precomputed_reference_is_the_live_one_over_a_whole_run_in_float64)."""
+    calls = []
+
+    def injector(step: int, sequences: int) -> bool:
+        calls.append((step, sequences))
+        return len(calls) == 2
+    kw = dict(backend=backend, padding_free=padding_free, steps=1,
+              dpo={"precompute_ref_log_probs": True} if padding_free else None)
+    run = float64.dpo_run(4, 2, oom_injector=injector, **kw)
+    assert (1, 4) in calls  # the retry ran in pieces of 2 pairs (4 sequences)
+    whole = float64.dpo_run(4, 2, **kw)
+    float64.assert_same(run, whole, steps=1)
+    ref = whole.rows[0]
+    for k in FIGURES if not padding_free else FIGURES[:2] + FIGURES[4:]:
+        assert abs(run.rows[0][k] - ref[k]) <= 1e-12 * max(1.0, abs(ref[k])), (k, run.rows[0][k], ref[k])
+
+
 @pytest.mark.parametrize("backend", ["trainer", "accelerate"])
 def test_a_step_of_7_pairs_as_4_plus_3_is_the_7_pair_step_in_float64(backend):
     """7 pairs of data, 2 epochs: each step is the epoch's 7 pairs, as 7 x 1 or as 4 + 3 (TRL would weigh

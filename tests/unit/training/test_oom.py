@@ -37,6 +37,17 @@ def test_cut_keeps_each_preference_pair_whole_padded_and_flattened():
     assert [p["input_ids"].shape[0] for p in oom.cut(padded, 2)] == [3, 3]  # (rows alone would split pair 1)
 
 
+def test_cut_takes_each_sequences_precomputed_reference_with_it_padded_and_flattened():
+    """DPO's precomputed ``ref_logps`` (one per sequence) follows its sequences into their piece; it was passed
+    whole to every piece of a padding-free row (a shape error in the loss at the retry)."""
+    from onegpu.training.dpo import PreferenceCollator
+    rows = [{"prompt_ids": [1, 2], "chosen_ids": [3] * (i + 1), "rejected_ids": [4],
+             "ref_chosen_logps": -1.0 - i, "ref_rejected_logps": -10.0 - i} for i in range(3)]
+    for batch in (PreferenceCollator(0)(rows), PreferenceCollator(0, flattened=True)(rows)):
+        assert [p["ref_logps"].tolist() for p in oom.cut(batch, 2, group=2)] == [[-1.0, -10.0, -2.0, -11.0],
+                                                                                 [-3.0, -12.0]]
+
+
 def _model():
     m = torch.nn.Linear(2, 1)
     m(torch.ones(1, 2)).sum().backward()

@@ -310,6 +310,7 @@ def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> No
                 except torch.OutOfMemoryError as e:
                     rows = max(oom.rows(b) for b in micro_batches)
                     pieces = oom.recover(e, lp.model, rows, pieces, accum, step + 1, t.oom_retry, recorder.events)
+                    objective.restart_step(lp.model)  # the whole step is redone: its figures too
             for inputs in micro_batches:  # counted once, however many pieces
                 recorder.counter.add(inputs)
             grad_norm, lr = _optimizer_step(lp, cfg, recorder)

@@ -221,6 +221,7 @@ class ExactLossTrainer(Trainer):
         self.pieces = oom.recover(error, model, oom.rows(inputs), self.pieces,
                                  self.args.gradient_accumulation_steps, self.state.global_step + 1,
                                  self.oom_retry, self.oom_events)
+        self.objective.restart_step(model)  # the step's micro-batches are redone: their figures again
 
 
 class CheckpointState(TrainerCallback):

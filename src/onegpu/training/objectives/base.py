@@ -68,6 +68,10 @@ class Objective:
         """A callable giving the objective's own per-step metrics at each optimizer step (None: none)."""
         return None
 
+    def restart_step(self, model) -> None:
+        """Forget what the current optimizer step's micro-batches added to :meth:`step_figures` (an
+        out-of-memory retry redoes them all)."""
+
     def estimate_line(self, model) -> str | None:
         """``onegpu estimate``'s line on memory the objective keeps beside the model (None: none)."""
         return None

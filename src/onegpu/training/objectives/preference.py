@@ -151,6 +151,9 @@ class Preference(Objective):
             return {k: v / pairs for k, v in zip(dpo.FIGURES, values)}
         return take
 
+    def restart_step(self, model) -> None:
+        reference_of(model).sums = None
+
     def reference_logps(self, model, features: dict, labels, seq, n: int):
         """The reference's sequence log-probabilities ``(n,)`` for the batch (no autograd, eval mode)."""
         import torch
