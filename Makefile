@@ -55,11 +55,11 @@ DVC_HINTS := ^(To track the changes with git, run:|To enable auto staging, run:|
 # group, and a filter that died first would leave the training no reader (its next line a broken pipe)
 # and its last lines (the checkpoint kept, how to resume) unseen. Each ignores the three and ends when
 # its input does; if its own output is gone (a closed terminal), `cat >/dev/null` reads on, so nothing
-# upstream waits on a full pipe.
+# upstream waits on a full pipe. ONEGPU_MAKE_TARGET: a stopped training names the make command that resumes it.
 KEEP_FILTER = { trap '' INT TERM HUP; $(1); cat >/dev/null; }
 FILTERED = 2>&1 | $(call KEEP_FILTER,grep --line-buffered -v -E '$(DVC_HINTS)') | $(call KEEP_FILTER,cat -s)
 run: install
-	PYTHONUNBUFFERED=1 $(BIN)/dvc repro $(FILTERED)
+	PYTHONUNBUFFERED=1 ONEGPU_MAKE_TARGET=run $(BIN)/dvc repro $(FILTERED)
 	$(BIN)/onegpu summary
 
 # The instruction fine-tuning example (docs/sft.md): LoRA on the packaged SmolLM2-135M-Instruct, BBC articles ->
@@ -71,7 +71,7 @@ SFT := -S data.source=bbcnews-headlines -S model.task=causal-lm -S model.name_or
        -S train.per_device_train_batch_size=4 -S train.gradient_accumulation_steps=2 -S train.learning_rate=1e-3 \
        -S train.logging_steps=4 -S evaluate.max_new_tokens=20 -S evaluate.per_device_eval_batch_size=24
 sft: install
-	PYTHONUNBUFFERED=1 $(BIN)/dvc exp run -n sft-smollm2-headlines $(SFT) $(FILTERED)
+	PYTHONUNBUFFERED=1 ONEGPU_MAKE_TARGET=sft $(BIN)/dvc exp run -n sft-smollm2-headlines $(SFT) $(FILTERED)
 	$(BIN)/onegpu summary
 
 # The preference tuning example (docs/dpo.md): LoRA DPO on the packaged SmolLM2-135M-Instruct with the packaged
@@ -83,7 +83,7 @@ DPO := -S data.source=bbcnews-headline-pairs -S model.task=preference -S model.n
        -S train.per_device_train_batch_size=4 -S train.gradient_accumulation_steps=2 -S train.learning_rate=5e-4 \
        -S train.eval_steps=0.25 -S train.logging_steps=4 -S evaluate.per_device_eval_batch_size=16
 dpo: install
-	PYTHONUNBUFFERED=1 $(BIN)/dvc exp run -n dpo-smollm2-headline-pairs $(DPO) $(FILTERED)
+	PYTHONUNBUFFERED=1 ONEGPU_MAKE_TARGET=dpo $(BIN)/dvc exp run -n dpo-smollm2-headline-pairs $(DPO) $(FILTERED)
 	$(BIN)/onegpu summary
 
 # pytest-xdist: two workers per core plus one, at most 5 (the integration tests wait on subprocesses, DVC

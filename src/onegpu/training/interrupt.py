@@ -146,18 +146,23 @@ def _say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+MAKE_TARGET = "ONEGPU_MAKE_TARGET"  # the Makefile's run, sft and dpo recipes set it to their target's name
+
+
 def resume_command() -> str:
     """The command that resumes this stage's stopped training, as the user started it: ``make run`` /
-    ``make sft`` (make sets ``MAKELEVEL``), ``dvc repro``, the same ``dvc exp run`` (DVC sets
+    ``make sft`` / ``make dpo`` (the recipe sets ``ONEGPU_MAKE_TARGET``; with make's ``MAKELEVEL`` alone a
+    ``dvc repro`` is ``make run``'s), ``dvc repro``, the same ``dvc exp run`` (DVC sets
     ``DVC_EXP_NAME``; a queued or ``--temp`` one runs in ``<repo>/.dvc/tmp/exps/``), or ``onegpu train``."""
-    make = "MAKELEVEL" in os.environ
+    target = os.environ.get(MAKE_TARGET)
     if os.environ.get("DVC_EXP_NAME"):
         if f"{os.sep}.dvc{os.sep}tmp{os.sep}exps{os.sep}" in os.getcwd() + os.sep:
             return ("queueing the same experiment again (`dvc exp run --queue` with the same -S params, "
                     "then `dvc queue start`)")
-        return "`make sft` again (the same `dvc exp run`)" if make else "the same `dvc exp run`"
+        return f"`make {target}` again (the same `dvc exp run`)" if target else "the same `dvc exp run`"
     if os.environ.get("DVC_STAGE"):
-        return "`make run` again (`dvc repro`)" if make else "`dvc repro`"
+        target = target or ("run" if "MAKELEVEL" in os.environ else None)
+        return f"`make {target}` again (`dvc repro`)" if target else "`dvc repro`"
     return "`onegpu train` again (or `dvc repro`)"
 
 

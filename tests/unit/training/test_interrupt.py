@@ -91,19 +91,32 @@ def test_sigterm_says_plainly_when_a_step_may_not_fit_a_schedulers_grace_period(
 @pytest.mark.parametrize("env, cwd, expected", [
     ({"DVC_STAGE": "train", "MAKELEVEL": "1"}, "/p", "`make run` again (`dvc repro`)"),
     ({"DVC_STAGE": "train"}, "/p", "`dvc repro`"),
-    ({"DVC_STAGE": "train", "DVC_EXP_NAME": "sft", "MAKELEVEL": "1"}, "/p",
+    ({"DVC_STAGE": "train", "DVC_EXP_NAME": "sft", "MAKELEVEL": "1", "ONEGPU_MAKE_TARGET": "sft"}, "/p",
      "`make sft` again (the same `dvc exp run`)"),
+    ({"DVC_STAGE": "train", "DVC_EXP_NAME": "dpo", "MAKELEVEL": "1", "ONEGPU_MAKE_TARGET": "dpo"}, "/p",
+     "`make dpo` again (the same `dvc exp run`)"),
+    ({"DVC_STAGE": "train", "DVC_EXP_NAME": "x", "MAKELEVEL": "1"}, "/p", "the same `dvc exp run`"),  # another make
     ({"DVC_STAGE": "train", "DVC_EXP_NAME": "x"}, "/p", "the same `dvc exp run`"),
     ({"DVC_STAGE": "train", "DVC_EXP_NAME": "x"}, "/p/.dvc/tmp/exps/tmpab12", "queueing the same experiment again"),
     ({}, "/p", "`onegpu train` again"),
 ])
 def test_the_resume_command_is_the_front_door_the_stage_was_started_from(monkeypatch, env, cwd, expected):
-    for k in ("DVC_STAGE", "DVC_EXP_NAME", "MAKELEVEL"):
+    for k in ("DVC_STAGE", "DVC_EXP_NAME", "MAKELEVEL", "ONEGPU_MAKE_TARGET"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(os, "getcwd", lambda: cwd)
     assert interrupt.resume_command().startswith(expected)
+
+
+def test_the_makefiles_training_recipes_name_their_target_for_the_resume_command():
+    """`make dpo` stopped said "`make sft` again" while make's own environment named no target: each recipe
+    that trains sets ``ONEGPU_MAKE_TARGET`` to its own name."""
+    from pathlib import Path
+    lines = (Path(__file__).resolve().parents[3] / "Makefile").read_text().splitlines()
+    for target in ("run", "sft", "dpo"):
+        recipe = lines[lines.index(f"{target}: install") + 1]
+        assert f" {interrupt.MAKE_TARGET}={target} " in recipe and " dvc " in recipe.replace("/", " "), recipe
 
 
 def test_the_last_line_names_the_signal_what_was_kept_and_how_to_resume(monkeypatch):
