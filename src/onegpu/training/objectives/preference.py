@@ -207,8 +207,8 @@ class Preference(Objective):
         finally:
             model.train(was)
         distributed.print_main(f"train: the reference's log-probabilities of {len(dsd['train'])} training pairs "
-                               f"{'; '.join(dict.fromkeys(whence))}, {time.perf_counter() - start:.1f} s "
-                               "(train.dpo.precompute_ref_log_probs: no reference model kept)")
+                               f"{'; '.join(dict.fromkeys(whence))} ({time.perf_counter() - start:.1f} s here; "
+                               "train.dpo.precompute_ref_log_probs: no reference model kept)")
         return dsd
 
     def model_inputs(self, dsd):
