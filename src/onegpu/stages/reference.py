@@ -15,7 +15,7 @@ from onegpu.training import precomputed
 
 def run(cfg: Config) -> dict:
     if not precomputed.wanted(cfg):
-        precomputed.save_unused(cfg)
+        print(f"reference: nothing to score ({precomputed.save_unused(cfg)}) -> {precomputed.UNUSED}")
         return {}
     from transformers.utils import logging as hf_logging
 

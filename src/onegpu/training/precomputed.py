@@ -93,12 +93,14 @@ def save(scores: dict[str, list[float]], keys: dict[str, str], runtime_s: float,
                   str(Path(tmp) / FILE.name), metadata={**keys, "runtime_s": f"{runtime_s:.3f}", "device": device})
 
 
-def save_unused(cfg: Config) -> None:
-    """data/reference/unused.json alone: why nothing was scored (the same bytes whatever else the params say)."""
+def save_unused(cfg: Config) -> str:
+    """data/reference/unused.json alone: why nothing was scored (the same bytes whatever else the params say);
+    returns the why."""
     why = ("train.dpo.precompute_ref_log_probs is false" if has_reference(cfg.model.task)
            else f"model.task {cfg.model.task} has no reference model")
     with paths.atomic_dir(paths.REFERENCE) as tmp:
         (Path(tmp) / UNUSED.name).write_text(json.dumps({"scored": False, "why": why}) + "\n")
+    return why
 
 
 def load(split: str, rows, cfg: Config) -> tuple[list[float] | None, str]:
@@ -111,8 +113,8 @@ def load(split: str, rows, cfg: Config) -> tuple[list[float] | None, str]:
         meta = f.metadata() or {}
         if meta.get(split) != key(cfg, rows):
             return None, f"{FILE} was scored for other pairs or params (the reference stage re-runs: dvc repro)"
-        return f.get_tensor(split).tolist(), (f"read from {FILE} (the reference stage scored them in "
-                                              f"{float(meta['runtime_s']):.1f} s on {meta['device']})")
+        return f.get_tensor(split).tolist(), (f"read from {FILE}, scored by the reference stage in "
+                                              f"{float(meta['runtime_s']):.1f} s on {meta['device']}")
 
 
 def score_splits(model, dsd, tokenizer, cfg: Config) -> tuple[dict[str, list[float]], float]:

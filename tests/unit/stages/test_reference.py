@@ -90,8 +90,10 @@ def test_evaluate_sets_the_trained_model_against_the_stored_scores():
     assert read["test_pairs"] == 1
 
 
-def test_a_run_without_a_precomputed_reference_loads_nothing(monkeypatch):
+def test_a_run_without_a_precomputed_reference_loads_nothing(monkeypatch, capsys):
     monkeypatch.setattr(precomputed, "initial_model", lambda *a: pytest.fail("a model was loaded"))
     cfg = project(precompute_ref_log_probs=False)
     assert reference.run(cfg) == {}
+    assert capsys.readouterr().out == ("reference: nothing to score (train.dpo.precompute_ref_log_probs is false) "
+                                       "-> data/reference/unused.json\n")
     assert sorted(p.name for p in paths.REFERENCE.iterdir()) == ["unused.json"]
