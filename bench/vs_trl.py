@@ -247,31 +247,57 @@ def report_lines(args, runs: dict, digests: list[str], load: list[float],
             f"cores: {os.cpu_count()})."]
 
 
-def main() -> None:
+def run_line(r: dict) -> str:
+    """One arm's run for the progress line: its per-step losses, bytes saved for backward and peak."""
+    return (f"losses {[round(x['loss'], 6) for x in r['rows']]}, saved {r['saved_bytes'] / 2**20:.1f} MiB, "
+            f"peak {r['peak_bytes'] / 2**20:.0f} MiB")
+
+
+def bench_args(doc: str, lr: float):
+    """The command line of the side-by-side scripts (this one and bench/vs_trl_dpo.py) parsed, ``lr`` the
+    default learning rate; then glibc's mmap threshold and :func:`bench.environment.setup` for the process."""
     from bench import environment
-    p = environment.parser(__doc__.splitlines()[0], reps=3, steps=3, max_length=128, rows=64, micro=4, accum=2)
+    p = environment.parser(doc.splitlines()[0], reps=3, steps=3, max_length=128, rows=64, micro=4, accum=2)
     p.add_argument("--lora", type=int, default=8, help="LoRA rank (0: every weight trains)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--model", default=PACKAGED, help="a causal LM directory in place of the packaged SmolLM2")
     args = p.parse_args()
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: the resident set follows live tensors
     environment.setup()
-    import torch
+    return args
 
-    from bench.arms import rotated
-    from bench.reporting import report
+
+def alternate(args, names: list[str], train_one) -> tuple[dict, list[float]]:
+    """Each of ``names`` trained ``args.reps`` times by ``train_one(name) -> result``, the order rotated each
+    repetition (:func:`bench.arms.rotated`), a progress line per run (:func:`run_line`); returns ``({name:
+    [result per repetition]}, the 1-minute load average before the first run and after each)``."""
+    from bench.arms import rotated, run_reps
+    load = [os.getloadavg()[0]]
+
+    def one(name: str) -> dict:
+        result = train_one(name)
+        load.append(os.getloadavg()[0])
+        return result
+    return run_reps(args, lambda rep: rotated(list(names), rep), one, run_line, clean=False), load
+
+
+def the_steps(args, cfg, batches=micro_batches, digest_of=digest) -> tuple[str, list, object, str, list[str]]:
+    """``(device, micro-batches per step, tokenizer, model path, each micro-batch's digest)`` for ``cfg`` by
+    ``batches(args, cfg)`` and ``digest_of(micro-batch)`` (this script's, or bench/vs_trl_dpo.py's); the
+    device is CUDA where there is one."""
+    import torch
+    steps, tok, path = batches(args, cfg)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, steps, tok, path, [digest_of(mb) for step in steps for mb in step]
+
+
+def main() -> None:
+    from bench.reporting import report
+    args = bench_args(__doc__, lr=1e-3)
     cfg = sft_cfg(args)
-    steps, tok, path = micro_batches(args, cfg)
-    digests = [digest(mb) for step in steps for mb in step]
-    runs, load = {a: [] for a in ARMS}, [os.getloadavg()[0]]
-    for rep in range(args.reps):
-        for arm in rotated(list(ARMS), rep):
-            runs[arm].append(train_arm(arm, steps, cfg, tok, path, device, digests, args.bf16))
-            load.append(os.getloadavg()[0])
-            r = runs[arm][-1]
-            print(f"rep {rep + 1}/{args.reps} {arm}: losses {[round(x['loss'], 6) for x in r['rows']]}, "
-                  f"saved {r['saved_bytes'] / 2**20:.1f} MiB, peak {r['peak_bytes'] / 2**20:.0f} MiB", flush=True)
+    device, steps, tok, path, digests = the_steps(args, cfg)
+    runs, load = alternate(args, list(ARMS), lambda arm: train_arm(arm, steps, cfg, tok, path, device, digests,
+                                                                   args.bf16))
     report("vs_trl", args, "onegpu's LM head and TRL's on the same SFT micro-batches",
            report_lines(args, runs, digests, load, model_name(args, path)), {"digests": digests, "runs": runs})
 

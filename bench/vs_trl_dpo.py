@@ -32,7 +32,6 @@ Run: ``python -m bench.vs_trl_dpo``.
 from __future__ import annotations
 
 import copy
-import ctypes
 import hashlib
 import json
 import os
@@ -294,34 +293,20 @@ def report_lines(args, runs: dict, digests: list[str], load: list[float],
 
 
 def main() -> None:
-    from bench import environment
-    p = environment.parser(__doc__.splitlines()[0], reps=3, steps=3, max_length=128, rows=64, micro=4, accum=2)
-    p.add_argument("--lora", type=int, default=8, help="LoRA rank (0: every weight trains)")
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--model", default=PACKAGED, help="a causal LM directory in place of the packaged SmolLM2")
-    args = p.parse_args()
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: the resident set follows live tensors
-    environment.setup()
-    import torch
-
-    from bench.arms import release_memory, rotated
+    from bench.arms import release_memory
     from bench.reporting import report
-    from bench.vs_trl import model_name
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    from bench.vs_trl import alternate, bench_args, model_name, the_steps
+    args = bench_args(__doc__, lr=5e-4)
     cfg = dpo_cfg(args)
-    steps, tok, path = micro_batches(args, cfg)
-    digests = [digest(mb) for step in steps for mb in step]
-    runs, load = {n: [] for n in run_names(args.bf16)}, [os.getloadavg()[0]]
-    for rep in range(args.reps):
-        for name in rotated(run_names(args.bf16), rep):
-            arm = Arm(name.removesuffix(BF16), base_model(cfg, tok, path), cfg, tok, device, name.endswith(BF16))
-            runs[name].append(train_arm(arm, steps, device, digests))
-            del arm
-            release_memory()
-            load.append(os.getloadavg()[0])
-            r = runs[name][-1]
-            print(f"rep {rep + 1}/{args.reps} {name}: losses {[round(x['loss'], 6) for x in r['rows']]}, "
-                  f"saved {r['saved_bytes'] / 2**20:.1f} MiB, peak {r['peak_bytes'] / 2**20:.0f} MiB", flush=True)
+    device, steps, tok, path, digests = the_steps(args, cfg, micro_batches, digest)
+
+    def one(name: str) -> dict:
+        arm = Arm(name.removesuffix(BF16), base_model(cfg, tok, path), cfg, tok, device, name.endswith(BF16))
+        result = train_arm(arm, steps, device, digests)
+        del arm
+        release_memory()
+        return result
+    runs, load = alternate(args, run_names(args.bf16), one)
     report("vs_trl_dpo", args, "onegpu's DPO and TRL's DPOTrainer on the same preference micro-batches",
            report_lines(args, runs, digests, load, model_name(args, path)),
            {"digests": digests, "runs": runs, **({"bf16_minus_fp32": bf16_minus_fp32(runs)} if args.bf16 else {})})
