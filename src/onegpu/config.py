@@ -178,6 +178,8 @@ _CHOOSES = OutOfKey("which validation point counts as the best; the steps traine
 _VALIDATION = OutOfKey("when the validation split is evaluated; validation draws no random numbers and changes no "
                        "weight (proven bit-equal)")
 _SAME_RECOMPUTE = "; the same mathematics"
+_SHARDED = ("the same mathematics, sharded: each process keeps 1/N of the weights, gradients and optimizer states "
+            "and gathers the rest when a block needs it (the effective batch is in)")
 
 
 @dataclass
@@ -250,6 +252,18 @@ class DPOConfig:
         "the reference's log-probabilities scored once (the reference stage), no reference model kept (TRL's name)"),
         key=OutOfKey("the same reference log-probabilities, computed once before the first step (in other "
                      "batches: other summation order) instead of beside each micro-batch"))
+
+
+@dataclass
+class FSDPConfig:
+    """``train.fsdp``: FSDP2 sharding (torch's ``fully_shard``) of the model, its gradients and optimizer states over
+    the ``train.num_processes`` processes, with accelerate's FSDP plugin names (:mod:`onegpu.training.sharding`)."""
+    enabled: bool = knob(False, help=(
+        "FSDP2: each process holds 1/N of the weights, gradients and optimizer states (needs backend accelerate, "
+        "num_processes >= 2)"), key=OutOfKey(_SHARDED))
+    reshard_after_forward: bool = knob(True, help=(
+        "free each block's gathered weights after its forward, gather again for backward (accelerate's name)"),
+        key=OutOfKey(_SHARDED))
 
 
 @dataclass
@@ -410,6 +424,8 @@ class TrainConfig:
                      "instead of all positions' at once (other summation order)"))
     dpo: DPOConfig = knob(default_factory=DPOConfig, key=EACH_KEY, help=(
         "preference tuning (model.task: preference), TRL's DPOConfig names"))
+    fsdp: FSDPConfig = knob(default_factory=FSDPConfig, key=EACH_KEY, help=(
+        "FSDP2 sharding over the processes (torch's fully_shard), accelerate's FSDP plugin names"))
 
     @property
     def mixed_precision(self) -> str:
@@ -453,7 +469,7 @@ SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "train": 
 
 # Mappings inside a section, by dotted name, and the dataclass of each.
 SUBSECTIONS: dict[str, type] = {"model.lora": LoraConfig, "train.gradient_checkpointing_kwargs": CheckpointingKwargs,
-                                "train.dpo": DPOConfig}
+                                "train.dpo": DPOConfig, "train.fsdp": FSDPConfig}
 
 
 def declarations(leaves: bool = True) -> dict[str, Field]:
@@ -566,10 +582,10 @@ def from_container(raw: dict, source: str = "params") -> Config:
     train = raw.get("train")
     if isinstance(train, dict) and train.get("eval_strategy") is False:
         train["eval_strategy"] = "no"  # HF's value, unquoted: YAML 1.1 (OmegaConf's, PyYAML's) reads `no` as false
-    gck = train.get("gradient_checkpointing_kwargs", {}) if isinstance(train, dict) else {}
-    if not isinstance(gck, dict):
-        raise ConfigError(f"{source}: train.gradient_checkpointing_kwargs: expected "
-                          f"{_EXPECTED['CheckpointingKwargs']}, got {gck!r}")
+    for name, kind in (("gradient_checkpointing_kwargs", "CheckpointingKwargs"), ("fsdp", "FSDPConfig")):
+        value = train.get(name, {}) if isinstance(train, dict) else {}
+        if not isinstance(value, dict):  # OmegaConf's message for a scalar in a mapping's place names no key
+            raise ConfigError(f"{source}: train.{name}: expected {_EXPECTED[kind]}, got {value!r}")
     schema = OmegaConf.structured(Config)
     OmegaConf.set_struct(schema, True)
     try:
@@ -614,7 +630,8 @@ _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", 
              "CheckpointingKwargs": ("a mapping with keys use_reentrant (true/false), every_n_layers "
                                      "(a positive integer)"),
              "DPOConfig": ("a mapping with keys beta, loss_type, loss_weights, label_smoothing, disable_dropout, "
-                           "precompute_ref_log_probs")}
+                           "precompute_ref_log_probs"),
+             "FSDPConfig": "a mapping with keys enabled (true/false), reshard_after_forward (true/false)"}
 
 
 def _non_finite(value) -> bool:
@@ -756,6 +773,45 @@ def _check_dpo(cfg: Config, source: str) -> None:
               f"types ({', '.join(d.loss_type)}); give one per loss type or null")
 
 
+# train.fsdp.enabled with another key: (the other key, it is set, why not yet, what to set): one line each, in order.
+_FSDP_REFUSALS: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
+    ("train.backend", lambda c: c.train.backend == "trainer",
+     "the trainer backend would shard through accelerate's FSDP plugin, which engages on GPUs only (on a CPU it "
+     "runs plain data parallel) and is not proven here; set train.backend: accelerate"),
+    ("train.num_processes", lambda c: c.train.num_processes < 2,
+     "one process has nothing to shard (FSDP2 splits the weights over the processes); set train.num_processes to 2 "
+     "or more, or train.fsdp.enabled: false"),
+    ("model.lora", lambda c: c.model.lora_adapters is not None,
+     "LoRA adapters under FSDP2 are not proven yet; set model.lora.r: 0 or train.fsdp.enabled: false"),
+    ("train.fused_lm_head", lambda c: c.train.fused_lm_head and causal_lm(c.model.task),
+     "the fused head projects with the output layer's weights outside the model's forward, where FSDP2 holds only "
+     "this process's shard of them; set train.fused_lm_head: false"),
+    ("model.task", lambda c: has_reference(c.model.task),
+     "DPO's frozen reference copy would be sharded with the policy; not done yet: set train.fsdp.enabled: false"),
+    ("train.save_steps", lambda c: c.train.save_steps is not None,
+     "sharded checkpoints (torch.distributed.checkpoint) are not done yet; set train.save_steps: null (a stop then "
+     "writes no checkpoint)"),
+    ("train.eval_strategy", lambda c: c.train.eval_strategy != "no",
+     "validation during training reads uneven shares per process, and every sharded forward gathers weights with "
+     "all processes; set train.eval_strategy: no (the evaluate stage still scores models/)"),
+    ("train.oom_retry", lambda c: c.train.oom_retry,
+     "a retry re-splits one process's micro-batches, and every sharded forward gathers weights with all processes; "
+     "set train.oom_retry: false"),
+    ("train.torch_compile", lambda c: c.train.torch_compile, "torch.compile of a sharded model is not proven yet; "
+     "set train.torch_compile: false"),
+    ("train.fp16", lambda c: c.train.fp16, "fp16's gradient scaler over sharded gradients is not proven yet; use bf16 "
+     "or neither"),
+)
+
+
+def _check_fsdp(cfg: Config, source: str) -> None:
+    """``train.fsdp.enabled`` with what this first slice of FSDP2 does not run (:data:`_FSDP_REFUSALS`)."""
+    if cfg.train.fsdp.enabled:
+        for key, bad, problem in _FSDP_REFUSALS:
+            if bad(cfg):
+                _fail(source, "train.fsdp.enabled", f"is true with {key}: {problem}")
+
+
 # The validation figures of each task (onegpu.training.heldout): what train.metric_for_best_model may name.
 TASK_EVAL_METRICS = {task: traits.eval_metrics for task, traits in TASK_TRAITS.items()}
 
@@ -800,6 +856,7 @@ def validate(cfg: Config, source: str = "params") -> None:
     _check_sft(cfg, source)
     _check_dpo(cfg, source)
     _check_validation(cfg, source)
+    _check_fsdp(cfg, source)
 
 
 # -- the machine: combinations this device cannot run ------------------------------------------------

@@ -24,10 +24,13 @@ OTHER = {"model.task": "sequence-classification", "model.name_or_path": "gpt2", 
          "train.dpo.loss_type": ["hinge"], "train.dpo.loss_weights": [0.5]}
 # Keys whose other value is valid only with another key changed too (config.validate's combinations): the
 # params file that `dvc status` reads changes the key alone, the one onegpu validates both.
-COMPANION = {"model.task": ("model.name_or_path", "gpt2"), "train.torch_compile_mode": ("train.torch_compile", True),
-             **{f"train.{k}": ("train.gradient_checkpointing", True) for k in (
+COMPANION = {"model.task": {"model.name_or_path": "gpt2"}, "train.torch_compile_mode": {"train.torch_compile": True},
+             **{f"train.{k}": {"train.gradient_checkpointing": True} for k in (
                  "gradient_checkpointing_blocks", "gradient_checkpointing_kwargs.every_n_layers",
-                 "gradient_checkpointing_kwargs.use_reentrant")}}
+                 "gradient_checkpointing_kwargs.use_reentrant")},
+             "train.fsdp.enabled": {"train.backend": "accelerate", "train.num_processes": 2,
+                                    "train.eval_strategy": "no", "train.oom_retry": False,
+                                    "train.fused_lm_head": False}}
 
 
 def _other(key: str, value):
@@ -97,7 +100,10 @@ def test_every_key_a_stage_reads_makes_dvc_status_name_it(causal):
         for key, stages in sorted(keys.items()):
             value = _other(key, _leaves(params, key)[key])
             changed = _set(params, key, value)
-            config.from_container(_set(changed, *COMPANION[key]) if key in COMPANION else changed, key)
+            both = changed
+            for other, companion in COMPANION.get(key, {}).items():
+                both = _set(both, other, companion)
+            config.from_container(both, key)
             params_file.write_text(yaml.safe_dump(changed, sort_keys=False))
             if stages - (named := _changed_stages(causal)):
                 missed[key] = (value, named)

@@ -157,6 +157,25 @@ BAD = [
                           "model.name_or_path": None, "model.dropout": 0.1}, "model.dropout",
      ["train.dpo.disable_dropout is true"]),
     ("max-new-tokens-0", {"evaluate.max_new_tokens": 0}, "evaluate.max_new_tokens", ["from 1 to 4096"]),
+    # train.fsdp (issue 43's first slice): each combination it does not run yet, refused in one line
+    ("fsdp-not-a-mapping", {"train.fsdp": True}, "train.fsdp", ["a mapping with keys enabled"]),
+    ("fsdp-trainer", {"train.fsdp.enabled": True}, "train.fsdp.enabled",
+     ["with train.backend", "engages on GPUs only", "set train.backend: accelerate"]),
+    *[(f"fsdp-with-{name}", {"train.fsdp.enabled": True, "train.backend": "accelerate", "train.num_processes": 2,
+                             "train.eval_strategy": "no", "train.oom_retry": False, **changes},
+       "train.fsdp.enabled", [f"with {key}:", want])
+      for name, changes, key, want in (
+          ("one-process", {"train.num_processes": 1}, "train.num_processes", "one process has nothing to shard"),
+          ("lora", {"model.lora": {"r": 8}}, "model.lora", "set model.lora.r: 0"),
+          ("save-steps", {"train.save_steps": 10}, "train.save_steps", "set train.save_steps: null"),
+          ("validation", {"train.eval_strategy": "steps"}, "train.eval_strategy", "set train.eval_strategy: no"),
+          ("oom-retry", {"train.oom_retry": True}, "train.oom_retry", "set train.oom_retry: false"),
+          ("compile", {"train.torch_compile": True}, "train.torch_compile", "set train.torch_compile: false"),
+          ("fp16", {"train.fp16": True}, "train.fp16", "use bf16 or neither"),
+          ("fused-head", {"model.task": "causal-lm", "model.name_or_path": None, "data.source": "bbcnews-headlines"},
+           "train.fused_lm_head", "set train.fused_lm_head: false"),
+          ("dpo", {"model.task": "preference", "model.name_or_path": None, "data.source": "bbcnews-headline-pairs",
+                   "train.fused_lm_head": False}, "model.task", "frozen reference copy"))],
     ("source-parquet-typo", {"data.source": "d.parqet"}, "data.source", [".parquet"]),
 ]
 
@@ -173,6 +192,16 @@ def test_bad_value_raises_config_error_naming_the_key(raw, changes, key, extra):
         assert text in msg, msg
     assert "\n" not in msg  # one line for the CLI
     assert isinstance(ei.value, UserError)
+
+
+def test_fsdp_is_accepted_with_what_its_first_slice_runs(raw):
+    """docs/details.md's FSDP2 command: the accelerate backend, 2 processes, no validation during training, no
+    out-of-memory retry (a classifier: no fused head to turn off)."""
+    for dotted, value in {"train.fsdp.enabled": True, "train.fsdp.reshard_after_forward": False,
+                          "train.backend": "accelerate", "train.num_processes": 2, "train.eval_strategy": "no",
+                          "train.oom_retry": False, "train.per_device_train_batch_size": 4}.items():
+        _set(raw, dotted, value)
+    assert config.from_container(raw).train.fsdp == config.FSDPConfig(enabled=True, reshard_after_forward=False)
 
 
 def test_effective_batch_size_disagreeing_names_the_product(raw):
@@ -400,7 +429,7 @@ def test_every_key_is_declared_in_or_out_of_the_equivalence_key_with_help():
     mappings = {k: f for k, f in config.declarations(leaves=False).items() if k not in declared}
     assert sorted(mappings) == sorted(config.SUBSECTIONS)
     assert all(f.metadata["key"] == config.EACH_KEY for f in mappings.values())
-    assert len(declared) == 74  # the schema's keys today: a new key is declared with knob()
+    assert len(declared) == 76  # the schema's keys today: a new key is declared with knob()
 
 
 def test_the_key_the_rules_and_the_help_are_derived_from_the_declarations():

@@ -250,7 +250,8 @@ def saved_bytes(model, batch: dict, loss_fn) -> dict[str, int]:
         loss_fn: ``(outputs, labels) -> loss``.
     """
     import torch
-    param_keys = {_storage_key(p) for p in model.parameters()}
+    param_keys = {_storage_key(t) for p in model.parameters() for t in _plain_tensors(p)  # a DTensor: its shard
+                  if hasattr(t, "untyped_storage")}
     by_numel: dict = {}
     for q in model.parameters():
         by_numel.setdefault(q.numel(), []).append(q)

@@ -86,7 +86,7 @@ def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = Non
     with CUDA (each process of a multi-process launch on its own GPU), else ``cpu``.
     Raises:
         ConfigError: a combination this machine cannot run (:func:`onegpu.config.check_device`); ``auto``
-            on a CPU without ``train.memory_budget_gib``.
+            on a CPU without ``train.memory_budget_gib``; a checkpoint to resume under ``train.fsdp``.
         DataError: ``stats`` is None and prepare has not run.
         ModelError: ``model.name_or_path`` names no model.
     """
@@ -101,6 +101,10 @@ def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = Non
     budget = autobatch.budget_bytes(cfg.train.memory_budget_gib, device) if auto else None
     ckpt_dir = paths.checkpoint_dir(run_config_hash(cfg, stats["fingerprint"]))
     resume = latest_checkpoint(ckpt_dir)
+    if resume is not None and cfg.train.fsdp.enabled:  # its weights are whole; loading them into shards: not done yet
+        raise ConfigError(f"params.yaml: train.fsdp.enabled: a checkpoint of this training exists ({resume.path}) and "
+                          "resuming under FSDP2 is not done yet; resume it with train.fsdp.enabled: false (the same "
+                          "training) or delete it")
     micro = resume.micro_batch if auto and resume is not None else None  # the split it was written with
     resolved = resolve(cfg, micro_batch=micro) if not auto or micro else None
     # The key reads the effective batch only, which `auto` keeps fixed: known before the finder runs.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -55,6 +56,13 @@ PROOFS = {
     "train.cpu_allocator": "float64: test_two_processes_are_one_in_float64_and_the_host_allocator_* (each rank "
                            "under glibc's defaults, the reference under the caching allocator)",
     "train.dataloader_num_workers": "float64: test_dataloader_workers_are_the_same_training",
+    # FSDP2 over 2 gloo processes = 1 process unsharded, float64 within 1e-12: its proof runs in the two spawned
+    # ranks that tests/unit/training/test_distributed.py's other multi-process tests share (spawns are costly).
+    "train.fsdp.enabled": "float64 in 2 ranks: tests/unit/training/test_distributed.py::"
+                          "test_fsdp2_over_two_processes_is_one_process_in_float64 (accumulation 1 and 4)",
+    "train.fsdp.reshard_after_forward": "float64 in 2 ranks: tests/unit/training/test_distributed.py::"
+                                        "test_fsdp2_over_two_processes_is_one_process_in_float64 (true at "
+                                        "accumulation 1, false at 4)",
     # Validation during training: bit-equal with it off (stronger than float64), both backends, dropout on.
     "train.eval_strategy": "bit-equal: tests/unit/training/test_validation.py (validation on vs off)",
     "train.eval_steps": "bit-equal: tests/unit/training/test_validation.py (validation on vs off)",
@@ -89,6 +97,9 @@ def test_every_knob_out_of_the_key_says_how_it_is_proven():
         if how.startswith("float64: "):
             named = how.removeprefix("float64: ").split()[0]
             assert any(t.startswith(named.rstrip("*")) for t in tests), (key, named)
+        if "::test_" in how:  # a proof in another test file: that file has the test
+            path, _, name = how.split(": ", 1)[1].split()[0].partition("::")
+            assert f"def {name}(" in (Path(__file__).parents[3] / path).read_text(), (key, how)
 
 
 # -- a causal LM of SmolLM2's shape, built from config: the fused head --

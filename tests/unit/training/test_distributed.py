@@ -6,6 +6,7 @@ Real runs through ``onegpu train`` under torch.distributed.run: tests/integratio
 from __future__ import annotations
 
 import json
+import math
 import socket
 
 import pytest
@@ -162,8 +163,77 @@ def _dpo_part(rank: int, out: str) -> None:
         json.dump({"rows": _dpo_train(2)}, f)
 
 
+# train.fsdp's proof: (accumulation, its keys besides enabled, the train keys) of each case; the second with
+# activation checkpointing, gathered weights kept until backward, and clipping that acts (the norm is above 0.5).
+FSDP_CASES = {"accum1": (1, {"reshard_after_forward": True}, {}),
+              "accum4": (4, {"reshard_after_forward": False}, {"gradient_checkpointing": True, "max_grad_norm": 0.5})}
+
+
+def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
+    """2 optimizer steps of the accelerate backend on a tiny Llama in float64 (whole logits, answers of 1..9 words:
+    uneven targets per micro-batch), 4 x accumulation rows per step: ``processes`` 2 with ``train.fsdp`` (2 per
+    micro-batch), 1 without (4). Returns the rows' loss and grad_norm, the trained weights (rank 0; {} on the
+    others), FSDP2's gradient reduce-scatters counted, and, at step 1, what each rank held: its gradients'
+    local-shard norm and parameter elements."""
+    from torch.distributed.tensor import DTensor
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from onegpu.config import from_container
+    from onegpu.training.backends import accelerate as backend
+    from onegpu.training.backends.base import TrainRequest
+    from tests.unit.equivalence import float64
+    from tests.unit.training.test_batches import tiny_llama
+    accum, fsdp, train = FSDP_CASES[case]
+    cfg = from_container({"data": {"max_length": 64}, "model": {"task": "causal-lm", "name_or_path": None,
+                                                                  "dropout": 0.0},
+                          "train": {"backend": "accelerate", "per_device_train_batch_size": 4 // processes,
+                                    "gradient_accumulation_steps": accum, "max_steps": 2, "num_processes": processes,
+                                    "optim": "sgd", "learning_rate": 0.05, "weight_decay": 0.01, "seed": 3,
+                                    "max_grad_norm": 0.0, "eval_strategy": "no", "oom_retry": False,
+                                    "fused_lm_head": False,
+                                    "fsdp": {"enabled": processes > 1, **fsdp}, **train}}, source="test")
+    model = tiny_llama().double()
+    held = {}
+
+    def hold(optimizer, args, kwargs):  # step 1: this rank's shards of the gradients and parameters
+        if not held:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+            held.update(local_norm=float(torch.linalg.vector_norm(torch.stack([g.norm() for g in local]))),
+                        local_elements=sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+                                           for p in params),
+                        elements=sum(p.numel() for p in params), dtensors=all(isinstance(p, DTensor) for p in params))
+    handle = register_optimizer_step_pre_hook(hold)
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+    own_reduce, reduces = group.foreach_reduce, []
+    group.foreach_reduce = lambda *a, **kw: reduces.append(1) or own_reduce(*a, **kw)  # a group's gradients
+    try:
+        with float64.float64_throughout(model):
+            trained, steps = backend.train(TrainRequest(model, float64.chat_tokenizer(),
+                                                        float64.instruction_data("answers", 8 * accum), cfg,
+                                                        sink=lambda m, s: None))
+    finally:
+        handle.remove()
+        group.foreach_reduce = own_reduce
+    weights = {n: p.detach().clone() for n, p in trained.named_parameters()} if distributed.is_main() else {}
+    if save_to and distributed.is_main():  # as the train stage writes models/ (rank 0)
+        trained.save_pretrained(save_to)
+    return {"rows": [{k: r[k] for k in ("loss", "grad_norm")} for r in steps.rows], "weights": weights,
+            "reduce_scatters": len(reduces), **held}
+
+
+def _fsdp_part(rank: int, out: str) -> None:
+    """train.fsdp on rank ``rank`` of 2, each case of :data:`FSDP_CASES`; writes ``<out>.json`` (the rows and
+    what the rank held) and ``<out>.pt`` (rank 0: the trained weights of each case)."""
+    distributed.TIMEOUT_S = 60
+    results = {case: _fsdp_train(2, case, f"{out}-{case}-model") for case in FSDP_CASES}
+    torch.save({case: r.pop("weights") for case, r in results.items()}, f"{out}.pt")
+    with open(f"{out}.json", "w") as f:
+        json.dump(results, f)
+
+
 _PARTS = {"all_reduce": _all_reduce_part, "oom_retry": _oom_retry_part, "validation": _validation_part,
-          "dpo": _dpo_part}
+          "dpo": _dpo_part, "fsdp": _fsdp_part}
 
 
 def _ranks(rank: int, ports: list[int], out_dir: str, parts: list[str]) -> None:
@@ -195,7 +265,8 @@ def rank_results(request, tmp_path_factory) -> dict:
     tests = {"all_reduce": test_two_gloo_ranks_all_reduce_once_per_step_and_give_the_one_process_gradient,
              "oom_retry": test_an_out_of_memory_retry_on_one_rank_keeps_the_ranks_in_step_and_the_losses,
              "validation": test_two_processes_validate_as_one_each_its_share_of_the_split,
-             "dpo": test_two_processes_train_dpo_as_one_the_figures_over_every_pair_once}
+             "dpo": test_two_processes_train_dpo_as_one_the_figures_over_every_pair_once,
+             "fsdp": test_fsdp2_over_two_processes_is_one_process_in_float64}
     selected = {getattr(item, "originalname", None) for item in request.session.items}
     parts = [part for part, test in tests.items() if test.__name__ in selected] or list(tests)
     out = tmp_path_factory.mktemp("ranks")
@@ -208,6 +279,7 @@ def rank_results(request, tmp_path_factory) -> dict:
     for part in parts:
         files = [out / f"{part}-rank{r}.json" for r in (0, 1)]
         results[part] = [json.loads(f.read_text()) for f in files] if all(f.exists() for f in files) else failure
+    results["fsdp_weights"] = out / "fsdp-rank0.pt"  # the fsdp part's trained weights (rank 0's)
     return results
 
 
@@ -261,6 +333,52 @@ def test_two_processes_train_dpo_as_one_the_figures_over_every_pair_once(rank_re
     for two, single in zip(ranks[0]["rows"], one):
         for k in DPO_FIGURES:
             assert abs(two[k] - single[k]) <= 1e-5 * max(1.0, abs(single[k])), (k, two[k], single[k])
+
+
+@pytest.mark.parametrize("case", list(FSDP_CASES))
+def test_fsdp2_over_two_processes_is_one_process_in_float64(rank_results, tmp_path_factory, case):
+    """train.fsdp: 2 gloo processes, each holding half of every weight and gradient (fully_shard per decoder
+    layer and the root), = 1 process unsharded, per step within 1e-12 relative in float64: the loss, the
+    global grad_norm before clipping, and every weight after the 2 steps; at accumulation 1, and at 4 with
+    gradient checkpointing, reshard_after_forward false and clipping at 0.5. The logged norm is the global one:
+    each rank's local-shard norm is another figure (a logged local norm would fail here), the two together
+    make the whole. models/ as rank 0 writes it loads with from_pretrained, the trained weights to the bit."""
+    from tests.unit.equivalence.float64 import REL
+    ranks = _part(rank_results, "fsdp")
+    two = [r[case] for r in ranks]
+    one = _fsdp_train(1, case)
+    assert all(r["dtensors"] for r in two) and [r["local_elements"] * 2 for r in two] == [r["elements"] for r in two]
+    assert two[0]["rows"] == two[1]["rows"] and len(one["rows"]) == 2
+    # One reduce-scatter per sharded group (2 layers, the root) and step, whatever the accumulation: the
+    # micro-batches before a step's last run under set_requires_gradient_sync(False) (DDP's no_sync: 4 per step).
+    assert [r["reduce_scatters"] for r in two] == [2 * 3, 2 * 3]
+    for a, b in zip(two[0]["rows"], one["rows"]):
+        for k in ("loss", "grad_norm"):
+            assert abs(a[k] - b[k]) <= REL * abs(b[k]), (k, a[k], b[k])
+    if case == "accum4":
+        assert one["rows"][0]["grad_norm"] > 0.5  # the clipping acted
+    # Each rank's own shards' norm (of the gradients the optimizer steps with: clipped) is another figure;
+    # together they make the whole.
+    bound = FSDP_CASES[case][2].get("max_grad_norm", 0.0)
+    whole = one["rows"][0]["grad_norm"] * (min(1.0, bound / (one["rows"][0]["grad_norm"] + 1e-6)) if bound else 1.0)
+    assert min(abs(r["local_norm"] - whole) for r in two) > 1e-3 * whole, [r["local_norm"] for r in two]
+    assert abs(math.hypot(*(r["local_norm"] for r in two)) - whole) <= REL * whole
+    weights = torch.load(_fsdp_weights(rank_results), weights_only=True)[case]
+    assert weights.keys() == one["weights"].keys()
+    worst = max(float((weights[n] - w).norm() / w.norm()) for n, w in one["weights"].items())
+    assert worst <= REL, worst
+    from transformers import LlamaForCausalLM  # models/ as written: a plain model that from_pretrained loads
+    loaded = LlamaForCausalLM.from_pretrained(str(rank_results["fsdp_weights"].parent / f"fsdp-rank0-{case}-model"),
+                                              dtype=torch.float64)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # tied, as trained
+    assert all(torch.equal(p, weights[n]) for n, p in loaded.named_parameters())
+    print(f"fsdp {case}: loss {max(abs(a['loss'] / b['loss'] - 1) for a, b in zip(two[0]['rows'], one['rows'])):.1e}, "
+          f"grad_norm {max(abs(a['grad_norm'] / b['grad_norm'] - 1) for a, b in zip(two[0]['rows'], one['rows'])):.1e}"
+          f", weights {worst:.1e} (relative)")
+
+
+def _fsdp_weights(rank_results: dict):
+    return rank_results["fsdp_weights"]
 
 
 def _free_port() -> int:

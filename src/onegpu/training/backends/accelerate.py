@@ -28,7 +28,7 @@ from functools import partial
 
 from onegpu.config import TORCHAO_OPTIMIZERS, Config
 from onegpu.measure import memory
-from onegpu.training import activation_offloading, checkpointing, distributed, objectives, oom, validation
+from onegpu.training import activation_offloading, checkpointing, distributed, objectives, oom, sharding, validation
 from onegpu.training.backends.base import TrainRequest
 from onegpu.training.batches import probe_batch
 from onegpu.training.interrupt import Interrupted
@@ -106,15 +106,17 @@ def schedule(len_dataloader: int, cfg: Config) -> tuple[int, int, int]:
 
 
 def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, loss_of, pieces: int,
-                      oom_injector, step: int, offload=None, group: int = 1):
+                      oom_injector, step: int, offload=None, group: int = 1, fsdp: bool = False):
     """Forward and backward over one optimizer step's micro-batches, each cut into ``pieces`` pieces.
 
     Returns this rank's share of the step's loss (a 0-d tensor on the device, not synced): the sum of
     the pieces' losses, each already divided by the step's item count over all ranks ``num_items``
     (``loss_of``: the objective's :meth:`~onegpu.training.objectives.base.Objective.step_loss`).
-    Gradients are all-reduced (under DDP) only after the last piece (``accelerator.no_sync`` before);
-    each piece's backward is scaled by the number of processes, since DDP averages the ranks' gradients
-    where the step's loss sums them. Pieces hold whole groups of ``group`` rows (:func:`onegpu.training.oom.cut`).
+    Gradients are all-reduced (under DDP) only after the last piece (``accelerator.no_sync`` before; under
+    ``fsdp``, FSDP2's ``set_requires_gradient_sync(False)``, :func:`onegpu.training.sharding.gradient_sync`:
+    reduce-scattered once); each piece's backward is scaled by the number of processes, since DDP and FSDP2
+    average the ranks' gradients where the step's loss sums them. Pieces hold whole groups of ``group`` rows
+    (:func:`onegpu.training.oom.cut`).
     ``labels`` stay in the inputs. ``offload``: the context each piece's forward and backward run in
     (:func:`onegpu.training.activation_offloading.context`; None: none).
     Raises:
@@ -128,7 +130,9 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
         last = i == len(parts) - 1
         accelerator.sync_gradients = last  # as Trainer sets it; the optimizer steps only when True
         oom.injected(oom_injector, step, piece)
-        with contextlib.nullcontext() if last else accelerator.no_sync(model), offload:
+        unsynced = sharding.gradient_sync(model, last) if fsdp else (
+            contextlib.nullcontext() if last else accelerator.no_sync(model))
+        with unsynced, offload:
             loss = loss_of(model, piece, num_items)  # this piece's share of the mean
             accelerator.backward(loss * scale if scale > 1 else loss)  # Accelerate's accumulation count is 1
         step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
@@ -150,6 +154,7 @@ class _Loop:
     epochs: int
     plateau: bool
     offload: object  # the forward/backward context of train.activation_offloading
+    skeleton: object = None  # train.fsdp: the plain model (parameters on meta) that the trained weights go into
 
 
 def _build(req: TrainRequest) -> _Loop:
@@ -198,8 +203,14 @@ def _build(req: TrainRequest) -> _Loop:
     if t.gradient_checkpointing:
         checkpointing.enable(model, t)
     align_special_tokens(model, req.tokenizer)
-    optimizer = make_optimizer(model, cfg)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    skeleton = None
+    if t.fsdp.enabled:  # sharded before the optimizer is built; accelerate would wrap it in DDP
+        skeleton = _shard(accelerator, model, t, "cuda" if cuda else "cpu")
+        optimizer = make_optimizer(model, cfg)
+        optimizer, loader = accelerator.prepare(optimizer, loader)
+    else:
+        optimizer = make_optimizer(model, cfg)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     # The scheduler is not prepared (neither is Trainer's): Accelerate would step it once per process.
     total_steps, steps_per_epoch, epochs = schedule(len(loader), cfg)
     warmup = math.ceil(total_steps * t.warmup_ratio)  # TrainingArguments.get_warmup_steps for a ratio < 1
@@ -207,7 +218,20 @@ def _build(req: TrainRequest) -> _Loop:
                               num_training_steps=total_steps)
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)  # stepped by eval only
     return _Loop(accelerator, model, optimizer, scheduler, loader, rows, collator, total_steps,
-                 steps_per_epoch, epochs, plateau, activation_offloading.context(model, t.activation_offloading))
+                 steps_per_epoch, epochs, plateau, activation_offloading.context(model, t.activation_offloading),
+                 skeleton)
+
+
+def _shard(accelerator, model, t, device_type: str):
+    """``train.fsdp``: ``model`` sharded in place with FSDP2 (:func:`onegpu.training.sharding.shard`) and given
+    accelerate's mixed-precision forward (``prepare_model`` in evaluation mode: autocast, no DDP wrapper).
+    Returns the plain skeleton (:func:`onegpu.training.sharding.meta_copy`) that ``models/`` is gathered into."""
+    skeleton = sharding.meta_copy(model)
+    shards = sharding.shard(model, device_type, t.fsdp.reshard_after_forward)
+    accelerator.prepare_model(model, evaluation_mode=True)
+    distributed.print_main(f"accelerate: FSDP2 (fully_shard) over {accelerator.num_processes} processes: {shards} "
+                           f"blocks and the root, reshard_after_forward {t.fsdp.reshard_after_forward}")
+    return skeleton
 
 
 def _plain(lp: _Loop):
@@ -220,7 +244,9 @@ def _optimizer_step(lp: _Loop, cfg: Config, recorder: StepRecorder):
     t = cfg.train
     # Norm before clipping; with max_grad_norm 0 an infinite bound only measures it
     # (Trainer._clip_grad_norm / _get_grad_norm).
-    grad_norm = lp.accelerator.clip_grad_norm_(lp.model.parameters(), t.max_grad_norm or float("inf"))
+    # Under FSDP2 the norm is a DTensor over the shards: made whole (never the local shard's).
+    grad_norm = sharding.global_norm(lp.accelerator.clip_grad_norm_(lp.model.parameters(),
+                                                                    t.max_grad_norm or float("inf")))
     lp.optimizer.step()
     recorder.record_states(lp.model, lp.optimizer)  # once: grads and optimizer states exist now
     lr = lp.optimizer.param_groups[0]["lr"] if lp.plateau else lp.scheduler.get_last_lr()[0]
@@ -282,6 +308,8 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
                                loss_for(cfg.model.task))
     recorder.start()
     _run(lp, req, recorder, start)
+    if lp.skeleton is not None:  # train.fsdp: the full weights gathered into a plain model (rank 0)
+        return sharding.gather(lp.model, lp.skeleton), recorder
     return lp.accelerator.unwrap_model(lp.model, keep_fp32_wrapper=False, keep_torch_compile=False), recorder
 
 
@@ -305,7 +333,7 @@ def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> No
                 try:
                     step_loss = _forward_backward(lp.accelerator, lp.model, micro_batches, num_items,
                                                   objective.step_loss, pieces, req.oom_injector, step + 1,
-                                                  lp.offload, objective.sequences_per_item)
+                                                  lp.offload, objective.sequences_per_item, t.fsdp.enabled)
                     break
                 except torch.OutOfMemoryError as e:
                     rows = max(oom.rows(b) for b in micro_batches)
@@ -343,7 +371,10 @@ def _after_step(lp: _Loop, req: TrainRequest, recorder: StepRecorder, step: int)
     if lp.accelerator.num_processes > 1:  # a stop on one rank stops all after the same step
         requested = distributed.any_rank(requested, lp.accelerator.device)
     stopping = requested and step < lp.total_steps and not recorder.stopped_early  # early stopping: complete
-    if checkpoint_dir and (stopping or (t.save_steps and step % t.save_steps == 0 and step < lp.total_steps)):
+    if stopping and t.fsdp.enabled:  # (config refuses save_steps with it): never a rank's shard as the model
+        distributed.print_main("accelerate: train.fsdp: no checkpoint written (sharded checkpoints are not done yet); "
+                               "the next run trains from the start")
+    elif checkpoint_dir and (stopping or (t.save_steps and step % t.save_steps == 0 and step < lp.total_steps)):
         if lp.accelerator.is_main_process:  # one writer; the ranks' weights and optimizer states are equal
             save_loop_state(checkpoint_dir, step, _plain(lp), lp.optimizer, lp.scheduler,
                             recorder, req.checkpoint_meta or {})
