@@ -163,17 +163,19 @@ def _dpo_part(rank: int, out: str) -> None:
         json.dump({"rows": _dpo_train(2)}, f)
 
 
-# train.fsdp's proof: (accumulation, its keys besides enabled, the train keys) of each case; the second with
-# activation checkpointing, gathered weights kept until backward, and clipping that acts (the norm is above 0.5).
-FSDP_CASES = {"accum1": (1, {"reshard_after_forward": True}, {}),
-              "accum4": (4, {"reshard_after_forward": False}, {"gradient_checkpointing": True, "max_grad_norm": 0.5})}
+# train.fsdp's proof: (rows per micro-batch of each of 2 processes, accumulation, its keys besides enabled, the
+# train keys) of each case; the second with activation checkpointing, gathered weights kept until backward, and
+# clipping that acts (the norm is above 0.5).
+FSDP_CASES = {"accum1": (2, 1, {"reshard_after_forward": True}, {}),
+              "accum4": (1, 4, {"reshard_after_forward": False}, {"gradient_checkpointing": True,
+                                                                   "max_grad_norm": 0.5})}
 
 
 def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
     """2 optimizer steps of the accelerate backend on a tiny Llama in float64 (whole logits, answers of 1..9 words:
-    uneven targets per micro-batch), 4 x accumulation rows per step: ``processes`` 2 with ``train.fsdp`` (2 per
-    micro-batch), 1 without (4). Returns the rows' loss and grad_norm, the trained weights (rank 0; {} on the
-    others), FSDP2's gradient reduce-scatters counted, and, at step 1, what each rank held: its gradients'
+    uneven targets per micro-batch), 2 x micro x accumulation rows per step: ``processes`` 2 with ``train.fsdp``,
+    1 without (micro-batches of 2 x micro). Returns the rows' loss and grad_norm, the trained weights (rank 0; {}
+    on the others), FSDP2's gradient reduce-scatters counted, and, at step 1, what each rank held: its gradients'
     local-shard norm and parameter elements."""
     from torch.distributed.tensor import DTensor
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -183,10 +185,10 @@ def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
     from onegpu.training.backends.base import TrainRequest
     from tests.unit.equivalence import float64
     from tests.unit.training.test_batches import tiny_llama
-    accum, fsdp, train = FSDP_CASES[case]
+    micro, accum, fsdp, train = FSDP_CASES[case]
     cfg = from_container({"data": {"max_length": 64}, "model": {"task": "causal-lm", "name_or_path": None,
                                                                   "dropout": 0.0},
-                          "train": {"backend": "accelerate", "per_device_train_batch_size": 4 // processes,
+                          "train": {"backend": "accelerate", "per_device_train_batch_size": micro * 2 // processes,
                                     "gradient_accumulation_steps": accum, "max_steps": 2, "num_processes": processes,
                                     "optim": "sgd", "learning_rate": 0.05, "weight_decay": 0.01, "seed": 3,
                                     "max_grad_norm": 0.0, "eval_strategy": "no", "oom_retry": False,
@@ -210,7 +212,7 @@ def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
     try:
         with float64.float64_throughout(model):
             trained, steps = backend.train(TrainRequest(model, float64.chat_tokenizer(),
-                                                        float64.instruction_data("answers", 8 * accum), cfg,
+                                                        float64.instruction_data("answers", 4 * micro * accum), cfg,
                                                         sink=lambda m, s: None))
     finally:
         handle.remove()
@@ -359,7 +361,7 @@ def test_fsdp2_over_two_processes_is_one_process_in_float64(rank_results, tmp_pa
         assert one["rows"][0]["grad_norm"] > 0.5  # the clipping acted
     # Each rank's own shards' norm (of the gradients the optimizer steps with: clipped) is another figure;
     # together they make the whole.
-    bound = FSDP_CASES[case][2].get("max_grad_norm", 0.0)
+    bound = FSDP_CASES[case][3].get("max_grad_norm", 0.0)
     whole = one["rows"][0]["grad_norm"] * (min(1.0, bound / (one["rows"][0]["grad_norm"] + 1e-6)) if bound else 1.0)
     assert min(abs(r["local_norm"] - whole) for r in two) > 1e-3 * whole, [r["local_norm"] for r in two]
     assert abs(math.hypot(*(r["local_norm"] for r in two)) - whole) <= REL * whole

@@ -203,14 +203,7 @@ def _build(req: TrainRequest) -> _Loop:
     if t.gradient_checkpointing:
         checkpointing.enable(model, t)
     align_special_tokens(model, req.tokenizer)
-    skeleton = None
-    if t.fsdp.enabled:  # sharded before the optimizer is built; accelerate would wrap it in DDP
-        skeleton = _shard(accelerator, model, t, "cuda" if cuda else "cpu")
-        optimizer = make_optimizer(model, cfg)
-        optimizer, loader = accelerator.prepare(optimizer, loader)
-    else:
-        optimizer = make_optimizer(model, cfg)
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model, optimizer, loader, skeleton = _prepare(accelerator, model, loader, cfg, "cuda" if cuda else "cpu")
     # The scheduler is not prepared (neither is Trainer's): Accelerate would step it once per process.
     total_steps, steps_per_epoch, epochs = schedule(len(loader), cfg)
     warmup = math.ceil(total_steps * t.warmup_ratio)  # TrainingArguments.get_warmup_steps for a ratio < 1
@@ -220,6 +213,19 @@ def _build(req: TrainRequest) -> _Loop:
     return _Loop(accelerator, model, optimizer, scheduler, loader, rows, collator, total_steps,
                  steps_per_epoch, epochs, plateau, activation_offloading.context(model, t.activation_offloading),
                  skeleton)
+
+
+def _prepare(accelerator, model, loader, cfg: Config, device_type: str):
+    """``(model, optimizer, loader, skeleton)``: the optimizer built on the model's parameters, both and the
+    loader prepared by Accelerate (DDP under several processes); under ``train.fsdp`` the model sharded first
+    (:func:`_shard`) and left out of ``prepare`` (accelerate would wrap it in DDP), ``skeleton`` the plain model
+    ``models/`` is gathered into (None without ``train.fsdp``)."""
+    if not cfg.train.fsdp.enabled:
+        optimizer = make_optimizer(model, cfg)
+        return (*accelerator.prepare(model, optimizer, loader), None)
+    skeleton = _shard(accelerator, model, cfg.train, device_type)
+    optimizer, loader = accelerator.prepare(make_optimizer(model, cfg), loader)
+    return model, optimizer, loader, skeleton
 
 
 def _shard(accelerator, model, t, device_type: str):
