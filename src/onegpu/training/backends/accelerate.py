@@ -377,10 +377,9 @@ def _after_step(lp: _Loop, req: TrainRequest, recorder: StepRecorder, step: int)
     if lp.accelerator.num_processes > 1:  # a stop on one rank stops all after the same step
         requested = distributed.any_rank(requested, lp.accelerator.device)
     stopping = requested and step < lp.total_steps and not recorder.stopped_early  # early stopping: complete
-    if stopping and t.fsdp.enabled:  # (config refuses save_steps with it): never a rank's shard as the model
-        distributed.print_main("accelerate: train.fsdp: no checkpoint written (sharded checkpoints are not done yet); "
-                               "the next run trains from the start")
-    elif checkpoint_dir and (stopping or (t.save_steps and step % t.save_steps == 0 and step < lp.total_steps)):
+    if stopping and t.fsdp.enabled:  # no checkpoint (config refuses save_steps with it): never a rank's shard
+        raise Interrupted(stop.requested or 15, step, checkpointed=False)
+    if checkpoint_dir and (stopping or (t.save_steps and step % t.save_steps == 0 and step < lp.total_steps)):
         if lp.accelerator.is_main_process:  # one writer; the ranks' weights and optimizer states are equal
             save_loop_state(checkpoint_dir, step, _plain(lp), lp.optimizer, lp.scheduler,
                             recorder, req.checkpoint_meta or {})
