@@ -101,10 +101,13 @@ def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = 
 
 def run_config_hash(cfg: Config, data_fingerprint: str = "") -> str:
     """16 hex digits naming one exact training configuration (every param but tracking, evaluation,
-    validation and terminal output, plus the data fingerprint): a checkpoint resumes only a run with the same hash."""
+    validation, terminal output and sharding, plus the data fingerprint): a checkpoint resumes only a run with the
+    same hash."""
+    # train.fsdp: how the same training is held in memory; checkpoints made before it existed keep their hash, and
+    # a data-parallel checkpoint is found by a sharded run, which refuses it in one line (training.session.plan).
     skip = ("tracking.", "evaluate.", "train.logging_steps", "train.save_steps", "train.eval_",
             "train.load_best_model_at_end", "train.metric_for_best_model", "train.greater_is_better",
-            "train.early_stopping_")
+            "train.early_stopping_", "train.fsdp.")
     flat = {k: v for k, v in flatten(cfg.to_dict()).items() if not k.startswith(skip)}
     if cfg.model.lora_adapters is None:  # as in the key: checkpoints written before the knob still resume
         flat = {k: v for k, v in flat.items() if k != "model.lora" and not k.startswith("model.lora.")}

@@ -168,6 +168,21 @@ def test_the_default_runs_key_is_unchanged_by_the_lora_mapping_and_the_added_key
     assert eqkey.run_config_hash(cfg, "abc") == eqkey.run_config_hash(pinned, "abc")
 
 
+def test_sharding_is_the_same_training_and_the_same_checkpoints():
+    """train.fsdp (FSDP2) is out of the equivalence key and of the run-config hash: a sharded run has the key of
+    the data-parallel run, and checkpoints written before the knob existed keep their hash."""
+    raw = copy.deepcopy(PINNED)
+    raw["train"].update(backend="accelerate", num_processes=2, eval_strategy="no", oom_retry=False)
+    plain = config.from_container(copy.deepcopy(raw))
+    raw["train"]["fsdp"] = {"enabled": True, "reshard_after_forward": False}
+    sharded = config.from_container(raw)
+    for cfg in (plain, sharded):
+        assert not any(k.startswith("train.fsdp") for k in eqkey.equivalence_fields(cfg, config.resolve(cfg), "abc"))
+    assert eqkey.equivalence_key(sharded, config.resolve(sharded), "abc") == \
+        eqkey.equivalence_key(plain, config.resolve(plain), "abc")
+    assert eqkey.run_config_hash(sharded, "abc") == eqkey.run_config_hash(plain, "abc")
+
+
 def test_equivalence_fields_hold_resolved_batch_and_fingerprint():
     cfg = config.from_container(copy.deepcopy(PINNED))
     f = eqkey.equivalence_fields(cfg, config.resolve(cfg), "abc")
