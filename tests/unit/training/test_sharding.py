@@ -11,16 +11,22 @@ from onegpu.training import sharding
 torch = pytest.importorskip("torch")
 
 
+def _llama():
+    """A 2-layer Llama with tied embeddings and a vocabulary of 64 (no tokenizer to convert)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+
+
 def test_the_blocks_are_the_models_no_split_modules():
-    from tests.unit.training.test_batches import tiny_llama
-    model = tiny_llama()
+    model = _llama()
     assert [type(b).__name__ for b in sharding.blocks(model)] == ["LlamaDecoderLayer"] * 2
     assert sharding.blocks(torch.nn.Linear(2, 2)) == []  # names none: the root alone
 
 
 def test_the_skeleton_holds_no_weights_and_keeps_the_ties():
-    from tests.unit.training.test_batches import tiny_llama
-    model = tiny_llama()
+    model = _llama()
     skeleton = sharding.meta_copy(model)
     assert {p.device.type for p in skeleton.parameters()} == {"meta"}
     assert skeleton.lm_head.weight is skeleton.model.embed_tokens.weight
@@ -58,11 +64,10 @@ def test_one_process_shards_and_gathers_the_same_weights(monkeypatch):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from tests.unit.training.test_batches import tiny_llama
     from tests.unit.training.test_distributed import _free_port
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    model = tiny_llama()
+    model = _llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     skeleton = sharding.meta_copy(model)
     dist.init_process_group("gloo", rank=0, world_size=1)
