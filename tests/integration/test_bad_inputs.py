@@ -526,15 +526,18 @@ def test_dvc_repro_train_refused_after_prepare_locks_only_prepare(outcomes, tmp_
     assert "train.fp16" in line and "needs a CUDA GPU" in line
     assert [line for line in proc.stderr.splitlines() if line.strip()][-2:] == [
         line, "ERROR: failed to reproduce 'train': failed to run: onegpu train, exited with 2"]
-    assert _lock_stages(p) == {"inputs", "prepare"}  # inputs: its links are never cached
-    # Every cached object is one of prepare's outputs; the run-cache holds prepare's run only.
-    lock = yaml.safe_load((p / "dvc.lock").read_text())["stages"]["prepare"]
-    outs = {o["path"]: o["md5"] for o in lock["outs"]}
-    dir_md5 = outs["data/processed"]  # "<md5>.dir": the manifest of the folder's files
-    manifest = p / ".dvc" / "cache" / "files" / "md5" / dir_md5[:2] / dir_md5[2:]
-    expected = {dir_md5, outs["data/stats.json"]} | {e["md5"] for e in json.loads(manifest.read_text())}
+    # inputs: its links are never cached; reference: a note (no DPO reference to score)
+    assert _lock_stages(p) == {"inputs", "prepare", "reference"}
+    # Every cached object is one of prepare's or reference's outputs; the run-cache holds their runs only.
+    stages = yaml.safe_load((p / "dvc.lock").read_text())["stages"]
+    outs = {o["path"]: o["md5"] for s in ("prepare", "reference") for o in stages[s]["outs"]}
+    expected = {outs["data/stats.json"]}
+    for folder in ("data/processed", "data/reference"):
+        dir_md5 = outs[folder]  # "<md5>.dir": the manifest of the folder's files
+        manifest = p / ".dvc" / "cache" / "files" / "md5" / dir_md5[:2] / dir_md5[2:]
+        expected |= {dir_md5} | {e["md5"] for e in json.loads(manifest.read_text())}
     assert _cache_objects(p) == expected
-    assert _run_cache_cmds(p) == ["onegpu prepare"]
+    assert sorted(_run_cache_cmds(p)) == ["onegpu prepare", "onegpu reference"]
     assert _md5(p / "data" / "stats.json") == outs["data/stats.json"]
     for out in ("models", "metrics", "plots"):
         assert not (p / out).exists(), out

@@ -90,8 +90,8 @@ def test_csv_edit_is_named_by_dvc_status_and_reruns_prepare_and_train(tmp_path):
     out = dvc(p, "repro", "prepare").stdout
     assert _ran(out) == {"inputs", "prepare"}, out
     assert _labels(p) == ["a", "b", "c"]
-    # the new prepared data makes train stale; the first repro showed it runs then
-    assert _names(_status(p, "--with-deps", "train")) == {"train"}
+    # the new prepared data makes reference (a note here) and train stale; the first repro showed they run then
+    assert _names(_status(p, "--with-deps", "train")) == {"reference", "train"}
     assert "Data and pipelines are up to date" in _status(p, "prepare")
 
 
