@@ -209,6 +209,8 @@ def _same_as_uninterrupted(project: Path, last, dest: Path) -> None:
         assert [v for _, v in resumed] == pytest.approx([v for _, v in whole], abs=1e-6), key
     assert len({v for _, v in _history(project, last, "rewards/margins")}) > 1
     assert last.data.tags["onegpu.best_step"] == ref_run.data.tags["onegpu.best_step"]
+    assert last.data.tags["onegpu.dpo_reference"] == ref_run.data.tags["onegpu.dpo_reference"] == (
+        "a frozen copy of the model as built (eval mode, no gradient)")
     weights, ref_weights = (load_file(p / "models/model/model.safetensors") for p in (project, reference))
     assert max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights) <= 1e-6
 

@@ -113,7 +113,9 @@ def load(split: str, rows, cfg: Config) -> tuple[list[float] | None, str]:
         meta = f.metadata() or {}
         if meta.get(split) != key(cfg, rows):
             return None, f"{FILE} was scored for other pairs or params (the reference stage re-runs: dvc repro)"
-        return f.get_tensor(split).tolist(), (f"read from {FILE}, scored by the reference stage in "
+        version = paths.dvc_version(paths.REFERENCE)  # data/reference@<md5>.dir once DVC recorded it
+        return f.get_tensor(split).tolist(), (f"read from {FILE}" + (f" ({version})" if "@" in version else "")
+                                              + f", scored by the reference stage in "
                                               f"{float(meta['runtime_s']):.1f} s on {meta['device']}")
 
 

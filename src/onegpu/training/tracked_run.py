@@ -130,9 +130,11 @@ def _run(plan: TrainPlan, tracker, dsd, run_id: str, rows: list, stop: GracefulS
         with tracker.system_metrics(run_id):
             load.start()
             t0 = time.perf_counter()
+            built_model = model
             model, steps = session.train(plan, model, tokenizer, dsd, sink, run_id, checkpoints=not probe, stop=stop)
             train_s = time.perf_counter() - t0
             load.stop()
+        tracker.set_tags(run_id, objectives.of(plan.cfg).run_tags(built_model))  # e.g. DPO's reference
         summary = log_results(plan, tracker, run_id, buffer, model, steps)
         spec = record.logged_model(plan.cfg, plan.key, tracking.run_name() or config_name(plan.cfg))
         if steps.best is not None:  # the model holds the best point's weights, not the last's

@@ -68,6 +68,10 @@ class Objective:
         """A callable giving the objective's own per-step metrics at each optimizer step (None: none)."""
         return None
 
+    def run_tags(self, model) -> dict[str, str]:
+        """MLflow tags the objective adds to the training run of ``model`` (as built), once it has trained."""
+        return {}
+
     def restart_step(self, model) -> None:
         """Forget what the current optimizer step's micro-batches added to :meth:`step_figures` (an
         out-of-memory retry redoes them all)."""

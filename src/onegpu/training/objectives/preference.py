@@ -33,8 +33,10 @@ class Reference:
     dpo: object
     sums: object = None
     precomputed: bool = False
+    source: str = ""  # what the reference is, in words (the run's tag REFERENCE_TAG)
 
 
+REFERENCE_TAG = "onegpu.dpo_reference"  # the training run's tag: what its reference was and where its scores came from
 # The policy's transformers model -> its Reference; weak, so a dropped policy frees its reference copy.
 _REFERENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -181,7 +183,15 @@ class Preference(Objective):
         frozen, precomputed = None, cfg.train.dpo.precompute_ref_log_probs
         if cfg.model.lora_adapters is None and not precomputed:
             frozen = copy.deepcopy(model).eval().requires_grad_(False)
-        _REFERENCES[lm_head._inner(model)] = Reference(frozen, cfg.train.dpo, precomputed=precomputed)
+        source = ("precomputed (train.dpo.precompute_ref_log_probs)" if precomputed else
+                  "the policy's base, its LoRA adapter disabled" if frozen is None else
+                  "a frozen copy of the model as built (eval mode, no gradient)")
+        _REFERENCES[lm_head._inner(model)] = Reference(frozen, cfg.train.dpo, precomputed=precomputed, source=source)
+
+    def run_tags(self, model) -> dict[str, str]:
+        """:data:`REFERENCE_TAG`: the reference in words; a precomputed one says where its scores came from
+        (the reference stage's file at its DVC version, or scored before step 1, and why)."""
+        return {REFERENCE_TAG: reference_of(model).source}
 
     def prepared_data(self, dsd, model, tokenizer, cfg):
         """``dsd`` with the reference's log-probabilities of every training and validation pair as columns
@@ -206,6 +216,7 @@ class Preference(Objective):
                 dsd[s] = dsd[s].add_column(REF_COLUMNS[0], logps[0::2]).add_column(REF_COLUMNS[1], logps[1::2])
         finally:
             model.train(was)
+        reference_of(model).source = f"precomputed: {'; '.join(dict.fromkeys(whence))}"
         distributed.print_main(f"train: the reference's log-probabilities of {len(dsd['train'])} training pairs "
                                f"{'; '.join(dict.fromkeys(whence))} ({time.perf_counter() - start:.1f} s here; "
                                "train.dpo.precompute_ref_log_probs: no reference model kept)")

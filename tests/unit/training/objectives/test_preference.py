@@ -135,3 +135,23 @@ def test_precomputed_reference_log_probs_are_the_live_references_per_pair():
 def test_a_model_built_elsewhere_has_no_reference():
     with pytest.raises(RuntimeError, match="no DPO reference"):
         objectives.preference.reference_of(tiny_llama())
+
+
+def test_the_training_run_is_tagged_with_what_its_reference_was():
+    """The run's onegpu.dpo_reference tag: a frozen copy, LoRA's base, or precomputed and from where."""
+    from datasets import Dataset, DatasetDict
+    OBJECTIVE.prepare_model(frozen := tiny_llama(), cfg())
+    assert OBJECTIVE.run_tags(frozen) == {"onegpu.dpo_reference": "a frozen copy of the model as built (eval mode, "
+                                                                  "no gradient)"}
+    from onegpu.config import LoraConfig
+    from onegpu.models import lora
+    base = lora.apply(tiny_llama().float(), LoraConfig(r=4, alpha=8.0), "preference", False)
+    OBJECTIVE.prepare_model(base, cfg(lora=True))
+    assert OBJECTIVE.run_tags(base)["onegpu.dpo_reference"] == "the policy's base, its LoRA adapter disabled"
+    pre = from_container({"data": {"source": "pairs.jsonl"}, "model": {"task": "preference", "name_or_path": None},
+                          "train": {"dpo": {"precompute_ref_log_probs": True}}}, source="test")
+    OBJECTIVE.prepare_model(scored := tiny_llama().float(), pre)
+    OBJECTIVE.prepared_data(DatasetDict(train=Dataset.from_list(ROWS)), scored, type("T", (), {"pad_token_id": 0})(),
+                            pre)
+    assert OBJECTIVE.run_tags(scored) == {"onegpu.dpo_reference": (
+        "precomputed: scored before step 1 (data/reference holds no scores (the reference stage: dvc repro))")}
