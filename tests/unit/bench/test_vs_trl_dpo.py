@@ -81,6 +81,31 @@ def test_bf16_runs_under_autocast_and_are_reported_as_their_difference_from_fp32
     assert "bf16" not in plain
 
 
+def test_without_lora_a_frozen_copy_is_trls_ref_model_per_step():
+    """Every weight trains, so onegpu's reference is its frozen copy and TRL's the ``ref_model`` the arm passes
+    (a copy of the same weights): step 1 is ln 2 in both and 2 steps of 2 x 2 agree within 1e-5 (a reference
+    whose logits moved 1e-3 from the policy's, as once seen here, would fail step 1)."""
+    cfg = from_container({"data": {"source": "pairs.jsonl"}, "model": {"task": "preference", "name_or_path": None},
+                          "train": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                                    "max_steps": 2, "learning_rate": 1e-2}}, source="test")
+    pairs = [dict(r) for r in float64.preference_data(8)["train"].remove_columns(
+        ["prompt", "chosen", "rejected", "label", "length"])]
+    steps = [[pairs[s * 4 + m * 2:s * 4 + m * 2 + 2] for m in range(2)] for s in range(2)]
+    digests = [vs_trl_dpo.digest(mb) for step in steps for mb in step]
+    rows = {}
+    try:
+        for name in vs_trl_dpo.ARMS:
+            arm = vs_trl_dpo.Arm(name, tb.tiny_llama(), cfg, tb.tokenizer(), "cpu")
+            rows[name] = vs_trl_dpo.train_arm(arm, steps, "cpu", digests)["rows"]
+    finally:
+        from accelerate.state import AcceleratorState
+        AcceleratorState._reset_state(True)
+    assert [r[0]["loss"] for r in rows.values()] == pytest.approx([math.log(2)] * 2, abs=1e-7)
+    d = vs_trl_dpo.largest_differences(rows["onegpu"], rows["trl"])
+    assert all(d[k] <= 1e-5 for k in ("loss", "grad_norm", "rewards/margins")), d
+    assert rows["onegpu"][1]["loss"] != rows["onegpu"][0]["loss"]  # the first step moved the policy
+
+
 def test_model_option_names_the_model_directory():
     args = argparse.Namespace(max_length=64, rows=8, lora=8, micro=2, accum=1, steps=1, lr=1e-3,
                               model="/somewhere/smollm2-random-init")
