@@ -44,6 +44,10 @@ def _stage_commands(sub) -> None:
                        ("evaluate", "evaluate the trained model on the test split (DVC stage)")):
         s = sub.add_parser(name, help=text, description=text)
         _params(s)
+        if name == "train":  # the other machines of a launch: `onegpu train -S train.machine_rank=1`
+            s.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                           help="override a param as `dvc exp run -S` does, e.g. -S train.machine_rank=1 on the "
+                                "second machine of train.num_machines (repeatable)")
 
 
 def _compare_and_ui(sub) -> None:

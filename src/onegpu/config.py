@@ -100,6 +100,8 @@ ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 # train.cpu_allocator (onegpu.training.host_allocator): keep freed host memory for the next step, or glibc's defaults.
 CPU_ALLOCATORS = ("caching", "system")
+# train.main_process_port: null = torchrun's default rendezvous port (--master-port).
+DEFAULT_MAIN_PROCESS_PORT = 29500
 # train.gradient_checkpointing_blocks: the part of each chosen layer that recomputes.
 CHECKPOINTING_BLOCKS = ("layer", "attention", "mlp")
 # train.eval_strategy: HF's IntervalStrategy values.
@@ -178,6 +180,7 @@ _CHOOSES = OutOfKey("which validation point counts as the best; the steps traine
 _VALIDATION = OutOfKey("when the validation split is evaluated; validation draws no random numbers and changes no "
                        "weight (proven bit-equal)")
 _SAME_RECOMPUTE = "; the same mathematics"
+_WHERE = OutOfKey("where the processes run, not what they compute")
 _SHARDED = ("the same mathematics, sharded: each process keeps 1/N of the weights, gradients and optimizer states "
             "and gathers the rest when a block needs it (the effective batch is in)")
 
@@ -323,9 +326,25 @@ class TrainConfig:
                                             rule=_POSITIVE_INT)
     effective_batch_size: int | None = knob(None, help="null = micro-batch x accumulation x processes",
                                             key=OutOfKey("replaced by the resolved effective batch size"))
-    num_processes: int = knob(1, help="data-parallel processes (one per GPU; gloo on a CPU); > 1 launches torchrun",
-                              rule=_POSITIVE_INT, key=OutOfKey(
-                                  "how the effective batch is split over processes (the effective batch is in)"))
+    num_processes: int = knob(1, help=(
+        "data-parallel processes over all machines, as accelerate counts them (one per GPU; gloo on a CPU); "
+        "> 1 launches torchrun"), rule=_POSITIVE_INT, key=OutOfKey(
+            "how the effective batch is split over processes (the effective batch is in)"))
+    num_machines: int = knob(1, help=(
+        "machines the processes span, num_processes / num_machines on each (accelerate's name); > 1: run "
+        "`onegpu train` on every machine"), rule=_POSITIVE_INT, key=_WHERE)
+    machine_rank: int = knob(0, help="this machine, 0 .. num_machines - 1; machine 0 holds rank 0, which writes the "
+                                     "outputs and the MLflow run (torchrun's --node-rank)",
+                             rule=(lambda v: v >= 0, "must be an integer >= 0, got {v}"), key=_WHERE)
+    main_process_ip: str | None = knob(None, help="machine 0's address, where the others meet it (torchrun's "
+                                                  "--master-addr); required when num_machines > 1",
+                                       rule=(lambda v: v is None or bool(v.strip()),
+                                             "must be machine 0's address (e.g. 10.0.0.1) or null, got {v!r}"),
+                                       key=_WHERE)
+    main_process_port: int | None = knob(None, help=(
+        f"a free TCP port on machine 0 for the rendezvous; null = {DEFAULT_MAIN_PROCESS_PORT} (torchrun's default)"),
+        rule=(lambda v: v is None or 1 <= v <= 65535, "must be a TCP port from 1 to 65535 or null, got {v}"),
+        key=_WHERE)
     memory_budget_gib: float | None = knob(None, help=(
         "for auto: the memory to fit in; null = free device memory (CUDA), required on a CPU"),
         rule=(lambda v: v is None or v > 0, "must be a positive number of GiB or null, got {v}"),
@@ -713,6 +732,7 @@ def _check_train(t: TrainConfig, source: str) -> None:
                   f"is {t.effective_batch_size}, but per_device_train_batch_size x "
                   f"gradient_accumulation_steps x num_processes = {mb} x {t.gradient_accumulation_steps} x "
                   f"{t.num_processes} = {product}; make them agree or set effective_batch_size: null")
+    _check_machines(t, source)
     if t.bf16 and t.fp16:
         _fail(source, "train.fp16", "train.bf16 and train.fp16 are both true; choose at most one")
     every = t.gradient_checkpointing_kwargs.every_n_layers
@@ -731,6 +751,21 @@ def _check_train(t: TrainConfig, source: str) -> None:
     if t.torch_compile_mode is not None and not t.torch_compile:
         _fail(source, "train.torch_compile_mode", f"is {t.torch_compile_mode!r} but train.torch_compile is false; "
               "set train.torch_compile: true or the mode to null")
+
+
+def _check_machines(t: TrainConfig, source: str) -> None:
+    """``train.num_machines`` with ``machine_rank`` below it, ``num_processes`` an equal share per machine and
+    ``main_process_ip`` given (accelerate's names; :func:`onegpu.training.distributed.torchrun_args`)."""
+    if t.machine_rank >= t.num_machines:
+        _fail(source, "train.machine_rank", f"is {t.machine_rank} but train.num_machines is {t.num_machines}: "
+              f"machines are numbered 0 .. {t.num_machines - 1}")
+    if t.num_machines > 1 and t.num_processes % t.num_machines:
+        _fail(source, "train.num_processes", f"is {t.num_processes}, not divisible by train.num_machines "
+              f"({t.num_machines}): num_processes counts the processes of all machines (accelerate's meaning), "
+              "each machine runs an equal share")
+    if t.num_machines > 1 and t.main_process_ip is None:
+        _fail(source, "train.main_process_ip", f"is required with train.num_machines: {t.num_machines}: machine 0's "
+              "address, where the other machines meet it (e.g. 10.0.0.1; 127.0.0.1 for machines on one host)")
 
 
 # section -> the checks of its keys together (after each key's own rule).

@@ -99,15 +99,20 @@ def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = 
     return flat
 
 
+# The keys of where a launch's processes run (accelerate's names), out of the run-config hash.
+MACHINE_KEYS = ("train.num_machines", "train.machine_rank", "train.main_process_ip", "train.main_process_port")
+
+
 def run_config_hash(cfg: Config, data_fingerprint: str = "") -> str:
     """16 hex digits naming one exact training configuration (every param but tracking, evaluation,
     validation, terminal output and sharding, plus the data fingerprint): a checkpoint resumes only a run with the
     same hash."""
+    # train.num_machines, machine_rank, main_process_*: where the processes run; every machine computes the same hash.
     # train.fsdp: how the same training is held in memory; checkpoints made before it existed keep their hash, and
     # a data-parallel checkpoint is found by a sharded run, which refuses it in one line (training.session.plan).
     skip = ("tracking.", "evaluate.", "train.logging_steps", "train.save_steps", "train.eval_",
             "train.load_best_model_at_end", "train.metric_for_best_model", "train.greater_is_better",
-            "train.early_stopping_", "train.fsdp.")
+            "train.early_stopping_", "train.fsdp.", *MACHINE_KEYS)
     flat = {k: v for k, v in flatten(cfg.to_dict()).items() if not k.startswith(skip)}
     if cfg.model.lora_adapters is None:  # as in the key: checkpoints written before the knob still resume
         flat = {k: v for k, v in flat.items() if k != "model.lora" and not k.startswith("model.lora.")}

@@ -34,7 +34,7 @@ EVAL_COLUMNS = ["step", "eval_loss", "eval_accuracy", "eval_f1_macro", "eval_per
 def run(cfg: Config) -> dict:
     if cfg.train.num_processes > 1 and not distributed.launched():  # launch N processes of this stage
         session.plan(cfg)  # the device, precision and data checks once, before any process starts
-        distributed.launch(cfg.train.num_processes, sys.argv[1:])
+        distributed.launch(cfg.train.num_processes, sys.argv[1:], machines(cfg))
         return {}
     distributed.check_world(cfg.train.num_processes)
     plan = session.plan(cfg)  # device and precision checks first, then data/stats.json
@@ -47,6 +47,15 @@ def run(cfg: Config) -> dict:
     distributed.print_main(recorder.closing_line(result.summary, result.plan.resolved, result.plan.device,
                                                  result.plan.budget, result.run_id))
     return result.summary
+
+
+def machines(cfg: Config) -> distributed.Machines:
+    """Where the launch's processes run (``train.num_machines``, ``machine_rank``, ``main_process_ip``/``port``),
+    with a rendezvous id every machine derives alike from the params (the run-config hash leaves those keys out)."""
+    from onegpu.equivalence.key import run_config_hash
+    t = cfg.train
+    return distributed.Machines(t.num_machines, t.machine_rank, t.main_process_ip, t.main_process_port,
+                                f"onegpu-{run_config_hash(cfg)}")
 
 
 def _write_outputs(result: tracked_run.TrainResult) -> None:

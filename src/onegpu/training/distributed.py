@@ -16,6 +16,13 @@ in each optimizer step as 1 x (N x micro) x accumulation.
 Only rank 0 writes to MLflow and the stage's outputs (:class:`NullTracker` on the others). A rank that
 fails ends the launch: torchrun stops the other processes, and :func:`launch` ends the MLflow run
 FAILED with the rank named (``error.rank``). Collectives time out after :data:`TIMEOUT_S` seconds.
+
+More than one machine (:class:`Machines`, accelerate's ``num_machines``, ``machine_rank``, ``main_process_ip``,
+``main_process_port``): ``onegpu train`` runs on every machine, each launcher starting its share of the
+processes under torchrun's static rendezvous on machine 0 (:func:`torchrun_args`), so that machine
+``machine_rank`` holds the global ranks ``machine_rank x share ..`` and rank 0, which writes the outputs and the
+MLflow run, is on machine 0. A rank's own error is also written to the rendezvous store (:func:`failure_note`),
+where rank 0 reads it when it fails on the lost peer: machine 0's launcher names the rank of another machine.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import os
 import signal
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from onegpu.errors import ConfigError, UserError
@@ -38,6 +46,37 @@ STOP_EXIT_CODES = (130, 143, -2, -15)
 KILL_GRACE_S = 30
 # Set by :func:`launch` for its processes: a folder where rank 0 writes ``run.json`` (the MLflow run id).
 LAUNCH_DIR_ENV = "ONEGPU_LAUNCH_DIR"
+# Seconds rank 0, failing in a launch over several machines, waits for another rank's note in the store.
+NOTE_WAIT_S = 2.0
+# The rendezvous store's keys of the ranks' failure notes (:func:`failure_note`).
+NOTE_KEY = "onegpu/failed/{rank}"
+
+
+@dataclass(frozen=True)
+class Machines:
+    """Where a launch's processes run: accelerate's ``num_machines``, ``machine_rank``, ``main_process_ip`` and
+    ``main_process_port`` (``train.*``), and ``run_id``, torchrun's ``--rdzv-id`` (the same on every machine)."""
+    num_machines: int = 1
+    machine_rank: int = 0
+    main_process_ip: str | None = None
+    main_process_port: int | None = None
+    run_id: str = "onegpu"
+
+
+def torchrun_args(num_processes: int, machines: Machines = Machines()) -> list[str]:
+    """torchrun's options for ``num_processes`` processes over all machines (accelerate's meaning), before the
+    module: ``--standalone`` on one machine (a free local port); over several, ``num_processes / num_machines``
+    per machine under the static rendezvous on ``main_process_ip:main_process_port`` (accelerate's default
+    ``rdzv_backend: static``; torch's c10d rendezvous orders machines by address and process id, not
+    ``--node-rank``, so rank 0 could land on another machine than the one whose outputs DVC keeps)."""
+    if machines.num_machines == 1:
+        return ["--standalone", f"--nproc-per-node={num_processes}"]
+    from onegpu.config import DEFAULT_MAIN_PROCESS_PORT
+    port = machines.main_process_port or DEFAULT_MAIN_PROCESS_PORT
+    return [f"--nnodes={machines.num_machines}", f"--node-rank={machines.machine_rank}",
+            f"--nproc-per-node={num_processes // machines.num_machines}", "--rdzv-backend=static",
+            f"--master-addr={machines.main_process_ip}", f"--master-port={port}", f"--rdzv-id={machines.run_id}",
+            "--max-restarts=0"]
 
 
 class RankFailed(UserError):
@@ -81,9 +120,10 @@ def check_world(num_processes: int) -> None:
                           "`onegpu train` without a launcher (it launches itself)")
 
 
-def launch(num_processes: int, argv: list[str]) -> None:
+def launch(num_processes: int, argv: list[str], machines: Machines = Machines()) -> None:
     """Run ``python -m onegpu <argv>`` in ``num_processes`` processes under ``torch.distributed.run``
-    (standalone rendezvous on a free local port) and wait for them.
+    (standalone rendezvous on a free local port; this machine's share over several :class:`Machines`, whose
+    launchers each call this) and wait for them.
 
     Raises:
         RankFailed: a process exited non-zero; the MLflow run (if rank 0 had started one) is ended
@@ -96,10 +136,10 @@ def launch(num_processes: int, argv: list[str]) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    args = torchrun.parse_args(["--standalone", f"--nproc-per-node={num_processes}", "--module", "onegpu", *argv])
+    args = torchrun.parse_args([*torchrun_args(num_processes, machines), "--module", "onegpu", *argv])
     with tempfile.TemporaryDirectory(prefix="onegpu-launch-") as folder:
         os.environ[LAUNCH_DIR_ENV] = folder
-        print(f"train: launching {num_processes} processes (torch.distributed.run)", flush=True)
+        print(f"train: launching {_launching(num_processes, machines)} (torch.distributed.run)", flush=True)
         try:
             torchrun.run(args)
         except ChildFailedError as e:
@@ -108,7 +148,10 @@ def launch(num_processes: int, argv: list[str]) -> None:
                 # Every process stopped on a signal after its checkpoint (rank 0 ended the run KILLED).
                 raise KeyboardInterrupt("every training process stopped on a signal") from None
             failed, exitcode, what = _cause(e.failures, noted)
-            message = f"training process rank {failed} of {num_processes} {what}; the other processes were stopped"
+            share = num_processes // machines.num_machines
+            where = f" (machine {failed // share})" if machines.num_machines > 1 else ""
+            message = (f"training process rank {failed} of {num_processes}{where} {what}; the other processes were "
+                       "stopped")
             _fail_run(Path(folder), failed, exitcode, message)
             raise RankFailed(message) from None
         except SignalException as e:  # torchrun forwarded it to the processes, which checkpoint and stop
@@ -117,6 +160,18 @@ def launch(num_processes: int, argv: list[str]) -> None:
             raise stopped from None
         finally:
             os.environ.pop(LAUNCH_DIR_ENV, None)
+
+
+def _launching(num_processes: int, machines: Machines) -> str:
+    """What this launcher starts, for its first line."""
+    if machines.num_machines == 1:
+        return f"{num_processes} processes"
+    share = num_processes // machines.num_machines
+    first = machines.machine_rank * share
+    writes = ("this machine's rank 0 writes models/, the metrics and the MLflow run" if machines.machine_rank == 0
+              else "machine 0 writes models/, the metrics and the MLflow run; nothing is written here")
+    return (f"{share} of {num_processes} processes (ranks {first}..{first + share - 1}) on machine "
+            f"{machines.machine_rank} of {machines.num_machines}, meeting at {machines.main_process_ip}; {writes}")
 
 
 def _cause(failures: dict, noted: dict | None) -> tuple[int, int, str]:
@@ -180,17 +235,51 @@ def _fail_run(folder: Path, failed: int, exitcode: int, message: str) -> None:
 @contextlib.contextmanager
 def failure_note():
     """In a launch's process: an error raised inside is noted (``failed-<rank>.json``: rank, time,
-    error) for :func:`launch`, which names the rank whose error came first, then re-raised."""
+    error) for :func:`launch`, which names the rank whose error came first, then re-raised.
+
+    Over several machines (torchrun's ``LOCAL_WORLD_SIZE`` below ``WORLD_SIZE``) the note also goes to the
+    rendezvous store on machine 0 (:func:`_store`), and rank 0, failing, first copies the other ranks' notes
+    there into its folder (waiting up to :data:`NOTE_WAIT_S`): machine 0's launcher then names the first."""
     import time
     try:
         yield
     except BaseException as e:
         folder = os.environ.get(LAUNCH_DIR_ENV)
         if folder and launched() and not isinstance(e, KeyboardInterrupt):
+            note = json.dumps({"rank": rank(), "time": time.time(), "error": f"{type(e).__name__}: {str(e)[:2000]}"})
             with contextlib.suppress(OSError):
-                Path(folder, f"failed-{rank()}.json").write_text(json.dumps(
-                    {"rank": rank(), "time": time.time(), "error": f"{type(e).__name__}: {str(e)[:2000]}"}))
+                Path(folder, f"failed-{rank()}.json").write_text(note)
+            if int(os.environ.get("LOCAL_WORLD_SIZE", world_size())) < world_size():
+                _share_notes(Path(folder), note)
         raise
+
+
+def _store():
+    """A client of the launch's rendezvous store (torchrun's ``MASTER_ADDR``/``MASTER_PORT``, on machine 0)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=10), wait_for_workers=False)
+
+
+def _share_notes(folder: Path, note: str) -> None:
+    """This rank's ``note`` into the store; on rank 0, the other ranks' notes from it into ``folder``
+    (any error of the store's is left out: the local notes still name a rank)."""
+    import time
+    try:
+        store = _store()
+        store.set(NOTE_KEY.format(rank=rank()), note)
+        if not is_main():
+            return
+        others = [NOTE_KEY.format(rank=r) for r in range(1, world_size())]
+        deadline = time.monotonic() + NOTE_WAIT_S
+        while not (found := [k for k in others if store.check([k])]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for key in found:
+            Path(folder, f"failed-{key.rsplit('/', 1)[1]}.json").write_bytes(store.get(key))
+    except Exception as e:  # the store went with a machine: say so, keep the local notes
+        print(f"train: rank {rank()} could not share its failure note: {e}", file=sys.stderr)
 
 
 def _first_noted_failure(folder: Path) -> dict | None:

@@ -8,9 +8,15 @@
 - ``ONEGPU_TEST_FAULT=slow_validation:<rank>:<step>``: the validation pass after optimizer step ``<step>``
   prints ``test fault: validating after optimizer step <step>`` and takes 5 s more, before it validates
   (``Validation.__call__``), so that a signal sent on that line arrives during the pass.
+- ``ONEGPU_TEST_DTYPE=float64``: torch's default dtype is float64 from start-up, so a model built from its config
+  (``model.name_or_path: null``) and the loop's tensors are float64 (the per-step proofs' 1e-12).
 """
 import os
 import sys
+
+if os.environ.get("ONEGPU_TEST_DTYPE") == "float64":
+    import torch
+    torch.set_default_dtype(torch.float64)
 
 _SPEC = os.environ.get("ONEGPU_TEST_FAULT", "")
 _KIND, _, _REST = _SPEC.partition(":")

@@ -582,3 +582,54 @@ def test_a_sigkill_torchrun_sent_after_its_grace_does_not_hide_the_first_error(f
     with pytest.raises(distributed.RankFailed,
                        match=r"^training process rank 1 of 2 failed \(ValueError: bad batch\)"):
         distributed.launch(2, ["train"])
+
+
+def test_one_machine_is_torchruns_standalone_and_two_are_its_static_rendezvous_on_machine_0():
+    """accelerate's meaning of num_processes (all machines'): 4 over 2 machines = 2 per machine; machine 1's
+    launcher holds ranks 2, 3 (torchrun's --node-rank, honoured by the static rendezvous only)."""
+    assert distributed.torchrun_args(2) == ["--standalone", "--nproc-per-node=2"]
+    two = distributed.Machines(2, 1, "10.0.0.1", None, "onegpu-abc")
+    assert distributed.torchrun_args(4, two) == [
+        "--nnodes=2", "--node-rank=1", "--nproc-per-node=2", "--rdzv-backend=static", "--master-addr=10.0.0.1",
+        "--master-port=29500", "--rdzv-id=onegpu-abc", "--max-restarts=0"]
+    from torch.distributed import run as torchrun
+    args = torchrun.parse_args([*distributed.torchrun_args(4, two), "--module", "onegpu", "train"])
+    assert (args.nnodes, args.node_rank, args.nproc_per_node, args.master_port) == ("2", 1, "2", 29500)
+
+
+@pytest.mark.parametrize("train, problem", [
+    ({"machine_rank": 2, "num_machines": 2, "main_process_ip": "h"}, "train.machine_rank: is 2 but train"),
+    ({"num_machines": 2, "num_processes": 3, "main_process_ip": "h"}, "train.num_processes: is 3, not divisible"),
+    ({"num_machines": 2, "num_processes": 2}, "train.main_process_ip: is required with train.num_machines: 2"),
+    ({"main_process_port": 70000}, "train.main_process_port: must be a TCP port from 1 to 65535"),
+    ({"main_process_ip": " "}, "train.main_process_ip: must be machine 0's address"),
+    ({"machine_rank": -1}, "train.machine_rank: must be an integer >= 0"),
+    ({"num_machines": 0}, "train.num_machines: must be a positive integer")])
+def test_a_bad_machine_setting_is_one_line_exit_2_before_any_work(tmp_path, monkeypatch, capsys, train, problem):
+    import yaml
+
+    from onegpu import cli
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"train": train}))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train"]) == 2
+    err = capsys.readouterr().err
+    assert problem in err and err.count("\n") == 1, err
+
+
+def test_the_machine_settings_are_out_of_the_key_and_the_checkpoint_hash():
+    from onegpu.config import from_container
+    from onegpu.equivalence import NOT_IN_EQUIVALENCE_KEY
+    from onegpu.equivalence.key import MACHINE_KEYS, run_config_hash
+    one = from_container({"train": {"num_processes": 2}})
+    two = from_container({"train": {"num_processes": 2, "num_machines": 2, "machine_rank": 1,
+                                    "main_process_ip": "10.0.0.1", "main_process_port": 29400}})
+    assert run_config_hash(one, "f") == run_config_hash(two, "f")
+    for key in MACHINE_KEYS:
+        assert NOT_IN_EQUIVALENCE_KEY[key] == "where the processes run, not what they compute"
+
+
+def test_the_launcher_of_machine_1_says_machine_0_writes_everything():
+    two = distributed.Machines(2, 1, "10.0.0.1")
+    assert distributed._launching(2, two) == (
+        "1 of 2 processes (ranks 1..1) on machine 1 of 2, meeting at 10.0.0.1; machine 0 writes models/, the metrics "
+        "and the MLflow run; nothing is written here")
