@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 from onegpu import paths, tracking
 from onegpu.config import Config
+from onegpu.equivalence.key import run_config_hash
 from onegpu.measure import outside_load
 from onegpu.models import lora
 from onegpu.training import distributed, prepared, recorder, session, tracked_run
@@ -34,8 +35,9 @@ EVAL_COLUMNS = ["step", "eval_loss", "eval_accuracy", "eval_f1_macro", "eval_per
 def run(cfg: Config) -> dict:
     if cfg.train.num_processes > 1 and not distributed.launched():  # launch N processes of this stage
         session.plan(cfg)  # the device, precision and data checks once, before any process starts
-        distributed.launch(cfg.train.num_processes, sys.argv[1:], machines(cfg))
-        return {}
+        t, rdzv_id = cfg.train, "onegpu-" + run_config_hash(cfg)  # alike on every machine (no machine keys)
+        return distributed.launch(t.num_processes, sys.argv[1:], distributed.Machines(
+            t.num_machines, t.machine_rank, t.main_process_ip, t.main_process_port, rdzv_id)) or {}
     distributed.check_world(cfg.train.num_processes)
     plan = session.plan(cfg)  # device and precision checks first, then data/stats.json
     from transformers.utils import logging as hf_logging
@@ -47,15 +49,6 @@ def run(cfg: Config) -> dict:
     distributed.print_main(recorder.closing_line(result.summary, result.plan.resolved, result.plan.device,
                                                  result.plan.budget, result.run_id))
     return result.summary
-
-
-def machines(cfg: Config) -> distributed.Machines:
-    """Where the launch's processes run (``train.num_machines``, ``machine_rank``, ``main_process_ip``/``port``),
-    with a rendezvous id every machine derives alike from the params (the run-config hash leaves those keys out)."""
-    from onegpu.equivalence.key import run_config_hash
-    t = cfg.train
-    return distributed.Machines(t.num_machines, t.machine_rank, t.main_process_ip, t.main_process_port,
-                                f"onegpu-{run_config_hash(cfg)}")
 
 
 def _write_outputs(result: tracked_run.TrainResult) -> None:

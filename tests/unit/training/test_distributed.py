@@ -633,3 +633,4 @@ def test_the_launcher_of_machine_1_says_machine_0_writes_everything():
     assert distributed._launching(2, two) == (
         "1 of 2 processes (ranks 1..1) on machine 1 of 2, meeting at 10.0.0.1; machine 0 writes models/, the metrics "
         "and the MLflow run; nothing is written here")
+
