@@ -823,9 +823,6 @@ _FSDP_REFUSALS: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
      "this process's shard of them; set train.fused_lm_head: false"),
     ("model.task", lambda c: has_reference(c.model.task),
      "DPO's frozen reference copy would be sharded with the policy; not done yet: set train.fsdp.enabled: false"),
-    ("train.save_steps", lambda c: c.train.save_steps is not None,
-     "sharded checkpoints (torch.distributed.checkpoint) are not done yet; set train.save_steps: null (a stop then "
-     "writes no checkpoint)"),
     ("train.eval_strategy", lambda c: c.train.eval_strategy != "no",
      "validation during training reads uneven shares per process, and every sharded forward gathers weights with "
      "all processes; set train.eval_strategy: no (the evaluate stage still scores models/)"),

@@ -167,7 +167,6 @@ BAD = [
       for name, changes, key, want in (
           ("one-process", {"train.num_processes": 1}, "train.num_processes", "one process has nothing to shard"),
           ("lora", {"model.lora": {"r": 8}}, "model.lora", "set model.lora.r: 0"),
-          ("save-steps", {"train.save_steps": 10}, "train.save_steps", "set train.save_steps: null"),
           ("validation", {"train.eval_strategy": "steps"}, "train.eval_strategy", "set train.eval_strategy: no"),
           ("oom-retry", {"train.oom_retry": True}, "train.oom_retry", "set train.oom_retry: false"),
           ("compile", {"train.torch_compile": True}, "train.torch_compile", "set train.torch_compile: false"),
@@ -196,10 +195,11 @@ def test_bad_value_raises_config_error_naming_the_key(raw, changes, key, extra):
 
 def test_fsdp_is_accepted_with_what_its_first_slice_runs(raw):
     """docs/details.md's FSDP2 command: the accelerate backend, 2 processes, no validation during training, no
-    out-of-memory retry (a classifier: no fused head to turn off)."""
+    out-of-memory retry (a classifier: no fused head to turn off); checkpoints every train.save_steps (sharded)."""
     for dotted, value in {"train.fsdp.enabled": True, "train.fsdp.reshard_after_forward": False,
                           "train.backend": "accelerate", "train.num_processes": 2, "train.eval_strategy": "no",
-                          "train.oom_retry": False, "train.per_device_train_batch_size": 4}.items():
+                          "train.oom_retry": False, "train.per_device_train_batch_size": 4,
+                          "train.save_steps": 10}.items():
         _set(raw, dotted, value)
     assert config.from_container(raw).train.fsdp == config.FSDPConfig(enabled=True, reshard_after_forward=False)
 

@@ -33,13 +33,13 @@ SCHEDULER_GRACE_S = 30
 
 
 class Interrupted(KeyboardInterrupt):
-    """Training stopped on a signal after saving a checkpoint (``checkpointed`` False: with none, under
-    ``train.fsdp``). ``signum``: the signal number; ``step``: the optimizer steps done; the session adds
-    ``run_id``, ``steps_logged`` and ``checkpoint`` (the checkpoint folder kept) for :func:`describe`."""
+    """Training stopped on a signal after saving a checkpoint (under ``train.fsdp`` too: every process its
+    shards). ``signum``: the signal number; ``step``: the optimizer steps done; the session adds ``run_id``,
+    ``steps_logged`` and ``checkpoint`` (the checkpoint folder kept) for :func:`describe`."""
 
-    def __init__(self, signum: int, step: int, checkpointed: bool = True) -> None:
+    def __init__(self, signum: int, step: int) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name} after optimizer step {step}")
-        self.signum, self.step, self.checkpointed = signum, step, checkpointed
+        self.signum, self.step = signum, step
         self.run_id: str | None = None
         self.steps_logged: int | None = None
         self.checkpoint: str | None = None
@@ -76,12 +76,10 @@ class GracefulStop:
     ``checkpoints``: the loop can stop at a step's end with a checkpoint (False: a signal in the loop
     abandons it); ``progress``: ``() -> (steps done, seconds per optimizer step or None, newest
     checkpoint's step or None)``, for the line a SIGTERM prints (a step longer than a scheduler's grace
-    period is said plainly); ``saves`` False: the stop at a step's end writes no checkpoint (``train.fsdp``),
-    and the line says so."""
+    period is said plainly)."""
 
-    def __init__(self, checkpoints: bool = True, progress: Callable[[], tuple] | None = None,
-                 saves: bool = True) -> None:
-        self.checkpoints, self.progress, self.saves = checkpoints, progress, saves
+    def __init__(self, checkpoints: bool = True, progress: Callable[[], tuple] | None = None) -> None:
+        self.checkpoints, self.progress = checkpoints, progress
         self.requested: int | None = None
         self.noted: list[int] = []
         self._phase = "before"
@@ -110,8 +108,7 @@ class GracefulStop:
             where = f"the validation pass of optimizer step {VALIDATING[-1]}"
         else:
             where = f"optimizer step {done + 1}" if done is not None else "this optimizer step"
-        saving = " and saving a checkpoint" if self.saves else " (train.fsdp: no checkpoint)"
-        line = (f"\n{name}: stopping after {where}{saving} (send it again to abandon the "
+        line = (f"\n{name}: stopping after {where} and saving a checkpoint (send it again to abandon the "
                 + ("pass)" if VALIDATING else "step)"))
         if name == "SIGTERM" and step_s is not None and step_s >= SCHEDULER_GRACE_S / 2:
             line += (f"; an optimizer step takes about {step_s:.0f} s here: with the checkpoint's save it may not "
@@ -176,9 +173,6 @@ def describe(e: KeyboardInterrupt) -> str:
     if not isinstance(e, Interrupted):
         return str(e) if str(e) else f"interrupted by {name}"
     kept = f"the checkpoint of optimizer step {e.step} ({e.checkpoint})" if e.checkpoint else "a checkpoint"
-    if not e.checkpointed:
-        kept = "no checkpoint (train.fsdp: sharded checkpoints are not done yet)"
     if e.run_id:
         kept += f" and its {e.steps_logged} steps in MLflow run {e.run_id} (KILLED)"
-    again = "resumes it" if e.checkpointed else "trains it again from the start"
-    return f"stopped by {name} after optimizer step {e.step}; kept {kept}; {resume_command()} {again}"
+    return f"stopped by {name} after optimizer step {e.step}; kept {kept}; {resume_command()} resumes it"

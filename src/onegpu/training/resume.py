@@ -1,12 +1,13 @@
 """Resuming a stopped training: finding the newest resumable checkpoint and onegpu's state file inside it.
 
 Each backend writes ``<checkpoint_dir>/checkpoint-N/`` in its own format (HF Trainer's, or the
-Accelerate loop's: :func:`save_loop_state` / :func:`load_loop_state`); both add ``onegpu_state.json``
-last and only then remove the older checkpoint (:func:`complete`), so a folder without it is a
-checkpoint that was cut off (a SIGKILL, a full disk) and is never resumed, and one complete checkpoint
-is always there. Weights are
-safetensors; optimizer and scheduler states load with ``torch.load(weights_only=True)``; RNG states
-that are not tensors (Python's, NumPy's) are JSON.
+Accelerate loop's: :func:`save_loop_state` / :func:`load_loop_state`; under ``train.fsdp``
+:func:`save_sharded_state` / :func:`load_sharded_state`); all add ``onegpu_state.json`` last and only
+then remove the older checkpoint (:func:`complete`), so a folder without it is a checkpoint that was cut
+off (a SIGKILL, a full disk) and is never resumed, and one complete checkpoint is always there. Weights
+are safetensors (sharded: ``torch.distributed.checkpoint``'s files, every process its own shards);
+optimizer and scheduler states load with ``torch.load(weights_only=True)``; RNG states that are not
+tensors (Python's, NumPy's) are JSON.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from onegpu.measure import memory
 
 STATE_FILE = "onegpu_state.json"
+SHARDED_DIR = "sharded"  # under train.fsdp: torch.distributed.checkpoint's folder in checkpoint-N
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class ResumePoint:
     evals: list = field(default_factory=list)
     run_id: str | None = None
     micro_batch: int | None = None
+    sharded: int | None = None
 
     @classmethod
     def from_state(cls, path: str, state: dict) -> ResumePoint:
@@ -48,7 +51,8 @@ class ResumePoint:
         return cls(path=path, step=int(state["step"]), rows=list(state.get("rows", [])),
                    breakdown=dict(state.get("breakdown", {})), events=list(state.get("events", [])),
                    evals=list(state.get("evals", [])),
-                   run_id=state.get("run_id") or None, micro_batch=int(micro) if micro else None)
+                   run_id=state.get("run_id") or None, micro_batch=int(micro) if micro else None,
+                   sharded=int(state["sharded"]) if state.get("sharded") else None)
 
 
 def latest_checkpoint(checkpoint_dir) -> ResumePoint | None:
@@ -93,7 +97,6 @@ def save_loop_state(checkpoint_dir, step: int, model, optimizer, scheduler, reco
     Raises:
         DiskFullError: the disk filled up while writing it (the previous checkpoint is still there).
     """
-    import numpy as np
     import torch
     from safetensors.torch import save_model
 
@@ -104,16 +107,59 @@ def save_loop_state(checkpoint_dir, step: int, model, optimizer, scheduler, reco
         save_model(model, os.path.join(d, "model.safetensors"))  # handles tied weights
         torch.save(optimizer.state_dict(), os.path.join(d, "optimizer.pt"))
         torch.save(scheduler.state_dict(), os.path.join(d, "scheduler.pt"))
-        rng = {"cpu": torch.get_rng_state()}
-        if memory.cuda_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save(rng, os.path.join(d, "rng_state.pt"))
-        np_state = np.random.get_state()
-        with open(os.path.join(d, "rng_state.json"), "w") as f:
-            json.dump({"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-                       "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}, f)
+        _save_rng(d, "")
     complete(d, step, recorder, meta)
     return d
+
+
+def save_sharded_state(checkpoint_dir, step: int, model, optimizer, scheduler, recorder, meta: dict) -> str:
+    """Under ``train.fsdp``, the checkpoint after optimizer step ``step``; every process calls it (collective).
+
+    The model's and the optimizer's sharded state (``get_state_dict``) go through ``torch.distributed.checkpoint``
+    into ``checkpoint-N/sharded/`` (``dcp.save``: each process writes its own shards, process 0 the metadata
+    last); each process writes its RNG states (``rng_state-rank<r>.*``), process 0 the scheduler's. Only once
+    every process is done (a barrier) does process 0 write ``onegpu_state.json`` (with ``sharded``: the
+    number of processes) and remove the older checkpoints (:func:`complete`): a stop or a SIGKILL mid-save
+    leaves the previous checkpoint the newest complete one. Returns the folder.
+
+    Raises:
+        DiskFullError: the disk filled up while writing it (the previous checkpoint is still there).
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from onegpu.paths import writing
+    d = os.path.join(str(checkpoint_dir), f"checkpoint-{step}")
+    rank = dist.get_rank()
+    with writing(d):
+        os.makedirs(d, exist_ok=True)
+        _save_rng(d, f"-rank{rank}")
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(d, SHARDED_DIR))
+        if rank == 0:
+            torch.save(scheduler.state_dict(), os.path.join(d, "scheduler.pt"))
+    dist.barrier()  # every process's files are written
+    if rank == 0:
+        complete(d, step, recorder, {**meta, "sharded": dist.get_world_size()})
+    dist.barrier()  # no process goes on (or stops) before the checkpoint is complete
+    return d
+
+
+def _save_rng(d: str, suffix: str) -> None:
+    """This process's torch (and CUDA), Python and NumPy RNG states into ``d``: ``rng_state<suffix>.pt`` and
+    ``rng_state<suffix>.json``."""
+    import numpy as np
+    import torch
+    rng = {"cpu": torch.get_rng_state()}
+    if memory.cuda_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, os.path.join(d, f"rng_state{suffix}.pt"))
+    np_state = np.random.get_state()
+    with open(os.path.join(d, f"rng_state{suffix}.json"), "w") as f:
+        json.dump({"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+                   "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}, f)
 
 
 def load_loop_state(checkpoint: str, model, optimizer, scheduler) -> None:
@@ -125,16 +171,36 @@ def load_loop_state(checkpoint: str, model, optimizer, scheduler) -> None:
     scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
 
 
+def load_sharded_state(checkpoint: str, model, optimizer, scheduler) -> None:
+    """Restore what :func:`save_sharded_state` wrote into the sharded ``model`` and its ``optimizer`` (every
+    process, collective: ``dcp.load`` into this process's ``get_state_dict``, then ``set_state_dict``) and the
+    ``scheduler`` (RNG: :func:`load_rng`). The session resumes it only on the number of processes that wrote it
+    (:func:`onegpu.training.session.plan`)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=os.path.join(checkpoint, SHARDED_DIR))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+
+
 def load_rng(checkpoint: str) -> None:
-    """Restore the torch, CUDA, Python and NumPy RNG states. Call right before the next optimizer step:
-    anything that draws in between (a DataLoader iterator draws its base seed) would shift dropout."""
+    """Restore the torch, CUDA, Python and NumPy RNG states (this process's own, where the checkpoint has one
+    per process: :func:`save_sharded_state`). Call right before the next optimizer step: anything that draws in
+    between (a DataLoader iterator draws its base seed) would shift dropout."""
     import numpy as np
     import torch
-    rng = torch.load(os.path.join(checkpoint, "rng_state.pt"), weights_only=True)
+    import torch.distributed as dist
+    suffix = f"-rank{dist.get_rank()}" if dist.is_available() and dist.is_initialized() else ""
+    if not os.path.isfile(os.path.join(checkpoint, f"rng_state{suffix}.pt")):
+        suffix = ""  # one set for every process (save_loop_state's: process 0's)
+    rng = torch.load(os.path.join(checkpoint, f"rng_state{suffix}.pt"), weights_only=True)
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and memory.cuda_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    with open(os.path.join(checkpoint, "rng_state.json")) as f:
+    with open(os.path.join(checkpoint, f"rng_state{suffix}.json")) as f:
         other = json.load(f)
     random.setstate((other["python"][0], tuple(other["python"][1]), other["python"][2]))
     n = other["numpy"]

@@ -78,6 +78,27 @@ def check_flattened(cfg: Config, model_path: str | None) -> None:
         raise ConfigError(f"params.yaml: {key}: {problem}; set {key}: false")
 
 
+def check_resumable(cfg: Config, resume: ResumePoint | None) -> None:
+    """Raises ConfigError, before any work, when ``resume`` (this training's newest complete checkpoint; None:
+    none) is held in another layout than ``cfg`` trains in: whole weights (data parallel, one process) under
+    ``train.fsdp``, shards under data parallel, or shards of another number of processes (``train.fsdp`` is
+    outside the checkpoint hash; ``train.num_processes`` is inside it, so the last is a checkpoint moved by hand).
+    """
+    if resume is None:
+        return
+    fsdp, n = cfg.train.fsdp.enabled, cfg.train.num_processes
+    if fsdp and resume.sharded is None:
+        raise ConfigError(f"params.yaml: train.fsdp.enabled: a checkpoint of this training with whole weights exists "
+                          f"({resume.path}), and a sharded run resumes only sharded checkpoints; resume it with "
+                          "train.fsdp.enabled: false (the same training) or delete it")
+    if not fsdp and resume.sharded is not None:
+        raise ConfigError(f"params.yaml: train.fsdp.enabled: a sharded checkpoint of this training exists "
+                          f"({resume.path}); resume it with train.fsdp.enabled: true (the same training) or delete it")
+    if fsdp and resume.sharded != n:
+        raise ConfigError(f"params.yaml: train.num_processes: the sharded checkpoint {resume.path} holds the shards "
+                          f"of {resume.sharded} processes and resumes on {resume.sharded} only, not {n}; delete it")
+
+
 def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = None) -> TrainPlan:
     """The :class:`TrainPlan` for ``cfg`` on the prepared data ``stats`` (None: read data/stats.json after
     the device checks, so a bad precision flag is named before missing data); fails before any work.
@@ -86,7 +107,8 @@ def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = Non
     with CUDA (each process of a multi-process launch on its own GPU), else ``cpu``.
     Raises:
         ConfigError: a combination this machine cannot run (:func:`onegpu.config.check_device`); ``auto``
-            on a CPU without ``train.memory_budget_gib``; a checkpoint to resume under ``train.fsdp``.
+            on a CPU without ``train.memory_budget_gib``; a checkpoint this layout cannot resume
+            (:func:`check_resumable`).
         DataError: ``stats`` is None and prepare has not run.
         ModelError: ``model.name_or_path`` names no model.
     """
@@ -101,10 +123,7 @@ def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = Non
     budget = autobatch.budget_bytes(cfg.train.memory_budget_gib, device) if auto else None
     ckpt_dir = paths.checkpoint_dir(run_config_hash(cfg, stats["fingerprint"]))
     resume = latest_checkpoint(ckpt_dir)
-    if resume is not None and cfg.train.fsdp.enabled:  # its weights are whole; loading them into shards: not done yet
-        raise ConfigError(f"params.yaml: train.fsdp.enabled: a checkpoint of this training exists ({resume.path}) and "
-                          "resuming under FSDP2 is not done yet; resume it with train.fsdp.enabled: false (the same "
-                          "training) or delete it")
+    check_resumable(cfg, resume)
     micro = resume.micro_batch if auto and resume is not None else None  # the split it was written with
     resolved = resolve(cfg, micro_batch=micro) if not auto or micro else None
     # The key reads the effective batch only, which `auto` keeps fixed: known before the finder runs.

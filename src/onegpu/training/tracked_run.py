@@ -81,8 +81,7 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
     """
     run_id = _start_run(plan, tracker, name, tidy=not probe)
     rows: list[tuple[int, dict]] = []  # every step the sink got, for the run's figure
-    stop = GracefulStop(checkpoints=not probe, progress=lambda: _progress(plan, rows),
-                        saves=not plan.cfg.train.fsdp.enabled)  # train.fsdp: stops after a step, saves nothing
+    stop = GracefulStop(checkpoints=not probe, progress=lambda: _progress(plan, rows))
     try:
         with stop:
             result = _run(plan, tracker, dsd, run_id, rows, stop, save, built, probe, tokenizer)

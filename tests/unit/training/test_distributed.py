@@ -234,8 +234,65 @@ def _fsdp_part(rank: int, out: str) -> None:
         json.dump(results, f)
 
 
+def _fsdp_resume_train(out: str, run: str, stop=None, sink=None) -> list[dict]:
+    """4 optimizer steps of the accelerate backend under train.fsdp (2 processes) on a tiny Llama in float64:
+    AdamW (its moments in the checkpoint) under a linear schedule with warmup (the scheduler's state), a
+    checkpoint every step (``save_steps`` 1) into the folder :func:`_shared_checkpoints` names, resumed from the
+    newest complete one there when ``run`` is ``resumed``; rank 0 writes models/ as the train stage does
+    (``<out>-<run>-model``).
+    Returns the recorder's rows (loss, grad_norm), restored ones included."""
+    from onegpu.config import from_container
+    from onegpu.training.backends import accelerate as backend
+    from onegpu.training.backends.base import TrainRequest
+    from onegpu.training.resume import latest_checkpoint
+    from tests.unit.equivalence import float64
+    from tests.unit.training.test_batches import tiny_llama
+    cfg = from_container({"data": {"max_length": 64}, "model": {"task": "causal-lm", "name_or_path": None,
+                                                                  "dropout": 0.0},
+                          "train": {"backend": "accelerate", "per_device_train_batch_size": 1,
+                                    "gradient_accumulation_steps": 2, "max_steps": 4, "num_processes": 2,
+                                    "optim": "adamw_torch", "learning_rate": 0.01, "warmup_ratio": 0.34,
+                                    "lr_scheduler_type": "linear", "weight_decay": 0.01, "seed": 3,
+                                    "max_grad_norm": 1.0, "eval_strategy": "no", "oom_retry": False,
+                                    "fused_lm_head": False, "save_steps": 1, "fsdp": {"enabled": True}}},
+                         source="test")
+    model = tiny_llama().double()
+    ckpt = _shared_checkpoints(out) if run != "whole" else None
+    with float64.float64_throughout(model):
+        trained, steps = backend.train(TrainRequest(
+            model, float64.chat_tokenizer(), float64.instruction_data("answers", 12), cfg,
+            sink=sink or (lambda m, s: None), checkpoint_dir=ckpt, stop=stop, checkpoint_meta={"run_id": "r1"},
+            resume=latest_checkpoint(ckpt) if run == "resumed" else None))
+    if distributed.is_main():
+        trained.save_pretrained(f"{out}-{run}-model")
+    return [{k: r[k] for k in ("loss", "grad_norm")} for r in steps.rows]
+
+
+def _shared_checkpoints(out: str) -> str:
+    """The checkpoint folder both ranks use (as the stage's, one per training): ``out`` without its ``-rank<r>``."""
+    return out.rsplit("-rank", 1)[0] + "-checkpoints"
+
+
+def _fsdp_resume_part(rank: int, out: str) -> None:
+    """train.fsdp stopped after step 2 and resumed, on rank ``rank`` of 2, beside the uninterrupted run; writes
+    ``<out>.json``: both runs' rows, the losses the stopped run logged, and the stopped run's checkpoint folders
+    and files."""
+    import os
+
+    from tests.unit.tiny import interrupt_at_step_2
+    distributed.TIMEOUT_S = 60
+    whole = _fsdp_resume_train(out, "whole")
+    ckpt = _shared_checkpoints(out)
+    first, kept = interrupt_at_step_2(lambda sink, stop, **kw: _fsdp_resume_train(out, "stopped", stop, sink), ckpt)
+    files = sorted(os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs)
+    resumed = _fsdp_resume_train(out, "resumed")
+    with open(f"{out}.json", "w") as f:
+        json.dump({"whole": whole, "first": first, "resumed": resumed, "files": files,
+                   "kept": [kept.step, kept.sharded] if kept else None}, f)
+
+
 _PARTS = {"all_reduce": _all_reduce_part, "oom_retry": _oom_retry_part, "validation": _validation_part,
-          "dpo": _dpo_part, "fsdp": _fsdp_part}
+          "dpo": _dpo_part, "fsdp": _fsdp_part, "fsdp_resume": _fsdp_resume_part}
 
 
 def _ranks(rank: int, ports: list[int], out_dir: str, parts: list[str]) -> None:
@@ -268,7 +325,8 @@ def rank_results(request, tmp_path_factory) -> dict:
              "oom_retry": test_an_out_of_memory_retry_on_one_rank_keeps_the_ranks_in_step_and_the_losses,
              "validation": test_two_processes_validate_as_one_each_its_share_of_the_split,
              "dpo": test_two_processes_train_dpo_as_one_the_figures_over_every_pair_once,
-             "fsdp": test_fsdp2_over_two_processes_is_one_process_in_float64}
+             "fsdp": test_fsdp2_over_two_processes_is_one_process_in_float64,
+             "fsdp_resume": test_a_sharded_run_stopped_after_step_2_resumes_to_the_uninterrupted_run_in_float64}
     selected = {getattr(item, "originalname", None) for item in request.session.items}
     parts = [part for part, test in tests.items() if test.__name__ in selected] or list(tests)
     out = tmp_path_factory.mktemp("ranks")
@@ -377,6 +435,34 @@ def test_fsdp2_over_two_processes_is_one_process_in_float64(rank_results, tmp_pa
     print(f"fsdp {case}: loss {max(abs(a['loss'] / b['loss'] - 1) for a, b in zip(two[0]['rows'], one['rows'])):.1e}, "
           f"grad_norm {max(abs(a['grad_norm'] / b['grad_norm'] - 1) for a, b in zip(two[0]['rows'], one['rows'])):.1e}"
           f", weights {worst:.1e} (relative)")
+
+
+def test_a_sharded_run_stopped_after_step_2_resumes_to_the_uninterrupted_run_in_float64(rank_results):
+    """train.fsdp, 2 gloo processes, AdamW with warmup, a checkpoint every step: stopped by a signal during step 2,
+    every process writes its shards (torch.distributed.checkpoint) and the checkpoint of step 2 replaces step 1's;
+    resumed on 2 processes, the per-step loss and grad_norm equal the uninterrupted run's within 1e-12 relative
+    (step 4's loss reads the AdamW moments restored), and models/ of both, loaded by from_pretrained here (another
+    process than the training's), are equal to the bit."""
+    from transformers import LlamaForCausalLM
+
+    from tests.unit.equivalence.float64 import REL
+    ranks = _part(rank_results, "fsdp_resume")
+    assert ranks[0]["resumed"] == ranks[1]["resumed"] and ranks[0]["whole"] == ranks[1]["whole"]
+    got = ranks[0]
+    assert got["kept"] == [2, 2]  # step 2's checkpoint, holding the shards of 2 processes
+    assert not [f for f in got["files"] if f.startswith("checkpoint-1")]  # step 1's removed once step 2's was whole
+    assert {"checkpoint-2/sharded/__0_0.distcp", "checkpoint-2/sharded/__1_0.distcp", "checkpoint-2/sharded/.metadata",
+            "checkpoint-2/rng_state-rank0.pt", "checkpoint-2/rng_state-rank1.pt", "checkpoint-2/scheduler.pt",
+            "checkpoint-2/onegpu_state.json"} <= set(got["files"]), got["files"]
+    whole, resumed = got["whole"], got["resumed"]
+    assert len(whole) == len(resumed) == 4 and [r["loss"] for r in whole[:2]] == got["first"]
+    worst = {k: max(abs(a[k] - b[k]) / abs(b[k]) for a, b in zip(resumed, whole)) for k in ("loss", "grad_norm")}
+    assert max(worst.values()) <= REL, worst
+    out = rank_results["fsdp_weights"].parent
+    one, two = (LlamaForCausalLM.from_pretrained(str(out / f"fsdp_resume-rank0-{run}-model"), dtype=torch.float64)
+                for run in ("whole", "resumed"))
+    assert all(torch.equal(p, q) for p, q in zip(one.parameters(), two.parameters()))
+    print(f"fsdp resume: loss {worst['loss']:.1e}, grad_norm {worst['grad_norm']:.1e} (relative); models/ equal")
 
 
 def _fsdp_weights(rank_results: dict):

@@ -46,21 +46,33 @@ def test_auto_resumes_with_the_split_its_checkpoint_was_written_with(tmp_path, m
     assert again.resolved == Resolved(2, 4, 1)
 
 
-def test_a_checkpoint_of_the_same_training_is_not_resumed_under_fsdp(tmp_path, monkeypatch):
-    """train.fsdp is outside the key: a data-parallel run's checkpoint is this training's, and its whole weights
-    would load into shards (not done yet): refused in one line before any work, with the way out."""
+def test_a_checkpoint_resumes_only_in_the_layout_it_was_written_in(tmp_path, monkeypatch):
+    """train.fsdp is outside the checkpoint hash: a data-parallel run finds a sharded run's checkpoint and the
+    other way round; each resumes its own layout (a sharded one on the number of processes that wrote it) and
+    refuses the other in one line before any work, with the way out."""
     from onegpu.errors import ConfigError
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
     fsdp = {"backend": "accelerate", "num_processes": 2, "per_device_train_batch_size": 2, "eval_strategy": "no",
             "oom_retry": False}
+    sharded = _cfg(**fsdp, fsdp={"enabled": True})
     d = session.plan(_cfg(**fsdp), STATS).checkpoint_dir / "checkpoint-3"
     d.mkdir(parents=True)
-    (d / STATE_FILE).write_text(json.dumps({"step": 3, "rows": [], "run_id": "r1", "micro_batch": 2}))
+    state = {"step": 3, "rows": [], "run_id": "r1", "micro_batch": 2}
+    (d / STATE_FILE).write_text(json.dumps(state))
     assert session.plan(_cfg(**fsdp), STATS).resume.step == 3  # data parallel resumes it
-    with pytest.raises(ConfigError, match=r"train.fsdp.enabled: a checkpoint of this training exists .*checkpoint-3"
-                                          r"\) and resuming under FSDP2 is not done yet; resume it with "
-                                          r"train.fsdp.enabled: false"):
-        session.plan(_cfg(**fsdp, fsdp={"enabled": True}), STATS)
+    with pytest.raises(ConfigError, match=r"train.fsdp.enabled: a checkpoint of this training with whole weights "
+                                          r"exists .*checkpoint-3\), and a sharded run resumes only sharded "
+                                          r"checkpoints; resume it with train.fsdp.enabled: false"):
+        session.plan(sharded, STATS)
+    (d / STATE_FILE).write_text(json.dumps({**state, "sharded": 2}))
+    assert session.plan(sharded, STATS).resume.sharded == 2  # sharded resumes it
+    with pytest.raises(ConfigError, match=r"a sharded checkpoint of this training exists .*checkpoint-3\); "
+                                          r"resume it with train.fsdp.enabled: true"):
+        session.plan(_cfg(**fsdp), STATS)
+    (d / STATE_FILE).write_text(json.dumps({**state, "sharded": 4}))  # moved here by hand
+    with pytest.raises(ConfigError, match=r"train.num_processes: the sharded checkpoint .*checkpoint-3 holds the "
+                                          r"shards of 4 processes and resumes on 4 only, not 2; delete it"):
+        session.plan(sharded, STATS)
 
 
 def test_a_combination_the_machine_cannot_run_stops_the_plan_before_the_data_is_read(tmp_path, monkeypatch):

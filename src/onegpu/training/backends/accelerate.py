@@ -34,7 +34,7 @@ from onegpu.training.batches import probe_batch
 from onegpu.training.interrupt import Interrupted
 from onegpu.training.loss import loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
-from onegpu.training.resume import load_loop_state, load_rng, save_loop_state
+from onegpu.training.resume import load_loop_state, load_rng, load_sharded_state, save_loop_state, save_sharded_state
 
 # Parameter names that get no weight decay: Trainer.get_decay_parameter_names (transformers/trainer.py).
 NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
@@ -279,7 +279,8 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     """Fine-tune ``req.model`` on ``req.dsd['train']`` in a plain Accelerate loop; the contract is
     :class:`onegpu.training.backends.base.Backend`.
 
-    Checkpoints are :func:`onegpu.training.resume.save_loop_state`'s. Out-of-memory recovery
+    Checkpoints are :func:`onegpu.training.resume.save_loop_state`'s (under ``train.fsdp``
+    :func:`~onegpu.training.resume.save_sharded_state`'s: every process its shards). Out-of-memory recovery
     (``train.oom_retry``): :mod:`onegpu.training.oom`, as the ``trainer`` backend. The returned model is
     unwrapped from Accelerate; the recorder's rows are one per optimizer step (loss = the step's exact
     mean loss, grad_norm = total L2 norm before clipping, learning_rate = the rate that step used).
@@ -303,7 +304,10 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
         distributed.print_main(note)
     start = 0
     if resume is not None:  # weights, optimizer, scheduler; the data position and RNG in _run
-        load_loop_state(resume.path, _plain(lp), lp.optimizer, lp.scheduler)
+        if lp.skeleton is not None:  # train.fsdp: every process loads its shards (torch.distributed.checkpoint)
+            load_sharded_state(resume.path, lp.model, lp.optimizer, lp.scheduler)
+        else:
+            load_loop_state(resume.path, _plain(lp), lp.optimizer, lp.scheduler)
         start = resume.step
         recorder.restore(resume)
         distributed.print_main(f"accelerate: resuming after optimizer step {start}")
@@ -377,10 +381,11 @@ def _after_step(lp: _Loop, req: TrainRequest, recorder: StepRecorder, step: int)
     if lp.accelerator.num_processes > 1:  # a stop on one rank stops all after the same step
         requested = distributed.any_rank(requested, lp.accelerator.device)
     stopping = requested and step < lp.total_steps and not recorder.stopped_early  # early stopping: complete
-    if stopping and t.fsdp.enabled:  # no checkpoint (config refuses save_steps with it): never a rank's shard
-        raise Interrupted(stop.requested or 15, step, checkpointed=False)
     if checkpoint_dir and (stopping or (t.save_steps and step % t.save_steps == 0 and step < lp.total_steps)):
-        if lp.accelerator.is_main_process:  # one writer; the ranks' weights and optimizer states are equal
+        if lp.skeleton is not None:  # train.fsdp: every process writes its shards
+            save_sharded_state(checkpoint_dir, step, lp.model, lp.optimizer, lp.scheduler, recorder,
+                               req.checkpoint_meta or {})
+        elif lp.accelerator.is_main_process:  # one writer; the ranks' weights and optimizer states are equal
             save_loop_state(checkpoint_dir, step, _plain(lp), lp.optimizer, lp.scheduler,
                             recorder, req.checkpoint_meta or {})
         lp.accelerator.wait_for_everyone()
