@@ -207,3 +207,45 @@ def test_a_full_disk_while_saving_a_checkpoint_is_one_error_naming_it_and_the_pr
     assert " free of " in str(e.value)
     kept = latest_checkpoint(ckpt)
     assert kept is not None and kept.step == 1
+
+
+def test_a_sharded_save_cut_off_mid_way_leaves_the_previous_checkpoint_which_loads_back(tmp_path, monkeypatch):
+    """train.fsdp's checkpoint (one gloo process, a model under fully_shard, AdamW): a save cut off inside
+    torch.distributed.checkpoint's write (a SIGKILL's stand-in) leaves a checkpoint-2 folder without onegpu's state
+    file, so the newest complete checkpoint is still step 1's; loading it puts step 1's weights back into the
+    shards."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from onegpu.training import resume, sharding
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4)).double()
+        sharding.shard(model, "cpu", True)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        model(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
+        opt.step()
+        rec = SimpleNamespace(rows=[{"loss": 1.0}], breakdown={}, events=[], evals=[])
+        resume.save_sharded_state(tmp_path / "ck", 1, model, opt, sched, rec, {"run_id": "r1"})
+        want = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+        def killed(*args, **kwargs):
+            raise KeyboardInterrupt("killed while writing the shards")
+        monkeypatch.setattr(dcp, "save", killed)
+        with pytest.raises(KeyboardInterrupt):
+            resume.save_sharded_state(tmp_path / "ck", 2, model, opt, sched, rec, {"run_id": "r1"})
+        monkeypatch.undo()
+        found = resume.latest_checkpoint(tmp_path / "ck")
+        assert (found.step, found.sharded, found.run_id) == (1, 1, "r1")
+        cut = tmp_path / "ck" / "checkpoint-2"
+        assert cut.is_dir() and not (cut / STATE_FILE).exists()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        resume.load_sharded_state(found.path, model, opt, sched)
+        assert all(torch.equal(v.full_tensor(), want[k]) for k, v in model.state_dict().items())
+    finally:
+        dist.destroy_process_group()
