@@ -171,6 +171,8 @@ BAD = [
           ("oom-retry", {"train.oom_retry": True}, "train.oom_retry", "set train.oom_retry: false"),
           ("compile", {"train.torch_compile": True}, "train.torch_compile", "set train.torch_compile: false"),
           ("fp16", {"train.fp16": True}, "train.fp16", "use bf16 or neither"),
+          ("machines", {"train.num_machines": 2, "train.main_process_ip": "10.0.0.1"}, "train.num_machines",
+           "set train.num_machines: 1"),
           ("fused-head", {"model.task": "causal-lm", "model.name_or_path": None, "data.source": "bbcnews-headlines"},
            "train.fused_lm_head", "set train.fused_lm_head: false"),
           ("dpo", {"model.task": "preference", "model.name_or_path": None, "data.source": "bbcnews-headline-pairs",
