@@ -21,13 +21,16 @@ OTHER = {"model.task": "sequence-classification", "model.name_or_path": "gpt2", 
          "train.effective_batch_size": 8, "train.max_steps": 5, "train.memory_budget_gib": 1.5,
          "train.dataloader_pin_memory": True, "data.source": "bbcnews-headlines", "train.eval_strategy": "epoch",
          "train.metric_for_best_model": "eval_mean_token_accuracy", "train.greater_is_better": True,
-         "train.dpo.loss_type": ["hinge"], "train.dpo.loss_weights": [0.5]}
+         "train.dpo.loss_type": ["hinge"], "train.dpo.loss_weights": [0.5], "train.main_process_ip": "10.0.0.1"}
 # Keys whose other value is valid only with another key changed too (config.validate's combinations): the
 # params file that `dvc status` reads changes the key alone, the one onegpu validates both.
 COMPANION = {"model.task": {"model.name_or_path": "gpt2"}, "train.torch_compile_mode": {"train.torch_compile": True},
              **{f"train.{k}": {"train.gradient_checkpointing": True} for k in (
                  "gradient_checkpointing_blocks", "gradient_checkpointing_kwargs.every_n_layers",
                  "gradient_checkpointing_kwargs.use_reentrant")},
+             "train.num_machines": {"train.main_process_ip": "10.0.0.1", "train.num_processes": 2},
+             "train.machine_rank": {"train.num_machines": 2, "train.main_process_ip": "10.0.0.1",
+                                    "train.num_processes": 2},
              "train.fsdp.enabled": {"train.backend": "accelerate", "train.num_processes": 2,
                                     "train.eval_strategy": "no", "train.oom_retry": False,
                                     "train.fused_lm_head": False}}

@@ -63,6 +63,13 @@ PROOFS = {
     "train.fsdp.reshard_after_forward": "float64 in 2 ranks: tests/unit/training/test_distributed.py::"
                                         "test_fsdp2_over_two_processes_is_one_process_in_float64 (true at "
                                         "accumulation 1, false at 4)",
+    # More than one machine: two launchers on loopback (machine ranks 0 and 1, one process each) = one machine of
+    # two processes, float64 within 1e-12 (torchrun's static rendezvous; an integration test: two launches).
+    "train.num_machines": "float64 over 2 launchers: tests/integration/test_data_parallel_machines.py::"
+                          "test_two_machines_of_one_process_train_as_one_machine_of_two_in_float64",
+    "train.machine_rank": "which ranks a machine holds: the same test (machine ranks 0 and 1)",
+    "train.main_process_ip": "where the processes meet: no arithmetic (the same test meets at 127.0.0.1)",
+    "train.main_process_port": "where the processes meet: no arithmetic",
     # Validation during training: bit-equal with it off (stronger than float64), both backends, dropout on.
     "train.eval_strategy": "bit-equal: tests/unit/training/test_validation.py (validation on vs off)",
     "train.eval_steps": "bit-equal: tests/unit/training/test_validation.py (validation on vs off)",
