@@ -115,6 +115,7 @@ SAME_TRAINING_KNOBS = (("train.fused_lm_head", "false", "the fused LM head"),
                        ("train.gradient_checkpointing", "false", "activation checkpointing"),
                        ("train.gradient_checkpointing_blocks", "layer", None),
                        ("train.activation_offloading", "false", "activation offloading"),
+                       ("train.fsdp.enabled", "false", "FSDP2 sharding"),
                        ("train.num_processes", "1", None))
 # Boolean knobs of the loss path that :func:`numerical_note` names when on in both runs: those above and
 # the ones KERNEL_KNOBS and SFT_KNOBS name when they differ.
@@ -126,9 +127,17 @@ def same_training_knobs(run: RunRecord, reference: RunRecord) -> Iterable[str]:
     """Each knob of :data:`SAME_TRAINING_KNOBS` whose value differs."""
     for knob, default, _ in SAME_TRAINING_KNOBS:
         a, b = _param(run, knob, default), _param(reference, knob, default)
-        if a != b:
+        if a != b and (knob != "train.fused_lm_head" or _causal_lm(reference)):
             yield (f"{knob} differs ({a} vs {b}): the same training by design (proven in float64), so its loss "
                    "path rounds differently on this job")
+
+
+def _causal_lm(r: RunRecord) -> bool:
+    """Whether ``r``'s model is a causal LM (its ``model.task``; a run logged without it: not known, so yes):
+    a classifier has no LM head for ``train.fused_lm_head`` to act on."""
+    from onegpu.config import causal_lm
+    task = r.params.get("model.task")
+    return task is None or causal_lm(task)
 
 
 def numerical_note(run: RunRecord, reference: RunRecord) -> str:
@@ -136,7 +145,7 @@ def numerical_note(run: RunRecord, reference: RunRecord) -> str:
     the difference is numerical, in the loss path; with the same-training knobs on in both runs, their
     precision (bf16, fp16) and a GPU on both (non-deterministic reductions), which that path runs through."""
     on = [what for knob, what in LOSS_PATH_KNOBS if _param(run, knob, "false") == _param(reference, knob, "false")
-          not in ("false", "none", "0")]
+          not in ("false", "none", "0") and (knob != "train.fused_lm_head" or _causal_lm(reference))]
     attn = _param(reference, "model.attn_implementation", "none")
     if attn != "none":
         on.append(f"{attn} attention")

@@ -126,3 +126,20 @@ def test_packing_and_loss_masks_are_named_with_what_they_change(param, value, de
     assert len(named) == 1 and says in named[0], c.causes
     assert not any(x.startswith(param) for x in eq.compare_run(_with(record("s", 8, 2), **{param: default}),
                                                                  ref).causes)
+
+
+def test_fsdp2_sharding_is_named_when_it_differs_and_a_classifiers_fused_head_never():
+    """Seen on the default classifier: FSDP2 against plain data parallel diverged at step 1 (grad_norm 1.7e-6
+    apart) and the note said "no setting differs ... (on in both runs: the fused LM head)", a head a classifier
+    does not have."""
+    ref = _with(record("dp2", 8, 2), **{"model.task": "sequence-classification", "train.fused_lm_head": True,
+                                        "train.fsdp.enabled": False})
+    run = _with(record("fsdp2", 8, 2, loss=drifted(3)), **{"model.task": "sequence-classification",
+                                                           "train.fused_lm_head": True, "train.fsdp.enabled": True})
+    c = eq.compare_run(run, ref)
+    assert [x.split(":")[0] for x in c.causes] == ["train.fsdp.enabled differs (true vs false)"]
+    both = eq.compare_run(_with(record("fsdp2b", 8, 2, loss=drifted(3)), **{"train.fsdp.enabled": False,
+                                                                            "model.task": "sequence-classification"}),
+                          ref)  # (train.fused_lm_head not logged: a classifier's is no cause either)
+    assert both.causes == [] and both.no_cause == ("no setting differs from the reference: a numerical "
+                                                   "difference in the loss path")
