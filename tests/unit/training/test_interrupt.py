@@ -133,21 +133,6 @@ def test_the_last_line_names_the_signal_what_was_kept_and_how_to_resume(monkeypa
         "SIGINT stopped the run before its training began")
 
 
-def test_a_stop_under_fsdp_says_what_it_kept_and_that_the_same_command_resumes_it(monkeypatch):
-    """train.fsdp writes a sharded checkpoint on a stop (every process its shards): the lines are the same as
-    without sharding."""
-    monkeypatch.setenv("DVC_STAGE", "train")
-    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
-    monkeypatch.delenv("MAKELEVEL", raising=False)
-    e = Interrupted(signal.SIGINT, 3)
-    e.run_id, e.steps_logged, e.checkpoint = "abc123", 3, ".onegpu/checkpoints/k/checkpoint-3"
-    assert interrupt.describe(e) == (
-        "stopped by SIGINT after optimizer step 3; kept the checkpoint of optimizer step 3 "
-        "(.onegpu/checkpoints/k/checkpoint-3) and its 3 steps in MLflow run abc123 (KILLED); `dvc repro` resumes it")
-    stop = interrupt.GracefulStop(progress=lambda: (2, 0.1, None))
-    assert "stopping after optimizer step 3 and saving a checkpoint" in stop._stop_line("SIGINT")
-
-
 def test_a_signal_during_a_validation_pass_says_the_run_stops_after_the_pass():
     """Between two optimizer steps (the pass after step 3) the stop line names the pass, not step 4."""
     from onegpu.training import interrupt
