@@ -29,6 +29,15 @@ FIGURES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/chosen", "logps/rejected")
 
 
+def scoring_output(model, features: dict):
+    """``model``'s output for ``features`` (no ``labels``) in its current mode, for :func:`sequence_logps`:
+    hidden states where the fused LM head is attached (:func:`onegpu.training.lm_head.attach`: no whole
+    logits), else the model's own output. The reference's forward, held-out scoring and the reference stage's."""
+    if lm_head.attached(model):
+        return lm_head.hidden_states(model, features)
+    return model(**features, use_cache=False)
+
+
 def sequence_ids(inputs: dict):
     """Each position's sequence index, ``(rows, seq_len)`` int64: the row for a padded micro-batch; for a
     flattened one (``position_ids``, no ``attention_mask``) the count of sequence starts up to it, minus 1."""

@@ -68,18 +68,18 @@ def score(model, rows, tokenizer, cfg: Config) -> list[float]:
     import torch
     from torch.utils.data import DataLoader
 
-    from onegpu.training import dpo, lm_head
+    from onegpu.training import dpo
     device, out = next(model.parameters()).device, []
     pairs = rows.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"])
+    # A DataLoader of its own, not training.heldout.batches: heldout imports the objectives, whose params
+    # (all of train.dpo, model.lora) would then re-run this stage in dvc.yaml (tests/unit/test_dvc_yaml.py).
     for batch in DataLoader(pairs, batch_size=cfg.evaluate.per_device_eval_batch_size,
                             collate_fn=dpo.PreferenceCollator(tokenizer.pad_token_id)):
         batch = {k: v.to(device) for k, v in batch.items()}
         labels = batch.pop("labels")
         with torch.no_grad():
             seq, n = dpo.sequence_ids(batch), int(batch["input_ids"].shape[0])
-            outputs = (lm_head.hidden_states(model, batch) if lm_head.attached(model)
-                       else model(**batch, use_cache=False))
-            out += dpo.sequence_logps(outputs, labels, seq, n)[0].tolist()
+            out += dpo.sequence_logps(dpo.scoring_output(model, batch), labels, seq, n)[0].tolist()
     return out
 
 

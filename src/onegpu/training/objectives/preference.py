@@ -58,14 +58,6 @@ def reference_of(model) -> Reference:
     return ref
 
 
-def _forward(model, features: dict):
-    """``model``'s output for ``features`` in its current mode: hidden states where the fused LM head is
-    attached (no whole logits), else the model's own output."""
-    if lm_head.attached(model):
-        return lm_head.hidden_states(model, features)
-    return model(**features, use_cache=False)
-
-
 def _sequences(inputs: dict) -> int:
     """Sequences in a collated micro-batch (2 per pair); one host sync for a flattened row."""
     if inputs.get("attention_mask") is None and inputs.get("position_ids") is not None:
@@ -167,12 +159,12 @@ class Preference(Objective):
                 device = features["input_ids"].device
                 if next(ref.model.parameters()).device != device:
                     ref.model.to(device)  # once: where the policy went
-                return dpo.sequence_logps(_forward(ref.model, features), labels, seq, n)[0]
+                return dpo.sequence_logps(dpo.scoring_output(ref.model, features), labels, seq, n)[0]
             was = inner.training
             inner.eval()
             try:
                 with inner.disable_adapter():
-                    return dpo.sequence_logps(_forward(inner, features), labels, seq, n)[0]
+                    return dpo.sequence_logps(dpo.scoring_output(inner, features), labels, seq, n)[0]
             finally:
                 inner.train(was)
 
@@ -249,7 +241,7 @@ class Preference(Objective):
                 batch = {k: v.to(device) for k, v in batch.items()}
                 labels, stored = batch.pop("labels"), batch.pop("ref_logps", None)
                 seq, n = dpo.sequence_ids(batch), _sequences(batch)
-                policy, tokens = dpo.sequence_logps(_forward(model, batch), labels, seq, n)
+                policy, tokens = dpo.sequence_logps(dpo.scoring_output(model, batch), labels, seq, n)
                 reference = (stored.to(policy.dtype) if stored is not None
                              else self.reference_logps(model, batch, labels, seq, n))
                 figures = dpo.figures(policy, reference, ref.dpo.beta)
