@@ -121,3 +121,42 @@ def test_two_processes_with_a_short_last_step_are_one_in_float64(tmp_path):
         run = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         assert [row["samples"] for row in run["rows"]] == [8, 6]
         f64.assert_same(f64.Run(run["rows"], run["grads"]), _short_step_ref())
+
+
+# -- train.fsdp on the packaged classifier: two gloo ranks, each holding half of every weight, gradient and
+# optimizer state (fully_shard per BertLayer and the root), against the one unsharded process above --
+
+# (micro-batch of each rank, accumulation, train keys): 2 x 4 x 1 and 2 x 1 x 4 with checkpointing and the
+# gathered weights kept until backward; each = 1 process x 8 x 1.
+FSDP_CASES = {"4x1": (4, 1, {}),
+              "1x4": (1, 4, {"gradient_checkpointing": True, "fsdp": {"enabled": True,
+                                                                       "reshard_after_forward": False}})}
+
+
+def _fsdp_rank(rank: int, port: int, out_dir: str) -> None:
+    import os
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from onegpu.training import distributed
+    distributed.TIMEOUT_S = 60
+    runs = {case: _classifier(micro, accum, backend="accelerate", num_processes=2, eval_strategy="no",
+                              oom_retry=False, **{"fsdp": {"enabled": True}, **train})
+            for case, (micro, accum, train) in FSDP_CASES.items()}
+    torch.save({case: (run.rows, run.grads) for case, run in runs.items()}, f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_fsdp2_over_two_processes_is_one_process_on_the_packaged_classifier_in_float64(tmp_path):
+    """train.fsdp on the packaged all-MiniLM-L6-v2: 2 gloo processes, the model sharded (each rank holds half of
+    every weight and gradient), = 1 unsharded process x 8 x 1 per step within 1e-12 in float64: loss, the global
+    grad_norm, every parameter's step-1 gradient (gathered whole on each rank), at accumulation 1 and 4 (under
+    set_requires_gradient_sync(False)) with checkpointing."""
+    import torch.multiprocessing as mp
+
+    from tests.unit.training.test_distributed import _free_port
+    mp.spawn(_fsdp_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    for r in (0, 1):
+        for case, (rows, grads) in torch.load(tmp_path / f"rank{r}.pt", weights_only=False).items():
+            assert [row["samples"] for row in rows] == [8, 8], case
+            print(f"rank {r} {case}: {f64.distance(f64.Run(rows, grads), _classifier_ref())}")
+            f64.assert_same(f64.Run(rows, grads), _classifier_ref())
