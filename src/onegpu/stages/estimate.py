@@ -3,8 +3,8 @@
 One probe forward pass on one and two copies of the longest training row (with and without activation
 checkpointing; under the bf16/fp16 autocast the training uses, with the configured attention kernel and LoRA
 adapters) fixes the activation line; params, grads and optimizer states are exact sums over the model
-(:mod:`onegpu.training.autobatch`). Rows: data/processed when prepare has run, else a few hundred from the source.
-"""
+(:mod:`onegpu.training.autobatch`), one rank's under train.fsdp (:func:`onegpu.training.sharding.per_rank_estimate`).
+Rows: data/processed when prepare has run, else a few hundred from the source."""
 from __future__ import annotations
 
 import time
@@ -18,7 +18,7 @@ from onegpu.data import pipeline
 from onegpu.formatting import GiB
 from onegpu.measure import memory
 from onegpu.models import loader
-from onegpu.training import autobatch, checkpointing, objectives, validation
+from onegpu.training import autobatch, checkpointing, objectives, sharding, validation
 from onegpu.training.session import build_model, check_flattened
 
 DEFAULT_MICRO_BATCHES = [1, 2, 4, 8, 16, 32, 64]
@@ -56,6 +56,8 @@ def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float |
                              cfg.train.gradient_checkpointing,
                              lambda m: checkpointing.enable(m, cfg.train),
                              mixed_precision=cfg.train.mixed_precision)
+    if cfg.train.fsdp.enabled:  # one rank's share of the states, plus the weights gathered at once
+        est = sharding.per_rank_estimate(model, est, cfg.train)
     budget_gib = budget_gib if budget_gib is not None else cfg.train.memory_budget_gib
     budget = int(budget_gib * GiB) if budget_gib else None
     precision = "fp32" if cfg.train.mixed_precision == "no" else f"{cfg.train.mixed_precision} autocast"

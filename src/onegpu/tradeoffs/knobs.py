@@ -235,12 +235,42 @@ def reference(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
                     "the reference's log-probabilities scored once (no reference model kept or run per step)")]
 
 
+def sharding(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
+    """FSDP2 sharding (``train.fsdp.enabled``) the other way, over the ``train.num_processes`` processes (2 or more):
+    each rank keeps 1/N of the weights, gradients and optimizer states instead of a whole copy, for an all-gather
+    per block in forward and backward and a reduce-scatter of the gradients per step; the same training, outside
+    the equivalence key. Turning it on under the trainer backend adds ``train.backend=accelerate`` (FSDP2 runs in
+    the accelerate backend only; the backend is outside the key too). A row that :func:`onegpu.config.validate`
+    would refuse (FSDP2 with LoRA, the fused LM head of a causal LM, validation during training, ``oom_retry``,
+    ``torch_compile``, fp16, several machines, DPO) is not planned, so none fails at its start: the refusal's
+    text is the reason."""
+    from onegpu import config
+    if cfg.train.num_processes < 2:
+        return (f"FSDP2 shards over processes and train.num_processes is {cfg.train.num_processes}; set "
+                "train.num_processes to 2 or more (on a CPU gloo processes count)")
+    on = not cfg.train.fsdp.enabled
+    backend = (("train.backend", "accelerate"),) if on and cfg.train.backend == "trainer" else ()
+    overrides = (*backend, ("train.fsdp.enabled", _yaml(on)))
+    raw = cfg.to_dict()
+    for key, value in overrides:
+        config.apply_override(raw, f"{key}={value}")
+    try:
+        config.from_container(raw, source="the row's params")
+    except UserError as e:
+        return f"{e} (`onegpu tradeoffs -S key=value` sets a key for every row)"
+    n = cfg.train.num_processes
+    return [Variant("sharding" if on else "no-sharding", "sharding", overrides, SAME,
+                    f"FSDP2 sharding over {n} processes (1/{n} of the weights, gradients and optimizer states each"
+                    + (", the accelerate backend)" if backend else ")") if on
+                    else f"data parallel over {n} processes (a whole copy each) instead of FSDP2 sharding")]
+
+
 # The knob names (`--knobs` takes these), in the guide's order, and the function of each.
 KNOBS: dict[str, Callable[[Config, DeviceFacts], list[Variant] | str]] = {
     "split": split, "checkpointing": checkpointing, "precision": precision, "tf32": tf32,
     "optimizer": optimizer, "attention": attention, "compile": torch_compile, "allocator": allocator, "lora": lora,
     "padding_free": padding_free, "packing": packing, "fused_lm_head": fused_lm_head,
-    "activation_offloading": activation_offloading, "reference": reference,
+    "activation_offloading": activation_offloading, "reference": reference, "sharding": sharding,
 }
 
 

@@ -32,6 +32,9 @@ GUIDE = {
     "activation_offloading": "not in the guide (TRL's activation_offloading: device memory for PCIe traffic)",
     "fused_lm_head": "not in the guide (TRL's fused LM head, Liger's fused linear cross-entropy: no whole logits)",
     "reference": "not in the guide (TRL's precompute_ref_log_probs: no reference model in memory or per step)",
+    "sharding": ("not in the guide (PyTorch FSDP2: per-rank params, grads and optimizer states down by about N; an "
+                 "all-gather per block in forward and backward and a reduce-scatter of gradients per step: more "
+                 "communication, slower on one machine)"),
 }
 
 

@@ -85,24 +85,25 @@ def optimizer_state_bytes(model, optim: str) -> int:
     shared 256-entry quantization maps are left out). ``adamw_torch_8bit`` / ``adamw_torch_4bit`` (torchao):
     :func:`torchao_state_bytes`, about a quarter / an eighth of AdamW's on large tensors.
     """
+    return sum(tensor_state_bytes(tuple(p.shape), optim) for p in model.parameters() if p.requires_grad)
+
+
+def tensor_state_bytes(shape: tuple[int, ...], optim: str) -> int:
+    """Bytes of ``optim``'s states for one trainable parameter of ``shape`` (:func:`optimizer_state_bytes`'s rules;
+    FSDP2 sharding gives it the shape of a rank's dim-0 shard, :func:`onegpu.training.sharding.per_rank_bytes`)."""
     import math
-    total = 0
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        n = p.numel()
-        if optim == "adamw_bnb_8bit":
-            total += 2 * (n + 4 * math.ceil(n / 256)) if n >= 4096 else 2 * n * 4
-        elif optim in TORCHAO_OPTIMIZERS:
-            total += torchao_state_bytes(n, LOW_BIT_OPTIMIZERS[optim])
-        elif optim.startswith("adamw"):
-            total += 2 * n * 4
-        elif optim in ("adagrad", "rmsprop"):
-            total += n * 4
-        elif optim == "adafactor":
-            shape = tuple(p.shape)
-            total += (math.prod(shape[:-1]) + math.prod(shape[:-2] + shape[-1:])) * 4 if p.dim() >= 2 else n * 4
-    return total
+    n = math.prod(shape)
+    if optim == "adamw_bnb_8bit":
+        return 2 * (n + 4 * math.ceil(n / 256)) if n >= 4096 else 2 * n * 4
+    if optim in TORCHAO_OPTIMIZERS:
+        return torchao_state_bytes(n, LOW_BIT_OPTIMIZERS[optim])
+    if optim.startswith("adamw"):
+        return 2 * n * 4
+    if optim in ("adagrad", "rmsprop"):
+        return n * 4
+    if optim == "adafactor":
+        return (math.prod(shape[:-1]) + math.prod(shape[:-2] + shape[-1:])) * 4 if len(shape) >= 2 else n * 4
+    return 0
 
 
 def state_bytes_predicted(model, optim: str) -> dict[str, int]:
@@ -324,12 +325,24 @@ def offloading_line(est: dict, checkpointing: bool) -> str:
             f"device needs about that much less than the total: {saved} (PCIe traffic instead; CUDA only)")
 
 
+def sharded_line(est: dict) -> str:
+    """The header of an estimate for one rank under FSDP2 (:func:`onegpu.training.sharding.per_rank_estimate`)."""
+    n = est["ranks"]
+    grads = ("whole: gradient_accumulation_steps > 1 holds every gradient unsharded until the step's last "
+             "micro-batch" if est["grads_accumulating"] else f"1/{n} each, reduce-scattered every step")
+    return (f"per rank of {n} under FSDP2 sharding (train.fsdp.enabled), predicted: params and optimizer states "
+            f"1/{n} each (dim-0 shards, rank 0's padded share), grads {grads}, plus the weights all-gathered at "
+            f"once ({est['gathered_what']}); activations per micro-batch as without sharding (each rank "
+            "runs its own); every figure and total below is per rank")
+
+
 def format_estimate(est: dict, budget: int | None, checkpointing: bool) -> str:
     """The estimate as a Markdown table, with the largest micro-batch that fits ``budget`` (bytes)."""
     s = est["states"]
     copies = est.get("autocast_weights", 0)
     head = (f"params {mib(s['mem_params_bytes'])} + grads {mib(s['mem_grads_bytes'])} + optimizer "
             f"{mib(s['mem_optimizer_bytes'])}"
+            + (f" + all-gathered weights {mib(est['mem_gathered_bytes'])}" if "ranks" in est else "")
             + (f" + autocast's weight copies {mib(copies)} (2 bytes per matmul weight, kept for backward "
                "whatever the micro-batch)" if copies else "")
             + f"; activations at padded length {est['length']} "
@@ -340,7 +353,8 @@ def format_estimate(est: dict, budget: int | None, checkpointing: bool) -> str:
     rows = [[r["micro_batch"], mib(r["activations"], unit=False), mib(r["activations_checkpointed"], unit=False),
              mib(r.get("logits", 0), unit=False), mib(r["total"], unit=False)]
             + (["yes" if r["micro_batch"] in fitting else "no"] if budget else []) for r in est["rows"]]
-    lines = [head, "", markdown_table(columns + (["fits"] if budget else []), rows)]
+    lines = [*([sharded_line(est)] if "ranks" in est else []), head, "",
+             markdown_table(columns + (["fits"] if budget else []), rows)]
     if budget:
         lines += ["", f"largest micro-batch that fits {gib(budget)} ({SAFETY:.0%} usable): "
                   + (str(max(fitting)) if fitting else "none of these")]

@@ -32,6 +32,97 @@ def blocks(model) -> list:
     return [m for m in model.modules() if m is not model and type(m).__name__ in names]
 
 
+def owners(model) -> dict[int, object]:
+    """``id(parameter) -> module`` whose ``fully_shard`` holds it (as :func:`shard` calls it: each of :func:`blocks`
+    innermost first, then the root): the innermost block that contains the parameter, else ``model`` (the root:
+    embeddings, final norm, head, and a tied weight that two of them share)."""
+    held: dict[int, object] = {}
+    for block in reversed(blocks(model)):
+        for p in block.parameters():
+            held.setdefault(id(p), block)
+    return {id(p): held.get(id(p), model) for p in model.parameters()}
+
+
+def per_rank_bytes(model, processes: int, accumulation: int, optim: str,
+                   reshard_after_forward: bool = True) -> dict[str, int]:
+    """Predicted bytes one rank holds under FSDP2 (:func:`shard`) over ``processes`` ranks, from the unsharded
+    model (no process group needed). A prediction, from FSDP2's design (the PyTorch docs of ``fully_shard``;
+    Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel"), not a measurement:
+
+        shard(p)    = ceil(dim0 / N) x (the other dims) elements: FSDP2 pads dim 0 to a multiple of N, so this
+                      is rank 0's share, the largest
+        params      = sum over parameters of shard(p) x its element size
+        grads       = the same over trainable parameters when gradient_accumulation_steps is 1; above 1 every
+                      trainable parameter's whole (unsharded) gradient, held until the step's last micro-batch
+                      (set_requires_gradient_sync(False), :func:`gradient_sync`)
+        optimizer   = :func:`onegpu.training.autobatch.tensor_state_bytes` of each trainable shard's shape
+        gathered    = the two largest blocks' unsharded params (the block running and the next one, which FSDP2
+                      prefetches: 2 x a block when the blocks are alike) + the root's own unsharded params
+                      (outside every block: the root keeps them gathered from its forward to its backward); with
+                      reshard_after_forward false every block keeps its gathered weights from its forward to its
+                      backward: the whole params
+
+    Left out: a block's unsharded gradients before their reduce-scatter, the collectives' buffers, and the
+    allocator's slack. Activations are not here: each rank runs its own micro-batch, as without sharding.
+
+    Args:
+        processes: train.num_processes (N), the ranks of the 1-D mesh.
+        accumulation: gradient_accumulation_steps of the step.
+        optim: train.optim.
+    Returns:
+        ``{"mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes", "mem_gathered_bytes"}``, bytes per rank.
+    Raises:
+        ValueError: ``processes`` or ``accumulation`` below 1.
+    """
+    import math
+
+    from onegpu.training.autobatch import tensor_state_bytes
+    if processes < 1 or accumulation < 1:
+        raise ValueError(f"processes and accumulation must be >= 1, got {processes} and {accumulation}")
+    held = owners(model)
+    params = grads = states = 0
+    unsharded: dict[int, int] = {}  # id(module) -> bytes of its parameters, gathered
+    for p in model.parameters():  # each tensor once (a tied weight counted once)
+        shape = tuple(p.shape) or (1,)
+        local = (math.ceil(shape[0] / processes), *shape[1:])
+        params += math.prod(local) * p.element_size()
+        unsharded[id(held[id(p)])] = unsharded.get(id(held[id(p)]), 0) + p.numel() * p.element_size()
+        if p.requires_grad:
+            grads += (math.prod(local) if accumulation == 1 else p.numel()) * p.element_size()
+            states += tensor_state_bytes(local, optim)
+    root = unsharded.pop(id(model), 0)
+    gathered = root + sum(sorted(unsharded.values())[-2 if reshard_after_forward else 0:])
+    return {"mem_params_bytes": params, "mem_grads_bytes": grads, "mem_optimizer_bytes": states,
+            "mem_gathered_bytes": gathered}
+
+
+def per_rank_estimate(model, est: dict, train) -> dict:
+    """``onegpu estimate``'s ``est`` (:func:`onegpu.training.autobatch.estimate`, bytes for the whole model) for one
+    rank under ``train.fsdp`` (``train``: the TrainConfig): params, grads and optimizer states from
+    :func:`per_rank_bytes` and each micro-batch's total with them and the gathered weights; the activations as they
+    are (each rank runs its own micro-batch). Under ``per_device_train_batch_size: auto`` each micro-batch m has
+    its own gradient_accumulation_steps, effective_batch_size / (m x N), so its own gradients. Adds ``ranks`` (N),
+    ``mem_gathered_bytes``, ``gathered_what`` (which weights, in words) and ``grads_accumulating`` (whether the
+    states' gradients are the unsharded ones, at the first micro-batch)."""
+    n = train.num_processes
+
+    def accumulation(m: int) -> int:
+        if train.per_device_train_batch_size != "auto":
+            return train.gradient_accumulation_steps
+        return max(1, -(-train.effective_batch_size // (m * n)))
+
+    def at(m: int) -> dict[str, int]:
+        return per_rank_bytes(model, n, accumulation(m), train.optim, train.fsdp.reshard_after_forward)
+    whole = sum(est["states"].values())
+    rows = [{**r, "total": r["total"] - whole + sum(at(r["micro_batch"]).values())} for r in est["rows"]]
+    first = at(est["rows"][0]["micro_batch"])
+    gathered = first.pop("mem_gathered_bytes")
+    return {**est, "states": first, "rows": rows, "ranks": n, "mem_gathered_bytes": gathered,
+            "grads_accumulating": accumulation(est["rows"][0]["micro_batch"]) > 1,
+            "gathered_what": "two blocks' and the root's own" if train.fsdp.reshard_after_forward else
+            "every block's, kept from its forward to its backward: reshard_after_forward false"}
+
+
 def meta_copy(model):
     """A copy of ``model`` whose parameters are on the meta device (no memory), ties kept, buffers copied: the
     plain skeleton that :func:`gather` fills with the trained weights. Take it before :func:`shard`."""

@@ -203,3 +203,35 @@ def test_the_estimate_says_what_a_validation_pass_adds_unless_the_run_does_not_v
     assert f": {mib(states)}, plus one layer's temporaries" in line
     stage.run(from_container({"train": {"eval_strategy": "no"}}, source="test"), [MICRO])
     assert not [x for x in capsys.readouterr().out.splitlines() if x.startswith("validation")]
+
+
+def test_under_fsdp_the_estimate_is_per_rank_and_says_so(monkeypatch, capsys):
+    """train.fsdp.enabled over 2 processes: one header line says the figures are per rank of 2 under FSDP2; the
+    params, grads and optimizer states are one rank's dim-0 shards (onegpu.training.sharding.per_rank_bytes of the
+    model the stage built), plus the gathered weights, in every total; the activations are the unsharded run's."""
+    from onegpu.formatting import mib
+    from onegpu.models import loader
+    from onegpu.stages import estimate as stage
+    from onegpu.training import sharding
+    dsd = _uniform_rows()
+    monkeypatch.setattr(stage, "_rows", lambda cfg, path: (dsd, tokenizer(), "test rows"))
+    monkeypatch.setattr(loader, "build_classifier", lambda path, labels, dropout, attn: tiny_bert(attn))
+    train = {"backend": "accelerate", "num_processes": 2, "eval_strategy": "no", "oom_retry": False,
+             "gradient_accumulation_steps": 1}
+    plain = stage.run(from_container({"train": train}, source="test"), [MICRO])
+    capsys.readouterr()
+    est = stage.run(from_container({"train": {**train, "fsdp": {"enabled": True}}}, source="test"), [MICRO])
+    out = capsys.readouterr().out.splitlines()
+    [line] = [x for x in out if x.startswith("per rank of 2 under FSDP2 sharding (train.fsdp.enabled), predicted")]
+    assert "grads 1/2 each, reduce-scattered every step" in line and "every figure and total below is per rank" in line
+    want = sharding.per_rank_bytes(tiny_bert(), 2, 1, "adamw_torch")
+    assert est["states"] == {k: v for k, v in want.items() if k != "mem_gathered_bytes"}
+    assert est["states"]["mem_params_bytes"] < 0.6 * plain["states"]["mem_params_bytes"]
+    assert f"all-gathered weights {mib(want['mem_gathered_bytes'])}" in out[out.index(line) + 1]
+    [p], [s] = plain["rows"], est["rows"]
+    assert s["activations"] == p["activations"]
+    assert s["total"] == p["total"] - sum(plain["states"].values()) + sum(want.values())
+    accumulating = stage.run(from_container({"train": {**train, "gradient_accumulation_steps": 2,
+                                                       "fsdp": {"enabled": True}}}, source="test"), [MICRO])
+    assert accumulating["states"]["mem_grads_bytes"] == plain["states"]["mem_grads_bytes"]  # whole, unsharded
+    assert "grads whole: gradient_accumulation_steps > 1 holds every gradient unsharded" in capsys.readouterr().out

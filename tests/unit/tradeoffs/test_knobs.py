@@ -34,7 +34,7 @@ def test_plan_on_cpu_for_the_defaults():
     assert by["lora"].set_args == ["-S", "model.lora.r=8"]  # the dotted form a user types
     # tf32: a no-op on CPU; padding-free, packing and the fused LM head: causal LM only
     assert [s.split(":")[0] for s in skipped] == ["tf32", "padding_free", "packing", "fused_lm_head",
-                                                  "activation_offloading", "reference"]
+                                                  "activation_offloading", "reference", "sharding"]
 
 
 def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
@@ -46,7 +46,7 @@ def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
     assert "offloading" in names and next(v for v in variants if v.name == "offloading").expect == knobs.SAME
     # host memory is not the tensors' on a GPU
     assert [s.split(":")[0] for s in skipped] == ["allocator", "padding_free", "packing", "fused_lm_head",
-                                                  "reference"]
+                                                  "reference", "sharding"]
 
 
 def test_torchao_adds_8bit_and_4bit_adamw_where_bitsandbytes_is_not_usable():
@@ -215,3 +215,49 @@ def test_the_reference_row_only_for_preference_tuning_and_the_baselines_key():
     on = config.from_container(raw)
     assert equivalence_key(on, config.resolve(on), "fp") == equivalence_key(base, config.resolve(base), "fp")
     assert _names(knobs.plan(on, CPU, knobs=("reference",))[0]) == ["baseline", "no-precomputed-reference"]
+
+
+def _processes(**train) -> dict:
+    """The defaults' params on 2 processes, with what FSDP2 refuses switched off (and ``train`` on top)."""
+    raw = defaults.params()
+    raw["train"].update({"num_processes": 2, "eval_strategy": "no", "oom_retry": False, **train})
+    return raw
+
+
+def test_the_sharding_row_toggles_fsdp_on_the_accelerate_backend_with_the_baselines_key():
+    """Over 2 or more processes: one row turning FSDP2 on (with train.backend=accelerate under the trainer
+    backend) or off; it validates and has the baseline's equivalence key, as SAME promises."""
+    for backend, extra in (("trainer", (("train.backend", "accelerate"),)), ("accelerate", ())):
+        raw = _processes(backend=backend)
+        base = config.from_container(raw)
+        (row,) = knobs.sharding(base, CPU)
+        assert (row.name, row.knob, row.overrides, row.expect) == (
+            "sharding", "sharding", (*extra, ("train.fsdp.enabled", "true")), knobs.SAME)
+        assert "FSDP2 sharding over 2 processes" in row.what
+        for k, val in row.overrides:
+            config.apply_override(raw, f"{k}={val}")
+        cfg = config.from_container(raw)
+        assert cfg.train.fsdp.enabled and cfg.train.backend == "accelerate"
+        assert equivalence_key(cfg, config.resolve(cfg), "fp") == equivalence_key(base, config.resolve(base), "fp")
+        (back,) = knobs.sharding(cfg, CPU)  # sharded params: the row turns it off
+        assert (back.name, back.overrides, back.expect) == ("no-sharding", (("train.fsdp.enabled", "false"),),
+                                                            knobs.SAME)
+    variants, skipped = knobs.plan(config.from_container(_processes()), CPU)
+    assert "sharding" in _names(variants) and not [s for s in skipped if s.startswith("sharding")]
+
+
+def test_no_sharding_row_on_one_process_or_where_validation_would_refuse_it():
+    _, skipped = knobs.plan(_cfg(), CPU, knobs=("sharding",))
+    assert skipped == ["sharding: FSDP2 shards over processes and train.num_processes is 1; set "
+                       "train.num_processes to 2 or more (on a CPU gloo processes count)"]
+    for train, key in (({"eval_strategy": "steps"}, "train.eval_strategy"), ({"oom_retry": True}, "train.oom_retry"),
+                       ({"torch_compile": True}, "train.torch_compile"), ({"fp16": True}, "train.fp16")):
+        raw = _processes(**train)
+        variants, skipped = knobs.plan(config.from_container(raw), CPU, knobs=("sharding",))
+        assert _names(variants) == ["baseline"]
+        assert skipped[0].startswith(f"sharding: the row's params: train.fsdp.enabled: is true with {key}: "), skipped
+        assert skipped[0].endswith("(`onegpu tradeoffs -S key=value` sets a key for every row)")
+    raw = _processes()
+    raw["model"]["lora"] = {"r": 8, "alpha": 16}
+    why = knobs.sharding(config.from_container(raw), CPU)
+    assert isinstance(why, str) and "is true with model.lora: LoRA adapters under FSDP2 are not proven yet" in why
