@@ -166,7 +166,6 @@ BAD = [
        "train.fsdp.enabled", [f"with {key}:", want])
       for name, changes, key, want in (
           ("one-process", {"train.num_processes": 1}, "train.num_processes", "one process has nothing to shard"),
-          ("lora", {"model.lora": {"r": 8}}, "model.lora", "set model.lora.r: 0"),
           ("validation", {"train.eval_strategy": "steps"}, "train.eval_strategy", "set train.eval_strategy: no"),
           ("oom-retry", {"train.oom_retry": True}, "train.oom_retry", "set train.oom_retry: false"),
           ("compile", {"train.torch_compile": True}, "train.torch_compile", "set train.torch_compile: false"),
@@ -201,9 +200,10 @@ def test_fsdp_is_accepted_with_what_its_first_slice_runs(raw):
     for dotted, value in {"train.fsdp.enabled": True, "train.fsdp.reshard_after_forward": False,
                           "train.backend": "accelerate", "train.num_processes": 2, "train.eval_strategy": "no",
                           "train.oom_retry": False, "train.per_device_train_batch_size": 4,
-                          "train.save_steps": 10}.items():
+                          "train.save_steps": 10, "model.lora": {"r": 8}}.items():
         _set(raw, dotted, value)
-    assert config.from_container(raw).train.fsdp == config.FSDPConfig(enabled=True, reshard_after_forward=False)
+    cfg = config.from_container(raw)  # with LoRA adapters too (proven in tests/unit/training/test_distributed.py)
+    assert cfg.train.fsdp == config.FSDPConfig(enabled=True, reshard_after_forward=False) and cfg.model.lora.r == 8
 
 
 def test_effective_batch_size_disagreeing_names_the_product(raw):

@@ -258,6 +258,6 @@ def test_no_sharding_row_on_one_process_or_where_validation_would_refuse_it():
         assert skipped[0].startswith(f"sharding: the row's params: train.fsdp.enabled: is true with {key}: "), skipped
         assert skipped[0].endswith("(`onegpu tradeoffs -S key=value` sets a key for every row)")
     raw = _processes()
-    raw["model"]["lora"] = {"r": 8, "alpha": 16}
+    raw["model"]["task"], raw["model"]["name_or_path"], raw["data"]["source"] = "causal-lm", None, "bbcnews-headlines"
     why = knobs.sharding(config.from_container(raw), CPU)
-    assert isinstance(why, str) and "is true with model.lora: LoRA adapters under FSDP2 are not proven yet" in why
+    assert isinstance(why, str) and "is true with train.fused_lm_head: the fused head projects" in why

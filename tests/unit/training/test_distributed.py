@@ -168,7 +168,8 @@ def _dpo_part(rank: int, out: str) -> None:
 # clipping that acts (the norm is above 0.5).
 FSDP_CASES = {"accum1": (2, 1, {"reshard_after_forward": True}, {}),
               "accum4": (1, 4, {"reshard_after_forward": False}, {"gradient_checkpointing": True,
-                                                                   "max_grad_norm": 0.5})}
+                                                                   "max_grad_norm": 0.5}),
+              "lora": (1, 2, {"reshard_after_forward": True}, {"gradient_checkpointing": True})}
 
 
 def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
@@ -186,8 +187,9 @@ def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
     from tests.unit.equivalence import float64
     from tests.unit.training.test_batches import tiny_llama
     micro, accum, fsdp, train = FSDP_CASES[case]
+    lora_cfg = {"lora": {"r": 4, "alpha": 8.0}} if case == "lora" else {}
     cfg = from_container({"data": {"max_length": 64}, "model": {"task": "causal-lm", "name_or_path": None,
-                                                                  "dropout": 0.0},
+                                                                  "dropout": 0.0, **lora_cfg},
                           "train": {"backend": "accelerate", "per_device_train_batch_size": micro * 2 // processes,
                                     "gradient_accumulation_steps": accum, "max_steps": 2, "num_processes": processes,
                                     "optim": "sgd", "learning_rate": 0.05, "weight_decay": 0.01, "seed": 3,
@@ -195,6 +197,14 @@ def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
                                     "fused_lm_head": False,
                                     "fsdp": {"enabled": processes > 1, **fsdp}, **train}}, source="test")
     model = tiny_llama().double()
+    if case == "lora":  # adapters on every linear layer, B non-zero: their gradients reach every matrix
+        from onegpu.config import LoraConfig
+        from onegpu.models import lora
+        torch.manual_seed(1)
+        model = lora.apply(model, LoraConfig(r=4, alpha=8.0), "causal-lm", True)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02)
     held = {}
 
     def hold(optimizer, args, kwargs):  # step 1: this rank's shards of the gradients and parameters
@@ -217,6 +227,10 @@ def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
     finally:
         handle.remove()
         group.foreach_reduce = own_reduce
+    if case == "lora" and distributed.is_main():  # as the train stage writes models/: the adapter, then merged
+        from onegpu.models import lora
+        tokenizer = float64.chat_tokenizer()
+        trained = lora.save(trained, tokenizer, f"{save_to}-adapter") if save_to else trained.merge_and_unload()
     weights = {n: p.detach().clone() for n, p in trained.named_parameters()} if distributed.is_main() else {}
     if save_to and distributed.is_main():  # as the train stage writes models/ (rank 0)
         trained.save_pretrained(save_to)
@@ -399,8 +413,10 @@ def test_two_processes_train_dpo_as_one_the_figures_over_every_pair_once(rank_re
 def test_fsdp2_over_two_processes_is_one_process_in_float64(rank_results, tmp_path_factory, case):
     """train.fsdp: 2 gloo processes, each holding half of every weight and gradient (fully_shard per decoder
     layer and the root), = 1 process unsharded, per step within 1e-12 relative in float64: the loss, the
-    global grad_norm before clipping, and every weight after the 2 steps; at accumulation 1, and at 4 with
-    gradient checkpointing, reshard_after_forward false and clipping at 0.5. The logged norm is the global one:
+    global grad_norm before clipping, and every weight after the 2 steps; at accumulation 1, at 4 with
+    gradient checkpointing, reshard_after_forward false and clipping at 0.5, and with LoRA adapters (r=4 on
+    every linear layer, the base frozen in the same shards) at 2 with checkpointing, models/ merged as the train
+    stage merges it. The logged norm is the global one:
     each rank's local-shard norm is another figure (a logged local norm would fail here), the two together
     make the whole. models/ as rank 0 writes it loads with from_pretrained, the trained weights to the bit."""
     from tests.unit.equivalence.float64 import REL
@@ -411,7 +427,9 @@ def test_fsdp2_over_two_processes_is_one_process_in_float64(rank_results, tmp_pa
     assert two[0]["rows"] == two[1]["rows"] and len(one["rows"]) == 2
     # One reduce-scatter per sharded group (2 layers, the root) and step, whatever the accumulation: the
     # micro-batches before a step's last run under set_requires_gradient_sync(False) (DDP's no_sync: 4 per step).
-    assert [r["reduce_scatters"] for r in two] == [2 * 3, 2 * 3]
+    # Under LoRA the root's group (embeddings, norm, head) is frozen: nothing of it to reduce.
+    groups = 2 if case == "lora" else 3
+    assert [r["reduce_scatters"] for r in two] == [2 * groups, 2 * groups]
     for a, b in zip(two[0]["rows"], one["rows"]):
         for k in ("loss", "grad_norm"):
             assert abs(a[k] - b[k]) <= REL * abs(b[k]), (k, a[k], b[k])
