@@ -821,9 +821,6 @@ _FSDP_REFUSALS: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
      "this process's shard of them; set train.fused_lm_head: false"),
     ("model.task", lambda c: has_reference(c.model.task),
      "DPO's frozen reference copy would be sharded with the policy; not done yet: set train.fsdp.enabled: false"),
-    ("train.eval_strategy", lambda c: c.train.eval_strategy != "no",
-     "validation during training reads uneven shares per process, and every sharded forward gathers weights with "
-     "all processes; set train.eval_strategy: no (the evaluate stage still scores models/)"),
     ("train.oom_retry", lambda c: c.train.oom_retry,
      "a retry re-splits one process's micro-batches, and every sharded forward gathers weights with all processes; "
      "set train.oom_retry: false"),

@@ -166,7 +166,6 @@ BAD = [
        "train.fsdp.enabled", [f"with {key}:", want])
       for name, changes, key, want in (
           ("one-process", {"train.num_processes": 1}, "train.num_processes", "one process has nothing to shard"),
-          ("validation", {"train.eval_strategy": "steps"}, "train.eval_strategy", "set train.eval_strategy: no"),
           ("oom-retry", {"train.oom_retry": True}, "train.oom_retry", "set train.oom_retry: false"),
           ("compile", {"train.torch_compile": True}, "train.torch_compile", "set train.torch_compile: false"),
           ("fp16", {"train.fp16": True}, "train.fp16", "use bf16 or neither"),

@@ -76,8 +76,23 @@ def batches(dataset, cfg: Config, collator, whole: bool = False):
     ``evaluate.per_device_eval_batch_size`` collated by ``collator``."""
     from torch.utils.data import DataLoader
     rows = dataset if whole else shard(dataset)
-    return DataLoader(rows, batch_size=cfg.evaluate.per_device_eval_batch_size, collate_fn=collator,
-                      pin_memory=memory.cuda_available())
+    loader = DataLoader(rows, batch_size=cfg.evaluate.per_device_eval_batch_size, collate_fn=collator,
+                        pin_memory=memory.cuda_available())
+    loader.filler = collator([dataset[0]]) if len(dataset) else None  # the split's first row (:func:`_fillers`)
+    return loader
+
+
+def _fillers(model, loader, done: int, device: str) -> list:
+    """Under FSDP2 (``train.fsdp``: every forward gathers the weights with all processes) the forwards this
+    process owes after its ``done`` batches: as many as the process with the most batches has more (the
+    shares of an uneven split differ by a row, so by a batch at most), each on ``loader.filler`` (the split's
+    first row; its results are discarded), so that every process runs as many; none without sharding.
+    One all-gather under sharding."""
+    from onegpu.training import sharding
+    if not sharding.is_sharded(model):
+        return []
+    most = max(int(counts[0]) for counts in distributed.gather_over_ranks([done], device))
+    return [loader.filler] * (most - done)
 
 
 def classifier_batch(model, batch: dict, gold):
@@ -111,6 +126,7 @@ def _summed(model, batches, score, device: str, keep=None) -> tuple[float, int, 
     model.to(device).eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, items, hits (counts exact below 2**53)
     start = time.perf_counter()
+    owed = _fillers(model, batches, len(batches), device)  # (before the batches: a collective of its own)
     with torch.no_grad():
         for batch in batches:
             batch = {k: v.to(device) for k, v in batch.items()}
@@ -122,6 +138,9 @@ def _summed(model, batches, score, device: str, keep=None) -> tuple[float, int, 
                 sums[2] += extra
             else:
                 keep(extra, gold)
+        for batch in owed:  # counted nowhere
+            batch = {k: v.to(device) for k, v in batch.items()}
+            score(model, batch, batch.pop("labels"))
     total, items, hits = distributed.sum_over_ranks(sums).tolist()
     return total / items, int(items), int(hits), time.perf_counter() - start
 

@@ -184,20 +184,32 @@ def global_norm(norm):
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
+def is_sharded(model) -> bool:
+    """Whether ``model`` is sharded by :func:`shard` (an ``FSDPModule``: its forward gathers weights with every
+    process, so every process must run as many forwards)."""
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+def full_state(model) -> dict:
+    """The whole state dict of a sharded ``model`` on the CPU, on rank 0 (``get_model_state_dict`` with
+    ``full_state_dict=True, cpu_offload=True``); ``{}`` on the other ranks. Collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 def gather(model, skeleton):
     """The trained weights as a plain model: every rank takes part in gathering the full state dict
-    (``get_model_state_dict`` with ``full_state_dict=True, cpu_offload=True``: rank 0 receives it on the CPU,
-    the others nothing), and rank 0 puts it into ``skeleton`` (:func:`meta_copy` of the model before
-    sharding; tied weights stay tied) and returns it; the other ranks return ``model`` (sharded; they write
-    no outputs).
+    (:func:`full_state`: rank 0 receives it on the CPU, the others nothing), and rank 0 puts it into
+    ``skeleton`` (:func:`meta_copy` of the model before sharding; tied weights stay tied) and returns it; the
+    other ranks return ``model`` (sharded; they write no outputs).
 
     Raises:
         KeyError: a parameter of the skeleton is missing from the gathered state dict.
     """
     import torch
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = full_state(model)
     if dist.get_rank() != 0:
         return model
     new = {id(p): torch.nn.Parameter(full[name].detach().clone(), requires_grad=p.requires_grad)

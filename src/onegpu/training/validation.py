@@ -94,7 +94,7 @@ class Validation:
             return None
         t = self.cfg.train
         best, waited = best_point(evals, t.metric_for_best_model, greater(t), t.early_stopping_threshold)
-        if t.load_best_model_at_end and distributed.is_main() and best is not None and best["step"] == step:
+        if t.load_best_model_at_end and best is not None and best["step"] == step:  # (all-reduced: on every rank)
             self._save_best()
         patience = t.early_stopping_patience
         stop = patience is not None and waited >= patience and step < self.total_steps
@@ -117,16 +117,23 @@ class Validation:
         return os.path.join(str(self._best_dir), BEST_FILE)
 
     def _save_best(self) -> None:
-        """The model's weights to disk, atomically: on a GPU through a host copy freed once written (nothing
-        more on the device), on a CPU the state dict's own tensors (no copy), so no second copy of the model
-        stays in memory; their bytes are :attr:`best_bytes` (the breakdown's ``mem_best_model_bytes``)."""
+        """The model's weights to disk by process 0, atomically: on a GPU through a host copy freed once written
+        (nothing more on the device), on a CPU the state dict's own tensors (no copy), so no second copy of the
+        model stays in memory; their bytes are :attr:`best_bytes` (the breakdown's ``mem_best_model_bytes``).
+        Every process calls it: under ``train.fsdp`` the whole weights are gathered from all (a collective)."""
         import os
 
         import torch
 
         from onegpu.measure import memory
+        from onegpu.training import sharding
+        if sharding.is_sharded(self.model):  # train.fsdp: every rank sends its shards, rank 0 gets the whole
+            state = sharding.full_state(self.model)
+        elif distributed.is_main():
+            state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if not distributed.is_main():  # one writer (under data parallel the ranks' weights are equal)
+            return
         path = self._best_file()
-        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         torch.save(state, path + ".tmp")
         self.best_bytes = memory.tensors_bytes(state.values())
         del state
@@ -143,8 +150,12 @@ class Validation:
         best, _ = best_point(evals, t.metric_for_best_model, greater(t), t.early_stopping_threshold)
         if not t.load_best_model_at_end or best is None or not os.path.isfile(self._best_file()):
             return None
+        from onegpu.training import sharding
+        if sharding.is_sharded(model):  # train.fsdp, a rank but 0: it writes no models/ (rank 0's is gathered)
+            return best
         from onegpu.measure import memory
-        state = torch.load(self._best_file(), map_location=self.device, weights_only=True)
+        where = "cpu" if self.device.startswith("cpu") else self.device  # (under train.fsdp a CPU is "cpu:0")
+        state = torch.load(self._best_file(), map_location=where, weights_only=True)
         self.best_bytes = memory.tensors_bytes(state.values())
         model.load_state_dict(state)
         return best

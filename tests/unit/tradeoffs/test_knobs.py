@@ -250,7 +250,7 @@ def test_no_sharding_row_on_one_process_or_where_validation_would_refuse_it():
     _, skipped = knobs.plan(_cfg(), CPU, knobs=("sharding",))
     assert skipped == ["sharding: FSDP2 shards over processes and train.num_processes is 1; set "
                        "train.num_processes to 2 or more (on a CPU gloo processes count)"]
-    for train, key in (({"eval_strategy": "steps"}, "train.eval_strategy"), ({"oom_retry": True}, "train.oom_retry"),
+    for train, key in (({"oom_retry": True}, "train.oom_retry"),
                        ({"torch_compile": True}, "train.torch_compile"), ({"fp16": True}, "train.fp16")):
         raw = _processes(**train)
         variants, skipped = knobs.plan(config.from_container(raw), CPU, knobs=("sharding",))

@@ -169,7 +169,10 @@ def _dpo_part(rank: int, out: str) -> None:
 FSDP_CASES = {"accum1": (2, 1, {"reshard_after_forward": True}, {}),
               "accum4": (1, 4, {"reshard_after_forward": False}, {"gradient_checkpointing": True,
                                                                    "max_grad_norm": 0.5}),
-              "lora": (1, 2, {"reshard_after_forward": True}, {"gradient_checkpointing": True})}
+              "lora": (1, 2, {"reshard_after_forward": True}, {"gradient_checkpointing": True}),
+              "validation": (1, 1, {"reshard_after_forward": True}, {
+                  "eval_strategy": "steps", "eval_steps": 1, "load_best_model_at_end": True,
+                  "metric_for_best_model": "eval_loss", "greater_is_better": True})}
 
 
 def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
@@ -178,10 +181,12 @@ def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
     1 without (micro-batches of 2 x micro). Returns the rows' loss and grad_norm, the trained weights (rank 0; {}
     on the others), FSDP2's gradient reduce-scatters counted, and, at step 1, what each rank held: its gradients'
     local-shard norm and parameter elements."""
+    from datasets import DatasetDict
     from torch.distributed.tensor import DTensor
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from onegpu.config import from_container
+    from onegpu.training import validation
     from onegpu.training.backends import accelerate as backend
     from onegpu.training.backends.base import TrainRequest
     from tests.unit.equivalence import float64
@@ -195,7 +200,8 @@ def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
                                     "optim": "sgd", "learning_rate": 0.05, "weight_decay": 0.01, "seed": 3,
                                     "max_grad_norm": 0.0, "eval_strategy": "no", "oom_retry": False,
                                     "fused_lm_head": False,
-                                    "fsdp": {"enabled": processes > 1, **fsdp}, **train}}, source="test")
+                                    "fsdp": {"enabled": processes > 1, **fsdp}, **train},
+                          "evaluate": {"per_device_eval_batch_size": 2}}, source="test")
     model = tiny_llama().double()
     if case == "lora":  # adapters on every linear layer, B non-zero: their gradients reach every matrix
         from onegpu.config import LoraConfig
@@ -205,6 +211,9 @@ def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.02)
+    data = float64.instruction_data("answers", 4 * micro * accum)
+    if case == "validation":  # 5 rows: shares of 2 and 3, one and two batches of 2 (the first rank runs a filler)
+        data = DatasetDict(train=data["train"], validation=float64.instruction_data("answers", 5)["train"])
     held = {}
 
     def hold(optimizer, args, kwargs):  # step 1: this rank's shards of the gradients and parameters
@@ -221,9 +230,8 @@ def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
     group.foreach_reduce = lambda *a, **kw: reduces.append(1) or own_reduce(*a, **kw)  # a group's gradients
     try:
         with float64.float64_throughout(model):
-            trained, steps = backend.train(TrainRequest(model, float64.chat_tokenizer(),
-                                                        float64.instruction_data("answers", 4 * micro * accum), cfg,
-                                                        sink=lambda m, s: None))
+            trained, steps = validation.finish(*backend.train(TrainRequest(model, float64.chat_tokenizer(), data,
+                                                                           cfg, sink=lambda m, s: None)))
     finally:
         handle.remove()
         group.foreach_reduce = own_reduce
@@ -235,7 +243,8 @@ def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
     if save_to and distributed.is_main():  # as the train stage writes models/ (rank 0)
         trained.save_pretrained(save_to)
     return {"rows": [{k: r[k] for k in ("loss", "grad_norm")} for r in steps.rows], "weights": weights,
-            "reduce_scatters": len(reduces), **held}
+            "reduce_scatters": len(reduces), "best": steps.best,
+            "evals": [(e["step"], e["eval_loss"], e["eval_rows"]) for e in steps.evals], **held}
 
 
 def _fsdp_part(rank: int, out: str) -> None:
@@ -416,7 +425,8 @@ def test_fsdp2_over_two_processes_is_one_process_in_float64(rank_results, tmp_pa
     global grad_norm before clipping, and every weight after the 2 steps; at accumulation 1, at 4 with
     gradient checkpointing, reshard_after_forward false and clipping at 0.5, and with LoRA adapters (r=4 on
     every linear layer, the base frozen in the same shards) at 2 with checkpointing, models/ merged as the train
-    stage merges it. The logged norm is the global one:
+    stage merges it; and with validation after every step (5 rows: uneven shares) and the best point's weights
+    loaded at the end. The logged norm is the global one:
     each rank's local-shard norm is another figure (a logged local norm would fail here), the two together
     make the whole. models/ as rank 0 writes it loads with from_pretrained, the trained weights to the bit."""
     from tests.unit.equivalence.float64 import REL
@@ -430,6 +440,14 @@ def test_fsdp2_over_two_processes_is_one_process_in_float64(rank_results, tmp_pa
     # Under LoRA the root's group (embeddings, norm, head) is frozen: nothing of it to reduce.
     groups = 2 if case == "lora" else 3
     assert [r["reduce_scatters"] for r in two] == [2 * groups, 2 * groups]
+    # Validation during training: each process scores its share (2 and 3 of 5 rows; the first runs a filler
+    # forward, as every sharded forward gathers with all), the figures all-reduced: one process's, per point.
+    assert two[0]["evals"] == two[1]["evals"] and len(one["evals"]) == (2 if case == "validation" else 0)
+    for (step2, loss2, rows2), (step1, loss1, rows1) in zip(two[0]["evals"], one["evals"]):
+        assert (step2, rows2) == (step1, rows1) and rows1 == 5
+        assert abs(loss2 - loss1) <= REL * loss1, (loss2, loss1)
+    if case == "validation":  # models/ gets the best point's weights, gathered from the shards at that point
+        assert one["best"]["step"] == two[0]["best"]["step"] == 1
     for a, b in zip(two[0]["rows"], one["rows"]):
         for k in ("loss", "grad_norm"):
             assert abs(a[k] - b[k]) <= REL * abs(b[k]), (k, a[k], b[k])
