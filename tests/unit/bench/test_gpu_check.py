@@ -3,7 +3,8 @@ header (in that order, with its GPU limit in seconds), has a ``sec_<name>`` func
 runs it, a limit in both modes and a ``run_section`` call; each bench script a section runs has its SMOKE result
 among those the rehearsal (bench/gpu_rehearsal.sh) wants back. The ``dpo`` section runs
 ``bench.vs_trl_dpo`` on the SmolLM2-shaped random-init model through ``bench_script`` (whose ``--bf16`` makes the
-script train each arm in fp32 and again in bf16; tests/unit/bench/test_vs_trl_dpo.py tests that)."""
+script train each arm in fp32 and again in bf16; tests/unit/bench/test_vs_trl_dpo.py tests that); the ``fsdp``
+section runs ``bench.fsdp`` on that model in fp32 (``FP32=1``: no ``--bf16``)."""
 from __future__ import annotations
 
 import re
@@ -81,3 +82,14 @@ def test_the_dpo_section_runs_vs_trl_dpo_on_the_smollm2_model_in_fp32_and_bf16()
     assert len(runs) == 2, runs  # SMOKE sizes and the GPU's
     assert "--max-length 1024" in runs[1] and "--reps 1" in runs[1]
     assert "--bf16" in function("bench_script")  # vs_trl_dpo --bf16: each arm in fp32, then under bf16 autocast
+
+
+def test_the_fsdp_section_runs_bench_fsdp_on_the_smollm2_model_in_fp32_after_dpo():
+    names = sections()
+    assert names.index("dpo") < names.index("fsdp") < names.index("tradeoffs")
+    body = function("sec_fsdp")
+    assert "ensure_smollm2 || return 1" in body and "bench.fsdp" in gpu_preflight.BENCH
+    runs = re.findall(r'FP32=1 bench_script fsdp --model "\$SMOLLM2" (.*)', body)
+    assert len(runs) == 2 and runs[0] == "--smoke", runs  # SMOKE sizes, then the GPU's
+    assert "--max-length 1024" in runs[1] and "--accum 2" in runs[1]
+    assert '[ "${FP32:-0}" = 1 ] && bf16=' in function("bench_script")  # fp32: the float32 floor is the bar
