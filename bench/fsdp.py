@@ -50,8 +50,11 @@ ARMS = ("unsharded", "sharded")
 # floor is about 1e-6 (the sharded norm sums per-shard squares in another order); a wrong gradient sync or norm
 # gives 1e-3 and more.
 RTOL = 1e-5
-# Largest relative difference of the gathered weights (max over tensors of max|a - b| / max|b|) after the steps.
-WEIGHT_RTOL = 1e-5
+# Largest relative difference of the gathered weights (max over tensors of max|a - b| / max|b|) after the steps:
+# on the CPU the arms are equal to the bit; on CUDA non-deterministic kernels (the embedding's backward, SDPA's)
+# move a gradient by ~1e-7, and AdamW turns a near-zero element's noise into an update of up to lr (1e-4) per
+# step, so the bound is 1e-3; a gather that misplaces a shard moves weights by their own size.
+WEIGHT_RTOL = 1e-3
 RANKS = (1, 2, 4, 8)  # the per_rank_bytes predictions printed
 STATES = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes")
 # --smoke: the sizes (a 2-layer hidden-64 SmolLM2-shaped model where --model is not given)
