@@ -85,6 +85,34 @@ class PaddingFreeCollator:
         return batch
 
 
+def rows_as_they_are(features: list[dict]) -> list[dict]:
+    """The training DataLoader's ``collate_fn`` under several processes: a micro-batch's rows uncollated, so
+    that the loop can leave out the rows :func:`own_rows` says are repeats before it collates them."""
+    return features
+
+
+def own_rows(batch: int, rank: int, world: int, micro: int, rows: int) -> int:
+    """How many rows of process ``rank``'s ``batch``-th micro-batch of an epoch (0-based) are the epoch's own.
+
+    Accelerate deals an epoch's micro-batches of ``micro`` rows round-robin (micro-batch ``g`` of the epoch's
+    order to process ``g % world``) and, with ``even_batches`` (its default and Trainer's), fills the last
+    short one and the missing ones of the last round with rows repeated from the epoch's start, at their
+    tail (``accelerate.data_loader.BatchSamplerShard._iter_with_no_split``): process ``rank``'s micro-batch
+    ``batch`` is the epoch's ``g = batch * world + rank``-th, whose first ``rows - g * micro`` rows (between 0
+    and ``micro``) are its own. Repeats would be trained on twice in the step one process trains once; left out,
+    N processes train every step on the rows one process does.
+    """
+    return max(0, min(micro, rows - (batch * world + rank) * micro))
+
+
+def collate_own(features: list[dict], own: int, collator) -> tuple[dict, bool]:
+    """``(micro-batch, counted)``: the first ``own`` of ``features`` collated (the repeats at the tail left
+    out, :func:`own_rows`); with none of its own, every row collated and ``counted`` False: the micro-batch is
+    only run to keep the processes' collectives in step, its loss weighed by 0
+    (:meth:`~onegpu.training.objectives.base.Objective.pad_loss`)."""
+    return (collator(features[:own]), True) if own else (collator(features), False)
+
+
 def collator_for(task: str, tokenizer, padding_free: bool = False):
     """The micro-batch collator of ``model.task`` ``task``'s objective: padding per micro-batch, or (a
     token-level objective, ``padding_free``) one flattened row per micro-batch (:class:`PaddingFreeCollator`)."""

@@ -361,3 +361,29 @@ def test_the_auto_finder_probes_flattened_rows():
     micro, probes = autobatch.find_micro_batch(model, rows, PaddingFreeCollator(), causal_lm_loss, 8, int(small),
                                                "adamw_torch", "cpu")
     assert micro in (2, 4) and [p.micro_batch for p in probes][:2] == [8, 4]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_own_rows_are_the_epochs_rows_once_under_accelerates_even_batches(world):
+    """own_rows against accelerate's own sharding (BatchSamplerShard, even_batches as Trainer sets it): for every
+    epoch length and micro-batch, each process's micro-batches begin with own_rows rows of the epoch, the rest
+    repeats from its start; over the processes every row once (a micro-batch of repeats only where a process has
+    none of its own)."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    from onegpu.training.batches import collate_own, own_rows
+    for rows in range(1, 23):
+        for micro in (1, 2, 3, 4):
+            seen = []
+            for rank in range(world):
+                shard = BatchSamplerShard(BatchSampler(range(rows), micro, drop_last=False), world, rank,
+                                          even_batches=True)
+                for k, batch in enumerate(shard):
+                    own = own_rows(k, rank, world, micro, rows)
+                    assert batch[:own] == list(range((k * world + rank) * micro, (k * world + rank) * micro + own))
+                    assert len(batch) == micro and all(i < micro * world for i in batch[own:])  # from the start
+                    seen.extend(batch[:own])
+            assert sorted(seen) == list(range(rows)), (rows, micro)
+    assert collate_own([{"x": 1}, {"x": 2}], 1, lambda f: f) == ([{"x": 1}], True)
+    assert collate_own([{"x": 1}, {"x": 2}], 0, lambda f: f) == ([{"x": 1}, {"x": 2}], False)

@@ -30,7 +30,7 @@ from onegpu.config import TORCHAO_OPTIMIZERS, Config
 from onegpu.measure import memory
 from onegpu.training import activation_offloading, checkpointing, distributed, objectives, oom, sharding, validation
 from onegpu.training.backends.base import TrainRequest
-from onegpu.training.batches import probe_batch
+from onegpu.training.batches import collate_own, own_rows, probe_batch, rows_as_they_are
 from onegpu.training.interrupt import Interrupted
 from onegpu.training.loss import loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
@@ -106,7 +106,8 @@ def schedule(len_dataloader: int, cfg: Config) -> tuple[int, int, int]:
 
 
 def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, loss_of, pieces: int,
-                      oom_injector, step: int, offload=None, group: int = 1, fsdp: bool = False):
+                      oom_injector, step: int, offload=None, group: int = 1, fsdp: bool = False,
+                      pads: frozenset = frozenset(), pad_of=None):
     """Forward and backward over one optimizer step's micro-batches, each cut into ``pieces`` pieces.
 
     Returns this rank's share of the step's loss (a 0-d tensor on the device, not synced): the sum of
@@ -118,22 +119,23 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
     average the ranks' gradients where the step's loss sums them. Pieces hold whole groups of ``group`` rows
     (:func:`onegpu.training.oom.cut`).
     ``labels`` stay in the inputs. ``offload``: the context each piece's forward and backward run in
-    (:func:`onegpu.training.activation_offloading.context`; None: none).
+    (:func:`onegpu.training.activation_offloading.context`; None: none). The micro-batches at ``pads`` are only
+    accelerate's repeats (several processes, an epoch's last step): their loss is ``pad_of``'s, 0.
     Raises:
         torch.OutOfMemoryError: a piece did not fit (or ``oom_injector`` said so).
     """
-    parts = [p for inputs in micro_batches for p in oom.cut(inputs, pieces, group)]  # never empty
+    parts = [(p, i in pads) for i, inputs in enumerate(micro_batches) for p in oom.cut(inputs, pieces, group)]
     step_loss = None  # in the loss's dtype, added in Trainer's order: both backends log the same float
     scale = accelerator.num_processes
     offload = offload or contextlib.nullcontext()
-    for i, piece in enumerate(parts):
+    for i, (piece, pad) in enumerate(parts):  # never empty
         last = i == len(parts) - 1
         accelerator.sync_gradients = last  # as Trainer sets it; the optimizer steps only when True
         oom.injected(oom_injector, step, piece)
         unsynced = sharding.gradient_sync(model, last) if fsdp else (
             contextlib.nullcontext() if last else accelerator.no_sync(model))
         with unsynced, offload:
-            loss = loss_of(model, piece, num_items)  # this piece's share of the mean
+            loss = pad_of(model, piece) if pad else loss_of(model, piece, num_items)  # its share of the mean
             accelerator.backward(loss * scale if scale > 1 else loss)  # Accelerate's accumulation count is 1
         step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
     return step_loss
@@ -190,9 +192,11 @@ def _build(req: TrainRequest) -> _Loop:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=t.seed))
     parts = objectives.training_parts(req.dsd, cfg, req.tokenizer)
     rows, collator = parts.rows, parts.collator
+    # Several processes: rows uncollated, the loop leaves out accelerate's repeats and collates (_epoch_steps).
     loader = DataLoader(
         rows, batch_size=t.per_device_train_batch_size, sampler=RandomSampler(rows),
-        drop_last=False, collate_fn=collator, num_workers=t.dataloader_num_workers,
+        drop_last=False, collate_fn=collator if t.num_processes == 1 else rows_as_they_are,
+        num_workers=t.dataloader_num_workers,
         pin_memory=cuda if t.dataloader_pin_memory is None else t.dataloader_pin_memory,
         worker_init_fn=partial(seed_worker, num_workers=t.dataloader_num_workers,
                                rank=accelerator.process_index))
@@ -263,7 +267,8 @@ def _optimizer_step(lp: _Loop, cfg: Config, recorder: StepRecorder):
 
 
 def _epoch_steps(lp: _Loop, epoch: int, skip: int, accum: int):
-    """The optimizer steps of ``epoch`` after the first ``skip``: yields each step's micro-batches.
+    """The optimizer steps of ``epoch`` after the first ``skip``: yields each step's micro-batches (collated, on
+    the device) and the indices of those that are only repeats (several processes: :func:`_own_batches`).
 
     Prefetches a step's micro-batches (to count its items before the first forward, as
     Trainer.get_batch_samples); the epoch's last step takes what is left. A resumed epoch draws the
@@ -272,7 +277,24 @@ def _epoch_steps(lp: _Loop, epoch: int, skip: int, accum: int):
     batches = iter(lp.accelerator.skip_first_batches(lp.loader, skip * accum) if skip else lp.loader)
     for update in range(skip, lp.steps_per_epoch):
         n = accum if update < lp.steps_per_epoch - 1 else (len(lp.loader) % accum or accum)
-        yield list(itertools.islice(batches, n))
+        raw = list(itertools.islice(batches, n))
+        yield (raw, frozenset()) if lp.accelerator.num_processes == 1 else _own_batches(lp, raw, update * accum)
+
+
+def _own_batches(lp: _Loop, raw: list[list[dict]], first: int) -> tuple[list[dict], frozenset]:
+    """A step's uncollated micro-batches (this process's ``first``-th of the epoch onwards) collated without
+    accelerate's repeated rows (:func:`onegpu.training.batches.own_rows`), on the device; and the indices of
+    those with no row of their own (their loss weighs 0: :meth:`~onegpu.training.objectives.base.Objective.
+    pad_loss`)."""
+    acc, micro = lp.accelerator, lp.loader.total_batch_size // lp.accelerator.num_processes
+    out, pads = [], set()
+    for j, features in enumerate(raw):
+        own = own_rows(first + j, acc.process_index, acc.num_processes, micro, len(lp.train_set))
+        batch, counted = collate_own(features, own, lp.collator)
+        out.append({k: v.to(acc.device) for k, v in batch.items()})
+        if not counted:
+            pads.add(j)
+    return out, frozenset(pads)
 
 
 def train(req: TrainRequest) -> tuple[object, StepRecorder]:
@@ -332,24 +354,27 @@ def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> No
     step, pieces = start, 1  # pieces per micro-batch (more after out-of-memory recoveries)
     first_epoch, first_update = divmod(start, lp.steps_per_epoch)
     for epoch in range(first_epoch, lp.epochs):
-        for micro_batches in _epoch_steps(lp, epoch, first_update if epoch == first_epoch else 0, accum):
+        for micro_batches, pads in _epoch_steps(lp, epoch, first_update if epoch == first_epoch else 0, accum):
             if resume is not None and step == start:
                 # Only now: a fresh DataLoader iterator draws its base seed from the global RNG at its
                 # first batch, which the uninterrupted run did before step 1. Dropout then matches.
                 load_rng(resume.path)
             # The step's items over all ranks: each rank's loss is its share of the whole step's mean.
-            num_items = distributed.sum_over_ranks(sum(objective.count_batch(b) for b in micro_batches))
+            own = [b for i, b in enumerate(micro_batches) if i not in pads]  # (pads: repeats only)
+            num_items = distributed.sum_over_ranks(sum((objective.count_batch(b) for b in own),
+                                                       torch.zeros((), dtype=torch.int64, device=device)))
             while True:  # more than once only after an out-of-memory error (train.oom_retry)
                 try:
                     step_loss = _forward_backward(lp.accelerator, lp.model, micro_batches, num_items,
                                                   objective.step_loss, pieces, req.oom_injector, step + 1,
-                                                  lp.offload, objective.sequences_per_item, t.fsdp.enabled)
+                                                  lp.offload, objective.sequences_per_item, t.fsdp.enabled,
+                                                  pads, objective.pad_loss)
                     break
                 except torch.OutOfMemoryError as e:
                     rows = max(oom.rows(b) for b in micro_batches)
                     pieces = oom.recover(e, lp.model, rows, pieces, accum, step + 1, t.oom_retry, recorder.events)
                     objective.restart_step(lp.model)  # the whole step is redone: its figures too
-            for inputs in micro_batches:  # counted once, however many pieces
+            for inputs in own:  # counted once, however many pieces
                 recorder.counter.add(inputs)
             grad_norm, lr = _optimizer_step(lp, cfg, recorder)
             step += 1

@@ -27,7 +27,7 @@ from onegpu.training import (
     validation,
 )
 from onegpu.training.backends.base import TrainRequest
-from onegpu.training.batches import probe_batch
+from onegpu.training.batches import collate_own, own_rows, probe_batch, rows_as_they_are
 from onegpu.training.loss import loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
 from onegpu.training.resume import complete
@@ -120,8 +120,11 @@ class ExactLossTrainer(Trainer):
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, task: str = "sequence-classification", counter: BatchCounter | None = None,
-                 oom_retry: bool = False, oom_injector=None, activation_offloading: bool = False, **kwargs):
+                 oom_retry: bool = False, oom_injector=None, activation_offloading: bool = False, collate=None,
+                 **kwargs):
         super().__init__(*args, compute_loss_func=loss_for(task), **kwargs)
+        # Several processes: the DataLoader hands rows uncollated; ``collate`` collates them (_own_batches)
+        self.collate, self._epoch, self._next, self._pads, self._padding = collate, None, 0, set(), False
         # train.activation_offloading: each micro-batch's forward and backward in it, as SFTTrainer does
         self.offload = offloading.context(self.model, activation_offloading)
         self.task = task
@@ -152,13 +155,39 @@ class ExactLossTrainer(Trainer):
         Under several processes the count is summed over all ranks (as Trainer does with
         ``average_tokens_across_devices``, which then scales each rank's loss by the number of processes).
         """
+        import torch
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.collate is not None:
+            batch_samples = self._own_batches(batch_samples, epoch_iterator, device)
         if not batch_samples or "labels" not in batch_samples[0]:
             return batch_samples, None
-        num_items = sum(self.objective.count_batch(b) for b in batch_samples)
+        num_items = sum((self.objective.count_batch(b) for b in batch_samples if id(b) not in self._pads),
+                        torch.zeros((), dtype=torch.int64, device=device))
         return batch_samples, distributed.sum_over_ranks(num_items.to(device))
 
+    def _own_batches(self, raw: list[list[dict]], epoch_iterator, device) -> list[dict]:
+        """A step's uncollated micro-batches collated without accelerate's repeated rows
+        (:func:`onegpu.training.batches.own_rows`), on ``device``; those with no row of their own are kept in
+        ``_pads`` (their loss weighs 0). Which micro-batch of the epoch comes next is counted here: at an
+        epoch's (or a resumed epoch's) first step from the optimizer steps done, as Trainer skips them."""
+        args, accum, rows = self.args, self.args.gradient_accumulation_steps, len(self.train_dataset)
+        if epoch_iterator is not self._epoch:
+            per_rank = math.ceil(math.ceil(rows / args.per_device_train_batch_size) / args.world_size)
+            self._epoch, self._next = epoch_iterator, (self.state.global_step % math.ceil(per_rank / accum)) * accum
+        out, self._pads = [], set()
+        for features in raw:
+            own = own_rows(self._next, args.process_index, args.world_size, args.per_device_train_batch_size, rows)
+            batch, counted = collate_own(features, own, self.collate)
+            out.append({k: v.to(device) for k, v in batch.items()})
+            self._next += 1
+            if not counted:
+                self._pads.add(id(out[-1]))
+        return out
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._padding:  # a micro-batch of repeated rows only (_own_batches): in step with the others, weighs 0
+            loss = self.objective.pad_loss(model, inputs)
+            return (loss, None) if return_outputs else loss
         if self.counter is not None and model.training:
             self.counter.add(inputs)
         if not self.objective.own_forward:
@@ -172,6 +201,13 @@ class ExactLossTrainer(Trainer):
         return (loss, None) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        self._padding = id(inputs) in self._pads
+        try:
+            return self._retried_step(model, inputs, num_items_in_batch)
+        finally:
+            self._padding = False
+
+    def _retried_step(self, model, inputs, num_items_in_batch):
         import torch
         if self.state.global_step != self._inputs_step:
             self._step_inputs, self._inputs_step = [], self.state.global_step
@@ -363,10 +399,12 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
         checkpointing.enable(req.model, t)  # Trainer's own checkpointing is off (args)
     parts = objectives.training_parts(req.dsd, cfg, req.tokenizer)
     train_ds, collator = parts.rows, parts.collator
+    several = args.world_size > 1  # rows uncollated: ExactLossTrainer leaves out accelerate's repeats, collates
     trainer = ExactLossTrainer(
-        model=req.model, args=args, train_dataset=train_ds, data_collator=collator, processing_class=req.tokenizer,
-        counter=counter, task=task, oom_retry=t.oom_retry, oom_injector=req.oom_injector,
-        activation_offloading=t.activation_offloading)
+        model=req.model, args=args, train_dataset=train_ds, data_collator=rows_as_they_are if several else collator,
+        processing_class=req.tokenizer, counter=counter, task=task, oom_retry=t.oom_retry,
+        oom_injector=req.oom_injector, activation_offloading=t.activation_offloading,
+        collate=collator if several else None)
     steps = StepRecorder(req.sink, args.device, counter)
     steps.figures = objectives.of(cfg).step_figures(trainer.model)
     steps.breakdown.update(objectives.of(cfg).memory_terms(trainer.model))

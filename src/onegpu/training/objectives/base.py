@@ -64,6 +64,12 @@ class Objective:
         features = {k: v for k, v in inputs.items() if k != "labels"}
         return self.loss(model(**features), inputs["labels"], num_items)
 
+    def pad_loss(self, model, inputs: dict):
+        """A loss of 0 with a whole graph: :meth:`step_loss` times 0 for a micro-batch that only keeps several
+        processes' collectives in step (every row a repeat, :func:`onegpu.training.batches.collate_own`): its
+        backward adds exactly 0 to every gradient and nothing to the step's figures."""
+        return self.step_loss(model, inputs, 1) * 0
+
     def step_figures(self, model):
         """A callable giving the objective's own per-step metrics at each optimizer step (None: none)."""
         return None

@@ -148,6 +148,14 @@ class Preference(Objective):
     def restart_step(self, model) -> None:
         reference_of(model).sums = None
 
+    def pad_loss(self, model, inputs: dict):
+        """:meth:`step_loss` times 0, the step's figures as they were (a micro-batch of repeated pairs)."""
+        ref = reference_of(model)
+        kept = ref.sums
+        loss = self.step_loss(model, inputs, 1) * 0
+        ref.sums = kept
+        return loss
+
     def reference_logps(self, model, features: dict, labels, seq, n: int):
         """The reference's sequence log-probabilities ``(n,)`` for the batch (no autograd, eval mode)."""
         import torch

@@ -29,3 +29,16 @@ def test_its_model_columns_rename_the_label_and_drop_the_text():
 def test_the_test_line_gives_accuracy_f1_and_loss():
     line = OBJ.result_line({"test_accuracy": 0.92, "test_f1_macro": 0.9, "test_loss": 1.1, "test_rows": 426})
     assert line == "accuracy 0.9200, f1_macro 0.9000, loss 1.1000 on 426 test rows"
+
+
+def test_a_micro_batch_of_repeats_weighs_0():
+    """pad_loss (several processes, an epoch's last step): the forward runs (the processes' collectives stay in
+    step), the loss is 0 and its backward adds exactly 0 to every gradient."""
+    from tests.unit import tiny
+    model = tiny.tiny_bert()
+    batch = {"input_ids": torch.tensor([[1, 5, 6, 2]]), "attention_mask": torch.ones(1, 4, dtype=torch.int64),
+             "labels": torch.tensor([1])}
+    loss = OBJ.pad_loss(model, batch)
+    loss.backward()
+    assert float(loss) == 0.0
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters() if p.requires_grad)

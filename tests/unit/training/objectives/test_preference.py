@@ -155,3 +155,18 @@ def test_the_training_run_is_tagged_with_what_its_reference_was():
                             pre)
     assert OBJECTIVE.run_tags(scored) == {"onegpu.dpo_reference": (
         "precomputed: scored before step 1 (data/reference holds no scores (the reference stage: dvc repro))")}
+
+
+def test_a_micro_batch_of_repeats_weighs_0_and_leaves_the_steps_figures():
+    """pad_loss (several processes, an epoch's last step): a loss of 0 whose backward adds exactly 0 to every
+    gradient, and the step's figures (rewards/*, pairs) as the micro-batches before it left them."""
+    model = tiny_llama()
+    OBJECTIVE.prepare_model(model, cfg())
+    batch = PreferenceCollator(0)(ROWS)
+    OBJECTIVE.step_loss(model, batch, 3).backward()
+    kept = objectives.preference.reference_of(model).sums.clone()
+    grads = [p.grad.clone() for p in model.parameters()]
+    loss = OBJECTIVE.pad_loss(model, batch)
+    loss.backward()
+    assert float(loss) == 0.0 and torch.equal(objectives.preference.reference_of(model).sums, kept)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
