@@ -819,8 +819,6 @@ _FSDP_REFUSALS: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
     ("train.fused_lm_head", lambda c: c.train.fused_lm_head and causal_lm(c.model.task),
      "the fused head projects with the output layer's weights outside the model's forward, where FSDP2 holds only "
      "this process's shard of them; set train.fused_lm_head: false"),
-    ("model.task", lambda c: has_reference(c.model.task),
-     "DPO's frozen reference copy would be sharded with the policy; not done yet: set train.fsdp.enabled: false"),
     ("train.oom_retry", lambda c: c.train.oom_retry,
      "a retry re-splits one process's micro-batches, and every sharded forward gathers weights with all processes; "
      "set train.oom_retry: false"),

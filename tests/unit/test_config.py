@@ -172,9 +172,7 @@ BAD = [
           ("machines", {"train.num_machines": 2, "train.main_process_ip": "10.0.0.1"}, "train.num_machines",
            "set train.num_machines: 1"),
           ("fused-head", {"model.task": "causal-lm", "model.name_or_path": None, "data.source": "bbcnews-headlines"},
-           "train.fused_lm_head", "set train.fused_lm_head: false"),
-          ("dpo", {"model.task": "preference", "model.name_or_path": None, "data.source": "bbcnews-headline-pairs",
-                   "train.fused_lm_head": False}, "model.task", "frozen reference copy"))],
+           "train.fused_lm_head", "set train.fused_lm_head: false"))],
     ("source-parquet-typo", {"data.source": "d.parqet"}, "data.source", [".parquet"]),
 ]
 

@@ -241,8 +241,8 @@ def sharding(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     per block in forward and backward and a reduce-scatter of the gradients per step; the same training, outside
     the equivalence key. Turning it on under the trainer backend adds ``train.backend=accelerate`` (FSDP2 runs in
     the accelerate backend only; the backend is outside the key too). A row that :func:`onegpu.config.validate`
-    would refuse (FSDP2 with LoRA, the fused LM head of a causal LM, validation during training, ``oom_retry``,
-    ``torch_compile``, fp16, several machines, DPO) is not planned, so none fails at its start: the refusal's
+    would refuse (FSDP2 with the fused LM head of a causal LM, ``oom_retry``, ``torch_compile``, fp16, several
+    machines) is not planned, so none fails at its start: the refusal's
     text is the reason."""
     from onegpu import config
     if cfg.train.num_processes < 2:

@@ -327,11 +327,12 @@ def preference_data(n: int = 8, max_length: int = 64):
 
 def dpo_run(micro: int = 8, accum: int = 1, pairs: int = 8, steps: int = 2, fused: bool = True,
             backend: str = "trainer", padding_free: bool = False, lora: bool = False, dpo: dict | None = None,
-            rows: int | None = None, packaged: bool = False, dtype=torch.float64, oom_injector=None) -> Run:
+            rows: int | None = None, packaged: bool = False, dtype=torch.float64, oom_injector=None,
+            **train_cfg) -> Run:
     """``steps`` optimizer steps of DPO on the from-config model (:func:`smollm2_shaped`), ``pairs`` pairs per
     step (``rows`` pairs of data, default ``pairs x steps``: fewer repeat them in another epoch), its reference
     set up as the stage sets it (the objective's ``prepare_model``, after the cast). ``packaged``: the packaged
-    SmolLM2-135M-Instruct itself."""
+    SmolLM2-135M-Instruct itself. ``train_cfg``: more ``train`` keys (``num_processes``, ``fsdp``...)."""
     from onegpu.training import lm_head, objectives
     model = packaged_chat_model() if packaged else smollm2_shaped()
     if lora:
@@ -345,7 +346,7 @@ def dpo_run(micro: int = 8, accum: int = 1, pairs: int = 8, steps: int = 2, fuse
     if dtype == torch.float64:
         float64_norms(model)  # before the reference is copied from it: the copy computes as the policy
     train_cfg = {"backend": backend, "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum,
-                 "max_steps": steps, "dpo": dpo or {}}
+                 "max_steps": steps, "dpo": dpo or {}, **train_cfg}
     cfg = from_container({"model": {**PREFERENCE, **({"lora": {"r": 4, "alpha": 8.0}} if lora else {})},
                           "data": {"source": "pairs.jsonl", "padding_free": padding_free}, "train": train_cfg},
                          source="test")

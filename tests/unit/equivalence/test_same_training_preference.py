@@ -154,3 +154,53 @@ def test_on_the_packaged_chat_model_a_dpo_step_split_is_exact_in_float64():
     split = float64.dpo_run(2, 2, pairs=4, steps=1, packaged=True, backend="accelerate", padding_free=True)
     assert whole.rows[0]["loss"] == math.log(2)
     float64.assert_same(split, whole, steps=1)
+
+
+# -- train.fsdp: DPO over 2 gloo processes, the policy sharded (the whole logits: the fused head is refused
+# under sharding), against one unsharded process --
+
+# (micro-batch of each process, accumulation, dpo_run's keys) of each case: 2 x 1 x 2 = 4 pairs a step.
+FSDP_CASES = {"frozen-copy": (1, 2, {}),  # the reference sharded as the policy is
+              "precomputed": (2, 1, {"dpo": {"precompute_ref_log_probs": True}}),  # no reference model
+              "lora": (1, 2, {"lora": True})}  # the reference: the sharded policy, its adapter disabled
+SHARDED = {"backend": "accelerate", "num_processes": 2, "eval_strategy": "no", "oom_retry": False,
+           "fused_lm_head": False, "fsdp": {"enabled": True}}
+
+
+@functools.cache
+def whole_logits(lora: bool = False) -> float64.Run:
+    return float64.dpo_run(4, 1, pairs=4, fused=False, lora=lora)
+
+
+def _fsdp_rank(rank: int, port: int, out: str) -> None:
+    import os
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from accelerate.state import AcceleratorState, GradientState
+
+    from onegpu.training import distributed
+    distributed.TIMEOUT_S = 60
+    runs = {}
+    for case, (micro, accum, extra) in FSDP_CASES.items():
+        run = float64.dpo_run(micro, accum, pairs=4, fused=False, **extra, **SHARDED)
+        runs[case] = (run.rows, run.grads)
+        AcceleratorState._reset_state(reset_partial_state=False)  # (the process group stays)
+        GradientState._reset_state()
+    torch.save(runs, f"{out}/rank{rank}.pt")
+
+
+def test_dpo_sharded_over_two_processes_is_one_process_in_float64(tmp_path):
+    """train.fsdp with DPO: 2 gloo processes x 1 x 2 pairs (2 x 1 precomputed), the policy sharded, = 1
+    unsharded process x 4 x 1, per step within 1e-12 in float64 (loss, grad_norm, every parameter's step-1
+    gradient gathered whole, TRL's figures all-reduced over the step's 4 pairs): the frozen reference copy sharded
+    as the policy, a precomputed reference (its step-1 ties excepted, as above), LoRA's disabled adapter."""
+    import torch.multiprocessing as mp
+
+    from tests.unit.training.test_distributed import _free_port
+    mp.spawn(_fsdp_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    for r in (0, 1):
+        for case, (rows, grads) in torch.load(tmp_path / f"rank{r}.pt", weights_only=False).items():
+            run, ref = float64.Run(rows, grads), whole_logits(lora=case == "lora")
+            print(f"fsdp dpo {case}, rank {r}: {float64.distance(run, ref)}")
+            ties = ("rewards/accuracies", "rewards/ties") if case == "precomputed" else ()
+            assert_same(run, ref, [k for k in FIGURES if k not in ties])

@@ -228,6 +228,7 @@ def _prepare(accelerator, model, loader, cfg: Config, device_type: str):
         optimizer = make_optimizer(model, cfg)
         return (*accelerator.prepare(model, optimizer, loader), None)
     skeleton = _shard(accelerator, model, cfg.train, device_type)
+    objectives.of(cfg).shard(model, lambda m: sharding.shard(m, device_type, cfg.train.fsdp.reshard_after_forward))
     optimizer, loader = accelerator.prepare(make_optimizer(model, cfg), loader)
     return model, optimizer, loader, skeleton
 

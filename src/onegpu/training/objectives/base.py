@@ -70,6 +70,10 @@ class Objective:
         backward adds exactly 0 to every gradient and nothing to the step's figures."""
         return self.step_loss(model, inputs, 1) * 0
 
+    def shard(self, model, shard_fn) -> None:
+        """Under ``train.fsdp``, after ``model`` is sharded: ``shard_fn(module)`` on each model the objective keeps
+        beside it (DPO's frozen reference), so that it is sharded too; nothing here."""
+
     def step_figures(self, model):
         """A callable giving the objective's own per-step metrics at each optimizer step (None: none)."""
         return None

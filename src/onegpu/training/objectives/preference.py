@@ -148,6 +148,14 @@ class Preference(Objective):
     def restart_step(self, model) -> None:
         reference_of(model).sums = None
 
+    def shard(self, model, shard_fn) -> None:
+        """The frozen reference copy sharded as the policy is (``train.fsdp``: each process keeps 1/N of it, its
+        forward gathers the weights with every process, one per micro-batch as the policy's); LoRA's reference is
+        the sharded policy itself, a precomputed one no model."""
+        ref = reference_of(model)
+        if ref.model is not None:
+            shard_fn(ref.model)
+
     def pad_loss(self, model, inputs: dict):
         """:meth:`step_loss` times 0, the step's figures as they were (a micro-batch of repeated pairs)."""
         ref = reference_of(model)

@@ -170,3 +170,20 @@ def test_a_micro_batch_of_repeats_weighs_0_and_leaves_the_steps_figures():
     loss.backward()
     assert float(loss) == 0.0 and torch.equal(objectives.preference.reference_of(model).sums, kept)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+@pytest.mark.parametrize("how", ["frozen", "lora", "precomputed"])
+def test_under_sharding_the_frozen_reference_is_sharded_and_no_other(how):
+    """Objective.shard (train.fsdp, after the policy is sharded): the frozen copy goes to the shard function; LoRA's
+    reference is the policy itself and a precomputed one no model: nothing more to shard."""
+    model, sharded = tiny_llama(), []
+    if how == "lora":
+        from onegpu.config import LoraConfig
+        from onegpu.models import lora
+        model = lora.apply(model, LoraConfig(r=4, alpha=8.0), "preference", False)
+    c = cfg(lora=how == "lora")
+    if how == "precomputed":
+        c.train.dpo.precompute_ref_log_probs = True
+    OBJECTIVE.prepare_model(model, c)
+    OBJECTIVE.shard(model, sharded.append)
+    assert sharded == ([objectives.preference.reference_of(model).model] if how == "frozen" else [])
