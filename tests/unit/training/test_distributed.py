@@ -247,6 +247,36 @@ def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
             "evals": [(e["step"], e["eval_loss"], e["eval_rows"]) for e in steps.evals], **held}
 
 
+def _bf16_train(sharded: bool) -> dict:
+    """3 AdamW steps of the accelerate backend on a float32 tiny Llama under bf16 autocast (accelerate's, as
+    without sharding), 2 processes x 1 x 2: sharded with ``train.fsdp`` or plain data parallel. Returns the rows'
+    loss and grad_norm and (rank 0) the trained weights."""
+    from onegpu.config import from_container
+    from onegpu.training.backends import accelerate as backend
+    from onegpu.training.backends.base import TrainRequest
+    from tests.unit.equivalence import float64
+    from tests.unit.training.test_batches import tiny_llama
+    cfg = from_container({"data": {"max_length": 64}, "model": {"task": "causal-lm", "name_or_path": None,
+                                                                  "dropout": 0.0},
+                          "train": {"backend": "accelerate", "per_device_train_batch_size": 1, "bf16": True,
+                                    "gradient_accumulation_steps": 2, "max_steps": 3, "num_processes": 2,
+                                    "optim": "adamw_torch", "learning_rate": 1e-3, "seed": 3, "max_grad_norm": 1.0,
+                                    "eval_strategy": "no", "oom_retry": False, "fused_lm_head": False,
+                                    "fsdp": {"enabled": sharded}}}, source="test")
+    trained, steps = backend.train(TrainRequest(tiny_llama(), float64.chat_tokenizer(),
+                                                float64.instruction_data("answers", 12), cfg, sink=lambda m, s: None))
+    weights = {n: p.detach().float().tolist() for n, p in trained.named_parameters()} if distributed.is_main() else {}
+    return {"rows": [{k: r[k] for k in ("loss", "grad_norm")} for r in steps.rows], "weights": weights}
+
+
+def _fsdp_bf16_part(rank: int, out: str) -> None:
+    """bf16 autocast on rank ``rank`` of 2: sharded twice, then plain data parallel; writes ``<out>.json``."""
+    distributed.TIMEOUT_S = 60
+    runs = {"sharded": _bf16_train(True), "again": _bf16_train(True), "data_parallel": _bf16_train(False)}
+    with open(f"{out}.json", "w") as f:
+        json.dump(runs, f)
+
+
 def _fsdp_part(rank: int, out: str) -> None:
     """train.fsdp on rank ``rank`` of 2, each case of :data:`FSDP_CASES`; writes ``<out>.json`` (the rows and
     what the rank held) and ``<out>.pt`` (rank 0: the trained weights of each case)."""
@@ -315,7 +345,7 @@ def _fsdp_resume_part(rank: int, out: str) -> None:
 
 
 _PARTS = {"all_reduce": _all_reduce_part, "oom_retry": _oom_retry_part, "validation": _validation_part,
-          "dpo": _dpo_part, "fsdp": _fsdp_part, "fsdp_resume": _fsdp_resume_part}
+          "dpo": _dpo_part, "fsdp": _fsdp_part, "fsdp_resume": _fsdp_resume_part, "fsdp_bf16": _fsdp_bf16_part}
 
 
 def _ranks(rank: int, ports: list[int], out_dir: str, parts: list[str]) -> None:
@@ -349,7 +379,8 @@ def rank_results(request, tmp_path_factory) -> dict:
              "validation": test_two_processes_validate_as_one_each_its_share_of_the_split,
              "dpo": test_two_processes_train_dpo_as_one_the_figures_over_every_pair_once,
              "fsdp": test_fsdp2_over_two_processes_is_one_process_in_float64,
-             "fsdp_resume": test_a_sharded_run_stopped_after_step_2_resumes_to_the_uninterrupted_run_in_float64}
+             "fsdp_resume": test_a_sharded_run_stopped_after_step_2_resumes_to_the_uninterrupted_run_in_float64,
+             "fsdp_bf16": test_bf16_autocast_sharded_is_data_parallel_and_the_same_run_to_run}
     selected = {getattr(item, "originalname", None) for item in request.session.items}
     parts = [part for part, test in tests.items() if test.__name__ in selected] or list(tests)
     out = tmp_path_factory.mktemp("ranks")
@@ -499,6 +530,31 @@ def test_a_sharded_run_stopped_after_step_2_resumes_to_the_uninterrupted_run_in_
                 for run in ("whole", "resumed"))
     assert all(torch.equal(p, q) for p, q in zip(one.parameters(), two.parameters()))
     print(f"fsdp resume: loss {worst['loss']:.1e}, grad_norm {worst['grad_norm']:.1e} (relative); models/ equal")
+
+
+def test_bf16_autocast_sharded_is_data_parallel_and_the_same_run_to_run(rank_results):
+    """train.fsdp under bf16 (accelerate's autocast, the parameters and their gradients float32, as without
+    sharding; not FSDP2's own MixedPrecisionPolicy, whose bf16 reductions made grad_norm vary run to run,
+    LLaMA-Factory PR #10211): 2 gloo processes x 1 x 2, 3 AdamW steps clipped at 1.0, on a float32 tiny Llama.
+    Sharded twice: the same per-step loss and grad_norm and weights, to the bit. Sharded against plain data
+    parallel of the same micro-batches: step 1's loss to the bit (the same bf16 forward), its grad_norm within
+    1e-5 (the norm summed over shards, in another order: measured 1.2e-6); then AdamW carries that into the
+    weights (it normalises each element's step, so a rounding-level difference of a small gradient moves its
+    update by up to the learning rate): losses within 1e-6, grad_norm 1e-4, weights 1e-3 (measured 3.6e-7, 2.4e-5,
+    9.3e-5); a wrong reduction or a missing sync moves them by 1e-2 and more."""
+    ranks = _part(rank_results, "fsdp_bf16")
+    for r in ranks:
+        assert r["sharded"] == r["again"]  # rows, and rank 0's weights, to the bit
+        assert len(r["sharded"]["rows"]) == 3 and r["sharded"]["rows"] == ranks[0]["sharded"]["rows"]
+    sharded, plain = ranks[0]["sharded"], ranks[0]["data_parallel"]
+    assert sharded["rows"][0]["loss"] == plain["rows"][0]["loss"]
+    assert abs(sharded["rows"][0]["grad_norm"] / plain["rows"][0]["grad_norm"] - 1) <= 1e-5
+    worst = {k: max(abs(a[k] / b[k] - 1) for a, b in zip(sharded["rows"], plain["rows"]))
+             for k in ("loss", "grad_norm")}
+    moved = max(float((torch.tensor(sharded["weights"][n]) - torch.tensor(w)).abs().max()
+                      / torch.tensor(w).abs().max()) for n, w in plain["weights"].items())
+    print(f"fsdp bf16 against data parallel: {worst}, weights {moved:.1e}")
+    assert worst["loss"] <= 1e-6 and worst["grad_norm"] <= 1e-4 and moved <= 1e-3, (worst, moved)
 
 
 def _fsdp_weights(rank_results: dict):
