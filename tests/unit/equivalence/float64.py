@@ -328,13 +328,16 @@ def preference_data(n: int = 8, max_length: int = 64):
 def dpo_run(micro: int = 8, accum: int = 1, pairs: int = 8, steps: int = 2, fused: bool = True,
             backend: str = "trainer", padding_free: bool = False, lora: bool = False, dpo: dict | None = None,
             rows: int | None = None, packaged: bool = False, dtype=torch.float64, oom_injector=None,
-            **train_cfg) -> Run:
+            tiny: bool = False, **train_cfg) -> Run:
     """``steps`` optimizer steps of DPO on the from-config model (:func:`smollm2_shaped`), ``pairs`` pairs per
     step (``rows`` pairs of data, default ``pairs x steps``: fewer repeat them in another epoch), its reference
     set up as the stage sets it (the objective's ``prepare_model``, after the cast). ``packaged``: the packaged
-    SmolLM2-135M-Instruct itself. ``train_cfg``: more ``train`` keys (``num_processes``, ``fsdp``...)."""
+    SmolLM2-135M-Instruct itself; ``tiny``: a hidden-32 Llama of its vocabulary (tests/unit/training/test_batches.py).
+    ``train_cfg``: more ``train`` keys (``num_processes``, ``fsdp``...)."""
     from onegpu.training import lm_head, objectives
-    model = packaged_chat_model() if packaged else smollm2_shaped()
+    if tiny:
+        from tests.unit.training.test_batches import tiny_llama
+    model = packaged_chat_model() if packaged else tiny_llama() if tiny else smollm2_shaped()
     if lora:
         from onegpu.config import LoraConfig
         from onegpu.models import lora as lora_mod
