@@ -11,6 +11,7 @@ import platform
 from onegpu.config import Config, TrainConfig
 from onegpu.formatting import size
 from onegpu.measure import flops, memory
+from onegpu.training import distributed
 
 CONFIG_TAG = "config"  # the run's settings in a few characters (config_name), also on DVC-named runs
 
@@ -91,9 +92,9 @@ def step_tags(steps, effective_batch: int) -> dict:
     partial = steps.partial_steps(effective_batch)
     if partial:
         out["onegpu.partial_steps"] = json.dumps(partial)
-        for p in partial:
-            print(f"train: optimizer step {p['step']} saw {p['examples']} of {effective_batch} examples "
-                  "(the epoch's last rows); its loss is the mean over those")
+        for p in partial:  # (every process tags its own run object; one line on the terminal)
+            distributed.print_main(f"train: optimizer step {p['step']} saw {p['examples']} of {effective_batch} "
+                                   "examples (the epoch's last rows); its loss is the mean over those")
     return out
 
 

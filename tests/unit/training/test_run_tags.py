@@ -19,3 +19,20 @@ def test_config_name_names_the_split_the_precision_and_the_knobs_that_are_on():
     assert run_tags.config_name(lora) == "bs8x1-fp32-lora-r8-adafactor"
 
 
+
+
+def test_a_short_last_step_is_tagged_and_said_once_over_the_processes(monkeypatch, capsys):
+    """onegpu.partial_steps on every process; the line on the terminal from process 0 only (it was printed once per
+    process under train.num_processes)."""
+    import json
+    import types
+
+    from onegpu.training import run_tags
+    steps = types.SimpleNamespace(window_start=None, window_end=None,
+                                  partial_steps=lambda batch: [{"step": 16, "examples": 20}])
+    for rank, said in (("1", ""), ("0", "train: optimizer step 16 saw 20 of 32 examples (the epoch's last rows); "
+                                        "its loss is the mean over those\n")):
+        monkeypatch.setenv("RANK", rank)
+        tags = run_tags.step_tags(steps, 32)
+        assert json.loads(tags["onegpu.partial_steps"]) == [{"step": 16, "examples": 20}]
+        assert capsys.readouterr().out == said
