@@ -22,18 +22,21 @@ TABLE_TAGS = ("memory", "speed", "outside_load")
 
 def config_name(cfg: Config) -> str:
     """The training settings as a run name: the split (``bs<micro>x<accumulation>``, ``bsauto-eff<N>``
-    for ``auto``, ``x<N>proc`` with several processes), the precision, then the knobs that are on or not
-    at their default: ``ckpt``, ``lora-r<r>``, ``padfree``, ``packing``, ``compile``, another backend or
-    optimizer. E.g. ``bs4x4-fp32-ckpt``, ``bs16x1-bf16-lora-r8-accelerate``. The train stage names a run
+    for ``auto``, ``x<N>proc`` with several processes, ``-<M>machines`` over several machines), the precision,
+    then the knobs that are on or not at their default: ``fsdp``, ``ckpt``, ``lora-r<r>``, ``padfree``,
+    ``packing``, ``compile``, another backend or optimizer. E.g. ``bs4x4-fp32-ckpt``,
+    ``bs16x1-bf16-lora-r8-accelerate``, ``bs8x2x2proc-fp32-fsdp-accelerate``. The train stage names a run
     so when DVC gives no experiment name (``dvc repro``)."""
     t = cfg.train
     micro = t.per_device_train_batch_size
     head = f"bsauto-eff{t.effective_batch_size}" if micro == "auto" else f"bs{micro}x{t.gradient_accumulation_steps}"
-    parts = [head + (f"x{t.num_processes}proc" if t.num_processes > 1 else ""),
+    procs = f"x{t.num_processes}proc" + (f"-{t.num_machines}machines" if t.num_machines > 1 else "")
+    parts = [head + (procs if t.num_processes > 1 else ""),
              "bf16" if t.bf16 else "fp16" if t.fp16 else "tf32" if t.tf32 else "fp32"]
     lora = cfg.model.lora_adapters
-    knobs = {"ckpt": t.gradient_checkpointing, f"lora-r{lora.r if lora else 0}": lora is not None,
-             "padfree": cfg.data.padding_free, "packing": cfg.data.packing, "compile": t.torch_compile,
+    knobs = {"fsdp": t.fsdp.enabled, "ckpt": t.gradient_checkpointing,
+             f"lora-r{lora.r if lora else 0}": lora is not None, "padfree": cfg.data.padding_free,
+             "packing": cfg.data.packing, "compile": t.torch_compile,
              t.backend: t.backend != TrainConfig.backend, t.optim: t.optim != TrainConfig.optim}
     return "-".join(parts + [name for name, on in knobs.items() if on])
 

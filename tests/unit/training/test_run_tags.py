@@ -17,6 +17,11 @@ def test_config_name_names_the_split_the_precision_and_the_knobs_that_are_on():
     assert run_tags.config_name(_cfg(**AUTO, bf16=True, backend="accelerate")) == "bsauto-eff8-bf16-accelerate"
     lora = from_container({"model": {"lora": {"r": 8}}, "train": {"optim": "adafactor"}}, source="test")
     assert run_tags.config_name(lora) == "bs8x1-fp32-lora-r8-adafactor"
+    sharded = _cfg(backend="accelerate", num_processes=4, num_machines=2, main_process_ip="10.0.0.1",
+                   eval_strategy="no", oom_retry=False)
+    assert run_tags.config_name(sharded) == "bs8x1x4proc-2machines-fp32-accelerate"
+    sharded = _cfg(backend="accelerate", num_processes=2, fsdp={"enabled": True}, oom_retry=False)
+    assert run_tags.config_name(sharded) == "bs8x1x2proc-fp32-fsdp-accelerate"
 
 
 
