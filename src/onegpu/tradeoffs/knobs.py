@@ -240,17 +240,20 @@ def sharding(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     each rank keeps 1/N of the weights, gradients and optimizer states instead of a whole copy, for an all-gather
     per block in forward and backward and a reduce-scatter of the gradients per step; the same training, outside
     the equivalence key. Turning it on under the trainer backend adds ``train.backend=accelerate`` (FSDP2 runs in
-    the accelerate backend only; the backend is outside the key too). A row that :func:`onegpu.config.validate`
-    would refuse (FSDP2 with the fused LM head of a causal LM, ``oom_retry``, ``torch_compile``, fp16, several
-    machines) is not planned, so none fails at its start: the refusal's
-    text is the reason."""
+    the accelerate backend only; the backend is outside the key too) and, under ``train.oom_retry``,
+    ``train.oom_retry=false`` (refused under sharding; it acts only on an out-of-memory error, so the row
+    measures the same otherwise). A row that :func:`onegpu.config.validate` would refuse (FSDP2 with the fused
+    LM head of a causal LM, ``torch_compile``, fp16, several machines) is not planned, so none fails at its start:
+    the refusal's text is the reason."""
     from onegpu import config
     if cfg.train.num_processes < 2:
         return (f"FSDP2 shards over processes and train.num_processes is {cfg.train.num_processes}; set "
                 "train.num_processes to 2 or more (on a CPU gloo processes count)")
     on = not cfg.train.fsdp.enabled
     backend = (("train.backend", "accelerate"),) if on and cfg.train.backend == "trainer" else ()
-    overrides = (*backend, ("train.fsdp.enabled", _yaml(on)))
+    # train.oom_retry (refused under sharding) acts only on an out-of-memory error: off, the row measures the same
+    retry = (("train.oom_retry", "false"),) if on and cfg.train.oom_retry else ()
+    overrides = (*backend, *retry, ("train.fsdp.enabled", _yaml(on)))
     raw = cfg.to_dict()
     for key, value in overrides:
         config.apply_override(raw, f"{key}={value}")
@@ -261,7 +264,8 @@ def sharding(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     n = cfg.train.num_processes
     return [Variant("sharding" if on else "no-sharding", "sharding", overrides, SAME,
                     f"FSDP2 sharding over {n} processes (1/{n} of the weights, gradients and optimizer states each"
-                    + (", the accelerate backend)" if backend else ")") if on
+                    + (", the accelerate backend" if backend else "") + (", no oom_retry" if retry else "") + ")"
+                    if on
                     else f"data parallel over {n} processes (a whole copy each) instead of FSDP2 sharding")]
 
 

@@ -244,14 +244,16 @@ def test_the_sharding_row_toggles_fsdp_on_the_accelerate_backend_with_the_baseli
                                                             knobs.SAME)
     variants, skipped = knobs.plan(config.from_container(_processes()), CPU)
     assert "sharding" in _names(variants) and not [s for s in skipped if s.startswith("sharding")]
+    (row,) = knobs.sharding(config.from_container(_processes(oom_retry=True)), CPU)  # the defaults' retry: off
+    assert row.overrides == (("train.backend", "accelerate"), ("train.oom_retry", "false"),
+                             ("train.fsdp.enabled", "true")) and row.what.endswith(", no oom_retry)")
 
 
 def test_no_sharding_row_on_one_process_or_where_validation_would_refuse_it():
     _, skipped = knobs.plan(_cfg(), CPU, knobs=("sharding",))
     assert skipped == ["sharding: FSDP2 shards over processes and train.num_processes is 1; set "
                        "train.num_processes to 2 or more (on a CPU gloo processes count)"]
-    for train, key in (({"oom_retry": True}, "train.oom_retry"),
-                       ({"torch_compile": True}, "train.torch_compile"), ({"fp16": True}, "train.fp16")):
+    for train, key in (({"torch_compile": True}, "train.torch_compile"), ({"fp16": True}, "train.fp16")):
         raw = _processes(**train)
         variants, skipped = knobs.plan(config.from_container(raw), CPU, knobs=("sharding",))
         assert _names(variants) == ["baseline"]
