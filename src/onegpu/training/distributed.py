@@ -50,6 +50,10 @@ LAUNCH_DIR_ENV = "ONEGPU_LAUNCH_DIR"
 NOTE_WAIT_S = 2.0
 # The rendezvous store's keys of the ranks' failure notes (:func:`failure_note`).
 NOTE_KEY = "onegpu/failed/{rank}"
+# What gloo and NCCL say when the process at the other end of a collective is gone (its machine's launcher, not
+# this one, knows why: a process killed outright there notes nothing that reaches machine 0).
+LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                   "remote process exited", "Socket Timeout")
 
 
 @dataclass(frozen=True)
@@ -150,8 +154,8 @@ def launch(num_processes: int, argv: list[str], machines: Machines = Machines())
             failed, exitcode, what = _cause(e.failures, noted)
             share = num_processes // machines.num_machines
             where = f" (machine {failed // share})" if machines.num_machines > 1 else ""
-            message = (f"training process rank {failed} of {num_processes}{where} {what}; the other processes were "
-                       "stopped")
+            message = (f"training process rank {failed} of {num_processes}{where} {_elsewhere(what, machines)}; the "
+                       "other processes were stopped")
             _fail_run(Path(folder), failed, exitcode, message)
             raise RankFailed(message) from None
         except SignalException as e:  # torchrun forwarded it to the processes, which checkpoint and stop
@@ -202,6 +206,16 @@ def _cause(failures: dict, noted: dict | None) -> tuple[int, int, str]:
     r = min(failures, key=lambda k: failures[k].timestamp)
     f = failures[r]
     return r, f.exitcode, f"failed ({f'signal {f.signal_name()}' if f.exitcode < 0 else f'exit code {f.exitcode}'})"
+
+
+def _elsewhere(what: str, machines: Machines) -> str:
+    """``what`` happened to this machine's failed process, said as a lost connection to another machine when it is
+    one (:data:`LOST_PEER_SIGNS`) over several machines: the process that ended the run is there, and its machine's
+    launcher names it (one killed outright notes nothing that reaches this one); else ``what``."""
+    if machines.num_machines == 1 or not any(sign in what for sign in LOST_PEER_SIGNS):
+        return what
+    return (f"lost its connection to a process on another machine ({what.removeprefix('failed (')[:-1]}): that "
+            "machine's launcher names the process and why")
 
 
 def announce_run(run_id: str, experiment_name: str) -> None:

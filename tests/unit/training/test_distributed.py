@@ -751,6 +751,28 @@ def test_a_rank_killed_by_a_signal_is_named_not_the_survivor(fresh_root, monkeyp
     assert r.data.tags["error.message"] == message
 
 
+def test_a_process_lost_to_another_machine_is_said_so_not_blamed(fresh_root, monkeypatch):
+    """Machine 0 of 2, one process each: rank 1 on machine 1 was killed outright (nothing of it reaches machine 0),
+    so rank 0 fails on the lost connection. Machine 0's launcher says that rank 0 lost a process of another machine,
+    whose launcher names it, not that rank 0 failed; the run ends FAILED with rank 0's steps. (A rank of machine 1
+    that raises is named by machine 0: test_data_parallel_machines.py.)"""
+    from mlflow import MlflowClient
+
+    from onegpu import tracking
+    tracker = tracking.connect("ddp-exp")
+    _torchrun_with({0: (1, 0)}, {0: LOST_PEER}, tracker, monkeypatch)
+    machines = distributed.Machines(num_machines=2, machine_rank=0, main_process_ip="127.0.0.1", main_process_port=1)
+    with pytest.raises(distributed.RankFailed) as e:
+        distributed.launch(2, ["train"], machines)
+    assert str(e.value) == ("training process rank 0 of 2 (machine 0) lost its connection to a process on another "
+                            f"machine ({LOST_PEER}): that machine's launcher names the process and why; the other "
+                            "processes were stopped")
+    (r,) = MlflowClient(tracker.uri).search_runs([tracker.experiment_id])
+    assert r.info.status == "FAILED" and r.data.tags["error.message"] == str(e.value)
+    one_machine = distributed._elsewhere(f"failed ({LOST_PEER})", distributed.Machines())
+    assert one_machine == f"failed ({LOST_PEER})"  # on one machine the killed peer is known (the test above)
+
+
 def test_a_sigkill_torchrun_sent_after_its_grace_does_not_hide_the_first_error(fresh_root, monkeypatch):
     """Rank 1 raised first; rank 0, stuck, was SIGKILLed by torchrun 30 s into stopping it: rank 1's
     error is the cause."""
