@@ -96,10 +96,21 @@ class Terminal:
         self._stopped_job = os.tcgetpgrp(self.fd)
         os.killpg(self._stopped_job, signum)
 
-    def hang_up(self) -> None:
-        """Close the terminal: bash gets SIGHUP, sends it to its jobs and exits."""
+    def hang_up(self, timeout: float = 120) -> None:
+        """Close the terminal: bash gets SIGHUP, sends it to its jobs and exits. Returns once every process of the
+        job that was running is gone, as :meth:`exit_status` waits after a signal (a `dvc exp run` still exiting
+        holds DVC's lock: the next command in another terminal found the project busy on a loaded machine)."""
+        job = os.tcgetpgrp(self.fd)
         os.close(self.fd)
         os.waitpid(self.pid, 0)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(job, 0)  # succeeds while any process of the job, a zombie too, is left
+                time.sleep(0.2)
+            except ProcessLookupError:
+                return
+        raise AssertionError(f"the job of the closed terminal was still running {timeout:.0f} s later")
 
     def close(self) -> None:
         try:
