@@ -113,6 +113,19 @@ def collate_own(features: list[dict], own: int, collator) -> tuple[dict, bool]:
     return (collator(features[:own]), True) if own else (collator(features), False)
 
 
+def own_micro_batches(raw: list[list[dict]], first: int, rank: int, world: int, micro: int, rows: int, collator,
+                      device) -> tuple[list[dict], list[bool]]:
+    """A step's uncollated micro-batches (``raw``: this process's ``first``-th of the epoch onwards, ``rows`` the
+    epoch's) collated without accelerate's repeats (:func:`own_rows`, :func:`collate_own`), on ``device``; and
+    for each whether it holds rows of its own (False: repeats only, its loss weighs 0). Both backends' loop."""
+    out, counted = [], []
+    for j, features in enumerate(raw):
+        batch, own = collate_own(features, own_rows(first + j, rank, world, micro, rows), collator)
+        out.append({k: v.to(device) for k, v in batch.items()})
+        counted.append(own)
+    return out, counted
+
+
 def collator_for(task: str, tokenizer, padding_free: bool = False):
     """The micro-batch collator of ``model.task`` ``task``'s objective: padding per micro-batch, or (a
     token-level objective, ``padding_free``) one flattened row per micro-batch (:class:`PaddingFreeCollator`)."""

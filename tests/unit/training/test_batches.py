@@ -387,3 +387,20 @@ def test_the_own_rows_are_the_epochs_rows_once_under_accelerates_even_batches(wo
             assert sorted(seen) == list(range(rows)), (rows, micro)
     assert collate_own([{"x": 1}, {"x": 2}], 1, lambda f: f) == ([{"x": 1}], True)
     assert collate_own([{"x": 1}, {"x": 2}], 0, lambda f: f) == ([{"x": 1}, {"x": 2}], False)
+
+
+def test_a_steps_micro_batches_keep_their_own_rows_on_the_device():
+    """own_micro_batches (both backends' loop): process 1 of 2, micro-batches of 2, an epoch of 5 rows: its 0th
+    micro-batch (the epoch's rows 2, 3) whole, its 1st (the epoch's 3rd: repeats only) collated whole and not
+    counted."""
+    from onegpu.training.batches import own_micro_batches
+    def collate(f):
+        return {"x": torch.tensor([r["x"] for r in f])}
+    raw = [[{"x": 2}, {"x": 3}], [{"x": 0}, {"x": 1}]]
+    out, counted = own_micro_batches(raw, 0, 1, 2, 2, 5, collate, "cpu")
+    assert [b["x"].tolist() for b in out] == [[2, 3], [0, 1]] and counted == [True, False]
+    out, counted = own_micro_batches(raw[:1], 0, 0, 2, 2, 3, collate, "cpu")  # process 0, 3 rows: whole
+    assert [b["x"].tolist() for b in out] == [[2, 3]] and counted == [True]
+    # process 0's 1st micro-batch = the epoch's 2nd: row 4 its own, then a repeat
+    out, _ = own_micro_batches([[{"x": 2}, {"x": 0}]], 1, 0, 2, 2, 5, collate, "cpu")
+    assert [b["x"].tolist() for b in out] == [[2]]

@@ -30,7 +30,7 @@ from onegpu.config import TORCHAO_OPTIMIZERS, Config
 from onegpu.measure import memory
 from onegpu.training import activation_offloading, checkpointing, distributed, objectives, oom, sharding, validation
 from onegpu.training.backends.base import TrainRequest
-from onegpu.training.batches import collate_own, own_rows, probe_batch, rows_as_they_are
+from onegpu.training.batches import own_micro_batches, probe_batch, rows_as_they_are
 from onegpu.training.interrupt import Interrupted
 from onegpu.training.loss import loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
@@ -288,14 +288,9 @@ def _own_batches(lp: _Loop, raw: list[list[dict]], first: int) -> tuple[list[dic
     those with no row of their own (their loss weighs 0: :meth:`~onegpu.training.objectives.base.Objective.
     pad_loss`)."""
     acc, micro = lp.accelerator, lp.loader.total_batch_size // lp.accelerator.num_processes
-    out, pads = [], set()
-    for j, features in enumerate(raw):
-        own = own_rows(first + j, acc.process_index, acc.num_processes, micro, len(lp.train_set))
-        batch, counted = collate_own(features, own, lp.collator)
-        out.append({k: v.to(acc.device) for k, v in batch.items()})
-        if not counted:
-            pads.add(j)
-    return out, frozenset(pads)
+    out, counted = own_micro_batches(raw, first, acc.process_index, acc.num_processes, micro, len(lp.train_set),
+                                     lp.collator, acc.device)
+    return out, frozenset(j for j, own in enumerate(counted) if not own)
 
 
 def train(req: TrainRequest) -> tuple[object, StepRecorder]:

@@ -27,7 +27,7 @@ from onegpu.training import (
     validation,
 )
 from onegpu.training.backends.base import TrainRequest
-from onegpu.training.batches import collate_own, own_rows, probe_batch, rows_as_they_are
+from onegpu.training.batches import own_micro_batches, probe_batch, rows_as_they_are
 from onegpu.training.loss import loss_for
 from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
 from onegpu.training.resume import complete
@@ -174,14 +174,10 @@ class ExactLossTrainer(Trainer):
         if epoch_iterator is not self._epoch:
             per_rank = math.ceil(math.ceil(rows / args.per_device_train_batch_size) / args.world_size)
             self._epoch, self._next = epoch_iterator, (self.state.global_step % math.ceil(per_rank / accum)) * accum
-        out, self._pads = [], set()
-        for features in raw:
-            own = own_rows(self._next, args.process_index, args.world_size, args.per_device_train_batch_size, rows)
-            batch, counted = collate_own(features, own, self.collate)
-            out.append({k: v.to(device) for k, v in batch.items()})
-            self._next += 1
-            if not counted:
-                self._pads.add(id(out[-1]))
+        out, counted = own_micro_batches(raw, self._next, args.process_index, args.world_size,
+                                         args.per_device_train_batch_size, rows, self.collate, device)
+        self._next += len(raw)
+        self._pads = {id(b) for b, own in zip(out, counted) if not own}
         return out
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
