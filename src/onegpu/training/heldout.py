@@ -78,21 +78,21 @@ def batches(dataset, cfg: Config, collator, whole: bool = False):
     rows = dataset if whole else shard(dataset)
     loader = DataLoader(rows, batch_size=cfg.evaluate.per_device_eval_batch_size, collate_fn=collator,
                         pin_memory=memory.cuda_available())
-    loader.filler = collator([dataset[0]]) if len(dataset) else None  # the split's first row (:func:`_fillers`)
+    loader.split = dataset  # the whole split (:func:`_fillers` collates its first row where it needs one)
     return loader
 
 
 def _fillers(model, loader, done: int, device: str) -> list:
     """Under FSDP2 (``train.fsdp``: every forward gathers the weights with all processes) the forwards this
     process owes after its ``done`` batches: as many as the process with the most batches has more (the
-    shares of an uneven split differ by a row, so by a batch at most), each on ``loader.filler`` (the split's
-    first row; its results are discarded), so that every process runs as many; none without sharding.
-    One all-gather under sharding."""
+    shares of an uneven split differ by a row, so by a batch at most), each on the split's first row, collated
+    (its results are discarded), so that every process runs as many; none without sharding. One all-gather under
+    sharding."""
     from onegpu.training import sharding
     if not sharding.is_sharded(model):
         return []
-    most = max(int(counts[0]) for counts in distributed.gather_over_ranks([done], device))
-    return [loader.filler] * (most - done)
+    owed = max(int(counts[0]) for counts in distributed.gather_over_ranks([done], device)) - done
+    return [loader.collate_fn([loader.split[0]])] * owed if owed else []
 
 
 def classifier_batch(model, batch: dict, gold):
