@@ -12,6 +12,7 @@ _packaged = f64.packaged_run
 
 
 @pytest.mark.slow
+@pytest.mark.big_memory
 def test_on_the_packaged_chat_model_every_same_training_knob_is_exact_in_float64():
     """The whole logits at 4 x 1 against two runs with the knobs on, grouped two ways (a difference of any
     would show at 1e-12): 1 x 4 fused padding-free on the Accelerate loop with checkpointing; 2 x 2 fused on

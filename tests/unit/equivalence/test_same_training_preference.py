@@ -146,6 +146,7 @@ def test_a_stopped_and_resumed_run_is_the_uninterrupted_one(tmp_path, monkeypatc
             assert abs(r[k] - s[k]) <= 1e-12 * max(1.0, abs(s[k])), (k, r[k], s[k])
 
 
+@pytest.mark.big_memory
 def test_on_the_packaged_chat_model_a_dpo_step_split_is_exact_in_float64():
     """The packaged SmolLM2-135M-Instruct itself, 4 pairs in one step (the whole 30-layer model in float64
     costs the suite in proportion to its rows: test_same_training_packaged.py), 4 x 1 on the Trainer against
