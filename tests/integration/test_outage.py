@@ -60,7 +60,9 @@ def test_unreachable_server_fails_fast_and_an_outage_mid_run_loses_nothing(tmp_p
     start = time.monotonic()
     p = subprocess.run([onegpu, "train"], cwd=project, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "cannot be reached" in p.stderr, p.stderr
-    assert time.monotonic() - start < 15
+    # Fast: one TCP connection's refusal, not MLflow's own retries (its defaults: 7 with backoff factor 2, over 4
+    # minutes); the rest is the process's start-up (10 s on an idle 2-core machine, 15 s seen under the suite's load).
+    assert time.monotonic() - start < 60
     assert not (project / "models").exists() and not (project / ".onegpu" / "spool").exists()
 
     server = _server(tmp_path / "store.db", port)
