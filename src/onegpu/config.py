@@ -826,10 +826,6 @@ _FSDP_REFUSALS: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
      "set train.torch_compile: false"),
     ("train.fp16", lambda c: c.train.fp16, "fp16's gradient scaler over sharded gradients is not proven yet; use bf16 "
      "or neither"),
-    ("train.num_machines", lambda c: c.train.num_machines > 1,
-     "every process writes its shards of a checkpoint on its own machine, so no one machine holds a whole sharded "
-     "checkpoint to resume (shared storage is not handled yet); set train.num_machines: 1 or train.fsdp.enabled: "
-     "false"),
 )
 
 

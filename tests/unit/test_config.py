@@ -169,8 +169,6 @@ BAD = [
           ("oom-retry", {"train.oom_retry": True}, "train.oom_retry", "set train.oom_retry: false"),
           ("compile", {"train.torch_compile": True}, "train.torch_compile", "set train.torch_compile: false"),
           ("fp16", {"train.fp16": True}, "train.fp16", "use bf16 or neither"),
-          ("machines", {"train.num_machines": 2, "train.main_process_ip": "10.0.0.1"}, "train.num_machines",
-           "set train.num_machines: 1"),
           ("fused-head", {"model.task": "causal-lm", "model.name_or_path": None, "data.source": "bbcnews-headlines"},
            "train.fused_lm_head", "set train.fused_lm_head: false"))],
     ("source-parquet-typo", {"data.source": "d.parqet"}, "data.source", [".parquet"]),
@@ -197,7 +195,8 @@ def test_fsdp_is_accepted_with_what_its_first_slice_runs(raw):
     for dotted, value in {"train.fsdp.enabled": True, "train.fsdp.reshard_after_forward": False,
                           "train.backend": "accelerate", "train.num_processes": 2, "train.eval_strategy": "no",
                           "train.oom_retry": False, "train.per_device_train_batch_size": 4,
-                          "train.save_steps": 10, "model.lora": {"r": 8}}.items():
+                          "train.save_steps": 10, "model.lora": {"r": 8}, "train.num_machines": 2,
+                          "train.main_process_ip": "10.0.0.1"}.items():  # over machines: machines.agree's check
         _set(raw, dotted, value)
     cfg = config.from_container(raw)  # with LoRA adapters too (proven in tests/unit/training/test_distributed.py)
     assert cfg.train.fsdp == config.FSDPConfig(enabled=True, reshard_after_forward=False) and cfg.model.lora.r == 8

@@ -16,7 +16,7 @@ from onegpu.config import Config
 from onegpu.equivalence.key import run_config_hash
 from onegpu.measure import outside_load
 from onegpu.models import lora
-from onegpu.training import distributed, prepared, recorder, session, tracked_run
+from onegpu.training import distributed, machines, prepared, recorder, session, tracked_run
 
 # metrics/train.json (`dvc exp show`, `dvc metrics diff`): these headline figures only, so a sweep's
 # table fits a terminal next to the params that vary. Everything else (runtime, memory breakdown, FLOP/s,
@@ -40,6 +40,7 @@ def run(cfg: Config) -> dict:
             t.num_machines, t.machine_rank, t.main_process_ip, t.main_process_port, rdzv_id)) or {}
     distributed.check_world(cfg.train.num_processes)
     plan = session.plan(cfg)  # device and precision checks first, then data/stats.json
+    machines.agree(plan.checkpoint_dir, plan.resume, cfg.train.fsdp.enabled)  # several machines: folders, resume
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar between progress lines (checkpoints, models/)
     main = distributed.is_main()  # rank 0 alone writes MLflow and the outputs

@@ -28,7 +28,7 @@ from onegpu.equivalence import resolved_params
 from onegpu.formatting import gib
 from onegpu.measure import memory, outside_load
 from onegpu.models import loader, record
-from onegpu.training import autobatch, checkpointing, distributed, host_allocator, objectives, session
+from onegpu.training import autobatch, checkpointing, distributed, host_allocator, machines, objectives, session
 from onegpu.training.closing_record import closing_record, own_tree_root, reaped_figure
 from onegpu.training.interrupt import GracefulStop, Interrupted
 from onegpu.training.recorder import step_metrics
@@ -182,6 +182,8 @@ def _tidy_checkpoints(plan: TrainPlan, tracker, stop: GracefulStop, probe: bool)
     run's record was written: the command that started the stage may be gone (a terminal's SIGHUP and a
     SIGTERM to the group end DVC at once, before it records the stage), and the next one resumes from them."""
     if probe or not distributed.is_main():  # one process tidies the checkpoints (the others write no MLflow either)
+        if not probe and machines.writes_checkpoint() and not stop.noted:  # a machine's own folder: finished
+            shutil.rmtree(plan.checkpoint_dir, ignore_errors=True)
         return
     if stop.noted:
         names = ", ".join(sorted({signal.Signals(n).name for n in stop.noted}))

@@ -28,7 +28,16 @@ from functools import partial
 
 from onegpu.config import TORCHAO_OPTIMIZERS, Config
 from onegpu.measure import memory
-from onegpu.training import activation_offloading, checkpointing, distributed, objectives, oom, sharding, validation
+from onegpu.training import (
+    activation_offloading,
+    checkpointing,
+    distributed,
+    machines,
+    objectives,
+    oom,
+    sharding,
+    validation,
+)
 from onegpu.training.backends.base import TrainRequest
 from onegpu.training.batches import own_micro_batches, probe_batch, rows_as_they_are
 from onegpu.training.interrupt import Interrupted
@@ -406,7 +415,7 @@ def _after_step(lp: _Loop, req: TrainRequest, recorder: StepRecorder, step: int)
         if lp.skeleton is not None:  # train.fsdp: every process writes its shards
             save_sharded_state(checkpoint_dir, step, lp.model, lp.optimizer, lp.scheduler, recorder,
                                req.checkpoint_meta or {})
-        elif lp.accelerator.is_main_process:  # one writer; the ranks' weights and optimizer states are equal
+        elif machines.writes_checkpoint():  # one writer per folder; the ranks' weights and optimizer states are equal
             save_loop_state(checkpoint_dir, step, _plain(lp), lp.optimizer, lp.scheduler,
                             recorder, req.checkpoint_meta or {})
         lp.accelerator.wait_for_everyone()

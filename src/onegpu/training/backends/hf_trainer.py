@@ -22,6 +22,7 @@ from onegpu.training import (
     activation_offloading as offloading,
     checkpointing,
     distributed,
+    machines,
     objectives,
     oom,
     validation,
@@ -99,6 +100,7 @@ def training_arguments(cfg: Config, output_dir: str) -> TrainingArguments:
         save_strategy="steps" if t.save_steps else "no",
         save_steps=t.save_steps or 500,
         save_total_limit=None,  # CheckpointState removes the older checkpoint once the new one is complete
+        save_on_each_node=machines.own_folders(),  # machines that keep checkpoints on their own disks
         eval_strategy="no",
         report_to="none",
         remove_unused_columns=False,
@@ -266,7 +268,7 @@ class CheckpointState(TrainerCallback):
 
     def on_save(self, args, state, control, **kw):
         import os
-        if not state.is_world_process_zero:  # Trainer saved the checkpoint from rank 0
+        if not machines.writes_checkpoint():  # Trainer saved the checkpoint from rank 0 (or each machine's first)
             return
         complete(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), state.global_step,
                  self.recorder, self.meta)
