@@ -204,13 +204,15 @@ COMMANDS = {**dict.fromkeys((*STAGES, "estimate"), _run_stage), "ui": _run_ui, "
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from onegpu.errors import UserError
+    from onegpu.errors import AlreadySaid, UserError
     try:
         from onegpu import config
         cfg = config.load(args.params, getattr(args, "overrides", None))
         if (code := COMMANDS[args.command](args, cfg)) is not None:
             return code
     except UserError as e:
+        if isinstance(e, AlreadySaid):
+            return 2
         # One line, whatever the message holds (a YAML parser's error spans several): scripts and
         # `dvc repro` logs show the whole problem on the line that names the stage.
         message = "; ".join(" ".join(part.split()) for part in str(e).splitlines() if part.strip())

@@ -22,6 +22,11 @@ class DiskFullError(UserError):
     names the path and the free space (:func:`onegpu.paths.writing`)."""
 
 
+class AlreadySaid(UserError):
+    """Bad input whose one line another process of the launch has printed: the CLI exits 2 and prints nothing
+    more (the message is for logs and tests)."""
+
+
 def one_line(error: BaseException, limit: int = 300) -> str:
     """``error`` in one line for a run's description: its type and the first line of its message (at most
     ``limit`` characters), e.g. ``RuntimeError: CUDA error: an illegal memory access``."""

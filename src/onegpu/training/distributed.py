@@ -35,7 +35,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from onegpu.errors import ConfigError, UserError
+from onegpu.errors import AlreadySaid, ConfigError, UserError
 
 # Seconds a collective (all-reduce, barrier) waits for the other ranks before it fails: the process
 # group's timeout (Accelerate's InitProcessGroupKwargs, TrainingArguments.ddp_timeout).
@@ -130,6 +130,7 @@ def launch(num_processes: int, argv: list[str], machines: Machines = Machines())
     launchers each call this) and wait for them.
 
     Raises:
+        AlreadySaid: every process exited 2 on bad input before any work, each having printed its one line.
         RankFailed: a process exited non-zero; the MLflow run (if rank 0 had started one) is ended
             FAILED with ``error.rank``, ``error.exitcode`` and ``error.message`` tags (KILLED stays KILLED);
             the rank named is the cause (:func:`_cause`: a process killed outright before its peers'
@@ -151,6 +152,9 @@ def launch(num_processes: int, argv: list[str], machines: Machines = Machines())
             if noted is None and all(f.exitcode in STOP_EXIT_CODES for f in e.failures.values()):
                 # Every process stopped on a signal after its checkpoint (rank 0 ended the run KILLED).
                 raise KeyboardInterrupt("every training process stopped on a signal") from None
+            if noted is None and all(f.exitcode == 2 for f in e.failures.values()):
+                # Bad input found before any work, said in one line by the processes (onegpu.cli).
+                raise AlreadySaid("the training processes stopped on bad input before any work") from None
             failed, exitcode, what = _cause(e.failures, noted)
             share = num_processes // machines.num_machines
             where = f" (machine {failed // share})" if machines.num_machines > 1 else ""

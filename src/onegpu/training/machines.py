@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from onegpu import paths
-from onegpu.errors import ConfigError
+from onegpu.errors import AlreadySaid, ConfigError
 from onegpu.training import distributed
 
 MARKER = ".onegpu-machine-0"  # rank 0's marker in its checkpoint folder, removed once every process looked
@@ -59,7 +59,8 @@ def agree(checkpoint_dir, resume, sharded: bool = False) -> None:
 
     Raises:
         ConfigError: the machines found different checkpoints, or ``sharded`` and a machine does not share machine
-            0's folder (one line naming the machines).
+            0's folder (one line naming the machines); :class:`~onegpu.errors.AlreadySaid` with it on a process that
+            is not its machine's first (that one prints the line).
     """
     world, local = distributed.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", distributed.world_size()))
     if local >= world:
@@ -68,9 +69,12 @@ def agree(checkpoint_dir, resume, sharded: bool = False) -> None:
     mine = seen[distributed.rank()]
     _layout["own_folders"] = not all(s["shared"] for s in seen)
     _layout["writes"] = distributed.local_rank() == 0 and not mine["shared"]
-    if sharded:
-        check_one_folder(seen, checkpoint_dir)
-    check_same_checkpoint(seen, checkpoint_dir)
+    try:
+        if sharded:
+            check_one_folder(seen, checkpoint_dir)
+        check_same_checkpoint(seen, checkpoint_dir)
+    except ConfigError as e:  # every process has the same views: the first of each machine says it
+        raise (e if distributed.local_rank() == 0 else AlreadySaid(str(e))) from None
 
 
 def _store():

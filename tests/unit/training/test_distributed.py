@@ -701,6 +701,33 @@ def test_processes_all_stopped_by_a_signal_are_an_interrupt_not_a_failure(fresh_
         distributed.launch(2, ["train"])
 
 
+def test_processes_all_refusing_bad_input_before_any_work_add_no_line_of_the_launchers(fresh_root, monkeypatch,
+                                                                                       capsys, tmp_path):
+    """Every process exited 2 and noted nothing (bad input found before any work, e.g. machines that resume
+    different checkpoints: each printed its one line): the launcher exits 2 and prints nothing more."""
+    import yaml
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from onegpu import cli
+    from onegpu.errors import AlreadySaid
+    from tests import defaults
+
+    def fake_run(args):
+        raise ChildFailedError("onegpu", {r: ProcessFailure(local_rank=r, pid=1, exitcode=2, error_file="")
+                                          for r in (0, 1)})
+
+    monkeypatch.setattr(torchrun, "run", fake_run)
+    with pytest.raises(AlreadySaid):
+        distributed.launch(2, ["train"])
+    monkeypatch.setitem(cli.COMMANDS, "train", lambda args, cfg: distributed.launch(2, ["train"]))
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(defaults.params()))
+    capsys.readouterr()
+    assert cli.main(["train", "--params", str(params)]) == 2
+    assert capsys.readouterr().err == ""
+
+
 def _torchrun_with(failures: dict[int, tuple[int, int]], notes: dict[int, str], tracker, monkeypatch):
     """``torch.distributed.run.run`` replaced by one whose rank 0 started a run and whose processes then
     ended: ``failures`` = rank -> (exit code, seconds after the first failure), ``notes`` = rank -> the

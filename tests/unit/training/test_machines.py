@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from onegpu.errors import ConfigError
+from onegpu.errors import AlreadySaid, ConfigError
 from onegpu.training import machines
 from onegpu.training.resume import ResumePoint
 
@@ -109,5 +109,11 @@ def test_the_first_process_of_a_machine_with_its_own_folder_writes(monkeypatch, 
         monkeypatch.setattr(machines, "_layout", {"own_folders": False, "writes": None})
         machines.agree(tmp_path, None)
         assert (machines.writes_checkpoint(), machines.own_folders()) == (writes, True), rank
-    with pytest.raises(ConfigError, match="machine 1 does not see"):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ConfigError, match="machine 1 does not see"):  # machine 1's first process says it
+        machines.agree(tmp_path, None, sharded=True)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(AlreadySaid, match="machine 1 does not see"):  # not its machine's first: exits 2 quietly
         machines.agree(tmp_path, None, sharded=True)
