@@ -141,7 +141,11 @@ class GracefulStop:
 
 
 def _say(text: str) -> None:
-    """One line to stderr; a terminal or pipe that is gone is no error here (the run is the record)."""
+    """One line to stderr, by rank 0 of a launch (Ctrl-C reaches every process of the foreground group: one line,
+    not one per process; every process stops after the same step); a terminal or pipe that is gone is no error
+    here (the run is the record)."""
+    if os.environ.get("RANK", "0") != "0":  # (onegpu.training.distributed.is_main, without its imports)
+        return
     with contextlib.suppress(OSError, ValueError):
         print(text, file=sys.stderr, flush=True)
 

@@ -143,3 +143,14 @@ def test_a_signal_during_a_validation_pass_says_the_run_stops_after_the_pass():
     assert line.strip() == ("SIGINT: stopping after the validation pass of optimizer step 3 and saving a checkpoint "
                             "(send it again to abandon the pass)")
     assert interrupt.VALIDATING == []
+
+
+def test_of_a_launchs_processes_rank_0_alone_says_the_stop_and_every_one_stops(monkeypatch, capsys):
+    """Ctrl-C reaches every process of the foreground group: one stop line (rank 0's), not one per process."""
+    for rank, said in (("1", ""), ("0", "SIGINT: stopping after this optimizer step")):
+        monkeypatch.setenv("RANK", rank)
+        with GracefulStop() as stop, stop.loop():
+            _send(signal.SIGINT)
+            assert stop.requested == signal.SIGINT  # every process stops after the step in progress
+        err = capsys.readouterr().err
+        assert (said in err if said else err == ""), (rank, err)
