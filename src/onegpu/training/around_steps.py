@@ -2,7 +2,7 @@
 
 The ``trainer`` backend (:mod:`onegpu.training.backends.hf_trainer`) calls these from its ``Trainer``
 subclass and thin callbacks, the ``accelerate`` backend (:mod:`onegpu.training.backends.accelerate`) from its
-loop: the step count (Trainer's), the recorder with the objective's figures, activation
+loop: the step count (Trainer's), the recorder with the objective's figures, the start line, activation
 checkpointing, the offload context, the activation probe, the step's item count over the ranks, out-of-memory
 recovery, the progress line, emptying the cache and a stop decided over the ranks. What differs between the
 backends (how a step runs, how a checkpoint is written and loaded) stays in each; a change to how the ranks
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from onegpu.config import Config
 from onegpu.measure import memory
@@ -22,7 +23,7 @@ from onegpu.training import activation_offloading, checkpointing, distributed, o
 from onegpu.training.batches import probe_batch
 from onegpu.training.interrupt import Interrupted
 from onegpu.training.loss import loss_for
-from onegpu.training.recorder import BatchCounter, StepRecorder, progress_line
+from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
 
 
 def schedule(len_dataloader: int, cfg: Config) -> tuple[int, int, int]:
@@ -49,6 +50,49 @@ def new_recorder(cfg: Config, sink: Callable[[dict, int], None], device, model) 
     recorder.figures = objective.step_figures(model)
     recorder.breakdown.update(objective.memory_terms(model))
     return recorder
+
+
+@dataclass(frozen=True)
+class Start:
+    """What the start line says (:meth:`line`), as each backend knows it before its first step.
+
+    Attributes:
+        backend: ``train.backend``; steps: optimizer steps in all; micro: examples per micro-batch per process;
+        accum: micro-batches per optimizer step; world: processes; rows: training examples; epochs: epochs
+        iterated (:func:`schedule`); device: this process's device; mixed_precision: ``"bf16"``, ``"fp16"`` or
+        ``"no"``; every: progress lines every that many steps (``train.logging_steps``).
+    """
+    backend: str
+    steps: int
+    micro: int
+    accum: int
+    world: int
+    rows: int
+    epochs: int
+    device: object
+    mixed_precision: str
+    every: int
+
+    def line(self) -> str:
+        """The terminal line before the first step, one wording for both backends.
+
+        Example: ``train: 12 optimizer steps of 16 examples (4 x 2 x 2 processes), 64 training examples in 3
+        epoch(s); the accelerate backend on cpu, mixed precision no; progress every 10 steps, every step goes
+        to MLflow``.
+        """
+        procs = f" x {self.world} processes" if self.world > 1 else ""
+        return (f"train: {self.steps} optimizer steps of {self.micro * self.accum * self.world} examples "
+                f"({self.micro} x {self.accum}{procs}), {self.rows} training examples in {self.epochs} epoch(s); "
+                f"the {self.backend} backend on {self.device}, mixed precision {self.mixed_precision}; "
+                f"progress every {self.every} steps, every step goes to MLflow")
+
+
+def announce(start: Start, optim) -> None:
+    """Print (rank 0) ``start``'s line and, for an optimizer that compiles its first step (``optim``:
+    ``train.optim``, or transformers' ``OptimizerNames`` member), :func:`~onegpu.training.recorder.first_step_note`."""
+    distributed.print_main(start.line())
+    if note := first_step_note(optim):
+        distributed.print_main(note)
 
 
 def enable_checkpointing(model, t, by_framework: bool = False) -> None:

@@ -1,5 +1,5 @@
 """What both backends do around their optimizer steps (onegpu.training.around_steps): the step count, the recorder,
-checkpointing, the activation probe, the step's items over the ranks, out-of-memory recovery,
+the one start line, checkpointing, the activation probe, the step's items over the ranks, out-of-memory recovery,
 the progress and empty-cache cadences and the stop decided over the ranks. (Both backends through these, end to
 end: tests/unit/training/backends/test_base.py, tests/unit/training/test_recorder.py.)"""
 from __future__ import annotations
@@ -13,6 +13,30 @@ torch = pytest.importorskip("torch")
 
 from onegpu.config import from_container  # noqa: E402
 from onegpu.training import around_steps, distributed  # noqa: E402
+from onegpu.training.around_steps import Start  # noqa: E402
+
+
+def _start(world: int, **kw) -> Start:
+    fields = dict(backend="accelerate", steps=12, micro=4, accum=2, world=world, rows=64, epochs=3, device="cpu",
+                  mixed_precision="no", every=10)
+    return Start(**{**fields, **kw})
+
+
+def test_the_start_line_says_the_layout_data_device_and_precision_in_one_wording():
+    assert _start(1).line() == (
+        "train: 12 optimizer steps of 8 examples (4 x 2), 64 training examples in 3 epoch(s); the accelerate "
+        "backend on cpu, mixed precision no; progress every 10 steps, every step goes to MLflow")
+    assert _start(2, backend="trainer", mixed_precision="bf16", device=torch.device("cpu")).line() == (
+        "train: 12 optimizer steps of 16 examples (4 x 2 x 2 processes), 64 training examples in 3 epoch(s); "
+        "the trainer backend on cpu, mixed precision bf16; progress every 10 steps, every step goes to MLflow")
+
+
+def test_announce_prints_the_start_line_and_the_compiled_optimizers_note(capsys):
+    around_steps.announce(_start(1), "adamw_torch")
+    assert capsys.readouterr().out.splitlines() == [_start(1).line()]
+    around_steps.announce(_start(1), "adamw_torch_8bit")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == _start(1).line() and lines[1].startswith("adamw_torch_8bit: torchao compiles its optimizer")
 
 
 @pytest.mark.parametrize(("train", "expected"), [

@@ -31,7 +31,7 @@ from onegpu.measure import memory
 from onegpu.training import around_steps, distributed, objectives, oom, sharding, validation
 from onegpu.training.backends.base import TrainRequest
 from onegpu.training.batches import own_micro_batches, rows_as_they_are
-from onegpu.training.recorder import StepRecorder, first_step_note
+from onegpu.training.recorder import StepRecorder
 from onegpu.training.resume import load_loop_state, load_rng, load_sharded_state, save_loop_state, save_sharded_state
 
 # Parameter names that get no weight decay: Trainer.get_decay_parameter_names (transformers/trainer.py).
@@ -292,14 +292,9 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     recorder = around_steps.new_recorder(cfg, req.sink, lp.accelerator.device, lp.model)
     recorder.validation = validation.for_run(_plain(lp), req.tokenizer, req.dsd, cfg, lp.accelerator.device,
                                              lp.total_steps, lp.steps_per_epoch, req.checkpoint_dir)
-    micro, accum, world = t.per_device_train_batch_size, t.gradient_accumulation_steps, t.num_processes
-    procs = f" x {world} processes" if world > 1 else ""
-    distributed.print_main(
-          f"accelerate: {lp.total_steps} optimizer steps of {micro * accum * world} examples "
-          f"({micro} x {accum}{procs}), {len(lp.train_set)} examples, {lp.epochs} epoch(s), {lp.accelerator.device}, "
-          f"mixed precision {lp.accelerator.mixed_precision}")
-    if note := first_step_note(t.optim):
-        distributed.print_main(note)
+    around_steps.announce(around_steps.Start(
+        "accelerate", lp.total_steps, t.per_device_train_batch_size, t.gradient_accumulation_steps, t.num_processes,
+        len(lp.train_set), lp.epochs, lp.accelerator.device, lp.accelerator.mixed_precision, t.logging_steps), t.optim)
     start = 0
     if resume is not None:  # weights, optimizer, scheduler; the data position and RNG in _run
         if lp.skeleton is not None:  # train.fsdp: every process loads its shards (torch.distributed.checkpoint)

@@ -22,7 +22,7 @@ from onegpu.training import around_steps, checkpointing, distributed, objectives
 from onegpu.training.backends.base import TrainRequest
 from onegpu.training.batches import own_micro_batches, rows_as_they_are
 from onegpu.training.loss import loss_for
-from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note
+from onegpu.training.recorder import BatchCounter, StepRecorder
 from onegpu.training.resume import complete
 
 # Whole-layer checkpointing through Trainer: transformers' current name is ``activation_checkpointing``
@@ -306,29 +306,26 @@ class Validate(TrainerCallback):
 
 
 class Progress(TrainerCallback):
-    """onegpu's terminal progress for HF Trainer, in place of its progress bar and log dicts: a start line,
-    then :func:`onegpu.training.around_steps.progress`'s lines every ``every`` optimizer steps and at the last.
-    Added after :class:`StepMetrics`, so the step's row is recorded when ``on_log`` runs."""
+    """onegpu's terminal progress for HF Trainer, in place of its progress bar and log dicts: the start line
+    (:func:`onegpu.training.around_steps.announce`), then :func:`onegpu.training.around_steps.progress`'s lines.
+    Added after :class:`StepMetrics`, so the step's row is recorded when ``on_log`` runs. ``rows``: the
+    training examples."""
 
-    def __init__(self, recorder: StepRecorder, every: int) -> None:
-        self.recorder, self.every = recorder, every
+    def __init__(self, recorder: StepRecorder, cfg: Config, rows: int) -> None:
+        self.recorder, self.cfg, self.rows = recorder, cfg, rows
 
-    def on_train_begin(self, args, state, control, **kw):
-        world = args.world_size
-        distributed.print_main(
-              f"train: {state.max_steps} optimizer steps of "
-              f"{args.train_batch_size * args.gradient_accumulation_steps * world}"
-              f" examples ({args.train_batch_size} x {args.gradient_accumulation_steps}"
-              f"{f' x {world} processes' if world > 1 else ''}) on {args.device}; "
-              f"progress every {self.every} steps, every step goes to MLflow")
-        if note := first_step_note(args.optim):
-            distributed.print_main(note)
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kw):
+        t = self.cfg.train
+        _, _, epochs = around_steps.schedule(len(train_dataloader), self.cfg)
+        around_steps.announce(around_steps.Start(
+            "trainer", state.max_steps, args.train_batch_size, args.gradient_accumulation_steps, args.world_size,
+            self.rows, epochs, args.device, t.mixed_precision, t.logging_steps), args.optim)
 
     def on_log(self, args, state, control, logs=None, **kw):
         step = state.global_step
         if not (logs and "loss" in logs) or not self.recorder.rows or self.recorder.rows[-1]["step"] != step:
             return
-        around_steps.progress(self.recorder, step, state.max_steps, self.every)
+        around_steps.progress(self.recorder, step, state.max_steps, self.cfg.train.logging_steps)
 
 
 class EmptyCache(TrainerCallback):
@@ -393,7 +390,7 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     if stop is not None:  # after StepMetrics: a stop is checked once the step's validation pass is over
         trainer.add_callback(StopCallback(stop))
     trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(Progress(steps, t.logging_steps))
+    trainer.add_callback(Progress(steps, cfg, len(train_ds)))
     try:
         trainer.train(resume_from_checkpoint=resume.path if resume else None)
     finally:
