@@ -192,7 +192,7 @@ def best_point(evals: list[dict], metric: str, greater_is_better: bool, threshol
 def check_plan(cfg: Config, stats: dict) -> None:
     """Before any work (the train stage's plan): an empty validation split, or an ``eval_steps`` of more
     optimizer steps than the run has, refused in one line. ``stats``: data/stats.json (rows per split).
-    The run's steps are counted as the backends count them (:func:`onegpu.training.backends.accelerate.
+    The run's steps are counted as the backends count them (:func:`onegpu.training.around_steps.
     schedule`) where the plan knows them: a fixed micro-batch, unpacked rows (else the backend checks once
     it knows them).
 
@@ -207,7 +207,7 @@ def check_plan(cfg: Config, stats: dict) -> None:
     micro = cfg.train.per_device_train_batch_size
     if micro == "auto" or cfg.data.packing or "train" not in splits:
         return
-    from onegpu.training.backends.accelerate import schedule
+    from onegpu.training.around_steps import schedule
     total, per_epoch, _ = schedule(math.ceil(splits["train"]["rows"] / (int(micro) * cfg.train.num_processes)), cfg)
     interval(cfg, total, per_epoch)
 

@@ -136,6 +136,10 @@ def test_training_prints_onegpu_progress_not_hf_log_dicts(backend, capsys):
     assert [ln.split(" | ")[0] for ln in lines] == ["step 2/3", "step 3/3"], out
     assert all(" samples/s | " in ln and " GiB RSS | " in ln for ln in lines), out
     assert "{'loss'" not in out and "'train_runtime'" not in out, out
+    # one start line (onegpu.training.around_steps.Start), the same wording on both backends
+    assert (f"train: 3 optimizer steps of 8 examples (4 x 2), 24 training examples in 1 epoch(s); the {backend} "
+            "backend on cpu, mixed precision no; progress every 2 steps, every step goes to MLflow"
+            in out.splitlines()), out
 
 
 def test_cpu_peak_says_it_is_process_rss_and_why_it_exceeds_the_auto_budget():

@@ -28,21 +28,10 @@ from functools import partial
 
 from onegpu.config import TORCHAO_OPTIMIZERS, Config
 from onegpu.measure import memory
-from onegpu.training import (
-    activation_offloading,
-    checkpointing,
-    distributed,
-    machines,
-    objectives,
-    oom,
-    sharding,
-    validation,
-)
+from onegpu.training import around_steps, distributed, machines, objectives, oom, sharding, validation
 from onegpu.training.backends.base import TrainRequest
-from onegpu.training.batches import own_micro_batches, probe_batch, rows_as_they_are
-from onegpu.training.interrupt import Interrupted
-from onegpu.training.loss import loss_for
-from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
+from onegpu.training.batches import own_micro_batches, rows_as_they_are
+from onegpu.training.recorder import StepRecorder
 from onegpu.training.resume import load_loop_state, load_rng, load_sharded_state, save_loop_state, save_sharded_state
 
 # Parameter names that get no weight decay: Trainer.get_decay_parameter_names (transformers/trainer.py).
@@ -99,21 +88,6 @@ def make_optimizer(model, cfg: Config):
     raise ValueError(f"train.optim={t.optim!r} is not supported by the accelerate backend")
 
 
-def schedule(len_dataloader: int, cfg: Config) -> tuple[int, int, int]:
-    """(optimizer steps in all, optimizer steps per epoch, epochs to iterate), as Trainer counts them.
-
-    Source: ``Trainer.set_initial_training_values``. ``len_dataloader`` = micro-batches per epoch (the last
-    may be short). An epoch's last optimizer step takes the leftover micro-batches, so an epoch has
-    ``ceil(len_dataloader / accumulation)`` steps. ``max_steps > 0`` wins over ``num_train_epochs``
-    (the last epoch is cut short); otherwise ``ceil(num_train_epochs * steps per epoch)`` steps.
-    """
-    t = cfg.train
-    per_epoch = max(math.ceil(len_dataloader / t.gradient_accumulation_steps), 1)
-    if t.max_steps > 0:
-        return t.max_steps, per_epoch, math.ceil(t.max_steps / per_epoch)
-    return math.ceil(t.num_train_epochs * per_epoch), per_epoch, math.ceil(t.num_train_epochs)
-
-
 def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, loss_of, pieces: int,
                       oom_injector, step: int, offload=None, group: int = 1, fsdp: bool = False,
                       pads: frozenset = frozenset(), pad_of=None):
@@ -128,7 +102,7 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
     average the ranks' gradients where the step's loss sums them. Pieces hold whole groups of ``group`` rows
     (:func:`onegpu.training.oom.cut`).
     ``labels`` stay in the inputs. ``offload``: the context each piece's forward and backward run in
-    (:func:`onegpu.training.activation_offloading.context`; None: none). The micro-batches at ``pads`` are only
+    (:func:`onegpu.training.around_steps.offload_context`; None: none). The micro-batches at ``pads`` are only
     accelerate's repeats (several processes, an epoch's last step): their loss is ``pad_of``'s, 0.
     Raises:
         torch.OutOfMemoryError: a piece did not fit (or ``oom_injector`` said so).
@@ -213,18 +187,17 @@ def _build(req: TrainRequest) -> _Loop:
     # Trainer.train enables checkpointing and aligns special tokens before its loop).
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
-    if t.gradient_checkpointing:
-        checkpointing.enable(model, t)
+    around_steps.enable_checkpointing(model, t)
     align_special_tokens(model, req.tokenizer)
     model, optimizer, loader, skeleton = _prepare(accelerator, model, loader, cfg, "cuda" if cuda else "cpu")
     # The scheduler is not prepared (neither is Trainer's): Accelerate would step it once per process.
-    total_steps, steps_per_epoch, epochs = schedule(len(loader), cfg)
+    total_steps, steps_per_epoch, epochs = around_steps.schedule(len(loader), cfg)
     warmup = math.ceil(total_steps * t.warmup_ratio)  # TrainingArguments.get_warmup_steps for a ratio < 1
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=warmup,
                               num_training_steps=total_steps)
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)  # stepped by eval only
     return _Loop(accelerator, model, optimizer, scheduler, loader, rows, collator, total_steps,
-                 steps_per_epoch, epochs, plateau, activation_offloading.context(model, t.activation_offloading),
+                 steps_per_epoch, epochs, plateau, around_steps.offload_context(model, t.activation_offloading),
                  skeleton)
 
 
@@ -316,19 +289,12 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     cfg, t, resume = req.cfg, req.cfg.train, req.resume
     set_seed(t.seed)  # Trainer.__init__ seeds again after the model is built (dropout draws from here)
     lp = _build(req)
-    recorder = StepRecorder(req.sink, lp.accelerator.device, BatchCounter(objectives.of(cfg).sequences_per_item))
-    recorder.figures = objectives.of(cfg).step_figures(lp.model)
-    recorder.breakdown.update(objectives.of(cfg).memory_terms(lp.model))
+    recorder = around_steps.new_recorder(cfg, req.sink, lp.accelerator.device, lp.model)
     recorder.validation = validation.for_run(_plain(lp), req.tokenizer, req.dsd, cfg, lp.accelerator.device,
                                              lp.total_steps, lp.steps_per_epoch, req.checkpoint_dir)
-    micro, accum, world = t.per_device_train_batch_size, t.gradient_accumulation_steps, t.num_processes
-    procs = f" x {world} processes" if world > 1 else ""
-    distributed.print_main(
-          f"accelerate: {lp.total_steps} optimizer steps of {micro * accum * world} examples "
-          f"({micro} x {accum}{procs}), {len(lp.train_set)} examples, {lp.epochs} epoch(s), {lp.accelerator.device}, "
-          f"mixed precision {lp.accelerator.mixed_precision}")
-    if note := first_step_note(t.optim):
-        distributed.print_main(note)
+    around_steps.announce(around_steps.Start(
+        "accelerate", lp.total_steps, t.per_device_train_batch_size, t.gradient_accumulation_steps, t.num_processes,
+        len(lp.train_set), lp.epochs, lp.accelerator.device, lp.accelerator.mixed_precision, t.logging_steps), t.optim)
     start = 0
     if resume is not None:  # weights, optimizer, scheduler; the data position and RNG in _run
         if lp.skeleton is not None:  # train.fsdp: every process loads its shards (torch.distributed.checkpoint)
@@ -340,10 +306,8 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
         distributed.print_main(f"accelerate: resuming after optimizer step {start}")
     lp.model.train()
     lp.optimizer.zero_grad(set_to_none=True)
-    probe = probe_batch(lp.train_set, lp.collator, micro)
-    recorder.probe_activations(_plain(lp), {k: v.to(lp.accelerator.device) for k, v in probe.items()},
-                               loss_for(cfg.model.task))
-    recorder.start()
+    probe = around_steps.activation_probe(lp.train_set, lp.collator, t, cfg.model.task)
+    around_steps.begin(recorder, _plain(lp), probe, lp.accelerator.device)
     _run(lp, req, recorder, start)
     if lp.skeleton is not None:  # train.fsdp: the full weights gathered into a plain model (rank 0)
         return sharding.gather(lp.model, lp.skeleton), recorder
@@ -366,8 +330,7 @@ def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> No
                 load_rng(resume.path)
             # The step's items over all ranks: each rank's loss is its share of the whole step's mean.
             own = [b for i, b in enumerate(micro_batches) if i not in pads]  # (pads: repeats only)
-            num_items = distributed.sum_over_ranks(sum((objective.count_batch(b) for b in own),
-                                                       torch.zeros((), dtype=torch.int64, device=device)))
+            num_items = around_steps.step_items(objective, own, device)
             while True:  # more than once only after an out-of-memory error (train.oom_retry)
                 try:
                     step_loss = _forward_backward(lp.accelerator, lp.model, micro_batches, num_items,
@@ -376,9 +339,8 @@ def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> No
                                                   pads, objective.pad_loss)
                     break
                 except torch.OutOfMemoryError as e:
-                    rows = max(oom.rows(b) for b in micro_batches)
-                    pieces = oom.recover(e, lp.model, rows, pieces, accum, step + 1, t.oom_retry, recorder.events)
-                    objective.restart_step(lp.model)  # the whole step is redone: its figures too
+                    pieces = around_steps.recover(e, lp.model, micro_batches, pieces, accum, step + 1, t.oom_retry,
+                                                  recorder.events, objective)  # the whole step is redone
             for inputs in own:  # counted once, however many pieces
                 recorder.counter.add(inputs)
             grad_norm, lr = _optimizer_step(lp, cfg, recorder)
@@ -390,8 +352,7 @@ def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> No
             values = torch.stack([step_loss, torch.as_tensor(grad_norm, device=device).double()])
             loss_value, norm_value = values.tolist()  # the step's one host sync
             recorder.log(step, loss_value, norm_value, float(lr))
-            if t.torch_empty_cache_steps and step % t.torch_empty_cache_steps == 0:
-                memory.empty_cache()
+            around_steps.empty_cache(step, t.torch_empty_cache_steps)
             _after_step(lp, req, recorder, step)
             if step >= lp.total_steps or recorder.stopped_early:
                 return
@@ -404,12 +365,8 @@ def _after_step(lp: _Loop, req: TrainRequest, recorder: StepRecorder, step: int)
         Interrupted: a stop was requested (after the checkpoint is saved).
     """
     t, stop, checkpoint_dir = req.cfg.train, req.stop, req.checkpoint_dir
-    if step % t.logging_steps == 0 or step == lp.total_steps:
-        distributed.print_main(progress_line(step, lp.total_steps, recorder.rows, lp.accelerator.device,
-                                             recorder.evals))
-    requested = stop is not None and stop.requested is not None
-    if lp.accelerator.num_processes > 1:  # a stop on one rank stops all after the same step
-        requested = distributed.any_rank(requested, lp.accelerator.device)
+    around_steps.progress(recorder, step, lp.total_steps, t.logging_steps)
+    requested = around_steps.stop_requested(stop, lp.accelerator.num_processes, lp.accelerator.device)
     stopping = requested and step < lp.total_steps and not recorder.stopped_early  # early stopping: complete
     if checkpoint_dir and (stopping or (t.save_steps and step % t.save_steps == 0 and step < lp.total_steps)):
         if lp.skeleton is not None:  # train.fsdp: every process writes its shards
@@ -420,4 +377,4 @@ def _after_step(lp: _Loop, req: TrainRequest, recorder: StepRecorder, step: int)
                             recorder, req.checkpoint_meta or {})
         lp.accelerator.wait_for_everyone()
     if stopping:
-        raise Interrupted(stop.requested or 15, step)  # 15: SIGTERM, another rank's stop
+        raise around_steps.interruption(stop, step)

@@ -18,19 +18,11 @@ from transformers.trainer_callback import ProgressCallback
 
 from onegpu.config import Config
 from onegpu.measure import memory
-from onegpu.training import (
-    activation_offloading as offloading,
-    checkpointing,
-    distributed,
-    machines,
-    objectives,
-    oom,
-    validation,
-)
+from onegpu.training import around_steps, checkpointing, distributed, machines, objectives, oom, validation
 from onegpu.training.backends.base import TrainRequest
-from onegpu.training.batches import own_micro_batches, probe_batch, rows_as_they_are
+from onegpu.training.batches import own_micro_batches, rows_as_they_are
 from onegpu.training.loss import loss_for
-from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
+from onegpu.training.recorder import BatchCounter, StepRecorder
 from onegpu.training.resume import complete
 
 # Whole-layer checkpointing through Trainer: transformers' current name is ``activation_checkpointing``
@@ -128,7 +120,7 @@ class ExactLossTrainer(Trainer):
         # Several processes: the DataLoader hands rows uncollated; ``collate`` collates them (_own_batches)
         self.collate, self._epoch, self._next, self._pads, self._padding = collate, None, 0, set(), False
         # train.activation_offloading: each micro-batch's forward and backward in it, as SFTTrainer does
-        self.offload = offloading.context(self.model, activation_offloading)
+        self.offload = around_steps.offload_context(self.model, activation_offloading)
         self.task = task
         self.objective = objectives.get(task)
         self.counter = counter
@@ -157,15 +149,13 @@ class ExactLossTrainer(Trainer):
         Under several processes the count is summed over all ranks (as Trainer does with
         ``average_tokens_across_devices``, which then scales each rank's loss by the number of processes).
         """
-        import torch
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.collate is not None:
             batch_samples = self._own_batches(batch_samples, epoch_iterator, device)
         if not batch_samples or "labels" not in batch_samples[0]:
             return batch_samples, None
-        num_items = sum((self.objective.count_batch(b) for b in batch_samples if id(b) not in self._pads),
-                        torch.zeros((), dtype=torch.int64, device=device))
-        return batch_samples, distributed.sum_over_ranks(num_items.to(device))
+        own = [b for b in batch_samples if id(b) not in self._pads]
+        return batch_samples, around_steps.step_items(self.objective, own, device)
 
     def _own_batches(self, raw: list[list[dict]], epoch_iterator, device) -> list[dict]:
         """A step's uncollated micro-batches collated without accelerate's repeated rows
@@ -252,10 +242,9 @@ class ExactLossTrainer(Trainer):
         return self.accelerator.no_sync(model) if self.args.world_size > 1 else contextlib.nullcontext()
 
     def _recover(self, model, inputs, error) -> None:
-        self.pieces = oom.recover(error, model, oom.rows(inputs), self.pieces,
-                                 self.args.gradient_accumulation_steps, self.state.global_step + 1,
-                                 self.oom_retry, self.oom_events)
-        self.objective.restart_step(model)  # the step's micro-batches are redone: their figures again
+        # the step's micro-batches are redone: their figures again
+        self.pieces = around_steps.recover(error, model, [inputs], self.pieces, self.args.gradient_accumulation_steps,
+                                           self.state.global_step + 1, self.oom_retry, self.oom_events, self.objective)
 
 
 class CheckpointState(TrainerCallback):
@@ -285,11 +274,8 @@ class StepMetrics(TrainerCallback):
         self.recorder, self.probe = recorder, probe
 
     def on_train_begin(self, args, state, control, model=None, **kw):
-        if self.probe is not None and model is not None:
-            batch, loss_fn = self.probe
-            dev = next(model.parameters()).device
-            self.recorder.probe_activations(model, {k: v.to(dev) for k, v in batch.items()}, loss_fn)
-        self.recorder.start()
+        probe = self.probe if model is not None else None
+        around_steps.begin(self.recorder, model, probe, next(model.parameters()).device if probe else None)
 
     def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
         if model is not None:
@@ -314,49 +300,44 @@ class Validate(TrainerCallback):
         self.recorder, self.req = recorder, req
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kw):
-        per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
+        _, per_epoch, _ = around_steps.schedule(len(train_dataloader), self.req.cfg)
         self.recorder.validation = validation.for_run(model, self.req.tokenizer, self.req.dsd, self.req.cfg,
                                                       args.device, state.max_steps, per_epoch,
                                                       self.req.checkpoint_dir)
 
 
 class Progress(TrainerCallback):
-    """onegpu's terminal progress for HF Trainer, in place of its progress bar and log dicts: a start line,
-    then :func:`~onegpu.training.recorder.progress_line` every ``every`` optimizer steps and at the last.
-    Added after :class:`StepMetrics`, so the step's row is recorded when ``on_log`` runs."""
+    """onegpu's terminal progress for HF Trainer, in place of its progress bar and log dicts: the start line
+    (:func:`onegpu.training.around_steps.announce`), then :func:`onegpu.training.around_steps.progress`'s lines.
+    Added after :class:`StepMetrics`, so the step's row is recorded when ``on_log`` runs. ``rows``: the
+    training examples."""
 
-    def __init__(self, recorder: StepRecorder, every: int) -> None:
-        self.recorder, self.every = recorder, every
+    def __init__(self, recorder: StepRecorder, cfg: Config, rows: int) -> None:
+        self.recorder, self.cfg, self.rows = recorder, cfg, rows
 
-    def on_train_begin(self, args, state, control, **kw):
-        world = args.world_size
-        distributed.print_main(
-              f"train: {state.max_steps} optimizer steps of "
-              f"{args.train_batch_size * args.gradient_accumulation_steps * world}"
-              f" examples ({args.train_batch_size} x {args.gradient_accumulation_steps}"
-              f"{f' x {world} processes' if world > 1 else ''}) on {args.device}; "
-              f"progress every {self.every} steps, every step goes to MLflow")
-        if note := first_step_note(args.optim):
-            distributed.print_main(note)
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kw):
+        t = self.cfg.train
+        _, _, epochs = around_steps.schedule(len(train_dataloader), self.cfg)
+        around_steps.announce(around_steps.Start(
+            "trainer", state.max_steps, args.train_batch_size, args.gradient_accumulation_steps, args.world_size,
+            self.rows, epochs, args.device, t.mixed_precision, t.logging_steps), args.optim)
 
     def on_log(self, args, state, control, logs=None, **kw):
         step = state.global_step
         if not (logs and "loss" in logs) or not self.recorder.rows or self.recorder.rows[-1]["step"] != step:
             return
-        if step % self.every == 0 or step == state.max_steps:
-            distributed.print_main(progress_line(step, state.max_steps, self.recorder.rows, self.recorder.device,
-                                                 self.recorder.evals))
+        around_steps.progress(self.recorder, step, state.max_steps, self.cfg.train.logging_steps)
 
 
 class EmptyCache(TrainerCallback):
-    """``measure.empty_cache()`` after every ``every``-th optimizer step (``train.torch_empty_cache_steps``)."""
+    """:func:`onegpu.training.around_steps.empty_cache` after each optimizer step (``train.torch_empty_cache_steps``,
+    ``every``)."""
 
     def __init__(self, every: int) -> None:
         self.every = every
 
     def on_step_end(self, args, state, control, **kw):
-        if state.global_step % self.every == 0:
-            memory.empty_cache()
+        around_steps.empty_cache(state.global_step, self.every)
 
 
 class StopCallback(TrainerCallback):
@@ -371,10 +352,7 @@ class StopCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kw):
         if not logs or "loss" not in logs:  # a step's own log (every step, every rank: the collective below)
             return
-        requested = self.stop.requested is not None
-        if args.world_size > 1:  # a stop on one rank stops all after the same step
-            requested = distributed.any_rank(requested, args.device)
-        if requested:
+        if around_steps.stop_requested(self.stop, args.world_size, args.device):
             control.should_save = True
             control.should_training_stop = True
 
@@ -387,26 +365,21 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     ``weights_only=True``) plus onegpu's state file, written every ``train.save_steps`` steps and when
     ``req.stop`` is requested.
     """
-    from onegpu.training.interrupt import Interrupted
     cfg, t, task, stop, resume = req.cfg, req.cfg.train, req.cfg.model.task, req.stop, req.resume
-    counter = BatchCounter(objectives.of(cfg).sequences_per_item)
     scratch = None if req.checkpoint_dir else tempfile.TemporaryDirectory(prefix="onegpu-trainer-")
     out = str(req.checkpoint_dir) if req.checkpoint_dir else scratch.name  # scratch: removed when training ends
     args = training_arguments(cfg, out)
-    if t.gradient_checkpointing and not trainer_checkpoints(t):
-        checkpointing.enable(req.model, t)  # Trainer's own checkpointing is off (args)
+    around_steps.enable_checkpointing(req.model, t, by_framework=trainer_checkpoints(t))
     parts = objectives.training_parts(req.dsd, cfg, req.tokenizer)
     train_ds, collator = parts.rows, parts.collator
     several = args.world_size > 1  # rows uncollated: ExactLossTrainer leaves out accelerate's repeats, collates
     trainer = ExactLossTrainer(
         model=req.model, args=args, train_dataset=train_ds, data_collator=rows_as_they_are if several else collator,
-        processing_class=req.tokenizer, counter=counter, task=task, oom_retry=t.oom_retry,
+        processing_class=req.tokenizer, task=task, oom_retry=t.oom_retry,
         oom_injector=req.oom_injector, activation_offloading=t.activation_offloading,
         collate=collator if several else None)
-    steps = StepRecorder(req.sink, args.device, counter)
-    steps.figures = objectives.of(cfg).step_figures(trainer.model)
-    steps.breakdown.update(objectives.of(cfg).memory_terms(trainer.model))
-    steps.events = trainer.oom_events
+    steps = around_steps.new_recorder(cfg, req.sink, args.device, trainer.model)
+    trainer.counter, steps.events = steps.counter, trainer.oom_events
     if resume is not None:
         steps.restore(resume)
     if req.checkpoint_dir:
@@ -414,12 +387,11 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     if t.torch_empty_cache_steps:
         trainer.add_callback(EmptyCache(t.torch_empty_cache_steps))
     trainer.add_callback(Validate(steps, req))
-    trainer.add_callback(StepMetrics(steps, probe=(probe_batch(train_ds, collator, t.per_device_train_batch_size),
-                                                   loss_for(task))))
+    trainer.add_callback(StepMetrics(steps, probe=around_steps.activation_probe(train_ds, collator, t, task)))
     if stop is not None:  # after StepMetrics: a stop is checked once the step's validation pass is over
         trainer.add_callback(StopCallback(stop))
     trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(Progress(steps, t.logging_steps))
+    trainer.add_callback(Progress(steps, cfg, len(train_ds)))
     try:
         trainer.train(resume_from_checkpoint=resume.path if resume else None)
     finally:
@@ -428,5 +400,5 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     stopped_by_other_rank = (args.world_size > 1 and trainer.state.global_step < trainer.state.max_steps
                              and not steps.stopped_early)
     if stop is not None and not steps.stopped_early and (stop.requested is not None or stopped_by_other_rank):
-        raise Interrupted(stop.requested or 15, trainer.state.global_step)  # 15: SIGTERM, another rank's stop
+        raise around_steps.interruption(stop, trainer.state.global_step)
     return trainer.model, steps
