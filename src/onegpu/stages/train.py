@@ -18,10 +18,9 @@ from onegpu.measure import outside_load
 from onegpu.models import lora
 from onegpu.training import distributed, machines, prepared, recorder, session, tracked_run
 
-# metrics/train.json (`dvc exp show`, `dvc metrics diff`): these headline figures only, so a sweep's
-# table fits a terminal next to the params that vary. Everything else (runtime, memory breakdown, FLOP/s,
-# MFU, the split `auto` chose as resolved.* params, per-step series) is in the MLflow run. A run trained
-# under outside load also gets train_outside_cpu_load (CPUs other processes kept busy; tag onegpu.outside_load).
+# metrics/train.json (`dvc exp show`, `dvc metrics diff`): these headline figures only, so a sweep's table fits a
+# terminal next to the params that vary; the rest (runtime, memory breakdown, FLOP/s, MFU, resolved.*, per-step series)
+# is in the MLflow run. Under outside load: train_outside_cpu_load too (CPUs others kept busy, onegpu.outside_load).
 HEADLINE = ("train_loss", "train_samples_per_second", "train_mem_peak_bytes")
 # plots/train_steps.csv: one row per optimizer step (dvc.yaml's plots: loss, memory in MiB, speed).
 STEP_COLUMNS = ["step", "loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second",
