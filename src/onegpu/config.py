@@ -816,9 +816,6 @@ _FSDP_REFUSALS: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
     ("train.num_processes", lambda c: c.train.num_processes < 2,
      "one process has nothing to shard (FSDP2 splits the weights over the processes); set train.num_processes to 2 "
      "or more, or train.fsdp.enabled: false"),
-    ("train.fused_lm_head", lambda c: c.train.fused_lm_head and causal_lm(c.model.task),
-     "the fused head projects with the output layer's weights outside the model's forward, where FSDP2 holds only "
-     "this process's shard of them; set train.fused_lm_head: false"),
     ("train.oom_retry", lambda c: c.train.oom_retry,
      "a retry re-splits one process's micro-batches, and every sharded forward gathers weights with all processes; "
      "set train.oom_retry: false"),

@@ -168,9 +168,7 @@ BAD = [
           ("one-process", {"train.num_processes": 1}, "train.num_processes", "one process has nothing to shard"),
           ("oom-retry", {"train.oom_retry": True}, "train.oom_retry", "set train.oom_retry: false"),
           ("compile", {"train.torch_compile": True}, "train.torch_compile", "set train.torch_compile: false"),
-          ("fp16", {"train.fp16": True}, "train.fp16", "use bf16 or neither"),
-          ("fused-head", {"model.task": "causal-lm", "model.name_or_path": None, "data.source": "bbcnews-headlines"},
-           "train.fused_lm_head", "set train.fused_lm_head: false"))],
+          ("fp16", {"train.fp16": True}, "train.fp16", "use bf16 or neither"))],
     ("source-parquet-typo", {"data.source": "d.parqet"}, "data.source", [".parquet"]),
 ]
 
@@ -200,6 +198,20 @@ def test_fsdp_is_accepted_with_what_its_first_slice_runs(raw):
         _set(raw, dotted, value)
     cfg = config.from_container(raw)  # with LoRA adapters too (proven in tests/unit/training/test_distributed.py)
     assert cfg.train.fsdp == config.FSDPConfig(enabled=True, reshard_after_forward=False) and cfg.model.lora.r == 8
+
+
+@pytest.mark.parametrize("task, source", [("causal-lm", "bbcnews-headlines"),
+                                          ("preference", "bbcnews-headline-pairs")])
+def test_fsdp_is_accepted_with_the_fused_lm_head(raw, task, source):
+    """The fused LM head (the default) of a causal LM and of DPO under sharding: its tiles project with the root's
+    gathered head (training/sharding.py:shard; proven in float64 by test_distributed.py's fused-* cases and
+    test_same_training_preference.py's *-fused cases); it was refused, and every sharded causal LM turned it off."""
+    for dotted, value in {"train.fsdp.enabled": True, "train.backend": "accelerate", "train.num_processes": 2,
+                          "train.oom_retry": False, "model.task": task, "model.name_or_path": None,
+                          "data.source": source}.items():
+        _set(raw, dotted, value)
+    cfg = config.from_container(raw)
+    assert cfg.train.fsdp.enabled and cfg.train.fused_lm_head and config.causal_lm(cfg.model.task)
 
 
 def test_effective_batch_size_disagreeing_names_the_product(raw):

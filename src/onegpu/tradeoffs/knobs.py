@@ -242,9 +242,9 @@ def sharding(cfg: Config, facts: DeviceFacts) -> list[Variant] | str:
     the equivalence key. Turning it on under the trainer backend adds ``train.backend=accelerate`` (FSDP2 runs in
     the accelerate backend only; the backend is outside the key too) and, under ``train.oom_retry``,
     ``train.oom_retry=false`` (refused under sharding; it acts only on an out-of-memory error, so the row
-    measures the same otherwise). A row that :func:`onegpu.config.validate` would refuse (FSDP2 with the fused
-    LM head of a causal LM, ``torch_compile``, fp16, several machines) is not planned, so none fails at its start:
-    the refusal's text is the reason."""
+    measures the same otherwise). A row that :func:`onegpu.config.validate` would refuse (FSDP2 with
+    ``torch_compile``, fp16, several machines) is not planned, so none fails at its start: the refusal's text is
+    the reason."""
     from onegpu import config
     if cfg.train.num_processes < 2:
         return (f"FSDP2 shards over processes and train.num_processes is {cfg.train.num_processes}; set "

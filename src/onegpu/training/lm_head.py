@@ -17,6 +17,12 @@ target's gradient ``1 - p`` loses ``ulp(max logit) / (1 - p)`` of its value (on 
 one-word answers, 1e-4 of the step's gradient in float64, varying with the micro-batch).
 
 In eval mode (evaluation, generation) and when the caller passes ``labels``, the forward is the model's own.
+
+Under ``train.fsdp`` (FSDP2) the output layer belongs to the root's group, which stays gathered from its forward
+to its backward (:func:`onegpu.training.sharding.shard`): read after the forward, ``lm_head.weight`` is the whole
+gathered parameter (a tied one the embedding's too), and its tiles' gradient is reduce-scattered with the
+root's at the end of backward. Held-out scoring (:func:`hidden_states`) runs through the model's own call, so
+that the root's FSDP2 hooks gather it first. A sharded weight (a DTensor) here raises, never computes.
 """
 from __future__ import annotations
 
@@ -73,8 +79,9 @@ def _inner(model):
 
 
 def _forward(self, *args, **kwargs):
-    """The patched forward: the model's own in eval mode or with ``labels``; else the backbone alone."""
-    if not self.training or kwargs.get("labels") is not None:
+    """The patched forward: the model's own in eval mode or with ``labels`` (unless :func:`hidden_states` asks
+    for the backbone); else the backbone alone."""
+    if not self._onegpu_hidden and (not self.training or kwargs.get("labels") is not None):
         return self._onegpu_full_forward(*args, **kwargs)
     kwargs.pop("num_items_in_batch", None)  # HF Trainer passes it to models that accept loss kwargs
     kwargs["use_cache"] = False
@@ -91,6 +98,7 @@ def attach(model) -> None:
         return
     inner = _inner(model)
     inner._onegpu_full_forward = inner.forward
+    inner._onegpu_hidden = False  # True while hidden_states calls the model
     inner.forward = types.MethodType(_forward, inner)
 
 
@@ -149,6 +157,22 @@ def _tile_nll(hidden, weight, bias, targets, scale: float, softcap: float | None
     return F.cross_entropy(upcast(logits), targets, reduction="sum")
 
 
+def _output_layer(model):
+    """``model``'s output layer (``get_output_embeddings()``), its weight whole.
+
+    Raises:
+        RuntimeError: the weight is a DTensor: FSDP2 holds only this process's shard of it (read outside the
+            root's gathered span: :func:`onegpu.training.sharding.shard`).
+    """
+    import sys
+    head = model.get_output_embeddings()
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # (imported where sharded)
+    if dtensor is not None and isinstance(head.weight, dtensor):
+        raise RuntimeError("the fused LM head found the output layer's weight sharded (a DTensor): FSDP2's root "
+                           "must be gathered when the tiles project (onegpu.training.sharding.shard)")
+    return head
+
+
 def _gathered(outputs: HiddenStates, labels):
     """``(hidden, targets)``: the hidden states ``(n, hidden)`` of the positions whose next-token label is
     a target and those labels ``(n,)``, padded with zero rows (label -100) to a multiple of ``ROW_ALIGN``."""
@@ -176,7 +200,7 @@ def target_nll(outputs: HiddenStates, labels):
     """
     from torch.utils.checkpoint import checkpoint
     model = outputs.model
-    head = model.get_output_embeddings()
+    head = _output_layer(model)
     hidden, targets = _gathered(outputs, labels)
     scale, softcap = logit_transform(model.config)
     step = tokens_per_tile(head.weight.shape[0])
@@ -206,7 +230,7 @@ def token_nll(outputs: HiddenStates, labels):
     import torch
     from torch.utils.checkpoint import checkpoint
     model = outputs.model
-    head = model.get_output_embeddings()
+    head = _output_layer(model)
     hidden, targets = _gathered(outputs, labels)
     scale, softcap = logit_transform(model.config)
     step = tokens_per_tile(head.weight.shape[0])
@@ -221,9 +245,21 @@ def token_nll(outputs: HiddenStates, labels):
 def hidden_states(model, batch: dict) -> HiddenStates:
     """The decoder's last hidden state for ``batch`` (the model's inputs, no ``labels``), in the model's
     current mode: what a train-mode forward returns under :func:`attach`, for held-out figures under
-    ``torch.no_grad()`` in eval mode (the same output layer in tiles as training, never the whole logits)."""
+    ``torch.no_grad()`` in eval mode (the same output layer in tiles as training, never the whole logits).
+
+    An attached ``model`` (:func:`attach`; a PEFT model or the model itself, not a DDP wrapper) is called as a
+    whole, its patched forward told to stop at the backbone: a sharded model's FSDP2 hooks run (the root's gathers
+    the embeddings, final norm and head, which a call of the backbone alone finds sharded: "aten.embedding.default
+    got mixed torch.Tensor and DTensor"). Another model's backbone is called alone (a plain model's figures).
+    """
     inner = _inner(model)
-    return HiddenStates(inner.base_model(**batch, use_cache=False).last_hidden_state, inner)
+    if not attached(model):
+        return HiddenStates(inner.base_model(**batch, use_cache=False).last_hidden_state, inner)
+    inner._onegpu_hidden = True
+    try:
+        return model(**batch, use_cache=False)
+    finally:
+        inner._onegpu_hidden = False
 
 
 def target_scores(outputs: HiddenStates, labels):
@@ -233,7 +269,7 @@ def target_scores(outputs: HiddenStates, labels):
     accuracy's numerator). ``labels``: ``(rows, seq_len)`` int64, unshifted, -100 where no target."""
     import torch
     model = outputs.model
-    head = model.get_output_embeddings()
+    head = _output_layer(model)
     hidden, targets = _gathered(outputs, labels)
     scale, softcap = logit_transform(model.config)
     step = tokens_per_tile(head.weight.shape[0])

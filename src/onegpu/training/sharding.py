@@ -137,6 +137,17 @@ def shard(model, device_type: str, reshard_after_forward: bool):
     process group; in place (the module's class becomes an ``FSDPModule``, its parameters DTensors). Call it
     before the optimizer is built (the optimizer holds the sharded parameters).
 
+    The root (embeddings, final norm, head) never reshards after its forward: its gathered weights stay from its
+    forward to its backward's reduce-scatter (:func:`per_rank_bytes` counts them so), as torch does for a root
+    whose ``reshard_after_forward`` is left unset (torch 2.13, ``fsdp/_fully_shard/_fsdp_state.py``,
+    ``FSDPState._lazy_init``: "For the root, do not reshard after forward since for training, the parameters
+    would be freed and all-gathered immediately"). The fused LM head relies on it
+    (:mod:`onegpu.training.lm_head`): it projects with ``lm_head.weight`` after the forward, and a gathered
+    group's modules hold its whole parameters (``FSDPParam.to_unsharded``: ``_setattr_on_modules``, on every
+    module that shares a tied weight), whose gradients the root's post-backward reduce-scatters at the end of
+    backward (``FSDPState._root_post_backward_final_callback``). A model that runs no backward (DPO's frozen
+    reference) gives them back with :func:`release`.
+
     Args:
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL): where the shards live.
         reshard_after_forward: free a block's gathered weights after its forward (gathered again in backward);
@@ -155,8 +166,20 @@ def shard(model, device_type: str, reshard_after_forward: bool):
     found = blocks(model)
     for block in reversed(found):  # innermost first, if blocks nest
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)  # the root: gathered until its backward
     return len(found)
+
+
+def release(model) -> None:
+    """Free the gathered weights of every sharded module of ``model`` (FSDP2's ``FSDPModule.reshard()``, each
+    module's own group: not recursive), the root's included, which :func:`shard` keeps gathered after a forward
+    until a backward reshards it: for a sharded model that runs forwards only (DPO's frozen reference). No
+    collective; its next forward gathers again. A plain model: nothing."""
+    import sys
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing in this process is sharded
+    for module in model.modules() if fsdp is not None else ():
+        if isinstance(module, fsdp.FSDPModule):
+            module.reshard()
 
 
 def gradient_sync(model, sync: bool):

@@ -51,7 +51,7 @@ PROOFS = {
     "model.attn_implementation": "float64: test_the_attention_kernel_of_the_classifier_* (BERT: eager = SDPA); "
                                  "test_the_attention_kernel_eager_is_sdpa_in_float64 (Llama, its eager "
                                  "softmax in float64); flash_attention_2 is CUDA only",
-    "train.fused_lm_head": "float64: test_the_fused_head_*",
+    "train.fused_lm_head": "float64: test_the_fused_head_* (under train.fsdp: test_distributed.py's fused-* cases)",
     "train.dpo.precompute_ref_log_probs": "float64: test_a_precomputed_reference_*",
     "train.cpu_allocator": "float64: test_two_processes_are_one_in_float64_and_the_host_allocator_* (each rank "
                            "under glibc's defaults, the reference under the caching allocator)",
@@ -59,7 +59,8 @@ PROOFS = {
     # FSDP2 over 2 gloo processes = 1 process unsharded, float64 within 1e-12: its proof runs in the two spawned
     # ranks that tests/unit/training/test_distributed.py's other multi-process tests share (spawns are costly).
     "train.fsdp.enabled": "float64 in 2 ranks: tests/unit/training/test_distributed.py::"
-                          "test_fsdp2_over_two_processes_is_one_process_in_float64 (accumulation 1 and 4)",
+                          "test_fsdp2_over_two_processes_is_one_process_in_float64 (accumulation 1 and 4, whole "
+                          "logits and the fused LM head)",
     "train.fsdp.reshard_after_forward": "float64 in 2 ranks: tests/unit/training/test_distributed.py::"
                                         "test_fsdp2_over_two_processes_is_one_process_in_float64 (true at "
                                         "accumulation 1, false at 4)",

@@ -157,16 +157,19 @@ def test_on_the_packaged_chat_model_a_dpo_step_split_is_exact_in_float64():
     float64.assert_same(split, whole, steps=1)
 
 
-# -- train.fsdp: DPO over 2 gloo processes, the policy sharded (the whole logits: the fused head is refused
-# under sharding), against one unsharded process; on a hidden-32 Llama of the tokenizer's vocabulary (the 2-layer
-# SmolLM2 shape's 49,152 x 576 float64 embedding, gathered every forward over gloo, took 75 s) --
+# -- train.fsdp: DPO over 2 gloo processes, the policy sharded (the whole logits and the fused head, whose tiles
+# project with the root's gathered head after the forward), against one unsharded process of the whole logits; on a
+# hidden-32 Llama of the tokenizer's vocabulary (the 2-layer SmolLM2 shape's 49,152 x 576 float64 embedding,
+# gathered every forward over gloo, took 75 s) --
 
 # (micro-batch of each process, accumulation, dpo_run's keys) of each case: 2 x 1 x 2 = 4 pairs a step.
 FSDP_CASES = {"frozen-copy": (1, 2, {}),  # the reference sharded as the policy is
-              "lora": (1, 2, {"lora": True})}  # the reference: the sharded policy, its adapter disabled
+              "lora": (1, 2, {"lora": True}),  # the reference: the sharded policy, its adapter disabled
+              "frozen-copy-fused": (1, 2, {"fused": True}),  # both heads fused, the reference's resharded after
+              "lora-fused": (1, 2, {"lora": True, "fused": True})}
 # (A precomputed reference keeps no model: its sharded run is the policy's alone, as in the SFT proofs.)
 SHARDED = {"backend": "accelerate", "num_processes": 2, "eval_strategy": "no", "oom_retry": False,
-           "fused_lm_head": False, "fsdp": {"enabled": True}}
+           "fsdp": {"enabled": True}}
 
 
 @functools.cache
@@ -184,7 +187,9 @@ def _fsdp_rank(rank: int, port: int, out: str) -> None:
     distributed.TIMEOUT_S = 60
     runs = {}
     for case, (micro, accum, extra) in FSDP_CASES.items():
-        run = float64.dpo_run(micro, accum, pairs=4, fused=False, tiny=True, **extra, **SHARDED)
+        fused = extra.get("fused", False)
+        run = float64.dpo_run(micro, accum, pairs=4, tiny=True, **{"fused": False, **extra}, **SHARDED,
+                              fused_lm_head=fused)
         runs[case] = (run.rows, run.grads)
         AcceleratorState._reset_state(reset_partial_state=False)  # (the process group stays)
         GradientState._reset_state()
@@ -192,16 +197,16 @@ def _fsdp_rank(rank: int, port: int, out: str) -> None:
 
 
 def test_dpo_sharded_over_two_processes_is_one_process_in_float64(tmp_path):
-    """train.fsdp with DPO: 2 gloo processes x 1 x 2 pairs, the policy sharded, = 1 unsharded process x 4 x 1,
-    per step within 1e-12 in float64 (loss, grad_norm, every parameter's step-1 gradient gathered whole, TRL's
-    figures all-reduced over the step's 4 pairs): the frozen reference copy sharded as the policy, and LoRA's
-    disabled adapter."""
+    """train.fsdp with DPO: 2 gloo processes x 1 x 2 pairs, the policy sharded, = 1 unsharded process x 4 x 1 of
+    the whole logits, per step within 1e-12 in float64 (loss, grad_norm, every parameter's step-1 gradient gathered
+    whole, TRL's figures all-reduced over the step's 4 pairs): the frozen reference copy sharded as the policy, and
+    LoRA's disabled adapter; each with the whole logits and with the fused LM head (policy and reference)."""
     import torch.multiprocessing as mp
 
     from tests.unit.training.test_distributed import _free_port
     mp.spawn(_fsdp_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     for r in (0, 1):
         for case, (rows, grads) in torch.load(tmp_path / f"rank{r}.pt", weights_only=False).items():
-            run, ref = float64.Run(rows, grads), whole_logits(lora=case == "lora")
+            run, ref = float64.Run(rows, grads), whole_logits(lora=FSDP_CASES[case][2].get("lora", False))
             print(f"fsdp dpo {case}, rank {r}: {float64.distance(run, ref)}")
             assert_same(run, ref)

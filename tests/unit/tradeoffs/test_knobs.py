@@ -261,5 +261,5 @@ def test_no_sharding_row_on_one_process_or_where_validation_would_refuse_it():
         assert skipped[0].endswith("(`onegpu tradeoffs -S key=value` sets a key for every row)")
     raw = _processes()
     raw["model"]["task"], raw["model"]["name_or_path"], raw["data"]["source"] = "causal-lm", None, "bbcnews-headlines"
-    why = knobs.sharding(config.from_container(raw), CPU)
-    assert isinstance(why, str) and "is true with train.fused_lm_head: the fused head projects" in why
+    (row,) = knobs.sharding(config.from_container(raw), CPU)  # a causal LM's fused head (the default) shards too
+    assert row.name == "sharding" and config.from_container(raw).train.fused_lm_head

@@ -5,6 +5,7 @@ Real runs through ``onegpu train`` under torch.distributed.run: tests/integratio
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import socket
@@ -165,7 +166,8 @@ def _dpo_part(rank: int, out: str) -> None:
 
 # train.fsdp's proof: (rows per micro-batch of each of 2 processes, accumulation, its keys besides enabled, the
 # train keys) of each case; the second with activation checkpointing, gathered weights kept until backward, and
-# clipping that acts (the norm is above 0.5).
+# clipping that acts (the norm is above 0.5). The fused-* cases: a case with the fused LM head (its tiles project
+# with the root's gathered head after the forward; validation scores through the root's hooks), else the same.
 FSDP_CASES = {"accum1": (2, 1, {"reshard_after_forward": True}, {}),
               "accum4": (1, 4, {"reshard_after_forward": False}, {"gradient_checkpointing": True,
                                                                    "max_grad_norm": 0.5}),
@@ -173,20 +175,22 @@ FSDP_CASES = {"accum1": (2, 1, {"reshard_after_forward": True}, {}),
               "validation": (1, 1, {"reshard_after_forward": True}, {
                   "eval_strategy": "steps", "eval_steps": 1, "load_best_model_at_end": True,
                   "metric_for_best_model": "eval_loss", "greater_is_better": True})}
+FSDP_CASES.update({f"fused-{case}": (*FSDP_CASES[case][:3], {**FSDP_CASES[case][3], "fused_lm_head": True})
+                   for case in ("validation", "accum4")})
 
 
 def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
-    """2 optimizer steps of the accelerate backend on a tiny Llama in float64 (whole logits, answers of 1..9 words:
-    uneven targets per micro-batch), 2 x micro x accumulation rows per step: ``processes`` 2 with ``train.fsdp``,
-    1 without (micro-batches of 2 x micro). Returns the rows' loss and grad_norm, the trained weights (rank 0; {}
-    on the others), FSDP2's gradient reduce-scatters counted, and, at step 1, what each rank held: its gradients'
-    local-shard norm and parameter elements."""
+    """2 optimizer steps of the accelerate backend on a tiny Llama in float64 (whole logits unless the case turns
+    the fused LM head on; answers of 1..9 words: uneven targets per micro-batch), 2 x micro x accumulation rows per
+    step: ``processes`` 2 with ``train.fsdp``, 1 without (micro-batches of 2 x micro).
+    Returns the rows' loss and grad_norm, the trained weights (rank 0; {} on the others), FSDP2's gradient
+    reduce-scatters counted, and what each rank held at step 1 (:func:`_held`: its gradients' local-shard norm,
+    parameter elements, every gradient made whole, whether the head is still the embedding's tensor)."""
     from datasets import DatasetDict
-    from torch.distributed.tensor import DTensor
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from onegpu.config import from_container
-    from onegpu.training import validation
+    from onegpu.training import lm_head, validation
     from onegpu.training.backends import accelerate as backend
     from onegpu.training.backends.base import TrainRequest
     from tests.unit.equivalence import float64
@@ -203,6 +207,9 @@ def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
                                     "fsdp": {"enabled": processes > 1, **fsdp}, **train},
                           "evaluate": {"per_device_eval_batch_size": 2}}, source="test")
     model = tiny_llama().double()
+    if cfg.train.fused_lm_head:  # as session.build_model attaches it
+        lm_head.check(model, "tiny Llama")
+        lm_head.attach(model)
     if case == "lora":  # adapters on every linear layer, B non-zero: their gradients reach every matrix
         from onegpu.config import LoraConfig
         from onegpu.models import lora
@@ -212,18 +219,13 @@ def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.02)
     data = float64.instruction_data("answers", 4 * micro * accum)
-    if case == "validation":  # 5 rows: shares of 2 and 3, one and two batches of 2 (the first rank runs a filler)
+    if cfg.train.eval_strategy == "steps":  # 5 rows: shares of 2 and 3, one and two batches of 2 (a filler first)
         data = DatasetDict(train=data["train"], validation=float64.instruction_data("answers", 5)["train"])
     held = {}
 
     def hold(optimizer, args, kwargs):  # step 1: this rank's shards of the gradients and parameters
         if not held:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-            held.update(local_norm=float(torch.linalg.vector_norm(torch.stack([g.norm() for g in local]))),
-                        local_elements=sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
-                                           for p in params),
-                        elements=sum(p.numel() for p in params), dtensors=all(isinstance(p, DTensor) for p in params))
+            held.update(_held(optimizer, model))
     handle = register_optimizer_step_pre_hook(hold)
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
     own_reduce, reduces = group.foreach_reduce, []
@@ -245,6 +247,25 @@ def _fsdp_train(processes: int, case: str, save_to: str | None = None) -> dict:
     return {"rows": [{k: r[k] for k in ("loss", "grad_norm")} for r in steps.rows], "weights": weights,
             "reduce_scatters": len(reduces), "best": steps.best,
             "evals": [(e["step"], e["eval_loss"], e["eval_rows"]) for e in steps.evals], **held}
+
+
+def _held(optimizer, model) -> dict:
+    """What this rank holds as an optimizer step starts: its gradients' local-shard norm, its parameters' elements
+    and theirs whole, whether all are DTensors, every gradient made whole (a collective) under its parameter's name,
+    and whether the output layer is still the embedding's tensor (tied)."""
+    from torch.distributed.tensor import DTensor
+
+    from onegpu.training import lm_head
+    from tests.unit.equivalence import float64
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    names = {id(p): float64._name(model, n) for n, p in model.named_parameters()}
+    inner = lm_head._inner(model)
+    return {"local_norm": float(torch.linalg.vector_norm(torch.stack([g.norm() for g in local]))),
+            "local_elements": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params),
+            "elements": sum(p.numel() for p in params), "dtensors": all(isinstance(p, DTensor) for p in params),
+            "grads": {names[id(p)]: float64._whole(p.grad).detach().clone() for p in params},
+            "tied": inner.get_output_embeddings().weight is inner.get_input_embeddings().weight}
 
 
 def _bf16_train(sharded: bool) -> dict:
@@ -279,10 +300,10 @@ def _fsdp_bf16_part(rank: int, out: str) -> None:
 
 def _fsdp_part(rank: int, out: str) -> None:
     """train.fsdp on rank ``rank`` of 2, each case of :data:`FSDP_CASES`; writes ``<out>.json`` (the rows and
-    what the rank held) and ``<out>.pt`` (rank 0: the trained weights of each case)."""
+    what the rank held) and ``<out>.pt`` (each case's trained weights, rank 0's alone, and step-1 gradients)."""
     distributed.TIMEOUT_S = 60
     results = {case: _fsdp_train(2, case, f"{out}-{case}-model") for case in FSDP_CASES}
-    torch.save({case: r.pop("weights") for case, r in results.items()}, f"{out}.pt")
+    torch.save({case: {k: r.pop(k) for k in ("weights", "grads")} for case, r in results.items()}, f"{out}.pt")
     with open(f"{out}.json", "w") as f:
         json.dump(results, f)
 
@@ -453,18 +474,22 @@ def test_two_processes_train_dpo_as_one_the_figures_over_every_pair_once(rank_re
 def test_fsdp2_over_two_processes_is_one_process_in_float64(rank_results, tmp_path_factory, case):
     """train.fsdp: 2 gloo processes, each holding half of every weight and gradient (fully_shard per decoder
     layer and the root), = 1 process unsharded, per step within 1e-12 relative in float64: the loss, the
-    global grad_norm before clipping, and every weight after the 2 steps; at accumulation 1, at 4 with
-    gradient checkpointing, reshard_after_forward false and clipping at 0.5, and with LoRA adapters (r=4 on
-    every linear layer, the base frozen in the same shards) at 2 with checkpointing, models/ merged as the train
-    stage merges it; and with validation after every step (5 rows: uneven shares) and the best point's weights
-    loaded at the end. The logged norm is the global one:
-    each rank's local-shard norm is another figure (a logged local norm would fail here), the two together
-    make the whole. models/ as rank 0 writes it loads with from_pretrained, the trained weights to the bit."""
+    global grad_norm before clipping, every parameter's step-1 gradient made whole, and every weight after the 2
+    steps; at accumulation 1, at 4 with gradient checkpointing, reshard_after_forward false and clipping at 0.5,
+    and with LoRA adapters (r=4 on every linear layer, the base frozen in the same shards) at 2 with checkpointing,
+    models/ merged as the train stage merges it; with validation after every step (5 rows: uneven shares) and the
+    best point's weights loaded at the end; and the last and the second with the fused LM head, each = 1 process
+    with the fused head and = 1 with the whole logits, the head still the embedding's tensor on every rank. The
+    logged norm is the global one: each rank's local-shard norm is another figure (a logged local norm would fail
+    here), the two together make the whole. models/ as rank 0 writes it loads with from_pretrained, the trained
+    weights to the bit."""
     from tests.unit.equivalence.float64 import REL
     ranks = _part(rank_results, "fsdp")
     two = [r[case] for r in ranks]
-    one = _fsdp_train(1, case)
-    assert all(r["dtensors"] for r in two) and [r["local_elements"] * 2 for r in two] == [r["elements"] for r in two]
+    train = FSDP_CASES[case][3]
+    one = _one_process(case)
+    assert all(r["dtensors"] and r["tied"] for r in two) and one["tied"]
+    assert [r["local_elements"] * 2 for r in two] == [r["elements"] for r in two]
     assert two[0]["rows"] == two[1]["rows"] and len(one["rows"]) == 2
     # One reduce-scatter per sharded group (2 layers, the root) and step, whatever the accumulation: the
     # micro-batches before a step's last run under set_requires_gradient_sync(False) (DDP's no_sync: 4 per step).
@@ -473,24 +498,22 @@ def test_fsdp2_over_two_processes_is_one_process_in_float64(rank_results, tmp_pa
     assert [r["reduce_scatters"] for r in two] == [2 * groups, 2 * groups]
     # Validation during training: each process scores its share (2 and 3 of 5 rows; the first runs a filler
     # forward, as every sharded forward gathers with all), the figures all-reduced: one process's, per point.
-    assert two[0]["evals"] == two[1]["evals"] and len(one["evals"]) == (2 if case == "validation" else 0)
-    for (step2, loss2, rows2), (step1, loss1, rows1) in zip(two[0]["evals"], one["evals"]):
-        assert (step2, rows2) == (step1, rows1) and rows1 == 5
-        assert abs(loss2 - loss1) <= REL * loss1, (loss2, loss1)
-    if case == "validation":  # models/ gets the best point's weights, gathered from the shards at that point
+    assert two[0]["evals"] == two[1]["evals"] and len(one["evals"]) == (2 if "eval_steps" in train else 0)
+    assert all(rows == 5 for _, _, rows in one["evals"])
+    if train.get("load_best_model_at_end"):  # models/ gets the best point's weights, gathered from the shards then
         assert one["best"]["step"] == two[0]["best"]["step"] == 1
-    for a, b in zip(two[0]["rows"], one["rows"]):
-        for k in ("loss", "grad_norm"):
-            assert abs(a[k] - b[k]) <= REL * abs(b[k]), (k, a[k], b[k])
-    if case == "accum4":
+    saved = torch.load(_fsdp_weights(rank_results), weights_only=True)[case]
+    weights = saved["weights"]
+    ones = {"one": one, **({"whole logits": _one_process(case.removeprefix("fused-"))} if "fused-" in case else {})}
+    figures = {name: _same_as(two[0], saved["grads"], ref) for name, ref in ones.items()}  # fused: with and without
+    if train.get("max_grad_norm"):
         assert one["rows"][0]["grad_norm"] > 0.5  # the clipping acted
     # Each rank's own shards' norm (of the gradients the optimizer steps with: clipped) is another figure;
     # together they make the whole.
-    bound = FSDP_CASES[case][3].get("max_grad_norm", 0.0)
+    bound = train.get("max_grad_norm", 0.0)
     whole = one["rows"][0]["grad_norm"] * (min(1.0, bound / (one["rows"][0]["grad_norm"] + 1e-6)) if bound else 1.0)
     assert min(abs(r["local_norm"] - whole) for r in two) > 1e-3 * whole, [r["local_norm"] for r in two]
     assert abs(math.hypot(*(r["local_norm"] for r in two)) - whole) <= REL * whole
-    weights = torch.load(_fsdp_weights(rank_results), weights_only=True)[case]
     assert weights.keys() == one["weights"].keys()
     worst = max(float((weights[n] - w).norm() / w.norm()) for n, w in one["weights"].items())
     assert worst <= REL, worst
@@ -499,9 +522,27 @@ def test_fsdp2_over_two_processes_is_one_process_in_float64(rank_results, tmp_pa
                                               dtype=torch.float64)
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # tied, as trained
     assert all(torch.equal(p, weights[n]) for n, p in loaded.named_parameters())
-    print(f"fsdp {case}: loss {max(abs(a['loss'] / b['loss'] - 1) for a, b in zip(two[0]['rows'], one['rows'])):.1e}, "
-          f"grad_norm {max(abs(a['grad_norm'] / b['grad_norm'] - 1) for a, b in zip(two[0]['rows'], one['rows'])):.1e}"
-          f", weights {worst:.1e} (relative)")
+    print(f"fsdp {case}: " + "; ".join(f"against {name}: loss {d['loss']:.1e}, grad_norm {d['grad_norm']:.1e}, "
+                                       f"gradients {d['gradient']:.1e}" for name, d in figures.items())
+          + f"; weights {worst:.1e} (relative)")
+
+
+@functools.cache
+def _one_process(case: str) -> dict:
+    """:func:`_fsdp_train` of ``case`` on one process, once (a fused-* case's whole-logits twin is its case's)."""
+    return _fsdp_train(1, case)
+
+
+def _same_as(sharded: dict, grads: dict, one: dict) -> dict:
+    """:func:`tests.unit.equivalence.float64.distance` of a sharded run (rank 0's rows and the step-1 gradients
+    made whole) from one process's run, asserted within 1e-12 (loss, grad_norm, every gradient), and its validation
+    points: the same steps and rows, the loss within 1e-12. Returns the distance."""
+    from tests.unit.equivalence.float64 import REL, Run, distance
+    d = distance(Run(sharded["rows"], grads), Run(one["rows"], one["grads"]))
+    assert max(d["loss"], d["grad_norm"], d["gradient"]) <= REL, d
+    assert [(s, n) for s, _, n in sharded["evals"]] == [(s, n) for s, _, n in one["evals"]]
+    assert all(abs(a - b) <= REL * b for (_, a, _), (_, b, _) in zip(sharded["evals"], one["evals"])), one["evals"]
+    return d
 
 
 def test_a_sharded_run_stopped_after_step_2_resumes_to_the_uninterrupted_run_in_float64(rank_results):

@@ -131,6 +131,25 @@ def test_each_kind_of_output_layer_gives_the_whole_logits_held_out_loss_and_hits
     assert int(fused_hits) == hits
 
 
+def test_held_out_hidden_states_run_the_models_own_call():
+    """hidden_states of an attached model calls the model as a whole, in eval and in train mode (its forward hooks
+    run: FSDP2's root gathers the embeddings, final norm and head in its pre-forward hook, and the backbone called
+    alone found them sharded), and gives the backbone's last hidden state; the model's own forward in eval mode is
+    still the whole logits."""
+    model = _kind("llama-untied").double()
+    lm_head.attach(model)
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: calls.append(m.training))
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    for training in (False, True):
+        model.train(training)
+        with torch.no_grad():
+            out = lm_head.hidden_states(model, {"input_ids": ids})
+            assert torch.equal(out.hidden, model.model(input_ids=ids).last_hidden_state) and out.model is model
+    assert calls == [False, True]
+    assert model.eval()(input_ids=ids).logits.shape == (2, 12, 300)
+
+
 def test_a_transform_the_config_does_not_name_is_refused():
     import transformers as tf
 

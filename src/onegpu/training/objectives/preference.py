@@ -165,8 +165,12 @@ class Preference(Objective):
         return loss
 
     def reference_logps(self, model, features: dict, labels, seq, n: int):
-        """The reference's sequence log-probabilities ``(n,)`` for the batch (no autograd, eval mode)."""
+        """The reference's sequence log-probabilities ``(n,)`` for the batch (no autograd, eval mode). A sharded
+        frozen copy (``train.fsdp``) gives its gathered weights back after the scores
+        (:func:`onegpu.training.sharding.release`: it runs no backward that would)."""
         import torch
+
+        from onegpu.training import sharding
         ref, inner = reference_of(model), _unwrapped(model)
         if ref.precomputed:
             raise RuntimeError("train.dpo.precompute_ref_log_probs: these rows carry no reference log-probabilities")
@@ -175,7 +179,10 @@ class Preference(Objective):
                 device = features["input_ids"].device
                 if next(ref.model.parameters()).device != device:
                     ref.model.to(device)  # once: where the policy went
-                return dpo.sequence_logps(dpo.scoring_output(ref.model, features), labels, seq, n)[0]
+                try:
+                    return dpo.sequence_logps(dpo.scoring_output(ref.model, features), labels, seq, n)[0]
+                finally:
+                    sharding.release(ref.model)
             was = inner.training
             inner.eval()
             try:
