@@ -72,8 +72,8 @@ def test_two_machines_of_one_process_train_as_one_machine_of_two_in_float64(tmp_
     _assert_same_steps(c, train[0], sharded)
 
 
-# FSDP2 over the launch (the fused head and out-of-memory retries are refused under it).
-SHARDED = ("-S", "train.fsdp.enabled=true", "-S", "train.fused_lm_head=false", "-S", "train.oom_retry=false")
+# FSDP2 over the launch (out-of-memory retries are refused under it; the fused LM head on, as by default).
+SHARDED = ("-S", "train.fsdp.enabled=true", "-S", "train.oom_retry=false")
 
 
 def _assert_same_steps(c, ref, run, steps: int = STEPS) -> None:
