@@ -61,5 +61,8 @@ def test_a_failed_rank_is_the_one_the_failed_run_names_and_rank_0_keeps_every_st
     printed = _printed_steps(out)
     if fault == "raise":  # step 3 trained and logged; its progress line comes after the pass that failed
         assert (logged, printed) == ([1, 2, 3], [1, 2]), (logged, printed, out[-3000:])
-    else:
-        assert printed and logged == printed, (logged, printed, out[-3000:])
+    else:  # every printed step logged; the kill lands when the test reads step 2's line, which under load lags
+        # rank 0: step 3 may then have trained (rank 1 still in it) and be logged, its line due after the
+        # validation pass that rank 1's death cut (eval_steps 3; seen once in the suite on a loaded 2-core machine)
+        assert printed and logged[:len(printed)] == printed and len(logged) - len(printed) <= (
+            1 if logged[-1] % 3 == 0 else 0), (logged, printed, out[-3000:])
