@@ -272,13 +272,14 @@ def failure_note():
         raise
 
 
-def _store():
-    """A client of the launch's rendezvous store (torchrun's ``MASTER_ADDR``/``MASTER_PORT``, on machine 0)."""
+def _store(timeout_s: float = 10):
+    """A client of the launch's rendezvous store (torchrun's ``MASTER_ADDR``/``MASTER_PORT``, on machine 0);
+    its gets and waits give up after ``timeout_s`` seconds."""
     from datetime import timedelta
 
     import torch.distributed as dist
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=10), wait_for_workers=False)
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def _share_notes(folder: Path, note: str) -> None:

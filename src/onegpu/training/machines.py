@@ -65,7 +65,8 @@ def agree(checkpoint_dir, resume, sharded: bool = False) -> None:
     world, local = distributed.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", distributed.world_size()))
     if local >= world:
         return
-    seen = _exchange(_store(), distributed.rank(), distributed.rank() // local, world, Path(checkpoint_dir), resume)
+    store = distributed._store(distributed.TIMEOUT_S)  # machines start at different times: a collective's wait
+    seen = _exchange(store, distributed.rank(), distributed.rank() // local, world, Path(checkpoint_dir), resume)
     mine = seen[distributed.rank()]
     _layout["own_folders"] = not all(s["shared"] for s in seen)
     _layout["writes"] = distributed.local_rank() == 0 and not mine["shared"]
@@ -75,15 +76,6 @@ def agree(checkpoint_dir, resume, sharded: bool = False) -> None:
         check_same_checkpoint(seen, checkpoint_dir)
     except ConfigError as e:  # every process has the same views: the first of each machine says it
         raise (e if distributed.local_rank() == 0 else AlreadySaid(str(e))) from None
-
-
-def _store():
-    """The launch's rendezvous store, waiting as long as a collective does (machines start at different times)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=distributed.TIMEOUT_S), wait_for_workers=False)
 
 
 def _exchange(store, rank: int, machine: int, world: int, folder: Path, resume) -> list[dict]:

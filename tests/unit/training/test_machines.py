@@ -99,7 +99,7 @@ def test_on_one_machine_agree_does_nothing_and_rank_0_alone_writes(monkeypatch, 
 def test_the_first_process_of_a_machine_with_its_own_folder_writes(monkeypatch, tmp_path):
     """Machine 1 of 2 (ranks 2 and 3 of 4) with a folder of its own: its local rank 0 writes, its local rank 1 not."""
     seen = [{"machine": m, "shared": m == 0, "step": None, "sharded": None} for m in (0, 0, 1, 1)]
-    monkeypatch.setattr(machines, "_store", lambda: None)
+    monkeypatch.setattr(machines.distributed, "_store", lambda timeout_s: None)
     monkeypatch.setattr(machines, "_exchange", lambda *a: seen)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
