@@ -99,21 +99,42 @@ def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = 
     return flat
 
 
+# How the effective batch is split: micro-batch x accumulation x processes (or the batch they multiply to).
+SPLIT_KEYS = ("train.per_device_train_batch_size", "train.gradient_accumulation_steps", "train.num_processes",
+              "train.effective_batch_size")
+
+
+def effective_batch(cfg: Config) -> int:
+    """Examples per optimizer step as params.yaml sets them: ``train.effective_batch_size``, or (null) micro-batch x
+    accumulation x processes (``auto`` needs the former: :func:`onegpu.config.validate`)."""
+    t = cfg.train
+    if t.effective_batch_size is not None:
+        return int(t.effective_batch_size)
+    return int(t.per_device_train_batch_size) * t.gradient_accumulation_steps * t.num_processes
+
+
 # The keys of where a launch's processes run (accelerate's names), out of the run-config hash.
 MACHINE_KEYS = ("train.num_machines", "train.machine_rank", "train.main_process_ip", "train.main_process_port")
 
 
 def run_config_hash(cfg: Config, data_fingerprint: str = "") -> str:
     """16 hex digits naming one exact training configuration (every param but tracking, evaluation,
-    validation, terminal output and sharding, plus the data fingerprint): a checkpoint resumes only a run with the
-    same hash."""
+    validation, terminal output and where the processes run, plus the data fingerprint): a checkpoint resumes only
+    a run with the same hash.
+
+    Under ``train.fsdp`` the split of the effective batch (:data:`SPLIT_KEYS`) is replaced by the effective batch
+    itself: a sharded checkpoint (``torch.distributed.checkpoint``) reshards on load, so it resumes on another
+    number of processes, with another micro-batch and accumulation (:func:`onegpu.training.resume.
+    load_sharded_state`). Data-parallel checkpoints hold the split (another split starts afresh)."""
     # train.num_machines, machine_rank, main_process_*: where the processes run; every machine computes the same hash.
-    # train.fsdp: how the same training is held in memory; checkpoints made before it existed keep their hash, and
-    # a data-parallel checkpoint is found by a sharded run, which refuses it in one line (training.session.plan).
     skip = ("tracking.", "evaluate.", "train.logging_steps", "train.save_steps", "train.eval_",
             "train.load_best_model_at_end", "train.metric_for_best_model", "train.greater_is_better",
             "train.early_stopping_", "train.fsdp.", *MACHINE_KEYS)
     flat = {k: v for k, v in flatten(cfg.to_dict()).items() if not k.startswith(skip)}
+    if cfg.train.fsdp.enabled:  # sharded: any split of the same effective batch (never a data-parallel one's hash)
+        for k in SPLIT_KEYS:
+            flat.pop(k, None)
+        flat["train.fsdp.effective_batch_size"] = effective_batch(cfg)
     if cfg.model.lora_adapters is None:  # as in the key: checkpoints written before the knob still resume
         flat = {k: v for k, v in flat.items() if k != "model.lora" and not k.startswith("model.lora.")}
     for k, default in _GRANULARITY_DEFAULTS.items():  # the same for the checkpointing granularity

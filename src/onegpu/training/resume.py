@@ -32,7 +32,8 @@ class ResumePoint:
     recorded so far (:class:`onegpu.training.recorder.StepRecorder`); ``breakdown``: the memory breakdown
     (bytes); ``events``: out-of-memory recoveries; ``evals``: the validation points so far
     (:attr:`onegpu.training.recorder.StepRecorder.evals`); ``run_id``: the MLflow run that wrote it (None when
-    unknown); ``micro_batch``: the micro-batch it was trained with (None when not recorded).
+    unknown); ``micro_batch``, ``accumulation``, ``num_processes``: the split it was trained with (None when not
+    recorded); ``sharded``: the number of processes whose shards it holds (None: whole weights).
     """
     path: str
     step: int
@@ -43,16 +44,31 @@ class ResumePoint:
     run_id: str | None = None
     micro_batch: int | None = None
     sharded: int | None = None
+    accumulation: int | None = None
+    num_processes: int | None = None
 
     @classmethod
     def from_state(cls, path: str, state: dict) -> ResumePoint:
         """From a folder and its parsed ``onegpu_state.json`` (keys as :func:`write_state` writes them)."""
-        micro = state.get("micro_batch")
+        def number(key: str) -> int | None:
+            return int(state[key]) if state.get(key) else None
         return cls(path=path, step=int(state["step"]), rows=list(state.get("rows", [])),
                    breakdown=dict(state.get("breakdown", {})), events=list(state.get("events", [])),
-                   evals=list(state.get("evals", [])),
-                   run_id=state.get("run_id") or None, micro_batch=int(micro) if micro else None,
-                   sharded=int(state["sharded"]) if state.get("sharded") else None)
+                   evals=list(state.get("evals", [])), run_id=state.get("run_id") or None,
+                   micro_batch=number("micro_batch"), sharded=number("sharded"),
+                   accumulation=number("gradient_accumulation_steps"),
+                   num_processes=number("num_processes") or number("sharded"))
+
+    def other_split(self, micro_batch: int, accumulation: int, num_processes: int) -> str:
+        """A clause saying that this checkpoint was written with another split than ``micro_batch`` x
+        ``accumulation`` x ``num_processes`` (a sharded one, resharded on load); "" when it was the same or is
+        not recorded."""
+        was = (self.micro_batch, self.accumulation, self.num_processes)
+        if None in was or was == (micro_batch, accumulation, num_processes):
+            return ""
+        return (f"; it was written by {was[2]} process(es) of {was[0]} x {was[1]}, resharded here onto "
+                f"{num_processes} of {micro_batch} x {accumulation} (the same effective batch of "
+                f"{micro_batch * accumulation * num_processes})")
 
 
 def latest_checkpoint(checkpoint_dir) -> ResumePoint | None:
@@ -174,8 +190,10 @@ def load_loop_state(checkpoint: str, model, optimizer, scheduler) -> None:
 def load_sharded_state(checkpoint: str, model, optimizer, scheduler) -> None:
     """Restore what :func:`save_sharded_state` wrote into the sharded ``model`` and its ``optimizer`` (every
     process, collective: ``dcp.load`` into this process's ``get_state_dict``, then ``set_state_dict``) and the
-    ``scheduler`` (RNG: :func:`load_rng`). The session resumes it only on the number of processes that wrote it
-    (:func:`onegpu.training.session.plan`)."""
+    ``scheduler`` (RNG: :func:`load_rng`), on any number of processes: ``dcp.load`` reads each process's part of
+    every tensor from the files of whichever processes wrote it (resharding), and items every process holds (the
+    optimizer's step counts) from the one file they were written to. The session finds it by the effective batch
+    (:func:`onegpu.equivalence.key.run_config_hash`)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -188,14 +206,16 @@ def load_sharded_state(checkpoint: str, model, optimizer, scheduler) -> None:
 
 def load_rng(checkpoint: str) -> None:
     """Restore the torch, CUDA, Python and NumPy RNG states (this process's own, where the checkpoint has one
-    per process: :func:`save_sharded_state`). Call right before the next optimizer step: anything that draws in
-    between (a DataLoader iterator draws its base seed) would shift dropout."""
+    per process: :func:`save_sharded_state`; process 0's for a process the checkpoint has none of, resumed on more
+    processes than wrote it: every process seeds alike, ``train.seed``). Call right before the next optimizer
+    step: anything that draws in between (a DataLoader iterator draws its base seed) would shift dropout."""
     import numpy as np
     import torch
     import torch.distributed as dist
     suffix = f"-rank{dist.get_rank()}" if dist.is_available() and dist.is_initialized() else ""
     if not os.path.isfile(os.path.join(checkpoint, f"rng_state{suffix}.pt")):
-        suffix = ""  # one set for every process (save_loop_state's: process 0's)
+        # one set for every process (save_loop_state's: process 0's), or a sharded one's process 0's
+        suffix = "" if os.path.isfile(os.path.join(checkpoint, "rng_state.pt")) else "-rank0"
     rng = torch.load(os.path.join(checkpoint, f"rng_state{suffix}.pt"), weights_only=True)
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and memory.cuda_available():

@@ -81,12 +81,12 @@ def check_flattened(cfg: Config, model_path: str | None) -> None:
 def check_resumable(cfg: Config, resume: ResumePoint | None) -> None:
     """Raises ConfigError, before any work, when ``resume`` (this training's newest complete checkpoint; None:
     none) is held in another layout than ``cfg`` trains in: whole weights (data parallel, one process) under
-    ``train.fsdp``, shards under data parallel, or shards of another number of processes (``train.fsdp`` is
-    outside the checkpoint hash; ``train.num_processes`` is inside it, so the last is a checkpoint moved by hand).
-    """
+    ``train.fsdp``, or shards under data parallel (their run-config hashes differ, so either is a checkpoint
+    moved by hand). Shards of another number of processes resume: they reshard on load
+    (:func:`onegpu.training.resume.load_sharded_state`)."""
     if resume is None:
         return
-    fsdp, n = cfg.train.fsdp.enabled, cfg.train.num_processes
+    fsdp = cfg.train.fsdp.enabled
     if fsdp and resume.sharded is None:
         raise ConfigError(f"params.yaml: train.fsdp.enabled: a checkpoint of this training with whole weights exists "
                           f"({resume.path}), and a sharded run resumes only sharded checkpoints; resume it with "
@@ -94,9 +94,6 @@ def check_resumable(cfg: Config, resume: ResumePoint | None) -> None:
     if not fsdp and resume.sharded is not None:
         raise ConfigError(f"params.yaml: train.fsdp.enabled: a sharded checkpoint of this training exists "
                           f"({resume.path}); resume it with train.fsdp.enabled: true (the same training) or delete it")
-    if fsdp and resume.sharded != n:
-        raise ConfigError(f"params.yaml: train.num_processes: the sharded checkpoint {resume.path} holds the shards "
-                          f"of {resume.sharded} processes and resumes on {resume.sharded} only, not {n}; delete it")
 
 
 def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = None) -> TrainPlan:
@@ -124,7 +121,9 @@ def plan(cfg: Config, stats: dict | None = None, facts: DeviceFacts | None = Non
     ckpt_dir = paths.checkpoint_dir(run_config_hash(cfg, stats["fingerprint"]))
     resume = latest_checkpoint(ckpt_dir)
     check_resumable(cfg, resume)
-    micro = resume.micro_batch if auto and resume is not None else None  # the split it was written with
+    # auto: the split the checkpoint was written with (on another number of processes the finder runs again)
+    same_world = resume is not None and resume.num_processes in (None, cfg.train.num_processes)
+    micro = resume.micro_batch if auto and same_world else None
     resolved = resolve(cfg, micro_batch=micro) if not auto or micro else None
     # The key reads the effective batch only, which `auto` keeps fixed: known before the finder runs.
     layout = resolved or Resolved(cfg.train.effective_batch_size, 1, 1)
@@ -194,7 +193,9 @@ def train(plan: TrainPlan, model, tokenizer, dsd, sink: Callable[[dict, int], No
     if not checkpoints:
         with stop.loop() if stop is not None else contextlib.nullcontext():
             return validation.finish(*backend.train(base.TrainRequest(model, tokenizer, dsd, cfg, sink)))
-    meta = {"run_id": run_id, "micro_batch": plan.resolved.per_device_train_batch_size}
+    layout = plan.resolved
+    meta = {"run_id": run_id, "micro_batch": layout.per_device_train_batch_size,
+            "gradient_accumulation_steps": layout.gradient_accumulation_steps, "num_processes": layout.world_size}
     with contextlib.ExitStack() as stack:
         stop = stop or stack.enter_context(GracefulStop())
         stack.enter_context(stop.loop())

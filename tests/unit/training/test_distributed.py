@@ -308,12 +308,13 @@ def _fsdp_part(rank: int, out: str) -> None:
         json.dump(results, f)
 
 
-def _fsdp_resume_train(out: str, run: str, stop=None, sink=None) -> list[dict]:
-    """4 optimizer steps of the accelerate backend under train.fsdp (2 processes) on a tiny Llama in float64:
-    AdamW (its moments in the checkpoint) under a linear schedule with warmup (the scheduler's state), a
-    checkpoint every step (``save_steps`` 1) into the folder :func:`_shared_checkpoints` names, resumed from the
-    newest complete one there when ``run`` is ``resumed``; rank 0 writes models/ as the train stage does
-    (``<out>-<run>-model``).
+def _fsdp_resume_train(out: str, run: str, stop=None, sink=None, world: int = 2,
+                       ckpt: str | None = None) -> list[dict]:
+    """4 optimizer steps of 4 examples (``world`` processes of 1 x 4 / ``world``) of the accelerate backend under
+    train.fsdp on a tiny Llama in float64: AdamW (its moments in the checkpoint) under a linear schedule with
+    warmup (the scheduler's state), a checkpoint every step (``save_steps`` 1) into ``ckpt`` (None: the folder
+    :func:`_shared_checkpoints` names), resumed from the newest complete one there when ``run`` starts with
+    ``resumed`` or ``from``; rank 0 writes models/ as the train stage does (``<out>-<run>-model``).
     Returns the recorder's rows (loss, grad_norm), restored ones included."""
     from onegpu.config import from_container
     from onegpu.training.backends import accelerate as backend
@@ -324,19 +325,20 @@ def _fsdp_resume_train(out: str, run: str, stop=None, sink=None) -> list[dict]:
     cfg = from_container({"data": {"max_length": 64}, "model": {"task": "causal-lm", "name_or_path": None,
                                                                   "dropout": 0.0},
                           "train": {"backend": "accelerate", "per_device_train_batch_size": 1,
-                                    "gradient_accumulation_steps": 2, "max_steps": 4, "num_processes": 2,
+                                    "gradient_accumulation_steps": 4 // world, "max_steps": 4,
+                                    "num_processes": world,
                                     "optim": "adamw_torch", "learning_rate": 0.01, "warmup_ratio": 0.34,
                                     "lr_scheduler_type": "linear", "weight_decay": 0.01, "seed": 3,
                                     "max_grad_norm": 1.0, "eval_strategy": "no", "oom_retry": False,
                                     "fused_lm_head": False, "save_steps": 1, "fsdp": {"enabled": True}}},
                          source="test")
     model = tiny_llama().double()
-    ckpt = _shared_checkpoints(out) if run != "whole" else None
+    ckpt = ckpt or (_shared_checkpoints(out) if run != "whole" else None)
     with float64.float64_throughout(model):
         trained, steps = backend.train(TrainRequest(
             model, float64.chat_tokenizer(), float64.instruction_data("answers", 12), cfg,
             sink=sink or (lambda m, s: None), checkpoint_dir=ckpt, stop=stop, checkpoint_meta={"run_id": "r1"},
-            resume=latest_checkpoint(ckpt) if run == "resumed" else None))
+            resume=latest_checkpoint(ckpt) if run.startswith(("resumed", "from")) else None))
     if distributed.is_main():
         trained.save_pretrained(f"{out}-{run}-model")
     return [{k: r[k] for k in ("loss", "grad_norm")} for r in steps.rows]
@@ -352,6 +354,7 @@ def _fsdp_resume_part(rank: int, out: str) -> None:
     ``<out>.json``: both runs' rows, the losses the stopped run logged, and the stopped run's checkpoint folders
     and files."""
     import os
+    import shutil
 
     from tests.unit.tiny import interrupt_at_step_2
     distributed.TIMEOUT_S = 60
@@ -359,18 +362,45 @@ def _fsdp_resume_part(rank: int, out: str) -> None:
     ckpt = _shared_checkpoints(out)
     first, kept = interrupt_at_step_2(lambda sink, stop, **kw: _fsdp_resume_train(out, "stopped", stop, sink), ckpt)
     files = sorted(os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs)
+    if rank == 0:  # kept for the resume on 4 processes (test_a_sharded_checkpoint_resumes_on_another_number_...)
+        shutil.copytree(ckpt, ckpt + "-of-2")
     resumed = _fsdp_resume_train(out, "resumed")
     with open(f"{out}.json", "w") as f:
         json.dump({"whole": whole, "first": first, "resumed": resumed, "files": files,
                    "kept": [kept.step, kept.sharded] if kept else None}, f)
 
 
+def _fsdp_reshard_four_part(rank: int, out: str) -> None:
+    """On rank ``rank`` of 4: the 2 processes' checkpoint of step 2 (``fsdp_resume``'s copy) resumed on 4 of
+    1 x 1; then a run of 4 stopped during step 2, its checkpoint left for :func:`_fsdp_reshard_two_part`. Writes
+    ``<out>.json``: the resumed rows, the stopped run's losses and the step and shards of its checkpoint."""
+    from tests.unit.tiny import interrupt_at_step_2
+    distributed.TIMEOUT_S = 60
+    here = out.rsplit("/", 1)[0]
+    resumed = _fsdp_resume_train(out, "from-2", world=4, ckpt=f"{here}/fsdp_resume-checkpoints-of-2")
+    four = f"{here}/fsdp_reshard-checkpoints-of-4"
+    first, kept = interrupt_at_step_2(
+        lambda sink, stop, **kw: _fsdp_resume_train(out, "stopped", stop, sink, world=4, ckpt=four), four)
+    with open(f"{out}.json", "w") as f:
+        json.dump({"resumed": resumed, "first": first, "kept": [kept.step, kept.sharded] if kept else None}, f)
+
+
+def _fsdp_reshard_two_part(rank: int, out: str) -> None:
+    """On rank ``rank`` of 2: the 4 processes' checkpoint of step 2 resumed on 2 of 1 x 2; writes ``<out>.json``."""
+    distributed.TIMEOUT_S = 60
+    here = out.rsplit("/", 1)[0]
+    resumed = _fsdp_resume_train(out, "from-4", world=2, ckpt=f"{here}/fsdp_reshard-checkpoints-of-4")
+    with open(f"{out}.json", "w") as f:
+        json.dump({"resumed": resumed}, f)
+
+
 _PARTS = {"all_reduce": _all_reduce_part, "oom_retry": _oom_retry_part, "validation": _validation_part,
-          "dpo": _dpo_part, "fsdp": _fsdp_part, "fsdp_resume": _fsdp_resume_part, "fsdp_bf16": _fsdp_bf16_part}
+          "dpo": _dpo_part, "fsdp": _fsdp_part, "fsdp_resume": _fsdp_resume_part, "fsdp_bf16": _fsdp_bf16_part,
+          "fsdp_reshard_four": _fsdp_reshard_four_part, "fsdp_reshard_two": _fsdp_reshard_two_part}
 
 
-def _ranks(rank: int, ports: list[int], out_dir: str, parts: list[str]) -> None:
-    """Rank ``rank`` of 2 runs ``parts`` (of ``_PARTS``) in turn, each in a process group of its own (on a
+def _ranks(rank: int, ports: list[int], out_dir: str, parts: list[str], world: int = 2) -> None:
+    """Rank ``rank`` of ``world`` runs ``parts`` (of ``_PARTS``) in turn, each in a process group of its own (on a
     port of its own) from a clean Accelerate state: the group destroyed and Accelerate's process-wide state
     reset after each. Part ``p`` writes ``<out_dir>/<p>-rank<r>.json``."""
     import gc
@@ -378,7 +408,7 @@ def _ranks(rank: int, ports: list[int], out_dir: str, parts: list[str]) -> None:
 
     from accelerate.state import AcceleratorState, GradientState
     for part, port in zip(parts, ports):
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         _PARTS[part](rank, f"{out_dir}/{part}-rank{rank}")
         gc.collect()  # the part's DDP model lets go of its process group
@@ -403,6 +433,8 @@ def rank_results(request, tmp_path_factory) -> dict:
              "fsdp_resume": test_a_sharded_run_stopped_after_step_2_resumes_to_the_uninterrupted_run_in_float64,
              "fsdp_bf16": test_bf16_autocast_sharded_is_data_parallel_and_the_same_run_to_run}
     selected = {getattr(item, "originalname", None) for item in request.session.items}
+    if test_a_sharded_checkpoint_resumes_on_another_number_of_processes_in_float64.__name__ in selected:
+        selected.add(tests["fsdp_resume"].__name__)  # its checkpoint and uninterrupted run
     parts = [part for part, test in tests.items() if test.__name__ in selected] or list(tests)
     out = tmp_path_factory.mktemp("ranks")
     failure = None
@@ -571,6 +603,57 @@ def test_a_sharded_run_stopped_after_step_2_resumes_to_the_uninterrupted_run_in_
                 for run in ("whole", "resumed"))
     assert all(torch.equal(p, q) for p, q in zip(one.parameters(), two.parameters()))
     print(f"fsdp resume: loss {worst['loss']:.1e}, grad_norm {worst['grad_norm']:.1e} (relative); models/ equal")
+
+
+@pytest.fixture(scope="module")
+def reshard_results(rank_results) -> dict:
+    """``{part: [each rank's results]}`` of the resumes on another number of processes: 4 spawned gloo processes
+    resume ``fsdp_resume``'s checkpoint of 2 and leave one of their own, which 2 processes resume."""
+    import torch.multiprocessing as mp
+    _part(rank_results, "fsdp_resume")  # its checkpoint, copied aside, and its uninterrupted run
+    out = rank_results["fsdp_weights"].parent
+    results = {}
+    for part, world in (("fsdp_reshard_four", 4), ("fsdp_reshard_two", 2)):
+        try:
+            mp.spawn(_ranks, args=(_free_ports(1), str(out), [part], world), nprocs=world, join=True)
+        except Exception as e:  # reported by the test
+            return {"failure": e}
+        results[part] = [json.loads((out / f"{part}-rank{r}.json").read_text()) for r in range(world)]
+    return results
+
+
+def test_a_sharded_checkpoint_resumes_on_another_number_of_processes_in_float64(rank_results, reshard_results):
+    """train.fsdp, AdamW with warmup, a checkpoint every step, 4 examples per step: stopped during step 2 on 2 gloo
+    processes of 1 x 2, resumed on 4 processes of 1 x 1; and stopped during step 2 on 4, resumed on 2.
+    torch.distributed.checkpoint reshards the weights and the AdamW moments on load: the per-step loss and
+    grad_norm equal the uninterrupted 2-process run's within 1e-12 relative, the same on every process, and
+    models/ (rank 0's, loaded by from_pretrained here) within 1e-12 of it, weight by weight."""
+    from transformers import LlamaForCausalLM
+
+    from tests.unit.equivalence.float64 import REL
+    if "failure" in reshard_results:
+        raise reshard_results["failure"]
+    whole = _part(rank_results, "fsdp_resume")[0]["whole"]
+    four, two = reshard_results["fsdp_reshard_four"], reshard_results["fsdp_reshard_two"]
+    assert all(r == four[0] for r in four) and two[0] == two[1]
+    assert four[0]["kept"] == [2, 4]  # step 2's checkpoint, holding the shards of 4 processes
+    worst = {}
+    for name, rows in (("2 -> 4", four[0]["resumed"]), ("4 -> 2", two[0]["resumed"])):
+        assert len(rows) == len(whole) == 4
+        worst[name] = max(abs(a[k] - b[k]) / abs(b[k]) for a, b in zip(rows, whole) for k in ("loss", "grad_norm"))
+    assert all(abs(a - b["loss"]) <= REL * b["loss"] for a, b in zip(four[0]["first"], whole)), four[0]["first"]
+    out = rank_results["fsdp_weights"].parent
+    load = functools.partial(LlamaForCausalLM.from_pretrained, dtype=torch.float64)
+    ref = load(str(out / "fsdp_resume-rank0-whole-model"))
+    for name, model in (("2 -> 4", "fsdp_reshard_four-rank0-from-2-model"),
+                        ("4 -> 2", "fsdp_reshard_two-rank0-from-4-model")):
+        got = load(str(out / model))
+        weights = max(((p - q).norm() / q.norm()).item() for p, q in zip(got.parameters(), ref.parameters()))
+        assert weights <= REL, (name, weights)
+        worst[name] = max(worst[name], weights)
+    assert max(worst.values()) <= REL, worst
+    print("fsdp resharded resume, worst relative difference of loss, grad_norm and weights: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
 
 
 def test_bf16_autocast_sharded_is_data_parallel_and_the_same_run_to_run(rank_results):

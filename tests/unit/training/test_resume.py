@@ -115,6 +115,45 @@ def test_latest_checkpoint_is_a_resume_point_with_the_state_it_was_written_with(
         7, [{"step": 1}], {"mem_params_bytes": 8}, [{"step": 2}], None, 4)
 
 
+def test_a_resume_point_knows_its_split_older_ones_by_their_shards(tmp_path):
+    from onegpu.training.resume import ResumePoint
+    new = ResumePoint.from_state("c", {"step": 2, "micro_batch": 2, "gradient_accumulation_steps": 4,
+                                       "num_processes": 2})
+    assert (new.micro_batch, new.accumulation, new.num_processes, new.sharded) == (2, 4, 2, None)
+    older = ResumePoint.from_state("c", {"step": 2, "micro_batch": 2, "sharded": 4})  # before the split was kept
+    assert (older.accumulation, older.num_processes) == (None, 4)
+    assert older.other_split(1, 1, 2) == ""  # not recorded: nothing claimed
+    assert new.other_split(2, 4, 2) == ""
+    assert new.other_split(4, 1, 4) == ("; it was written by 2 process(es) of 2 x 4, resharded here onto 4 of 4 x 1 "
+                                        "(the same effective batch of 16)")
+
+
+def test_a_process_the_checkpoint_has_no_rng_state_of_takes_process_0s(tmp_path, monkeypatch):
+    """Resumed on more processes than wrote it, process 3 restores process 0's RNG states (every process starts
+    from train.seed alike); processes 0 and 1 their own."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    from onegpu.training import resume
+    for rank, seed in ((0, 10), (1, 11)):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        resume._save_rng(str(tmp_path), f"-rank{rank}")
+    expected = {}
+    for rank, seed in ((0, 10), (1, 11)):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        expected[rank] = (torch.rand(3).tolist(), random.random())
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for rank, own in ((1, 1), (3, 0), (0, 0)):
+        monkeypatch.setattr(dist, "get_rank", lambda rank=rank: rank)
+        torch.manual_seed(99)
+        resume.load_rng(str(tmp_path))
+        assert (torch.rand(3).tolist(), random.random()) == expected[own], rank
+
+
 # -- a checkpoint is complete or not there: SIGKILL and a full disk --------------------------------------
 
 # A backend's training with a checkpoint every step; the process kills itself with SIGKILL (as a scheduler
