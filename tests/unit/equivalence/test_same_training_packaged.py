@@ -81,3 +81,38 @@ def test_the_packaged_chat_model_in_float64_rounds_nothing_to_float32():
         with torch.no_grad():
             p.copy_(kept)
         assert moved < 1e-13, (name, moved)
+
+
+def _fsdp_rank(rank: int, port: int, out_dir: str) -> None:
+    """Rank ``rank`` of 2: the packaged model sharded (FSDP2, the fused LM head, checkpointing), 2 x 1 x 2 in float64;
+    writes its rows (and rank 0 every parameter's step-1 gradient, gathered whole) to ``rank<r>.pt``."""
+    import os
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from onegpu.training import distributed
+    distributed.TIMEOUT_S = 600  # a 135M-parameter float64 step takes tens of seconds on 2 cores
+    run = _packaged(1, 2, backend="accelerate", num_processes=2, eval_strategy="no", oom_retry=False,
+                    fsdp={"enabled": True}, kind="answers", gradient_checkpointing=True)
+    torch.save((run.rows, run.grads if rank == 0 else {}), f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.big_memory
+def test_on_the_packaged_chat_model_the_fused_head_sharded_over_two_processes_is_exact_in_float64(tmp_path):
+    """train.fsdp with the fused LM head on the packaged SmolLM2-135M-Instruct: 2 gloo processes of 1 x 2 (each rank
+    holds half of every weight; the root, whose head the fused path reads, keeps its gathered weights from forward
+    to backward), with checkpointing, = 1 unsharded process with the whole logits at 4 x 1, per step in float64:
+    loss and every parameter's step-1 gradient within 1e-12, the same rows on both ranks. The global grad_norm
+    within 1e-11: it sums 135M squares, and each rank sums its own shards (another order); a float64 sum of n terms
+    moves by about sqrt(n) x 1.1e-16 = 1.3e-12 with the order (the gradients it sums are within 1e-12 here)."""
+    import torch.multiprocessing as mp
+
+    from tests.unit.training.test_distributed import _free_port
+    mp.spawn(_fsdp_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    (rows, grads), (other, _) = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert rows == other and len(rows) == 2
+    ref = _packaged(4, 1, fused=False, kind="answers")
+    d = f64.distance(f64.Run(rows, grads), ref)
+    print(f"packaged, fused head sharded over 2: {d}")
+    assert [r["targets"] for r in rows] == [r["targets"] for r in ref.rows]
+    assert max(d["loss"], d["gradient"]) <= f64.REL and d["grad_norm"] <= 1e-11, d
