@@ -20,6 +20,7 @@ restore the RNG and leave no gradients: the run that follows sees exactly what i
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from onegpu.config import LOW_BIT_OPTIMIZERS, TORCHAO_OPTIMIZERS
@@ -37,7 +38,7 @@ class Probe:
     peak_bytes: int
     usable_bytes: int
     fits: bool
-    how: str  # "measured (CUDA allocator)", "out of memory", or "breakdown"
+    how: str  # "measured (CUDA allocator)", "out of memory", "breakdown" or "breakdown, one rank's shards"
 
     def as_row(self) -> dict:
         return asdict(self)
@@ -121,7 +122,8 @@ def _batch(dataset, collator, rows: list[int], device) -> dict:
 
 def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: int, budget_bytes: int,
                      optim: str, device: str, world_size: int = 1,
-                     mixed_precision: str = "no", extra_bytes: int = 0) -> tuple[int, list[Probe]]:
+                     mixed_precision: str = "no", extra_bytes: int = 0,
+                     states_at: Callable[[int], dict[str, int]] | None = None) -> tuple[int, list[Probe]]:
     """The largest micro-batch dividing ``effective_batch_size / world_size`` whose step fits.
 
     Args:
@@ -133,6 +135,10 @@ def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: in
             for it, as the training's does (bf16/fp16 activations are half the fp32 bytes).
         extra_bytes: what the run keeps beside the model and is not on the device yet (a DPO reference copy,
             :meth:`onegpu.training.objectives.base.Objective.memory_terms`), added to every probe's peak.
+        states_at: micro-batch -> the bytes held beside the activations (params, grads, optimizer states); None:
+            the whole model's (:func:`state_bytes_predicted`). Under FSDP2 one rank's, whose gradients depend on
+            the accumulation each micro-batch implies (:func:`onegpu.training.sharding.per_rank_bytes`); such a
+            probe is the breakdown on CUDA too (a measured step would hold the whole model's gradients).
     Returns:
         (micro-batch, every probe tried, largest first).
     Raises:
@@ -141,12 +147,13 @@ def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: in
     import torch
     per_process = effective_batch_size // world_size
     usable = int(budget_bytes * SAFETY)
-    states = state_bytes_predicted(model, optim)
+    whole = state_bytes_predicted(model, optim)
     probes: list[Probe] = []
-    cuda = memory.is_cuda(device)
+    measured = memory.is_cuda(device) and states_at is None
     for m in divisors_desc(per_process):
+        states = whole if states_at is None else states_at(m)
         batch = _batch(dataset, collator, longest_rows(dataset, m), device)
-        if cuda:
+        if measured:
             try:
                 peak = memory.cuda_step_peak(model, batch, loss_fn, device, autocast(mixed_precision, device)) + (
                     states["mem_optimizer_bytes"] + extra_bytes)
@@ -159,7 +166,7 @@ def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: in
         else:
             with autocast(mixed_precision, device):
                 peak = sum(states.values()) + sum(memory.saved_bytes(model, batch, loss_fn).values()) + extra_bytes
-            how = "breakdown"
+            how = "breakdown" if states_at is None else "breakdown, one rank's shards"
         del batch
         probes.append(Probe(m, int(peak), usable, peak <= usable, how))
         if peak <= usable:

@@ -35,6 +35,7 @@ from onegpu.training.recorder import step_metrics
 from onegpu.training.resume import latest_checkpoint, tidy_other_checkpoints
 from onegpu.training.run_tags import CONFIG_TAG, config_name, log_results
 from onegpu.training.session import TrainPlan
+from onegpu.training.sharding import per_rank_bytes
 
 _BUDGET_CPU = ("; on a CPU the budget covers the training state: params, grads, optimizer states and "
                "activations, not the whole process")
@@ -248,18 +249,22 @@ def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: s
     loader.no_kv_cache(model)  # as training runs it
     if cfg.train.gradient_checkpointing:
         checkpointing.enable(model, cfg.train)
-    world = cfg.train.num_processes
+    t = cfg.train
+    world, sharded = t.num_processes, t.fsdp.enabled
     micro, probes = autobatch.find_micro_batch(
         model, parts.rows, parts.collator, parts.loss,
-        cfg.train.effective_batch_size, budget, cfg.train.optim, device, world_size=world,
-        mixed_precision=cfg.train.mixed_precision,  # probe under the training's autocast
-        extra_bytes=sum(objectives.of(cfg).memory_terms(model).values()))  # a DPO reference copy
+        t.effective_batch_size, budget, t.optim, device, world_size=world,
+        mixed_precision=t.mixed_precision,  # probe under the training's autocast
+        extra_bytes=sum(objectives.of(cfg).memory_terms(model).values()),  # a DPO reference copy
+        states_at=(lambda m: per_rank_bytes(model, world, t.effective_batch_size // (m * world), t.optim,
+                                            t.fsdp.reshard_after_forward)) if sharded else None)
     micro = int(min(r[0] for r in distributed.gather_over_ranks([micro], device)))  # one split for all ranks
     table = autobatch.format_probes(probes)
     procs = f" x {world} processes" if world > 1 else ""
+    whose = " per rank: its FSDP2 shards of the states and the gathered weights, predicted" if sharded else ""
     distributed.print_main(
-        f"auto micro-batch: {micro} x {cfg.train.effective_batch_size // (micro * world)} accumulation{procs} = "
-        f"{cfg.train.effective_batch_size} (budget {gib(budget)}, longest training rows"
+        f"auto micro-batch: {micro} x {t.effective_batch_size // (micro * world)} accumulation{procs} = "
+        f"{t.effective_batch_size} (budget {gib(budget)}{whose}, longest training rows"
         f"{_BUDGET_CPU if not memory.is_cuda(device) else ''})\n{table}")
     tracker.log_dict(run_id, {"budget_bytes": budget, "probes": [p.as_row() for p in probes]},
                      "auto_micro_batch.json")

@@ -73,6 +73,35 @@ def test_finder_takes_the_largest_divisor_that_fits_the_budget(tokenizer, dsd):
     assert micro < 8 and probes[2].peak_bytes == states + act[8] + kept
 
 
+def test_under_fsdp2_the_finder_counts_one_ranks_shards_for_each_micro_batch(tokenizer, dsd):
+    """``states_at`` (train.fsdp: :func:`onegpu.training.sharding.per_rank_bytes` of the accumulation each micro-batch
+    implies): each probe is its activations plus one rank's params, gradients and optimizer states and the weights
+    it gathers, never the whole model's. A budget that the whole model's states overflow at a micro-batch of 8 holds
+    it on each of 2 ranks (16 examples a step: accumulation 1, the gradients sharded), where the whole model's states
+    alone did not fit (refused before); at 4 (accumulation 2) a rank holds whole gradients, which the probe counts."""
+    from onegpu.training import sharding
+    model = tiny_bert(tokenizer)
+    ds = batches.model_inputs(dsd)["train"].add_column("length", dsd["train"]["length"])
+    collator = batches.collator_for("sequence-classification", tokenizer)
+    act = {m: memory.activation_bytes(model, collator([ds[i] for i in autobatch.longest_rows(ds, m)]),
+                                       classification_loss) for m in (8, 4)}
+
+    def at(m: int) -> dict:
+        return sharding.per_rank_bytes(model, 2, 16 // (m * 2), "adamw_torch")
+    whole = sum(autobatch.state_bytes_predicted(model, "adamw_torch").values())
+    budget = int((sum(at(8).values()) + act[8]) / autobatch.SAFETY) + 1
+    assert whole + act[8] > budget * autobatch.SAFETY  # unsharded, 8 would not fit
+    micro, probes = autobatch.find_micro_batch(model, ds, collator, classification_loss, 16, budget, "adamw_torch",
+                                               "cpu", world_size=2, states_at=at)
+    assert (micro, [p.micro_batch for p in probes]) == (8, [8])
+    assert (probes[0].peak_bytes, probes[0].how) == (sum(at(8).values()) + act[8], "breakdown, one rank's shards")
+    whole_grads = autobatch.state_bytes_predicted(model, "adamw_torch")["mem_grads_bytes"]
+    assert at(4)["mem_grads_bytes"] == whole_grads > at(8)["mem_grads_bytes"]  # whole while accumulating
+    with pytest.raises(UserError, match="not even a micro-batch of 1 fits"):  # the whole model's states alone
+        autobatch.find_micro_batch(model, ds, collator, classification_loss, 16, budget, "adamw_torch", "cpu",
+                                   world_size=2)
+
+
 def test_budget_is_required_on_cpu():
     with pytest.raises(config.ConfigError, match="train.memory_budget_gib"):
         autobatch.budget_bytes(None, "cpu")

@@ -41,6 +41,39 @@ def test_the_auto_finder_probes_under_the_trainings_precision(tmp_path, monkeypa
     assert micro == 4 and seen["mixed_precision"] == "bf16"
 
 
+def test_under_fsdp2_the_auto_finder_sizes_one_ranks_shards(tmp_path, monkeypatch, tokenizer, dsd, capsys):
+    """train.fsdp: the finder's states are one rank's (sharding.per_rank_bytes over train.num_processes, at the
+    accumulation each micro-batch implies), and its line says the budget is per rank; without sharding, the whole
+    model's (states_at None)."""
+    from onegpu.training import autobatch, sharding
+    from tests.unit.tiny import tiny_bert
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    seen = {}
+
+    def finder(*args, **kw):
+        seen.update(kw)
+        return 2, []
+    monkeypatch.setattr(autobatch, "find_micro_batch", finder)
+
+    class Tracker:
+        def log_dict(self, *a):
+            pass
+
+        def log_text(self, *a):
+            pass
+    model = tiny_bert()
+    two = {**AUTO, "backend": "accelerate", "num_processes": 2, "oom_retry": False, "eval_strategy": "no"}
+    plan = session.plan(_cfg(**two, fsdp={"enabled": True}), STATS)
+    assert tracked_run._find_micro_batch(model, tokenizer, dsd, plan, Tracker(), "run") == 2
+    optim = plan.cfg.train.optim
+    assert seen["states_at"](2) == sharding.per_rank_bytes(model, 2, 2, optim, True)  # 8 = 2 x 2 x 2 processes
+    assert seen["states_at"](4) == sharding.per_rank_bytes(model, 2, 1, optim, True)
+    assert "(budget 1.00 GiB per rank: its FSDP2 shards of the states and the gathered weights, predicted" in \
+        capsys.readouterr().out
+    tracked_run._find_micro_batch(model, tokenizer, dsd, session.plan(_cfg(**two), STATS), Tracker(), "run")
+    assert seen["states_at"] is None
+
+
 def _tiny_run(root, tokenizer, dsd, fail_at: int | None = None, run: dict | None = None, **train):
     """tracked_run.run of a 2-layer BERT on the 32-row dsd into ``root``'s store; ``fail_at``: the sink raises
     at that optimizer step (a failing training); ``run``: more arguments of tracked_run.run. Returns (run id,
