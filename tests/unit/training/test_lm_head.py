@@ -150,6 +150,41 @@ def test_held_out_hidden_states_run_the_models_own_call():
     assert model.eval()(input_ids=ids).logits.shape == (2, 12, 300)
 
 
+def test_a_sharded_gpt2_gives_hidden_states_of_their_own_without_fsdp2s_view_warning(monkeypatch):
+    """Under FSDP2 (a gloo group of 1) the root's output gets the pre-backward hook; GPT-2's last hidden state is a
+    view, on which FSDP2 warns that an in-place op would drop it: the fused path hands on a copy, the same values
+    and gradients as unsharded, and no warning."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from onegpu.training import sharding
+    from tests.unit.training.test_distributed import _free_port
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    plain = _kind("gpt2-tied").double()
+    lm_head.attach(plain)
+    assert plain.train()(input_ids=ids).hidden._is_view()  # unsharded: handed on as GPT-2 gives it
+    model = _kind("gpt2-tied").double()
+    lm_head.attach(model)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        sharding.shard(model, "cpu", reshard_after_forward=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = model.train()(input_ids=ids)
+        out.hidden.sum().backward()
+        grad = model.transformer.wte.weight.grad.full_tensor()
+    finally:
+        dist.destroy_process_group()
+    assert not [w for w in caught if "returned a view tensor" in str(w.message)], [str(w.message) for w in caught]
+    expected = plain(input_ids=ids).hidden
+    expected.sum().backward()
+    assert not out.hidden._is_view() and torch.equal(out.hidden, expected)
+    assert torch.allclose(grad, plain.transformer.wte.weight.grad, rtol=1e-12, atol=1e-15)
+
+
 def test_a_transform_the_config_does_not_name_is_refused():
     import transformers as tf
 
