@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -146,7 +147,8 @@ def launch(num_processes: int, argv: list[str], machines: Machines = Machines())
         os.environ[LAUNCH_DIR_ENV] = folder
         print(f"train: launching {_launching(num_processes, machines)} (torch.distributed.run)", flush=True)
         try:
-            torchrun.run(args)
+            with _without_elastic_repeats():
+                torchrun.run(args)
         except ChildFailedError as e:
             noted = _first_noted_failure(Path(folder))
             if noted is None and all(f.exitcode in STOP_EXIT_CODES for f in e.failures.values()):
@@ -168,6 +170,36 @@ def launch(num_processes: int, argv: list[str], machines: Machines = Machines())
             raise stopped from None
         finally:
             os.environ.pop(LAUNCH_DIR_ENV, None)
+
+
+# torch elastic's log lines that onegpu's own line says again, by logger: a process failed (the rank, its error and
+# machine: RankFailed), the others are stopped, a signal stops them all (the stop's line names it).
+ELASTIC_REPEATS = {"torch.distributed.elastic.multiprocessing.api": ("failed (exitcode", "Sending process"),
+                   "torch.distributed.elastic.agent.server.api": ("Received %s death signal",)}
+
+
+class _Repeats(logging.Filter):
+    """Drops the records whose message (the format string, before its arguments) starts with ``prefixes``."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+@contextlib.contextmanager
+def _without_elastic_repeats():
+    """While a launch runs: :data:`ELASTIC_REPEATS` left out of the terminal (every other elastic line stays)."""
+    added = [(logging.getLogger(name), _Repeats(prefixes)) for name, prefixes in ELASTIC_REPEATS.items()]
+    for logger, repeats in added:
+        logger.addFilter(repeats)
+    try:
+        yield
+    finally:
+        for logger, repeats in added:
+            logger.removeFilter(repeats)
 
 
 def _launching(num_processes: int, machines: Machines) -> str:

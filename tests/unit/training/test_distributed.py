@@ -985,3 +985,20 @@ def test_the_launcher_of_machine_1_says_machine_0_writes_everything():
         "1 of 2 processes (ranks 1..1) on machine 1 of 2, meeting at 10.0.0.1; machine 0 writes models/, the metrics "
         "and the MLflow run; nothing is written here")
 
+
+def test_a_launch_leaves_out_torch_elastics_lines_that_onegpus_own_line_says_again(caplog):
+    """While a launch runs, torch elastic's "failed (exitcode ...)", "Sending process ... closing signal" and
+    "Received ... death signal" records (RankFailed's and the stop's one line say which rank failed or which signal
+    stopped the launch) are dropped; its other records, and the same records outside a launch, stay."""
+    import logging
+    api, agent = (logging.getLogger(name) for name in distributed.ELASTIC_REPEATS)
+    caplog.set_level(logging.INFO)
+    with distributed._without_elastic_repeats():
+        api.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 1, 1, 42, "python")
+        api.warning("Sending process %s closing signal %s", 42, "SIGTERM")
+        agent.warning("Received %s death signal, shutting down workers", "SIGINT")
+        api.warning("Unable to shutdown process %s via %s, forcefully exiting via %s", 42, "SIGTERM", "SIGKILL")
+    api.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 1, 1, 42, "python")
+    assert [r.getMessage() for r in caplog.records] == [
+        "Unable to shutdown process 42 via SIGTERM, forcefully exiting via SIGKILL",
+        "failed (exitcode: 1) local_rank: 1 (pid: 42) of binary: python"]
