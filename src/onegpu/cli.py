@@ -219,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"onegpu {args.command}: error: {message}{_params_note(args)}", file=sys.stderr)
         return 2
     except Exception:
-        if note := _params_note(args):
+        from onegpu.training import distributed  # the standard library only
+        # A launch's process: its launcher's last line names the rank and says this once for the launch.
+        if not distributed.launched() and (note := _params_note(args)):
             print(f"onegpu {args.command}: error (traceback below){note}", file=sys.stderr)
         raise
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (onegpu.interpreter.start)

@@ -117,6 +117,23 @@ def test_a_failed_stage_names_the_changed_params_file_and_how_to_restore_it(tmp_
                          "`git checkout params.yaml` restores the committed one"), line
 
 
+def test_an_unexpected_error_names_the_changed_params_file_above_its_traceback_once_per_launch(monkeypatch, capsys):
+    """An error that is no bad input: its traceback, under one line with the params note; in a launch's process
+    nothing (the launcher's last line names the failed rank and carries the note, once for the launch)."""
+    from onegpu import cli
+
+    def broken(args, cfg):
+        raise RuntimeError("a bug")
+    monkeypatch.setitem(cli.COMMANDS, "summary", broken)
+    monkeypatch.setattr(cli, "_params_note", lambda args: "; params.yaml differs")
+    monkeypatch.setattr("onegpu.config.load", lambda *a, **kw: None)
+    for world, said in (("1", "onegpu summary: error (traceback below); params.yaml differs\n"), ("2", "")):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        with pytest.raises(RuntimeError, match="a bug"):
+            cli.main(["summary"])
+        assert capsys.readouterr().err == said
+
+
 def test_no_params_note_when_the_file_is_as_committed_or_in_dvcs_temp_clone(tmp_path):
     root = _git_project(tmp_path / "proj")
     _like_a_failed_dvc_exp_run(root / "params.yaml")

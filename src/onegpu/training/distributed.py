@@ -289,19 +289,47 @@ def failure_note():
 
     Over several machines (torchrun's ``LOCAL_WORLD_SIZE`` below ``WORLD_SIZE``) the note also goes to the
     rendezvous store on machine 0 (:func:`_store`), and rank 0, failing, first copies the other ranks' notes
-    there into its folder (waiting up to :data:`NOTE_WAIT_S`): machine 0's launcher then names the first."""
+    there into its folder (waiting up to :data:`NOTE_WAIT_S`): machine 0's launcher then names the first.
+
+    A process whose collective failed because a peer is gone (:func:`lost_peer`) says so in one line and exits 1
+    (``SystemExit``) instead of printing its traceback: the peer's own error (its traceback, or the signal that
+    killed it) is what the launcher names."""
     import time
     try:
         yield
     except BaseException as e:
         folder = os.environ.get(LAUNCH_DIR_ENV)
         if folder and launched() and not isinstance(e, KeyboardInterrupt):
-            note = json.dumps({"rank": rank(), "time": time.time(), "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+            error = f"{type(e).__name__}: {str(e)[:2000]}"
+            note = json.dumps({"rank": rank(), "time": time.time(), "error": error})
             with contextlib.suppress(OSError):
                 Path(folder, f"failed-{rank()}.json").write_text(note)
             if int(os.environ.get("LOCAL_WORLD_SIZE", world_size())) < world_size():
                 _share_notes(Path(folder), note)
+            if lost_peer(e):
+                print(f"train: rank {rank()} stopped: a peer process is gone ({error.splitlines()[0][:300]}); "
+                      "the launcher names which", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
         raise
+
+
+def peer_failed() -> bool:
+    """Whether another process of this launch noted a failure (:func:`failure_note`) in this machine's launch
+    folder: the launcher then stops the others with SIGTERM."""
+    folder = os.environ.get(LAUNCH_DIR_ENV)
+    own = f"failed-{rank()}.json"
+    return bool(folder) and launched() and any(f.name != own for f in Path(folder).glob("failed-*.json"))
+
+
+# What a collective raises when a peer process is gone: gloo's lost TCP pair; NCCL's aborted communicator.
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
+             "communicator was aborted")
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether ``e`` is a collective's error on a peer process that is gone (:data:`LOST_PEER`, in a RuntimeError,
+    which torch.distributed's errors are), not an error of this process's own."""
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in LOST_PEER)
 
 
 def _store(timeout_s: float = 10):

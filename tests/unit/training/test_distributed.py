@@ -1002,3 +1002,28 @@ def test_a_launch_leaves_out_torch_elastics_lines_that_onegpus_own_line_says_aga
     assert [r.getMessage() for r in caplog.records] == [
         "Unable to shutdown process 42 via SIGTERM, forcefully exiting via SIGKILL",
         "failed (exitcode: 1) local_rank: 1 (pid: 42) of binary: python"]
+
+
+def test_a_process_whose_peer_is_gone_says_it_in_one_line_and_notes_it(tmp_path, monkeypatch, capsys):
+    """A collective's lost-peer error (gloo's closed connection) in a launched process: noted for the launcher as any
+    error, then one line instead of its traceback (SystemExit 1); an error of its own is noted and re-raised as it
+    is (its traceback is the one that helps)."""
+    monkeypatch.setenv(distributed.LAUNCH_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:43147. This is "
+                        "typically caused by a remote worker crashing.")
+    with pytest.raises(SystemExit) as stopped, distributed.failure_note():
+        raise lost
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err == (
+        "train: rank 0 stopped: a peer process is gone (RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection "
+        "closed by peer [127.0.0.1]:43147. This is typically caused by a remote worker crashing.); the launcher "
+        "names which\n")
+    assert json.loads((tmp_path / "failed-0.json").read_text())["error"].startswith("RuntimeError: [gloo")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match="its own"), distributed.failure_note():
+        raise ValueError("its own")
+    assert json.loads((tmp_path / "failed-1.json").read_text())["error"] == "ValueError: its own"
+    assert capsys.readouterr().err == ""
+    assert not distributed.lost_peer(ValueError("Connection closed by peer"))  # not a collective's
