@@ -92,7 +92,9 @@ class GracefulStop:
             # group once bash exits; one event, not a second request)
             self.noted.append(signum)
             if self._phase == "after":
-                _say(f"{name}: the run's record is being written first (its steps, tags and figure); "
+                from onegpu.training import distributed  # the standard library only
+                whose = " (the launcher's: a peer process failed)" if distributed.peer_failed() else ""
+                _say(f"{name}{whose}: the run's record is being written first (its steps, tags and figure); "
                      "it stops after that")
         elif self._phase == "loop" and self.checkpoints and self.requested is None:
             self.requested = signum

@@ -59,6 +59,27 @@ def test_before_the_loop_a_signal_abandons_the_run_and_after_it_only_notes(signu
     assert "it stops after that" in capsys.readouterr().err
 
 
+def test_after_the_loop_the_launchers_sigterm_after_a_peers_failure_is_said_to_be_the_launchers(
+        tmp_path, monkeypatch, capsys):
+    """A launch's process writing its run's record when the launcher stops it (a peer noted its failure): the line
+    says whose SIGTERM it is; without a peer's note (a user's signal), as before."""
+    from onegpu.training import distributed
+    monkeypatch.setenv(distributed.LAUNCH_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    (tmp_path / "failed-0.json").write_text("{}")  # its own note: not a peer's
+    with GracefulStop() as stop:
+        with stop.loop():
+            pass
+        _send(signal.SIGTERM)
+        (tmp_path / "failed-1.json").write_text("{}")
+        _send(signal.SIGTERM)
+    assert capsys.readouterr().err.splitlines() == [
+        "SIGTERM: the run's record is being written first (its steps, tags and figure); it stops after that",
+        "SIGTERM (the launcher's: a peer process failed): the run's record is being written first (its steps, tags "
+        "and figure); it stops after that"]
+
+
 def test_a_probe_row_without_checkpoints_is_abandoned_by_the_first_signal():
     with GracefulStop(checkpoints=False) as stop, stop.loop():
         with pytest.raises(KeyboardInterrupt):
