@@ -20,57 +20,54 @@ def _cfg(**train):
 def test_the_auto_finder_probes_under_the_trainings_precision(tmp_path, monkeypatch, tokenizer, dsd):
     """With bf16 the finder must probe under autocast (bf16 activations are smaller, so a larger
     micro-batch fits); the session used to call it without the precision."""
-    from onegpu.training import autobatch
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    seen = _stub_finder(monkeypatch, 4)
+    import torch
+    plan = session.plan(_cfg(**AUTO, bf16=True), STATS)
+    micro = tracked_run._find_micro_batch(torch.nn.Linear(2, 2), tokenizer, dsd, plan, _NoLogs(), "run")
+    assert micro == 4 and seen["mixed_precision"] == "bf16"
+
+
+def _stub_finder(monkeypatch, micro: int) -> dict:
+    """autobatch.find_micro_batch replaced by one returning ``micro``; returns the keywords it was called with."""
+    from onegpu.training import autobatch
     seen = {}
 
     def finder(*args, **kw):
         seen.update(kw)
-        return 4, []
+        return micro, []
     monkeypatch.setattr(autobatch, "find_micro_batch", finder)
+    return seen
 
-    class Tracker:
-        def log_dict(self, *a):
-            pass
 
-        def log_text(self, *a):
-            pass
-    import torch
-    plan = session.plan(_cfg(**AUTO, bf16=True), STATS)
-    micro = tracked_run._find_micro_batch(torch.nn.Linear(2, 2), tokenizer, dsd, plan, Tracker(), "run")
-    assert micro == 4 and seen["mixed_precision"] == "bf16"
+class _NoLogs:
+    """A tracker whose artifact logging does nothing."""
+
+    def log_dict(self, *a):
+        pass
+
+    def log_text(self, *a):
+        pass
 
 
 def test_under_fsdp2_the_auto_finder_sizes_one_ranks_shards(tmp_path, monkeypatch, tokenizer, dsd, capsys):
     """train.fsdp: the finder's states are one rank's (sharding.per_rank_bytes over train.num_processes, at the
     accumulation each micro-batch implies), and its line says the budget is per rank; without sharding, the whole
     model's (states_at None)."""
-    from onegpu.training import autobatch, sharding
+    from onegpu.training import sharding
     from tests.unit.tiny import tiny_bert
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
-    seen = {}
-
-    def finder(*args, **kw):
-        seen.update(kw)
-        return 2, []
-    monkeypatch.setattr(autobatch, "find_micro_batch", finder)
-
-    class Tracker:
-        def log_dict(self, *a):
-            pass
-
-        def log_text(self, *a):
-            pass
+    seen = _stub_finder(monkeypatch, 2)
     model = tiny_bert()
     two = {**AUTO, "backend": "accelerate", "num_processes": 2, "oom_retry": False, "eval_strategy": "no"}
     plan = session.plan(_cfg(**two, fsdp={"enabled": True}), STATS)
-    assert tracked_run._find_micro_batch(model, tokenizer, dsd, plan, Tracker(), "run") == 2
+    assert tracked_run._find_micro_batch(model, tokenizer, dsd, plan, _NoLogs(), "run") == 2
     optim = plan.cfg.train.optim
     assert seen["states_at"](2) == sharding.per_rank_bytes(model, 2, 2, optim, True)  # 8 = 2 x 2 x 2 processes
     assert seen["states_at"](4) == sharding.per_rank_bytes(model, 2, 1, optim, True)
     assert "(budget 1.00 GiB per rank: its FSDP2 shards of the states and the gathered weights, predicted" in \
         capsys.readouterr().out
-    tracked_run._find_micro_batch(model, tokenizer, dsd, session.plan(_cfg(**two), STATS), Tracker(), "run")
+    tracked_run._find_micro_batch(model, tokenizer, dsd, session.plan(_cfg(**two), STATS), _NoLogs(), "run")
     assert seen["states_at"] is None
 
 
