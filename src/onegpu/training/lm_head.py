@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 from onegpu.data.chat import IGNORE_INDEX
 from onegpu.errors import ModelError
-from onegpu.training import sharding
 
 # Logits per tile (targets x vocabulary): at most 2**24, 64 MiB in float32 (336 targets at SmolLM2's 49,152).
 TILE_LOGITS = 1 << 24
@@ -87,7 +86,8 @@ def _forward(self, *args, **kwargs):
     kwargs.pop("num_items_in_batch", None)  # HF Trainer passes it to models that accept loss kwargs
     kwargs["use_cache"] = False
     hidden = self.base_model(*args, **kwargs).last_hidden_state
-    if hidden._is_view() and sharding.is_sharded(self):
+    from torch.distributed.fsdp import FSDPModule  # torch's (sharding's imports would join the reference stage's deps)
+    if hidden._is_view() and isinstance(self, FSDPModule):
         # FSDP2 hooks its pre-backward gather onto a sharded root's outputs and warns that an in-place op on a
         # view (GPT-2's last hidden state is one) would drop the hook: a copy of its own (the same values).
         hidden = hidden.clone()
