@@ -122,19 +122,20 @@ def run_config_hash(cfg: Config, data_fingerprint: str = "") -> str:
     validation, terminal output and where the processes run, plus the data fingerprint): a checkpoint resumes only
     a run with the same hash.
 
-    Under ``train.fsdp`` the split of the effective batch (:data:`SPLIT_KEYS`) is replaced by the effective batch
-    itself: a sharded checkpoint (``torch.distributed.checkpoint``) reshards on load, so it resumes on another
-    number of processes, with another micro-batch and accumulation (:func:`onegpu.training.resume.
-    load_sharded_state`). Data-parallel checkpoints hold the split (another split starts afresh)."""
+    The split of the effective batch (:data:`SPLIT_KEYS`) is replaced by the effective batch itself: a checkpoint
+    resumes with another micro-batch, accumulation and number of processes, the same training (every step takes
+    the same examples). Whole weights load anywhere; a sharded checkpoint (``torch.distributed.checkpoint``)
+    reshards on load (:func:`onegpu.training.resume.load_sharded_state`). ``train.fsdp`` is out: a data-parallel
+    and a sharded run of one training find each other's checkpoints, and each refuses the other's layout in one
+    line (:func:`onegpu.training.session.check_resumable`)."""
     # train.num_machines, machine_rank, main_process_*: where the processes run; every machine computes the same hash.
     skip = ("tracking.", "evaluate.", "train.logging_steps", "train.save_steps", "train.eval_",
             "train.load_best_model_at_end", "train.metric_for_best_model", "train.greater_is_better",
             "train.early_stopping_", "train.fsdp.", *MACHINE_KEYS)
     flat = {k: v for k, v in flatten(cfg.to_dict()).items() if not k.startswith(skip)}
-    if cfg.train.fsdp.enabled:  # sharded: any split of the same effective batch (never a data-parallel one's hash)
-        for k in SPLIT_KEYS:
-            flat.pop(k, None)
-        flat["train.fsdp.effective_batch_size"] = effective_batch(cfg)
+    for k in SPLIT_KEYS:  # any split of the same effective batch
+        flat.pop(k, None)
+    flat["train.effective_batch_size"] = effective_batch(cfg)
     if cfg.model.lora_adapters is None:  # as in the key: checkpoints written before the knob still resume
         flat = {k: v for k, v in flat.items() if k != "model.lora" and not k.startswith("model.lora.")}
     for k, default in _GRANULARITY_DEFAULTS.items():  # the same for the checkpointing granularity

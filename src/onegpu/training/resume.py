@@ -61,14 +61,15 @@ class ResumePoint:
 
     def other_split(self, micro_batch: int, accumulation: int, num_processes: int) -> str:
         """A clause saying that this checkpoint was written with another split than ``micro_batch`` x
-        ``accumulation`` x ``num_processes`` (a sharded one, resharded on load); "" when it was the same or is
-        not recorded."""
+        ``accumulation`` x ``num_processes`` (a sharded one's shards redistributed on load); "" when it was the same
+        or is not recorded."""
         was = (self.micro_batch, self.accumulation, self.num_processes)
         if None in was or was == (micro_batch, accumulation, num_processes):
             return ""
-        return (f"; it was written by {was[2]} process(es) of {was[0]} x {was[1]}, resharded here onto "
-                f"{num_processes} of {micro_batch} x {accumulation} (the same effective batch of "
-                f"{micro_batch * accumulation * num_processes})")
+        per_step = micro_batch * accumulation * num_processes
+        return (f"; written by {was[2]} process(es) of {was[0]} x {was[1]}, it goes on with {num_processes} of "
+                f"{micro_batch} x {accumulation}: the same effective batch of {per_step}"
+                + (", its shards redistributed on load" if self.sharded else ""))
 
 
 def latest_checkpoint(checkpoint_dir) -> ResumePoint | None:
@@ -231,15 +232,17 @@ def review_other_checkpoints(own_dir, key: str, params: dict, fingerprint: str, 
     """What to do with the checkpoints of *other* training configurations, found next to ``own_dir``
     (``.onegpu/checkpoints/<config hash>/``, one folder per configuration).
 
-    A checkpoint is resumed only by a run of exactly its configuration, so a run with another split, seed
-    or learning rate starts afresh and never uses it. The rule, from the MLflow run named in the newest
+    A checkpoint is resumed only by a run of its configuration (any split of its effective batch:
+    :func:`onegpu.equivalence.key.run_config_hash`), so a run with another seed, learning rate or effective batch
+    starts afresh and never uses it. The rule, from the MLflow run named in the newest
     complete checkpoint of each folder (``get_run(run_id)``: the run, or None when it is not in the store):
 
     - ``in use``: that run, or the run that resumed it (tag ``onegpu.resumed_by``), is RUNNING: kept.
     - ``prune`` now: the run is deleted in MLflow, or it FINISHED or is SCHEDULED (a finished training removes its own
       checkpoints; what is left cannot be resumed into anything).
     - ``superseded``: the run was stopped (KILLED/FAILED) and has this run's ``equivalence_key``: this
-      run trains the same thing with another split. Said at the start; pruned when this run finishes.
+      run trains the same thing another way (another backend, checkpointing granularity, ...). Said at the start;
+      pruned when this run finishes.
     - ``kept``: stopped, another equivalence key (or the run is not in this store): it can still save
       work for a rerun of that configuration. Said at the start; kept until its run is deleted in MLflow
       or a run of its equivalence key finishes.

@@ -81,8 +81,8 @@ def check_flattened(cfg: Config, model_path: str | None) -> None:
 def check_resumable(cfg: Config, resume: ResumePoint | None) -> None:
     """Raises ConfigError, before any work, when ``resume`` (this training's newest complete checkpoint; None:
     none) is held in another layout than ``cfg`` trains in: whole weights (data parallel, one process) under
-    ``train.fsdp``, or shards under data parallel (their run-config hashes differ, so either is a checkpoint
-    moved by hand). Shards of another number of processes resume: they reshard on load
+    ``train.fsdp``, or shards under data parallel (``train.fsdp`` is outside the checkpoint hash). Another split
+    resumes: whole weights load on any number of processes, shards reshard on load
     (:func:`onegpu.training.resume.load_sharded_state`)."""
     if resume is None:
         return

@@ -219,8 +219,10 @@ def _start_run(plan: TrainPlan, tracker, name: str | None = None, tidy: bool = T
                                on_reaped=reaped_figure(tracker))
     distributed.announce_run(run_id, plan.cfg.tracking.experiment_name)
     if resume:
+        r = plan.resolved
+        split = r and resume.other_split(r.per_device_train_batch_size, r.gradient_accumulation_steps, r.world_size)
         print(f"train: resuming from {resume.path} (optimizer step {resume.step} of MLflow run "
-              f"{resume.run_id}, which was stopped); this run is {run_id}")
+              f"{resume.run_id}, which was stopped); this run is {run_id}{split or ''}")
         try:
             tracker.set_tags(resume.run_id, {"onegpu.resumed_by": run_id})
         except Exception:

@@ -168,11 +168,10 @@ def test_the_default_runs_key_is_unchanged_by_the_lora_mapping_and_the_added_key
     assert eqkey.run_config_hash(cfg, "abc") == eqkey.run_config_hash(pinned, "abc")
 
 
-def test_sharding_is_the_same_training_and_its_checkpoints_are_named_by_the_effective_batch():
-    """train.fsdp (FSDP2) is out of the equivalence key: a sharded run has the key of the data-parallel run. Its
-    run-config hash holds the effective batch instead of its split (a sharded checkpoint reshards on load): 2
-    processes of 2 x 1 and 4 of 1 x 1 share it, 4 of 2 x 1 and the data-parallel run do not; the data-parallel
-    hash is what it was before the knob existed."""
+def test_sharding_is_the_same_training_and_checkpoints_are_named_by_the_effective_batch():
+    """train.fsdp (FSDP2) is out of the equivalence key and of the run-config hash: a sharded run has the key and the
+    checkpoints of the data-parallel run. The hash holds the effective batch instead of its split: 2 processes of
+    8 x 2, 4 of 4 x 2 and 1 of 8 x 4 share it (a checkpoint resumes on any of them); 4 processes of 8 x 2 do not."""
     raw = copy.deepcopy(PINNED)
     raw["train"].update(backend="accelerate", num_processes=2, eval_strategy="no", oom_retry=False)
     plain = config.from_container(copy.deepcopy(raw))
@@ -182,17 +181,17 @@ def test_sharding_is_the_same_training_and_its_checkpoints_are_named_by_the_effe
         assert not any(k.startswith("train.fsdp") for k in eqkey.equivalence_fields(cfg, config.resolve(cfg), "abc"))
     assert eqkey.equivalence_key(sharded, config.resolve(sharded), "abc") == \
         eqkey.equivalence_key(plain, config.resolve(plain), "abc")
-    before = copy.deepcopy(raw)
-    del before["train"]["fsdp"]
-    assert eqkey.run_config_hash(plain, "abc") == eqkey.run_config_hash(config.from_container(before), "abc")
-    assert eqkey.run_config_hash(sharded, "abc") != eqkey.run_config_hash(plain, "abc")
-    split = {"num_processes": 4, "per_device_train_batch_size": raw["train"]["per_device_train_batch_size"] // 2}
-    four = config.from_container({**raw, "train": {**raw["train"], **split}})
-    assert eqkey.effective_batch(four) == eqkey.effective_batch(sharded) == 2 * PINNED["train"][
-        "per_device_train_batch_size"] * PINNED["train"]["gradient_accumulation_steps"]
-    assert eqkey.run_config_hash(four, "abc") == eqkey.run_config_hash(sharded, "abc")
-    doubled = config.from_container({**raw, "train": {**raw["train"], "num_processes": 4}})
-    assert eqkey.run_config_hash(doubled, "abc") != eqkey.run_config_hash(sharded, "abc")
+    assert eqkey.run_config_hash(sharded, "abc") == eqkey.run_config_hash(plain, "abc")
+
+    def split(processes: int, micro: int, accum: int):
+        return config.from_container({**raw, "train": {**raw["train"], "num_processes": processes,
+                                                         "per_device_train_batch_size": micro,
+                                                         "gradient_accumulation_steps": accum,
+                                                         "fsdp": {"enabled": processes > 1}}})
+    same = [split(2, 8, 2), split(4, 4, 2), split(1, 8, 4)]
+    assert {eqkey.effective_batch(c) for c in same} == {32} and eqkey.effective_batch(split(4, 8, 2)) == 64
+    assert len({eqkey.run_config_hash(c, "abc") for c in same}) == 1
+    assert eqkey.run_config_hash(split(4, 8, 2), "abc") != eqkey.run_config_hash(same[0], "abc")
 
 
 def test_equivalence_fields_hold_resolved_batch_and_fingerprint():

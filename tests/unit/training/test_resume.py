@@ -124,8 +124,11 @@ def test_a_resume_point_knows_its_split_older_ones_by_their_shards(tmp_path):
     assert (older.accumulation, older.num_processes) == (None, 4)
     assert older.other_split(1, 1, 2) == ""  # not recorded: nothing claimed
     assert new.other_split(2, 4, 2) == ""
-    assert new.other_split(4, 1, 4) == ("; it was written by 2 process(es) of 2 x 4, resharded here onto 4 of 4 x 1 "
-                                        "(the same effective batch of 16)")
+    assert new.other_split(4, 1, 4) == ("; written by 2 process(es) of 2 x 4, it goes on with 4 of 4 x 1: the same "
+                                        "effective batch of 16")
+    sharded = ResumePoint.from_state("c", {"step": 2, "micro_batch": 2, "gradient_accumulation_steps": 4,
+                                           "num_processes": 2, "sharded": 2})
+    assert sharded.other_split(2, 2, 4).endswith("the same effective batch of 16, its shards redistributed on load")
 
 
 def test_a_process_the_checkpoint_has_no_rng_state_of_takes_process_0s(tmp_path, monkeypatch):
@@ -152,6 +155,36 @@ def test_a_process_the_checkpoint_has_no_rng_state_of_takes_process_0s(tmp_path,
         torch.manual_seed(99)
         resume.load_rng(str(tmp_path))
         assert (torch.rand(3).tolist(), random.random()) == expected[own], rank
+
+
+@pytest.mark.parametrize("backend", ["accelerate", "trainer"])
+def test_a_checkpoint_resumes_with_another_split_of_its_effective_batch_in_float64(tmp_path, monkeypatch, backend):
+    """Stopped after optimizer step 2 of 2 x 2 (AdamW: its moments in the checkpoint), resumed at 4 x 1: the same 4
+    examples a step, so steps 3 and 4 take the uninterrupted 2 x 2 run's loss and grad_norm within 1e-12 (float64;
+    only the summation order differs), on both backends' checkpoints."""
+    import importlib
+
+    from onegpu.training.backends import base
+    from tests.unit.equivalence import float64
+    from tests.unit.tiny import interrupt_at_step_2
+    from tests.unit.training import test_batches as tb
+    monkeypatch.chdir(tmp_path)
+    module = importlib.import_module(base.REGISTRY[backend])
+
+    def run(micro: int, accum: int, sink, **kw):
+        model = tb.tiny_llama().double()
+        with float64.float64_throughout(model):
+            return module.train(base.TrainRequest(model, tb.tokenizer(), tb.dataset(), tb.config(
+                backend, micro, accum, max_steps=4, optim="adamw_torch", eval_strategy="no"), sink, **kw))
+    ref = []
+    run(2, 2, lambda m, s: ref.append((m["loss"], m["grad_norm"])))
+    first, resume = interrupt_at_step_2(lambda sink, **kw: run(2, 2, sink, **kw), tmp_path / "ckpt")
+    assert resume is not None and resume.step == 2
+    rest = []
+    run(4, 1, lambda m, s: rest.append((m["loss"], m["grad_norm"])), checkpoint_dir=tmp_path / "ckpt", resume=resume)
+    assert len(ref) == 4 and len(rest) == 2
+    worst = max(abs(a - b) / abs(b) for got, want in zip(rest, ref[2:]) for a, b in zip(got, want))
+    assert worst <= float64.REL, (rest, ref[2:])
 
 
 # -- a checkpoint is complete or not there: SIGKILL and a full disk --------------------------------------

@@ -46,18 +46,20 @@ def test_auto_resumes_with_the_split_its_checkpoint_was_written_with(tmp_path, m
     assert again.resolved == Resolved(2, 4, 1)
 
 
-def test_a_sharded_checkpoint_resumes_on_any_split_of_its_effective_batch_and_only_sharded(tmp_path, monkeypatch):
-    """Under train.fsdp the checkpoint folder is named by the effective batch, not its split: a sharded run on 4
-    processes of 1 x 1 finds the one 2 processes of 2 x 1 wrote (shards reshard on load), one of another effective
-    batch does not, nor does data parallel of the same split (whole weights, its own folder). A checkpoint moved by
-    hand into the other layout's folder is refused in one line before any work, with the way out."""
+def test_a_checkpoint_resumes_on_any_split_of_its_effective_batch_and_only_in_its_layout(tmp_path, monkeypatch):
+    """The checkpoint folder is named by the effective batch, not its split: 4 processes of 1 x 1 find the one 2
+    processes of 2 x 1 wrote, sharded (shards reshard on load) or not (whole weights), and so does 1 process of 2 x
+    2; another effective batch does not. train.fsdp is outside the name: a sharded run finds a data-parallel run's
+    checkpoint of the same training and the other way round, and each refuses the other's layout in one line before
+    any work, with the way out."""
     from onegpu.errors import ConfigError
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
     run = {"backend": "accelerate", "eval_strategy": "no", "oom_retry": False}
-    two = _cfg(**run, num_processes=2, per_device_train_batch_size=2, fsdp={"enabled": True})
-    four = _cfg(**run, num_processes=4, per_device_train_batch_size=1, fsdp={"enabled": True})
+    two, four = (_cfg(**run, num_processes=n, per_device_train_batch_size=4 // n, fsdp={"enabled": True})
+                 for n in (2, 4))
+    plain_two, plain_four = (_cfg(**run, num_processes=n, per_device_train_batch_size=4 // n) for n in (2, 4))
+    one = _cfg(**run, per_device_train_batch_size=2, gradient_accumulation_steps=2)
     other = _cfg(**run, num_processes=4, per_device_train_batch_size=2, fsdp={"enabled": True})
-    plain = _cfg(**run, num_processes=2, per_device_train_batch_size=2)
     d = session.plan(two, STATS).checkpoint_dir / "checkpoint-3"
     d.mkdir(parents=True)
     state = {"step": 3, "rows": [], "run_id": "r1", "micro_batch": 2, "gradient_accumulation_steps": 1,
@@ -65,26 +67,20 @@ def test_a_sharded_checkpoint_resumes_on_any_split_of_its_effective_batch_and_on
     (d / STATE_FILE).write_text(json.dumps(state))
     resumed = session.plan(four, STATS).resume
     assert (resumed.step, resumed.sharded, resumed.num_processes, resumed.micro_batch) == (3, 2, 2, 2)
-    assert resumed.other_split(1, 1, 4) == ("; it was written by 2 process(es) of 2 x 1, resharded here onto 4 of "
-                                            "1 x 1 (the same effective batch of 4)")
+    assert resumed.other_split(1, 1, 4) == ("; written by 2 process(es) of 2 x 1, it goes on with 4 of 1 x 1: the "
+                                            "same effective batch of 4, its shards redistributed on load")
     assert session.plan(two, STATS).resume.other_split(2, 1, 2) == ""
     assert session.plan(other, STATS).resume is None  # effective batch 8: another training
-    assert session.plan(plain, STATS).resume is None  # data parallel: its own folder
-    with pytest.raises(ConfigError, match=r"a sharded checkpoint of this training exists .*checkpoint-3\); "
-                                          r"resume it with train.fsdp.enabled: true"):
-        _moved(d, session.plan(plain, STATS).checkpoint_dir, state)
-        session.plan(plain, STATS)
+    for plain in (plain_two, plain_four, one):
+        with pytest.raises(ConfigError, match=r"a sharded checkpoint of this training exists .*checkpoint-3\); "
+                                              r"resume it with train.fsdp.enabled: true"):
+            session.plan(plain, STATS)
     (d / STATE_FILE).write_text(json.dumps({k: v for k, v in state.items() if k != "sharded"}))  # whole weights
+    assert [session.plan(c, STATS).resume.step for c in (plain_two, plain_four, one)] == [3, 3, 3]
     with pytest.raises(ConfigError, match=r"train.fsdp.enabled: a checkpoint of this training with whole weights "
                                           r"exists .*checkpoint-3\), and a sharded run resumes only sharded "
                                           r"checkpoints; resume it with train.fsdp.enabled: false"):
         session.plan(four, STATS)
-
-
-def _moved(checkpoint, to, state: dict) -> None:
-    """``checkpoint``'s state file copied by hand into ``to``/checkpoint-3."""
-    (to / "checkpoint-3").mkdir(parents=True)
-    (to / "checkpoint-3" / STATE_FILE).write_text(json.dumps(state))
 
 
 def test_a_combination_the_machine_cannot_run_stops_the_plan_before_the_data_is_read(tmp_path, monkeypatch):

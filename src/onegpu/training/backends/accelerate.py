@@ -303,8 +303,7 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
             load_loop_state(resume.path, _plain(lp), lp.optimizer, lp.scheduler)
         start = resume.step
         recorder.restore(resume)
-        distributed.print_main(f"accelerate: resuming after optimizer step {start}" + resume.other_split(
-            t.per_device_train_batch_size, t.gradient_accumulation_steps, t.num_processes))
+        distributed.print_main(f"accelerate: resuming after optimizer step {start}")
     lp.model.train()
     lp.optimizer.zero_grad(set_to_none=True)
     probe = around_steps.activation_probe(lp.train_set, lp.collator, t, cfg.model.task)
