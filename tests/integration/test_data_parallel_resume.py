@@ -55,31 +55,43 @@ def test_two_processes_stop_on_sigterm_and_resume_to_the_uninterrupted_losses(tm
     assert resumed == pytest.approx(reference, rel=1e-5)
 
 
-def test_a_sharded_run_stopped_on_2_processes_resumes_on_4_to_the_uninterrupted_losses_in_float64(
-        tmp_path, prepared, monkeypatch):
-    """train.fsdp, 2 processes x 4 x 1, a checkpoint every 2 steps, float64 from start-up: rank 1 raising after step
-    3 leaves the checkpoint of step 2; `onegpu train -S train.num_processes=4 -S train.per_device_train_batch_size=2`
-    (the same effective batch of 8) finds it, says it reshards it, and logs the uninterrupted 2-process run's
-    per-step losses and grad_norms within 1e-12 relative, as a run linked to the failed one."""
+# (backend, train.fsdp, the resume's processes and micro-batch, the clause its line ends with): the same 8 examples a
+# step as the 2 processes x 4 x 1 that wrote the checkpoint.
+OTHER_SPLITS = {
+    "sharded-on-4": ("accelerate", True, 4, 2, "; written by 2 process(es) of 4 x 1, it goes on with 4 of 2 x 1: the "
+                                               "same effective batch of 8, its shards redistributed on load"),
+    "data-parallel-on-1": ("trainer", False, 1, 8, "; written by 2 process(es) of 4 x 1, it goes on with 1 of 8 x 1: "
+                                                   "the same effective batch of 8"),
+}
+
+
+@pytest.mark.parametrize("case", list(OTHER_SPLITS))
+def test_a_run_stopped_on_2_processes_resumes_on_another_number_to_the_uninterrupted_losses_in_float64(
+        tmp_path, prepared, monkeypatch, case):
+    """2 processes x 4 x 1 (sharded with train.fsdp on the accelerate backend; data parallel on HF Trainer), a
+    checkpoint every 2 steps, float64 from start-up: rank 1 raising after step 3 leaves the checkpoint of step 2;
+    `onegpu train -S train.num_processes=N -S train.per_device_train_batch_size=M` (the same effective batch of 8)
+    finds it, says how the split changed, and logs the uninterrupted 2-process run's per-step losses and
+    grad_norms within 1e-12 relative, as a run linked to the failed one."""
     import subprocess
 
     from .test_data_parallel_machines import _assert_same_steps, _float64_env
-    project = two_process_project(prepared, tmp_path, max_steps=4, save_steps=2, backend="accelerate",
-                                  oom_retry=False, fsdp={"enabled": True})
+    backend, fsdp, processes, micro, said = OTHER_SPLITS[case]
+    project = two_process_project(prepared, tmp_path, max_steps=4, save_steps=2, backend=backend,
+                                  oom_retry=not fsdp, fsdp={"enabled": fsdp})
     monkeypatch.setenv("ONEGPU_TEST_DTYPE", "float64")
     monkeypatch.setenv("PYTHONPATH", _float64_env()["PYTHONPATH"])
     run([str(BIN / "onegpu"), "train"], cwd=project)  # the reference: uninterrupted, 2 processes
     failed = subprocess.run([str(BIN / "onegpu"), "train"], cwd=project, capture_output=True, text=True,
                             env=_float64_env(ONEGPU_TEST_FAULT="raise:1:3"))
     assert failed.returncode == 2, failed.stdout[-3000:] + failed.stderr[-3000:]
-    four = ["-S", "train.num_processes=4", "-S", "train.per_device_train_batch_size=2"]
-    out = run([str(BIN / "onegpu"), "train", *four], cwd=project).stdout
-    assert ("accelerate: resuming after optimizer step 2; it was written by 2 process(es) of 4 x 1, resharded here "
-            "onto 4 of 2 x 1 (the same effective batch of 8)") in out, out[-3000:]
+    other = ["-S", f"train.num_processes={processes}", "-S", f"train.per_device_train_batch_size={micro}"]
+    out = run([str(BIN / "onegpu"), "train", *other], cwd=project).stdout
+    assert said in out, out[-3000:]
     c, _, all_runs = runs(project)
     ref, stopped, resumed = sorted((r for r in all_runs if r.data.tags.get("stage") == "train"),
                                    key=lambda r: r.info.start_time)
     assert stopped.info.status == "FAILED" and resumed.data.tags["onegpu.resumed_from"] == stopped.info.run_id
-    assert (ref.data.params["resolved.world_size"], resumed.data.params["resolved.world_size"]) == ("2", "4")
+    assert [r.data.params["resolved.world_size"] for r in (ref, resumed)] == ["2", str(processes)]
     _assert_same_steps(c, ref, resumed, steps=4)
     assert not list((project / ".onegpu" / "checkpoints").glob("*/checkpoint-*"))  # finished: nothing to resume
