@@ -28,9 +28,11 @@ class GroupComparison:
 
 @dataclass
 class Comparison:
-    """Every group, most recently started first, and the runs left out (no ``equivalence_key`` tag)."""
+    """Every group, most recently started first, and the runs left out: ``skipped`` (no ``equivalence_key`` tag)
+    and ``continued`` (stopped runs that a run here resumed: their steps are its first, :func:`split_continued`)."""
     groups: list[GroupComparison]
     skipped: list[RunRecord] = field(default_factory=list)
+    continued: list[RunRecord] = field(default_factory=list)
 
     @property
     def keys(self) -> list[str]:
@@ -57,6 +59,29 @@ def group_by_key(runs: list[RunRecord]) -> tuple[dict[str, list[RunRecord]], lis
         else:
             groups.setdefault(r.key, []).append(r)
     return groups, skipped
+
+
+RESUMED_BY, RESUMED_FROM, RESUMED_AT = "onegpu.resumed_by", "onegpu.resumed_from", "onegpu.resumed_at_step"
+
+
+def split_continued(runs: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecord]]:
+    """``(runs to compare, stopped runs left out)``: a stopped run that another of ``runs`` resumed (tag
+    ``onegpu.resumed_by``) is left out, since the run that resumed it carries its steps as its first ones;
+    compared, the two would be "equal" on steps that were measured once."""
+    ids = {r.run_id for r in runs}
+    continued = [r for r in runs if r.tags.get(RESUMED_BY) in ids]
+    return [r for r in runs if r not in continued], continued
+
+
+def resumed_note(run: RunRecord, before: RunRecord | None) -> str | None:
+    """For ``run``, which resumed ``before`` (its ``onegpu.resumed_from`` run; None when not at hand) with another
+    split: which of its steps that run trained, and how; None otherwise."""
+    if before is None or before.layout == run.layout:
+        return None
+    (m, a, n), at = before.layout, run.tags.get(RESUMED_AT, "?")
+    where = f" on {n} process(es)" if n else ""
+    return (f"steps 1-{at} are run {before.label}'s, trained at {m} x {a}{where}; it resumed them, and its own split "
+            "applies from the next step")
 
 
 def choose_reference(runs: list[RunRecord]) -> RunRecord:
@@ -129,10 +154,15 @@ def compare(runs: list[RunRecord], others: list[RunRecord] = (), named: bool = F
     ``named``: the user named these runs (``--exp``, ``--runs``): runs of several keys are then compared
     as one group (key ``KEY1+KEY2...``), each run of another key than the reference's diverging where
     its curves leave the reference's, its key's differing params the cause."""
-    groups, skipped = group_by_key(runs)
+    compared, continued = split_continued(runs)
+    groups, skipped = group_by_key(compared)
     if named and len(groups) > 1:
         groups = {"+".join(k[:8] for k in groups): [r for rs in groups.values() for r in rs]}
-    overlaps = find_overlaps(runs, others)
+    overlaps = find_overlaps(compared, [*others, *continued])
     out = [compare_group(k, rs, overlaps) for k, rs in groups.items()]
+    by_id = {r.run_id: r for r in runs}
+    for c in (c for g in out for c in g.rows):
+        if note := resumed_note(c.run, by_id.get(c.run.tags.get(RESUMED_FROM, ""))):
+            c.notes.append(note)
     out.sort(key=lambda g: (len(g.rows) < 2, -max(r.start_time for r in g.runs)))
-    return Comparison(groups=out, skipped=skipped)
+    return Comparison(groups=out, skipped=skipped, continued=continued)

@@ -109,6 +109,12 @@ class RunRecord:
         return self.name or self.run_id[:8]
 
     @property
+    def layout(self) -> tuple[int | None, int | None, int | None]:
+        """``(micro-batch, accumulation, processes)`` as resolved by the train stage."""
+        return self.micro_batch, self.accumulation, as_int(self.params.get("resolved.world_size",
+                                                                           self.params.get("train.num_processes")))
+
+    @property
     def micro_batch(self) -> int | None:
         """Examples per micro-batch (forward/backward pass), as resolved by the train stage."""
         return as_int(self.params.get(RESOLVED_MICRO_BATCH, self.params.get("train.per_device_train_batch_size")))

@@ -138,6 +138,15 @@ def _group_section(g: GroupComparison, index: int) -> list[str]:
     return out
 
 
+def continued_line(comparison: Comparison) -> str:
+    """The stopped runs left out of the comparison, each with the run that resumed it (and carries its steps)."""
+    names = {r.run_id: r.label for g in comparison.groups for r in g.runs}
+    pairs = ", ".join(f"{r.label} (resumed by {names.get(r.tags.get('onegpu.resumed_by', ''), 'a later run')})"
+                      for r in comparison.continued)
+    return (f"{len(comparison.continued)} stopped run(s) left out, their steps being the first of the run that "
+            f"resumed them: {pairs}.")
+
+
 def markdown(comparison: Comparison, experiment: str = "", store: str = "",
              images: tuple[str, ...] = (LOSS_PLOT, MEMORY_PLOT)) -> str:
     """The report as Markdown: what equivalent means, then one section per ``equivalence_key`` with a
@@ -153,6 +162,8 @@ def markdown(comparison: Comparison, experiment: str = "", store: str = "",
     if comparison.skipped:
         lines.append(f"{len(comparison.skipped)} run(s) without an `equivalence_key` tag were left out: "
                      + ", ".join(r.label for r in comparison.skipped) + ".")
+    if comparison.continued:
+        lines.append(continued_line(comparison))
     lines += ["", *markdown_table(["group", "key", "runs", "equivalent", "diverged", "summary"],
                                   [[str(i), f"`{g.key}`", str(len(g.rows)), str(g.count(EQUIVALENT)),
                                     str(g.count(DIVERGED)), g.summary]

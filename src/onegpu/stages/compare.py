@@ -40,5 +40,7 @@ def run(experiment: str, key: str | None = None, run_ids: list[str] | None = Non
     print(report.terminal_table(comparison), end="")
     if comparison.skipped:
         print(f"({len(comparison.skipped)} training run(s) without an equivalence_key tag left out)")
+    if comparison.continued:
+        print(report.continued_line(comparison))
     print(f"\nreport: {files[0]} (plots {files[1].name}, {files[2].name}); MLflow comparison run {compare_id}")
     return comparison

@@ -103,3 +103,28 @@ def test_runs_named_together_across_keys_are_one_group_and_another_learning_rate
     assert verdicts["lr"].causes[0] == ("train.learning_rate 0.0002 vs 0.0001 differs: another training (another "
                                         "equivalence key, compared because the runs were named together)")
     assert "lr at step 2, likely cause: train.learning_rate 0.0002 vs 0.0001 differs." in group.summary
+
+
+def test_a_stopped_run_is_left_out_where_the_run_that_resumed_it_is_compared_with_its_own_split_noted():
+    """A run stopped after step 3 at 8 x 8 and resumed at 4 x 16 (the same training, another split): the resumed
+    run carries steps 1-3 as the stopped one measured them, so the stopped run is left out (compared, the two
+    would be "equal" on steps measured once, and the 8 x 8 run, the larger micro-batch, would be the reference);
+    the resumed run's row says which steps the other split trained. Without the resume in the set, both compared."""
+    stopped = record("stopped", 8, 8, loss=[(s, v) for s, v in drifted(99)[:3]], start=1)
+    stopped.params["resolved.world_size"] = "2"
+    stopped.status = "KILLED"
+    resumed = record("resumed", 4, 16, start=2)
+    ref = record("whole", 2, 32, start=0)
+    stopped.tags["onegpu.resumed_by"] = resumed.run_id
+    resumed.tags.update({"onegpu.resumed_from": stopped.run_id, "onegpu.resumed_at_step": "3"})
+    c = eq.compare([ref, stopped, resumed])
+    (g,) = c.groups
+    assert [r.name for r in g.runs] == ["resumed", "whole"] and [r.name for r in c.continued] == ["stopped"]
+    (note,) = [n for n in g.rows[0].notes if n.startswith("steps 1-")]
+    assert note == ("steps 1-3 are run stopped's, trained at 8 x 8 on 2 process(es); it resumed them, and its own "
+                    "split applies from the next step")
+    assert not any(n.startswith("steps 1-") for n in g.rows[1].notes)
+    from onegpu.compare import report
+    assert report.continued_line(c) == ("1 stopped run(s) left out, their steps being the first of the run that "
+                                        "resumed them: stopped (resumed by resumed).")
+    assert [r.name for r in eq.compare([ref, stopped]).groups[0].runs] == ["stopped", "whole"]
