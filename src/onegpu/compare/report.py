@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from onegpu.compare.groups import Comparison, GroupComparison
+from onegpu.compare.groups import RESUMED_BY, Comparison, GroupComparison
 from onegpu.compare.plots import (
     LOSS_PLOT,
     MAX_PLOTTED_GROUPS,
@@ -141,7 +141,7 @@ def _group_section(g: GroupComparison, index: int) -> list[str]:
 def continued_line(comparison: Comparison) -> str:
     """The stopped runs left out of the comparison, each with the run that resumed it (and carries its steps)."""
     names = {r.run_id: r.label for g in comparison.groups for r in g.runs}
-    pairs = ", ".join(f"{r.label} (resumed by {names.get(r.tags.get('onegpu.resumed_by', ''), 'a later run')})"
+    pairs = ", ".join(f"{r.label} (resumed by {names.get(r.tags.get(RESUMED_BY, ''), 'a later run')})"
                       for r in comparison.continued)
     return (f"{len(comparison.continued)} stopped run(s) left out, their steps being the first of the run that "
             f"resumed them: {pairs}.")

@@ -86,11 +86,12 @@ def _forward(self, *args, **kwargs):
     kwargs.pop("num_items_in_batch", None)  # HF Trainer passes it to models that accept loss kwargs
     kwargs["use_cache"] = False
     hidden = self.base_model(*args, **kwargs).last_hidden_state
-    from torch.distributed.fsdp import FSDPModule  # torch's (sharding's imports would join the reference stage's deps)
-    if hidden._is_view() and isinstance(self, FSDPModule):
-        # FSDP2 hooks its pre-backward gather onto a sharded root's outputs and warns that an in-place op on a
-        # view (GPT-2's last hidden state is one) would drop the hook: a copy of its own (the same values).
-        hidden = hidden.clone()
+    if hidden._is_view():
+        from torch.distributed.fsdp import FSDPModule  # torch's: sharding's imports would join the reference stage's
+        if isinstance(self, FSDPModule):
+            # FSDP2 hooks its pre-backward gather onto a sharded root's outputs and warns that an in-place op on a
+            # view (GPT-2's last hidden state is one) would drop the hook: a copy of its own (the same values).
+            hidden = hidden.clone()
     return HiddenStates(hidden, self)
 
 
