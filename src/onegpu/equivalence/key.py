@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Any
 
-from onegpu.config import Config, Resolved, flatten, out_of_key
+from onegpu.config import Config, Resolved, flatten, out_of_key, resolve
 
 # The MLflow tag holding a training run's key.
 KEY_TAG = "equivalence_key"
@@ -108,9 +108,7 @@ def effective_batch(cfg: Config) -> int:
     """Examples per optimizer step as params.yaml sets them: ``train.effective_batch_size``, or (null) micro-batch x
     accumulation x processes (``auto`` needs the former: :func:`onegpu.config.validate`)."""
     t = cfg.train
-    if t.effective_batch_size is not None:
-        return int(t.effective_batch_size)
-    return int(t.per_device_train_batch_size) * t.gradient_accumulation_steps * t.num_processes
+    return int(t.effective_batch_size) if t.effective_batch_size is not None else resolve(cfg).effective_batch_size
 
 
 # The keys of where a launch's processes run (accelerate's names), out of the run-config hash.
