@@ -49,8 +49,9 @@ def _env() -> dict:
     return env
 
 
-def run(cmd: list[str], cwd: Path, timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+def run(cmd: list[str], cwd: Path, timeout: int = 600, check: bool = True,
+        env: dict | None = None) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\nstdout:\n{p.stdout[-4000:]}\n"
                              f"stderr:\n{p.stderr[-4000:]}")
@@ -236,6 +237,70 @@ class Trained:
 def trained(prepared) -> Trained:
     """See :class:`Trained`."""
     return Trained(prepared)
+
+
+FAULTS = Path(__file__).with_name("faults")  # sitecustomize.py: ONEGPU_TEST_FAULT, ONEGPU_TEST_DTYPE
+
+
+def float64_env(**more: str) -> dict:
+    """The environment of a test's commands, torch's default dtype float64 from start-up (the faults folder's
+    ``ONEGPU_TEST_DTYPE``) and ``more`` (e.g. ``ONEGPU_TEST_FAULT``)."""
+    env = _env()
+    env.update(ONEGPU_TEST_DTYPE="float64", PYTHONPATH=os.pathsep.join(filter(None, [str(FAULTS),
+                                                                                     env.get("PYTHONPATH")])), **more)
+    return env
+
+
+# The data-parallel tests' causal LM: a 2-layer GPT-2 from config whose micro-batches pad to their own longest row.
+CAUSAL_LM = {
+    "data": {"max_train_samples": 32, "max_eval_samples": 16, "max_length": 48},
+    "model": {"task": "causal-lm", "name_or_path": None, "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 512,
+              "dropout": 0.0},
+}
+# Its training of 8 examples a step that every split is compared with (processes, machines, sharding, a resume).
+SPLIT_REFERENCE = {"num_processes": 1, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
+                   "learning_rate": 1e-3, "logging_steps": 1, "max_steps": 4, "backend": "trainer"}
+
+
+class Float64Reference:
+    """``float64_reference()``: what MLflow holds of :data:`CAUSAL_LM` trained by `onegpu train` as
+    :data:`SPLIT_REFERENCE` (one process, 8 x 1 on HF Trainer, 4 optimizer steps) in float64 from start-up: the
+    per-step ``loss``, ``grad_norm`` and ``step_tokens`` (lists by step) and its ``equivalence_key``. Two processes,
+    two machines, sharding and a resume on another split train the same 8 examples a step and must log these within
+    1e-12 (float64 leaves only the summation order). Trained once per session, shared by the xdist workers (a file
+    lock), in a project no test changes."""
+
+    def __init__(self, prepared: Prepared) -> None:
+        self.prepared = prepared
+
+    def __call__(self) -> dict:
+        def build(base: Path) -> str:
+            self.prepared(base, CAUSAL_LM)
+            set_train(base, **SPLIT_REFERENCE)
+            run([str(BIN / "onegpu"), "train"], cwd=base, env=float64_env())
+            c, _, all_runs = runs(base)
+            (train,) = [r for r in all_runs if r.data.tags.get("stage") == "train"]
+            return json.dumps({"equivalence_key": train.data.tags["equivalence_key"],
+                               **{k: series(c, train.info.run_id, k) for k in ("loss", "grad_norm", "step_tokens")}})
+        return json.loads(_log(_built_once(self.prepared.shared / "float64-reference", build, "train")).read_text())
+
+
+@pytest.fixture(scope="session")
+def float64_reference(prepared) -> Float64Reference:
+    """See :class:`Float64Reference`."""
+    return Float64Reference(prepared)
+
+
+def series(client, run_id: str, key: str) -> list[float]:
+    """MLflow's values of ``key`` in ``run_id`` by step, one per step (a resumed run logs its restored steps
+    again)."""
+    return [v for _, v in sorted({m.step: m.value for m in client.get_metric_history(run_id, key)}.items())]
+
+
+def assert_same_steps(got: list[float], want: list[float], key: str = "loss", rel: float = 1e-12) -> None:
+    """``got`` is ``want`` step by step within ``rel`` relative (the same number of steps)."""
+    assert len(got) == len(want), (key, got, want)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= rel, (key, got, want)
 
 
 @pytest.fixture(scope="module")

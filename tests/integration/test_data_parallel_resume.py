@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import BIN, run, runs, set_train
-from .test_data_parallel import _series, train_and_act_at_step_2, two_process_project
+from .conftest import BIN, SPLIT_REFERENCE, assert_same_steps, float64_env, run, runs, series, set_train
+from .test_data_parallel import train_and_act_at_step_2, two_process_project
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ def reference(prepared, tmp_path_factory) -> list[float]:
     run([str(BIN / "onegpu"), "train"], cwd=project)
     c, _, all_runs = runs(project)
     (finished,) = [r for r in all_runs if r.data.tags.get("stage") == "train"]
-    return _series(c, finished.info.run_id, "loss")
+    return series(c, finished.info.run_id, "loss")
 
 
 @pytest.mark.parametrize("backend", ["trainer", "accelerate"])
@@ -50,7 +50,7 @@ def test_two_processes_stop_on_sigterm_and_resume_to_the_uninterrupted_losses(tm
     assert "resuming from" in resumed_out, resumed_out
     c, _, all_runs = runs(project)
     (finished,) = [r for r in all_runs if r.data.tags.get("stage") == "train" and r.info.status == "SCHEDULED"]
-    resumed = _series(c, finished.info.run_id, "loss")
+    resumed = series(c, finished.info.run_id, "loss")
     assert len(resumed) == len(reference) == STEPS
     assert resumed == pytest.approx(reference, rel=1e-5)
 
@@ -67,31 +67,30 @@ OTHER_SPLITS = {
 
 @pytest.mark.parametrize("case", list(OTHER_SPLITS))
 def test_a_run_stopped_on_2_processes_resumes_on_another_number_to_the_uninterrupted_losses_in_float64(
-        tmp_path, prepared, monkeypatch, case):
+        tmp_path, prepared, float64_reference, case):
     """2 processes x 4 x 1 (sharded with train.fsdp on the accelerate backend; data parallel on HF Trainer), a
     checkpoint every 2 steps, float64 from start-up: rank 1 raising after step 3 leaves the checkpoint of step 2;
     `onegpu train -S train.num_processes=N -S train.per_device_train_batch_size=M` (the same effective batch of 8)
-    finds it, says how the split changed, and logs the uninterrupted 2-process run's per-step losses and
-    grad_norms within 1e-12 relative, as a run linked to the failed one."""
+    finds it, says how the split changed, and logs the uninterrupted run's per-step losses and grad_norms
+    (``float64_reference``: one process of 8 x 1, which 2 processes equal in test_data_parallel.py) within 1e-12
+    relative, as a run linked to the failed one."""
     import subprocess
 
-    from .test_data_parallel_machines import _assert_same_steps, _float64_env
     backend, fsdp, processes, micro, said = OTHER_SPLITS[case]
-    project = two_process_project(prepared, tmp_path, max_steps=4, save_steps=2, backend=backend,
-                                  oom_retry=not fsdp, fsdp={"enabled": fsdp})
-    monkeypatch.setenv("ONEGPU_TEST_DTYPE", "float64")
-    monkeypatch.setenv("PYTHONPATH", _float64_env()["PYTHONPATH"])
-    run([str(BIN / "onegpu"), "train"], cwd=project)  # the reference: uninterrupted, 2 processes
+    project = two_process_project(prepared, tmp_path, max_steps=SPLIT_REFERENCE["max_steps"], save_steps=2,
+                                  backend=backend, oom_retry=not fsdp, fsdp={"enabled": fsdp})
     failed = subprocess.run([str(BIN / "onegpu"), "train"], cwd=project, capture_output=True, text=True,
-                            env=_float64_env(ONEGPU_TEST_FAULT="raise:1:3"))
+                            env=float64_env(ONEGPU_TEST_FAULT="raise:1:3"))
     assert failed.returncode == 2, failed.stdout[-3000:] + failed.stderr[-3000:]
     other = ["-S", f"train.num_processes={processes}", "-S", f"train.per_device_train_batch_size={micro}"]
-    out = run([str(BIN / "onegpu"), "train", *other], cwd=project).stdout
+    out = run([str(BIN / "onegpu"), "train", *other], cwd=project, env=float64_env()).stdout
     assert said in out, out[-3000:]
     c, _, all_runs = runs(project)
-    ref, stopped, resumed = sorted((r for r in all_runs if r.data.tags.get("stage") == "train"),
-                                   key=lambda r: r.info.start_time)
+    stopped, resumed = sorted((r for r in all_runs if r.data.tags.get("stage") == "train"),
+                              key=lambda r: r.info.start_time)
     assert stopped.info.status == "FAILED" and resumed.data.tags["onegpu.resumed_from"] == stopped.info.run_id
-    assert [r.data.params["resolved.world_size"] for r in (ref, resumed)] == ["2", str(processes)]
-    _assert_same_steps(c, ref, resumed, steps=4)
+    assert [r.data.params["resolved.world_size"] for r in (stopped, resumed)] == ["2", str(processes)]
+    ref = float64_reference()
+    for key in ("loss", "grad_norm"):
+        assert_same_steps(series(c, resumed.info.run_id, key), ref[key], key)
     assert not list((project / ".onegpu" / "checkpoints").glob("*/checkpoint-*"))  # finished: nothing to resume

@@ -77,32 +77,57 @@ def test_dataloader_workers_are_the_same_training():
 # -- data-parallel processes and the host allocator: two gloo ranks under glibc's defaults, the reference
 # in this process under the caching allocator (tests/conftest.py sets it in every test process) --
 
-def _rank(rank: int, port: int, out_dir: str, rows: int = 16) -> None:
+def _ranks(rank: int, port: int, out_dir: str, parts: list[str]) -> None:
+    """Rank ``rank`` of 2 under glibc's defaults (a spawned process: never changed) runs ``parts`` (of ``_PARTS``)
+    in turn in one process group, Accelerate's process-wide state reset after each; writes ``rank<r>.pt``:
+    ``{part: its results, "allocator": what host_allocator said}``."""
     import os
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from accelerate.state import AcceleratorState, GradientState
+
     from onegpu.training import distributed, host_allocator
     distributed.TIMEOUT_S = 60
-    said = host_allocator.apply("system", "cpu")  # a spawned process: glibc's defaults, never changed
-    run = _classifier(4, 1, num_processes=2, rows=rows)
-    torch.save({"rows": run.rows, "grads": run.grads, "allocator": said}, f"{out_dir}/rank{rank}.pt")
+    results = {"allocator": host_allocator.apply("system", "cpu")}
+    for part in parts:
+        results[part] = _PARTS[part]()
+        AcceleratorState._reset_state(reset_partial_state=False)  # (the process group stays)
+        GradientState._reset_state()
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def rank_results(request, tmp_path_factory) -> list[dict]:
+    """Rank 0's and rank 1's results from ONE pair of spawned gloo ranks (a spawn costs more than a part), running
+    the part of each selected test below in turn."""
+    import torch.multiprocessing as mp
+
+    from tests.unit.training.test_distributed import _free_port
+    tests = {"two": test_two_processes_are_one_in_float64_and_the_host_allocator_is_the_same_training,
+             "short": test_two_processes_with_a_short_last_step_are_one_in_float64,
+             "fsdp": test_fsdp2_over_two_processes_is_one_process_on_the_packaged_classifier_in_float64}
+    selected = {getattr(item, "originalname", None) for item in request.session.items}
+    parts = [part for part, test in tests.items() if test.__name__ in selected] or list(tests)
+    out = tmp_path_factory.mktemp("ranks")
+    mp.spawn(_ranks, args=(_free_port(), str(out), parts), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def _two_part() -> tuple:
+    run = _classifier(4, 1, num_processes=2, rows=16)
+    return run.rows, run.grads
 
 
 @pytest.mark.slow
-def test_two_processes_are_one_in_float64_and_the_host_allocator_is_the_same_training(tmp_path):
+def test_two_processes_are_one_in_float64_and_the_host_allocator_is_the_same_training(rank_results):
     """2 processes x 4 x 1 under glibc's defaults = 1 process x 8 x 1 with the caching allocator (the test
     processes run under it, tests/conftest.py): one equality proves both knobs (a difference in either
     would show)."""
-    import torch.multiprocessing as mp
-
     from onegpu.training import host_allocator
-    from tests.unit.training.test_distributed import _free_port
     assert host_allocator._state["applied"].startswith("caching (glibc mallopt")
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    for r in ranks:
+    for r in rank_results:
         assert r["allocator"] == "system"
-        f64.assert_same(f64.Run(r["rows"], r["grads"]), _classifier_ref())
+        f64.assert_same(f64.Run(*r["two"]), _classifier_ref())
 
 
 # An epoch's short last step under 2 processes: (backend, micro-batch, accumulation, rows) of each case. Accelerate
@@ -115,36 +140,26 @@ SHORT_CASES = {"trainer-4x1-14": ("trainer", 4, 1, 14),      # step 2: 4 + 2 own
                "trainer-2x2-10": ("trainer", 2, 2, 10)}        # step 2: 2 | repeats only, one micro-batch each
 
 
-def _short_rank(rank: int, port: int, out_dir: str) -> None:
-    import os
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _short_part() -> dict:
     from accelerate.state import AcceleratorState, GradientState
-
-    from onegpu.training import distributed
-    distributed.TIMEOUT_S = 60
     runs = {}
     for case, (backend, micro, accum, rows) in SHORT_CASES.items():
         run = _classifier(micro, accum, backend=backend, num_processes=2, rows=rows)
         runs[case] = (run.rows, run.grads)
         AcceleratorState._reset_state(reset_partial_state=False)  # (the process group stays)
         GradientState._reset_state()
-    torch.save(runs, f"{out_dir}/rank{rank}.pt")
+    return runs
 
 
 @pytest.mark.slow
-def test_two_processes_with_a_short_last_step_are_one_in_float64(tmp_path):
+def test_two_processes_with_a_short_last_step_are_one_in_float64(rank_results):
     """An epoch whose last step holds fewer rows than the effective batch of 8: 2 processes train the rows one
     process does, nothing repeated (accelerate's even_batches fills the last micro-batches with rows from the
     epoch's start; trained on, step 2's loss was 3e-3 off): per step within 1e-12 in float64, on both backends,
     with a short micro-batch and with micro-batches of repeats only (in step with the other process, weighing
     0), at accumulation 1 and 2."""
-    import torch.multiprocessing as mp
-
-    from tests.unit.training.test_distributed import _free_port
-    mp.spawn(_short_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    for r in (0, 1):
-        for case, (rows, grads) in torch.load(tmp_path / f"rank{r}.pt", weights_only=False).items():
+    for r, results in enumerate(rank_results):
+        for case, (rows, grads) in results["short"].items():
             total = SHORT_CASES[case][3]
             assert [row["samples"] for row in rows] == [8, total - 8], case
             ref = _short_step_ref() if total == 14 else _ten_rows_ref()
@@ -167,30 +182,24 @@ FSDP_CASES = {"4x1": (4, 1, {}),
                                                                        "reshard_after_forward": False}})}
 
 
-def _fsdp_rank(rank: int, port: int, out_dir: str) -> None:
-    import os
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from onegpu.training import distributed
-    distributed.TIMEOUT_S = 60
+def _fsdp_part() -> dict:
     runs = {case: _classifier(micro, accum, backend="accelerate", num_processes=2, eval_strategy="no",
                               oom_retry=False, **{"fsdp": {"enabled": True}, **train})
             for case, (micro, accum, train) in FSDP_CASES.items()}
-    torch.save({case: (run.rows, run.grads) for case, run in runs.items()}, f"{out_dir}/rank{rank}.pt")
+    return {case: (run.rows, run.grads) for case, run in runs.items()}
 
 
 @pytest.mark.slow
-def test_fsdp2_over_two_processes_is_one_process_on_the_packaged_classifier_in_float64(tmp_path):
+def test_fsdp2_over_two_processes_is_one_process_on_the_packaged_classifier_in_float64(rank_results):
     """train.fsdp on the packaged all-MiniLM-L6-v2: 2 gloo processes, the model sharded (each rank holds half of
     every weight and gradient), = 1 unsharded process x 8 x 1 per step within 1e-12 in float64: loss, the global
     grad_norm, every parameter's step-1 gradient (gathered whole on each rank), at accumulation 1 and 4 (under
     set_requires_gradient_sync(False)) with checkpointing."""
-    import torch.multiprocessing as mp
-
-    from tests.unit.training.test_distributed import _free_port
-    mp.spawn(_fsdp_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    for r in (0, 1):
-        for case, (rows, grads) in torch.load(tmp_path / f"rank{r}.pt", weights_only=False).items():
+    for r, results in enumerate(rank_results):
+        for case, (rows, grads) in results["fsdp"].items():
             assert [row["samples"] for row in rows] == [8, 8], case
             print(f"rank {r} {case}: {f64.distance(f64.Run(rows, grads), _classifier_ref())}")
             f64.assert_same(f64.Run(rows, grads), _classifier_ref())
+
+
+_PARTS = {"two": _two_part, "short": _short_part, "fsdp": _fsdp_part}

@@ -11,9 +11,26 @@ from tests.unit.equivalence import float64 as f64  # noqa: E402
 _packaged = f64.packaged_run
 
 
+@pytest.fixture(scope="module")
+def whole_logits(tmp_path_factory):
+    """The reference of this file's float64 proofs, trained once: 4 x 1 with the whole logits on the rows of
+    ``answers``; kept on disk between its two users (its step-1 gradients are 1.1 GB of float64, which a worker
+    should not hold while other tests run)."""
+    path = tmp_path_factory.mktemp("whole-logits") / "run.pt"
+
+    def get() -> f64.Run:
+        if path.is_file():
+            return f64.Run(*torch.load(path, weights_only=False))
+        run = _packaged(4, 1, fused=False, kind="answers")
+        torch.save((run.rows, run.grads), path)
+        return run
+    yield get
+    path.unlink(missing_ok=True)
+
+
 @pytest.mark.slow
 @pytest.mark.big_memory
-def test_on_the_packaged_chat_model_every_same_training_knob_is_exact_in_float64():
+def test_on_the_packaged_chat_model_every_same_training_knob_is_exact_in_float64(whole_logits):
     """The whole logits at 4 x 1 against two runs with the knobs on, grouped two ways (a difference of any
     would show at 1e-12): 1 x 4 fused padding-free on the Accelerate loop with checkpointing; 2 x 2 fused on
     the Trainer with reentrant checkpointing of every other layer and eager attention. Both steps (loss,
@@ -28,7 +45,7 @@ def test_on_the_packaged_chat_model_every_same_training_knob_is_exact_in_float64
     At the helper's learning rate (SGD 1e-3), so step 2 runs on weights that step 1 moved. (Until the
     proofs computed the model's RMSNorms in float64, float64.py's docstring, step 2 moved by 1e-8 on some
     machines: the norms' float32 rounding, once taken for the model's conditioning.)"""
-    ref = _packaged(4, 1, fused=False, kind="answers")
+    ref = whole_logits()
     for run in (_packaged(1, 4, backend="accelerate", padding_free=True, gradient_checkpointing=True, kind="answers"),
                 _packaged(2, 2, attn="eager", gradient_checkpointing=True, kind="answers",
                           gradient_checkpointing_kwargs={"use_reentrant": True, "every_n_layers": 2})):
@@ -42,10 +59,11 @@ def test_on_the_packaged_chat_model_the_splits_are_equal_in_float32():
     float32 floor of the reduction order is 1e-7..3e-7 here) and every parameter's gradient within 3e-5
     (the floor depends on the threads summing: under xdist, one thread per worker, within 1e-5; run alone
     with 2 threads, a layer norm's weight 1.4e-5 apart; a wrong loss, as the float32 log-normaliser of
-    TRL's chunked head was, moved gradients by 1e-4), every step within 1e-5 (bench/same_training.py
-    prints every split on both backends; exactness is float64's proof above)."""
-    adamw = {"dtype": torch.float32, "steps": 3, "optim": "adamw_torch", "learning_rate": 1e-4, "weight_decay": 0.0,
-             "max_grad_norm": 1.0, "seed": 42}  # the job's own training params (bench/same_training.py)
+    TRL's chunked head was, moved gradients by 1e-4), and step 2, the first on weights AdamW moved, within 1e-5
+    (bench/same_training.py prints every split on both backends over more steps; exactness is float64's proof
+    above)."""
+    adamw = {"dtype": torch.float32, "steps": 2, "optim": "adamw_torch", "learning_rate": 1e-4, "weight_decay": 0.0,
+             "max_grad_norm": 1.0, "seed": 42}  # the job's params (bench/same_training.py), 2 of its 3 steps
     ref = _packaged(**adamw)
     for run in (_packaged(1, 8, backend="accelerate", **adamw), _packaged(2, 4, padding_free=True, **adamw)):
         d1 = f64.distance(f64.Run(run.rows[:1], run.grads), f64.Run(ref.rows[:1], ref.grads))
@@ -98,7 +116,8 @@ def _fsdp_rank(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.big_memory
-def test_on_the_packaged_chat_model_the_fused_head_sharded_over_two_processes_is_exact_in_float64(tmp_path):
+def test_on_the_packaged_chat_model_the_fused_head_sharded_over_two_processes_is_exact_in_float64(
+        tmp_path, whole_logits):
     """train.fsdp with the fused LM head on the packaged SmolLM2-135M-Instruct: 2 gloo processes of 1 x 2 (each rank
     holds half of every weight; the root, whose head the fused path reads, keeps its gathered weights from forward
     to backward), with checkpointing, = 1 unsharded process with the whole logits at 4 x 1, per step in float64:
@@ -111,7 +130,7 @@ def test_on_the_packaged_chat_model_the_fused_head_sharded_over_two_processes_is
     mp.spawn(_fsdp_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     (rows, grads), (other, _) = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert rows == other and len(rows) == 2
-    ref = _packaged(4, 1, fused=False, kind="answers")
+    ref = whole_logits()
     d = f64.distance(f64.Run(rows, grads), ref)
     print(f"packaged, fused head sharded over 2: {d}")
     assert [r["targets"] for r in rows] == [r["targets"] for r in ref.rows]
