@@ -10,6 +10,7 @@ print its progress lines, add onegpu's checkpoint state and honour a requested s
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import tempfile
 
@@ -357,6 +358,30 @@ class StopCallback(TrainerCallback):
             control.should_training_stop = True
 
 
+class _OnlyTheSplit(logging.Filter):
+    """Leaves out Trainer's warning that a checkpoint's ``per_device_train_batch_size`` differs from this run's
+    (``transformers.trainer_utils.compare_trainer_and_checkpoint_args``) when that is all it says: onegpu resumes
+    only a checkpoint of the same effective batch (the checkpoint folder's hash holds it), and the train stage's
+    resume line says how the split changed. A warning naming another argument passes whole."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        said = record.getMessage()
+        return not (said.count("(from trainer_state.json)") == 1
+                    and "\tper_device_train_batch_size:" in said)
+
+
+@contextlib.contextmanager
+def same_effective_batch_unsaid(resuming: bool):
+    """While a resume trains: :class:`_OnlyTheSplit` on transformers' ``trainer_utils`` logger."""
+    log, only = logging.getLogger("transformers.trainer_utils"), _OnlyTheSplit()
+    if resuming:
+        log.addFilter(only)
+    try:
+        yield
+    finally:
+        log.removeFilter(only)
+
+
 def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     """Fine-tune ``req.model`` on ``req.dsd['train']`` with HF ``Trainer``; the contract is
     :class:`onegpu.training.backends.base.Backend`.
@@ -393,7 +418,8 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(Progress(steps, cfg, len(train_ds)))
     try:
-        trainer.train(resume_from_checkpoint=resume.path if resume else None)
+        with same_effective_batch_unsaid(resume is not None):
+            trainer.train(resume_from_checkpoint=resume.path if resume else None)
     finally:
         if scratch is not None:
             scratch.cleanup()
