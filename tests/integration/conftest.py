@@ -297,10 +297,13 @@ def series(client, run_id: str, key: str) -> list[float]:
     return [v for _, v in sorted({m.step: m.value for m in client.get_metric_history(run_id, key)}.items())]
 
 
-def assert_same_steps(got: list[float], want: list[float], key: str = "loss", rel: float = 1e-12) -> None:
-    """``got`` is ``want`` step by step within ``rel`` relative (the same number of steps)."""
-    assert len(got) == len(want), (key, got, want)
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= rel, (key, got, want)
+def assert_reference_steps(client, run, ref: dict, rel: float = 1e-12) -> None:
+    """MLflow run ``run`` logged ``ref``'s (:class:`Float64Reference`) loss and grad_norm of every step within
+    ``rel`` relative, by step (a resumed run logs its restored steps again), and as many steps."""
+    for key in ("loss", "grad_norm"):
+        got, want = series(client, run.info.run_id, key), ref[key]
+        assert len(got) == len(want), (key, got, want)
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= rel, (key, got, want)
 
 
 @pytest.fixture(scope="module")

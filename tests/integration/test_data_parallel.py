@@ -17,7 +17,17 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import BIN, CAUSAL_LM, SPLIT_REFERENCE, assert_same_steps, float64_env, run, runs, series, set_train
+from .conftest import (
+    BIN,
+    CAUSAL_LM,
+    SPLIT_REFERENCE,
+    assert_reference_steps,
+    float64_env,
+    run,
+    runs,
+    series,
+    set_train,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -78,8 +88,7 @@ def test_two_processes_equal_one_process_per_step_for_the_causal_lm_on_both_back
         assert [r.data.params[f"resolved.{k}"] for k in ("world_size", "per_device_train_batch_size",
                                                           "gradient_accumulation_steps", "effective_batch_size")
                 ] == ["2", "4", "1", "8"]
-        for key in ("loss", "grad_norm"):
-            assert_same_steps(series(c, r.info.run_id, key), ref[key], key)
+        assert_reference_steps(c, r, ref)
         m = r.data.metrics
         # The whole step's counts: 8 examples over both ranks; a per-rank breakdown beside them.
         assert series(c, r.info.run_id, "step_examples") == [8.0] * STEPS

@@ -8,17 +8,15 @@ from __future__ import annotations
 import os
 import re
 import signal
-from pathlib import Path
 
 import psutil
 import pytest
 
-from .conftest import runs, set_train
+from .conftest import FAULTS, runs, set_train
 from .test_data_parallel import train_and_act_at_step_2, two_process_project
 
 pytestmark = pytest.mark.slow
 
-FAULTS = Path(__file__).with_name("faults")  # sitecustomize.py: ONEGPU_TEST_FAULT=<kind>:<rank>:<step>
 
 
 def _kill_rank1(p) -> None:

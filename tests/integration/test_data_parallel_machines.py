@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from .conftest import BIN, SPLIT_REFERENCE, assert_same_steps, copy_project, float64_env, runs, series
+from .conftest import BIN, SPLIT_REFERENCE, assert_reference_steps, copy_project, float64_env, runs
 from .test_data_parallel import two_process_project
 from .test_data_parallel_kill import _printed_steps
 
@@ -49,7 +49,7 @@ def test_two_machines_of_one_process_train_as_one_machine_of_two_in_float64(tmp_
     c, _, all_runs = runs(project)
     (train,) = [r for r in all_runs if r.data.tags.get("stage") == "train"]  # one run, none from machine 1
     assert train.data.tags["equivalence_key"] == ref["equivalence_key"]
-    _assert_same_steps(c, train, ref)
+    assert_reference_steps(c, train, ref)
     # Sharded over the two machines (FSDP2; the folder is one, as a sharded checkpoint needs): the same training.
     zero, one = _two_machines((project, project), _free_port(), float64_env(), *SHARDED)
     assert (zero.returncode, one.returncode) == (0, 0), zero.stdout[-3000:] + one.stdout[-3000:]
@@ -57,18 +57,11 @@ def test_two_machines_of_one_process_train_as_one_machine_of_two_in_float64(tmp_
     c, _, all_runs = runs(project)
     sharded = max((r for r in all_runs if r.data.tags.get("stage") == "train"), key=lambda r: r.info.start_time)
     assert "fsdp" in sharded.data.tags["config"] and sharded.data.tags["equivalence_key"] == ref["equivalence_key"]
-    _assert_same_steps(c, sharded, ref)
+    assert_reference_steps(c, sharded, ref)
 
 
 # FSDP2 over the launch (out-of-memory retries are refused under it; the fused LM head on, as by default).
 SHARDED = ("-S", "train.fsdp.enabled=true", "-S", "train.oom_retry=false")
-
-
-def _assert_same_steps(c, run, ref: dict) -> None:
-    """MLflow run ``run`` logged ``float64_reference``'s losses and grad_norms within 1e-12 relative, by step (a
-    resumed run logs the restored steps again)."""
-    for key in ("loss", "grad_norm"):
-        assert_same_steps(series(c, run.info.run_id, key), ref[key], key)
 
 
 def test_a_rank_failing_on_a_machine_with_its_own_disk_is_named_and_both_resume_their_own_checkpoints(
@@ -98,7 +91,7 @@ def test_a_rank_failing_on_a_machine_with_its_own_disk_is_named_and_both_resume_
     c, _, all_runs = runs(project)
     resumed = max((r for r in all_runs if r.data.tags.get("stage") == "train"), key=lambda r: r.info.start_time)
     assert resumed.data.tags["onegpu.resumed_from"] == failed.info.run_id
-    _assert_same_steps(c, resumed, float64_reference())
+    assert_reference_steps(c, resumed, float64_reference())
 
 
 def _kept(project) -> list[str]:

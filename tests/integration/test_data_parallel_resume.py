@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import BIN, SPLIT_REFERENCE, assert_same_steps, float64_env, run, runs, series, set_train
+from .conftest import BIN, SPLIT_REFERENCE, assert_reference_steps, float64_env, run, runs, series, set_train
 from .test_data_parallel import train_and_act_at_step_2, two_process_project
 
 pytestmark = pytest.mark.slow
@@ -90,7 +90,5 @@ def test_a_run_stopped_on_2_processes_resumes_on_another_number_to_the_uninterru
                               key=lambda r: r.info.start_time)
     assert stopped.info.status == "FAILED" and resumed.data.tags["onegpu.resumed_from"] == stopped.info.run_id
     assert [r.data.params["resolved.world_size"] for r in (stopped, resumed)] == ["2", str(processes)]
-    ref = float64_reference()
-    for key in ("loss", "grad_norm"):
-        assert_same_steps(series(c, resumed.info.run_id, key), ref[key], key)
+    assert_reference_steps(c, resumed, float64_reference())
     assert not list((project / ".onegpu" / "checkpoints").glob("*/checkpoint-*"))  # finished: nothing to resume

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from onegpu.training.dpo import FIGURES
 
-from .conftest import BIN, _env, client, copy_project, make_project, run, runs
+from .conftest import BIN, FAULTS, _env, client, copy_project, make_project, run, runs
 from .terminal import Terminal
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,6 @@ DPO = {"data.source": "pairs.jsonl", "model.task": "preference", "model.name_or_
        "train.load_best_model_at_end": "true"}
 MAKE_DPO = "make -o .venv/.installed dpo DPO='" + " ".join(f"-S {k}={v}" for k, v in DPO.items()) + "'"
 MAKE_RUN = "make -o .venv/.installed run"
-FAULTS = Path(__file__).with_name("faults")  # sitecustomize.py: ONEGPU_TEST_FAULT=slow_validation:<rank>:<step>
 
 
 def _pairs() -> list[dict]:
