@@ -3,6 +3,7 @@ dataset of texts of different lengths, a 2-layer BERT classifier built from conf
 "arrives" during optimizer step 2. Not a test module."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -82,3 +83,17 @@ def low_bit_step(optim: str):
     with torch.compiler.set_stance("force_eager"):  # the states' bytes do not depend on the compiled step
         opt.step()
     return model, opt
+
+
+@contextlib.contextmanager
+def logged_by(name: str):
+    """The messages logger ``name`` lets through while the block runs (after the logger's own filters), as a list.
+    pytest's caplog does not see transformers' loggers: its library root logger does not propagate."""
+    import logging
+    said, handler, log = [], logging.Handler(), logging.getLogger(name)
+    handler.emit = lambda record: said.append(record.getMessage())
+    log.addHandler(handler)
+    try:
+        yield said
+    finally:
+        log.removeHandler(handler)

@@ -168,7 +168,7 @@ def test_a_checkpoint_resumes_with_another_split_of_its_effective_batch_in_float
 
     from onegpu.training.backends import base
     from tests.unit.equivalence import float64
-    from tests.unit.tiny import interrupt_at_step_2
+    from tests.unit.tiny import interrupt_at_step_2, logged_by
     from tests.unit.training import test_batches as tb
     monkeypatch.chdir(tmp_path)
     module = importlib.import_module(base.REGISTRY[backend])
@@ -184,14 +184,9 @@ def test_a_checkpoint_resumes_with_another_split_of_its_effective_batch_in_float
     assert resume is not None and resume.step == 2
     rest = []
     logging.Logger.warning_once.cache_clear()  # Trainer warns once per process and message
-    said, handler = [], logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("transformers.trainer_utils").addHandler(handler)  # after the logger's filters
-    try:
+    with logged_by("transformers.trainer_utils") as said:
         run(4, 1, lambda m, s: rest.append((m["loss"], m["grad_norm"])), checkpoint_dir=tmp_path / "ckpt",
             resume=resume)
-    finally:
-        logging.getLogger("transformers.trainer_utils").removeHandler(handler)
     assert not [m for m in said if "(from trainer_state.json)" in m], said
     assert len(ref) == 4 and len(rest) == 2
     worst = max(abs(a - b) / abs(b) for got, want in zip(rest, ref[2:]) for a, b in zip(got, want))

@@ -58,18 +58,13 @@ def test_trainers_warning_of_another_micro_batch_alone_is_left_out_while_resumin
                              "save_steps": 10})
     only_split, more = TrainerState(train_batch_size=8, logging_steps=1, save_steps=10), TrainerState(
         train_batch_size=8, logging_steps=2, save_steps=10)
-    said, log = [], logging.getLogger("transformers.trainer_utils")
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())
-    log.addHandler(handler)  # beside transformers' own, after the logger's filters
-    try:
+    from tests.unit.tiny import logged_by
+    with logged_by("transformers.trainer_utils") as said:
         for resuming in (True, False):
             for state in (only_split, more):
                 logging.Logger.warning_once.cache_clear()  # Trainer warns once per process and message
                 with hf_trainer.same_effective_batch_unsaid(resuming):
                     compare_trainer_and_checkpoint_args(args, state)
-    finally:
-        log.removeHandler(handler)
     split = "per_device_train_batch_size: 4 (from args) != 8 (from trainer_state.json)"
     assert [split in m for m in said] == [True, True, True], said  # resuming: the warning of `more` alone
     assert ["logging_steps: 1 (from args) != 2" in m for m in said] == [True, False, True], said
