@@ -140,7 +140,6 @@ def launch(num_processes: int, argv: list[str], machines: Machines = Machines())
             process stopped on one (the run is then KILLED, by rank 0).
     """
     from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     args = torchrun.parse_args([*torchrun_args(num_processes, machines), "--module", "onegpu", *argv])
     with tempfile.TemporaryDirectory(prefix="onegpu-launch-") as folder:
@@ -164,12 +163,32 @@ def launch(num_processes: int, argv: list[str], machines: Machines = Machines())
                        "other processes were stopped")
             _fail_run(Path(folder), failed, exitcode, message)
             raise RankFailed(message) from None
-        except SignalException as e:  # torchrun forwarded it to the processes, which checkpoint and stop
-            stopped = KeyboardInterrupt(f"the launch was stopped by {e.sigval.name} (what its processes kept: above)")
-            stopped.signum = int(e.sigval)  # the stage exits 128 + it (onegpu.cli)
+        except Exception as e:
+            signalled = _signal_in(e)
+            if signalled is None:
+                raise
+            # torchrun forwarded it to the processes, which checkpoint and stop
+            stopped = KeyboardInterrupt(f"the launch was stopped by {signalled.sigval.name} (what its processes kept: "
+                                        "above)")
+            stopped.signum = int(signalled.sigval)  # the stage exits 128 + it (onegpu.cli)
             raise stopped from None
         finally:
             os.environ.pop(LAUNCH_DIR_ENV, None)
+
+
+def _signal_in(error: BaseException):
+    """The ``SignalException`` (torch elastic's: a stop signal reached the launcher) that ``error`` is or was raised
+    while handling; None if none. torch elastic's metrics wrapper (``elastic.metrics.api.prof``, torch 2.13) reads
+    its start time in a ``finally``: a signal that lands before that time is set turns into ``UnboundLocalError``
+    there, with the ``SignalException`` as its context; the processes were stopped all the same."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, SignalException):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 # torch elastic's log lines that onegpu's own line says again, by logger: a process failed (the rank, its error and
