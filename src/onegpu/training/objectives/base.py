@@ -39,14 +39,26 @@ class Objective:
         ``config.TASK_TRAITS``."""
         return causal_lm(self.task)
 
+    # The functions of :mod:`onegpu.training.loss` that count a micro-batch's items and give its loss, by name
+    # (looked up at each call); an objective with its own :meth:`count_items` and :meth:`loss` leaves them empty.
+    items_fn = ""  # labels -> a 0-dim int64 tensor
+    loss_fn = ""  # (outputs, labels, num_items_in_batch) -> a 0-dim tensor
+
     def count_items(self, labels):
-        """The items of one micro-batch's ``labels``: a 0-dim int64 tensor on their device."""
-        raise NotImplementedError
+        """The items of one micro-batch's ``labels``: a 0-dim int64 tensor on their device (``items_fn``)."""
+        return self._loss_function(self.items_fn)(labels)
 
     def loss(self, outputs, labels, num_items_in_batch=None):
         """This micro-batch's summed loss divided by ``num_items_in_batch`` (the whole optimizer step's
-        items; None: this micro-batch's): a 0-dim tensor."""
-        raise NotImplementedError
+        items; None: this micro-batch's): a 0-dim tensor (``loss_fn``)."""
+        return self._loss_function(self.loss_fn)(outputs, labels, num_items_in_batch)
+
+    @staticmethod
+    def _loss_function(name: str):
+        if not name:
+            raise NotImplementedError
+        from onegpu.training import loss
+        return getattr(loss, name)
 
     # Sequences one item puts through the model (a preference pair: 2); the step's examples count items.
     sequences_per_item = 1

@@ -4,20 +4,14 @@ wrote them); the loss is summed over them (:func:`onegpu.training.loss.causal_lm
 where it is on), perplexity and mean token accuracy held out (:mod:`onegpu.training.heldout`)."""
 from __future__ import annotations
 
-from onegpu.training import loss
 from onegpu.training.batches import CausalLMCollator, PaddingFreeCollator, keep_model_columns
 from onegpu.training.objectives.base import Objective
 
 
 class CausalLM(Objective):
     task = "causal-lm"
-
-    def count_items(self, labels):
-        """Target tokens of ``labels`` ``(rows, seq_len)`` (unshifted): ``labels[..., 1:] != -100``."""
-        return loss.count_targets(labels)
-
-    def loss(self, outputs, labels, num_items_in_batch=None):
-        return loss.causal_lm_loss(outputs, labels, num_items_in_batch)
+    # Target tokens of ``labels`` ``(rows, seq_len)`` (unshifted): ``labels[..., 1:] != -100``.
+    items_fn, loss_fn = "count_targets", "causal_lm_loss"
 
     def model_inputs(self, dsd):
         """The class column dropped (the collator makes token labels, or the rows bring theirs)."""

@@ -3,20 +3,14 @@ the rows; cross-entropy over the classes (:func:`onegpu.training.loss.classifica
 macro F1 held out (:mod:`onegpu.training.heldout`)."""
 from __future__ import annotations
 
-from onegpu.training import loss
 from onegpu.training.batches import keep_model_columns
 from onegpu.training.objectives.base import Objective
 
 
 class SequenceClassification(Objective):
     task = "sequence-classification"
-
-    def count_items(self, labels):
-        """Rows whose label is not -100: ``labels`` ``(rows,)`` int64."""
-        return loss.count_examples(labels)
-
-    def loss(self, outputs, labels, num_items_in_batch=None):
-        return loss.classification_loss(outputs, labels, num_items_in_batch)
+    # Rows whose label is not -100: ``labels`` ``(rows,)`` int64.
+    items_fn, loss_fn = "count_examples", "classification_loss"
 
     def model_inputs(self, dsd):
         """``label`` renamed ``labels``; the other prepared columns (text, length) dropped."""
