@@ -27,6 +27,8 @@ import os
 import signal
 import sys
 
+from onegpu import imports
+
 DEFAULT_THRESHOLD = gc.get_threshold()  # CPython's, as this interpreter started
 # The young generation's threshold while the command imports; the older generations' stay CPython's.
 START_THRESHOLD = (10_000, *DEFAULT_THRESHOLD[1:])
@@ -35,7 +37,8 @@ _starting = False  # start() ran and settle() has not yet
 
 def start() -> None:
     """For a command's start: stdout and stderr made :class:`Tolerant`, SIGTERM and SIGHUP handled
-    (:func:`stop_on_signals`), the higher young threshold until
+    (:func:`stop_on_signals`), transformers' unused optional imports skipped
+    (:func:`onegpu.imports.skip_unused_optionals`), the higher young threshold until
     :func:`settle`, and ``gc.freeze()`` at exit (before the interpreter's final collections; atexit runs
     it after the handlers registered later)."""
     global _starting
@@ -43,6 +46,7 @@ def start() -> None:
     tolerate_lost_streams()
     stop_on_signals()
     quiet_optional_kernels()
+    imports.skip_unused_optionals()
     gc.set_threshold(*START_THRESHOLD)
     atexit.register(gc.freeze)
 

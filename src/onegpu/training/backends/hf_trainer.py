@@ -17,7 +17,8 @@ import tempfile
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 
-from onegpu.config import Config
+from onegpu import imports
+from onegpu.config import TORCHAO_OPTIMIZERS, Config
 from onegpu.measure import memory
 from onegpu.training import around_steps, checkpointing, distributed, machines, objectives, oom, validation
 from onegpu.training.backends.base import TrainRequest
@@ -66,6 +67,8 @@ def training_arguments(cfg: Config, output_dir: str) -> TrainingArguments:
     """
     t = cfg.train
     cuda = memory.cuda_available()
+    if t.optim in TORCHAO_OPTIMIZERS:  # Trainer's _get_torchao_optimizer asks transformers whether torchao is there
+        imports.allow("torchao")
     return TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=t.per_device_train_batch_size,
