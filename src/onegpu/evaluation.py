@@ -133,14 +133,21 @@ def generations_text(table: dict, metrics: dict, max_new_tokens: int) -> str:
 
 
 def confusion_figure(gold: list[int], pred: list[int], names: list[str]):
-    """The test split's confusion matrix (matplotlib figure; rows actual, columns predicted label)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from sklearn.metrics import ConfusionMatrixDisplay
-    fig, ax = plt.subplots(figsize=(6, 5))
-    ConfusionMatrixDisplay.from_predictions(gold, pred, labels=list(range(len(names))), display_labels=names,
-                                            ax=ax, colorbar=False, xticks_rotation=30)
-    ax.set_title("Test split: actual vs predicted")
+    """The test split's confusion matrix (a ``matplotlib.figure.Figure``; rows actual, columns predicted label,
+    each cell's count written in it), drawn as scikit-learn's ``ConfusionMatrixDisplay`` draws it, without
+    pyplot or scikit-learn (a second of CPU in the evaluate stage's process)."""
+    import numpy as np
+    from matplotlib.figure import Figure
+    k = len(names)
+    counts = np.bincount(np.asarray(gold) * k + np.asarray(pred), minlength=k * k).reshape(k, k)
+    fig = Figure(figsize=(6, 5))
+    ax = fig.subplots()
+    ax.imshow(counts, interpolation="nearest", cmap="viridis")
+    middle = (counts.max() + counts.min()) / 2
+    for (i, j), n in np.ndenumerate(counts):
+        ax.text(j, i, str(n), ha="center", va="center", color="black" if n > middle else "white")
+    ax.set(xticks=range(k), yticks=range(k), xticklabels=names, yticklabels=names, xlabel="Predicted label",
+           ylabel="True label", title="Test split: actual vs predicted")
+    ax.tick_params(axis="x", labelrotation=30)
     fig.tight_layout()
     return fig

@@ -241,3 +241,17 @@ def test_on_the_packaged_chat_model_the_fused_heads_validation_figures_are_the_w
         sum(t != -100 for t in r["labels"][1:]) for r in batches.model_inputs(split, "causal-lm"))
     assert fused["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-12)
     assert fused["test_mean_token_accuracy"] == whole["test_mean_token_accuracy"]
+
+
+def test_the_confusion_figure_writes_scikit_learns_confusion_matrix_in_its_cells():
+    """Rows actual, columns predicted, each cell's count as scikit-learn's ``confusion_matrix`` gives it
+    (a class never predicted and one never present included), with the label names on both axes."""
+    from sklearn.metrics import confusion_matrix
+    gold, pred, names = [0, 0, 1, 2, 2, 2, 1, 0], [0, 1, 1, 2, 0, 2, 1, 0], ["business", "sport", "tech", "other"]
+    fig = evaluation.confusion_figure(gold, pred, names)
+    ax = fig.axes[0]
+    cells = {(round(t.get_position()[1]), round(t.get_position()[0])): int(t.get_text()) for t in ax.texts}
+    expected = confusion_matrix(gold, pred, labels=range(len(names)))
+    assert cells == {(i, j): int(expected[i, j]) for i in range(4) for j in range(4)}
+    assert [t.get_text() for t in ax.get_xticklabels()] == names == [t.get_text() for t in ax.get_yticklabels()]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("Predicted label", "True label")

@@ -92,11 +92,7 @@ def log_closing(tracker, run_id: str, rows: list, load: dict | None, failed: boo
     for name, small in ((figure.FIGURE, False), (figure.THUMBNAIL, True)):
         fig = figure.plot_steps(rows, f"{title} (MLflow run {run_id[:8]}): {steps} optimizer steps", "; ".join(note),
                                 thumbnail=small, short=bool(happened))
-        try:
-            tracker.log_figure(run_id, fig, name)
-        finally:
-            import matplotlib.pyplot as plt  # heavy: only once a figure exists
-            plt.close(fig)
+        tracker.log_figure(run_id, fig, name)  # a Figure of its own (no pyplot): nothing to close
     tracker.set_tags(run_id, {figure.NOTE_TAG: figure.description(run_id, happened)})
 
 

@@ -44,13 +44,13 @@ def plot_steps(rows: list[tuple[int, dict]], title: str, note: str = "", thumbna
     ``thumbnail``: the same curves as sparklines (no axes' numbers), 825 x 78 pixels, without the title:
     MLflow's run description shows 100 px before "Show more", and an image at its own size
     (:func:`description`); ``short``: 54 pixels high, under a line of text in that description.
-    Returns the figure (the caller logs and closes it); a panel without values says "not measured"."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Returns the figure (a ``matplotlib.figure.Figure`` of its own, no pyplot: the caller logs it); a panel
+    without values says "not measured"."""
+    from matplotlib.figure import Figure  # not pyplot: no backend or figure manager to import
     from matplotlib.ticker import MaxNLocator
     size, dpi, font = ((11, 0.72 if short else 1.04), 75, 9) if thumbnail else ((14, 2.7), 100, 10)
-    fig, axes = plt.subplots(1, len(PANELS), figsize=size, dpi=dpi, facecolor=FACE)
+    fig = Figure(figsize=size, dpi=dpi, facecolor=FACE)
+    axes = fig.subplots(1, len(PANELS))
     for ax, (metric, label, scale, unit) in zip(axes, PANELS):
         steps, values = series(rows, metric)
         if steps:
