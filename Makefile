@@ -15,7 +15,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: install run sft dpo lint test test-quick lock clean
+.PHONY: install run sft dpo lint test test-all lock clean
 
 install: $(VENV)/.installed
 
@@ -98,11 +98,17 @@ PYTEST_ARGS  ?=
 lint: install
 	$(BIN)/ruff check src tests bench
 
+# Two tiers (docs/proofs.md names each proof's): `make test`, the README's, is every behaviour, each
+# same-training claim in float64 on tiny or from-config models and one run per front door; `make test-all`
+# (CI's) adds the tests marked `slow`: the proofs on the packaged models, the multi-process and multi-machine
+# matrices, the browser and PostgreSQL tests, the slower integration sweeps. TIER_TEST is the marker
+# expression of `make test` (tests/unit/test_tiers.py reads it here).
+TIER_TEST := not slow
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_XDIST) -m "$(TIER_TEST)" $(PYTEST_ARGS)
 
-test-quick: lint
-	$(BIN)/python -m pytest $(PYTEST_XDIST) -m "not slow" $(PYTEST_ARGS)
+test-all: lint
+	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # Re-pin requirements.lock to what the venv has now (torch stays unpinned: it is per machine).
 lock: install

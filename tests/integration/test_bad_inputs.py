@@ -50,9 +50,8 @@ STAGE_OUTPUTS = ("data/inputs", "data/processed", "data/stats.json", "models", "
 MAY_APPEAR = {"mlflow.db", "mlflow.db-journal", "mlartifacts", ".onegpu"}
 WORKERS = max(2, min(4, (os.cpu_count() or 2) + 1))
 
-# About 2 minutes in all on a 2-core CPU (each case is a process that imports mlflow, datasets and often
-# transformers): too slow for `make test-quick`.
-pytestmark = pytest.mark.slow
+# The whole catalogue is about 2 minutes on a 2-core CPU (each case is a process that imports mlflow, datasets and
+# often transformers): `make test` runs one case of each kind (FAST), `make test-all` every case.
 
 
 # -- inputs ------------------------------------------------------------------------------------------
@@ -353,6 +352,12 @@ CASES = [
          fresh_store=True),
 ]
 CASE_IDS = [c.values[0].id if hasattr(c, "values") else c.id for c in CASES]
+# One case of each kind for `make test`: params, -S override, data, instruction data, preference pairs, model,
+# tracking URI, a fresh store, and a stage other than prepare; the rest are `slow` (make test-all).
+FAST = {"unknown-key", "override-not-key-value", "data-missing-text-column", "sft-no-assistant-turn",
+        "dpo-without-rejected", "model-directory-without-config", "mlflow-uri-unknown-scheme", "fresh-store",
+        "fp16-without-cuda"}
+TIERED = [c if c.id in FAST else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
 
 
 # -- running -----------------------------------------------------------------------------------------
@@ -514,6 +519,7 @@ def test_dvc_repro_bad_data_caches_and_locks_nothing(outcomes, tmp_path, empty_s
         assert not (p / out).exists(), out
 
 
+@pytest.mark.slow
 def test_dvc_repro_train_refused_after_prepare_locks_only_prepare(outcomes, tmp_path, empty_store):
     """fp16 on a CPU: prepare runs and is locked and cached; train fails: no lock entry, nothing cached."""
     p = make_project(tmp_path, {"data": {"source": "d.csv"}, "train": {"fp16": True}})
@@ -559,6 +565,7 @@ def test_dvc_exp_run_unparsable_sweep_value_is_refused_by_dvc(outcomes, tmp_path
     assert not (p / "dvc.lock").exists()
 
 
+@pytest.mark.slow
 def test_dvc_exp_run_sweep_value_of_wrong_type_fails_the_experiment(outcomes, tmp_path, empty_store):
     """`-S train.learning_rate=fast`: DVC writes the string, the first stage refuses it naming the key and
     the changed params.yaml (DVC leaves the -S value there); no experiment is saved, nothing is cached."""
@@ -581,7 +588,7 @@ def test_dvc_exp_run_sweep_value_of_wrong_type_fails_the_experiment(outcomes, tm
 
 # -- the catalogue -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("case", TIERED, ids=CASE_IDS)
 def test_bad_input(case: Case, outcomes):
     outcome = outcomes[case.id].result()
     print(f"onegpu {case.stage}: exit {outcome.proc.returncode} in {outcome.seconds:.1f} s\n{outcome.proc.stderr}")

@@ -15,9 +15,6 @@ import pytest
 from .conftest import FAULTS, runs, set_train
 from .test_data_parallel import train_and_act_at_step_2, two_process_project
 
-pytestmark = pytest.mark.slow
-
-
 
 def _kill_rank1(p) -> None:
     (rank1,) = [c for c in psutil.Process(p.pid).children(recursive=True)
@@ -29,7 +26,9 @@ def _printed_steps(out: str) -> list[int]:
     return sorted({int(m) for m in re.findall(r"^step (\d+)/", out, flags=re.M)})
 
 
-@pytest.mark.parametrize("backend, fault", [("trainer", "sigkill"), ("accelerate", "raise")])
+# A failed rank is a front door of make test (one fault); the other fault, on the other backend, is make test-all's.
+@pytest.mark.parametrize("backend, fault", [pytest.param("trainer", "sigkill", marks=pytest.mark.slow),
+                                            ("accelerate", "raise")])
 def test_a_failed_rank_is_the_one_the_failed_run_names_and_rank_0_keeps_every_step_it_printed(
         tmp_path, prepared, monkeypatch, backend, fault):
     """SIGKILL (as the kernel's out-of-memory killer sends it) to rank 1 mid-training, or rank 1 raising in

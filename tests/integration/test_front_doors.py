@@ -34,8 +34,6 @@ from onegpu.training.dpo import FIGURES
 from .conftest import BIN, FAULTS, _env, client, copy_project, make_project, run, runs
 from .terminal import Terminal
 
-pytestmark = pytest.mark.slow
-
 STEPS = 10
 # A tiny DPO as `make dpo`'s -S params (its Makefile line's keys, and a model built from config): 24 pairs,
 # 10 optimizer steps of 2 x 2 pairs (two epochs), validation every 2 steps, the best point kept.
@@ -214,6 +212,7 @@ def _same_as_uninterrupted(project: Path, last, dest: Path) -> None:
     assert max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights) <= 1e-6
 
 
+@pytest.mark.slow  # make test-all: the terminal's stops are make test's in the test above
 def test_onegpu_tradeoffs_stopped_by_ctrl_c_says_how_many_repeats_each_row_measured(tmp_path, prepared):
     """Ctrl-C while the second round's baseline trains: the table and the report say each row's measured
     repeats ("1 of 2 repeats measured, then stopped"), not "not run", and nothing is left running."""

@@ -9,11 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from .conftest import BIN, _env, dvc, run, runs, set_train, wait_for_queue
-
-pytestmark = pytest.mark.slow
 
 # The team's store checker; never copied into the repo, so its assertion is skipped where it is absent.
 CHECK_STORE = Path("/work/shared/tools/check_store.py")

@@ -12,8 +12,6 @@ import yaml
 
 from .conftest import BIN, dvc, runs
 
-pytestmark = pytest.mark.slow
-
 STEP_METRICS = ("loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second",
                 "tokens_per_second", "mem_peak_bytes")
 MAX_STEPS = 3

@@ -8,9 +8,8 @@ import pytest
 from .conftest import dvc, run
 from .test_pipeline import MAX_STEPS, _training_runs
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow  # make test-all: `dvc exp run` itself is make test's in the LoRA test below
 def test_auto_micro_batch_keeps_the_effective_batch_and_the_losses(project):
     run(["git", "checkout", "--", "."], project)
     dvc(project, "checkout", "--force")

@@ -214,15 +214,41 @@ def instruction_data(kind: str, n: int = 8, max_length: int = 64, assistant_only
     return out
 
 
+# The from-config model's shapes: ``smollm2`` is SmolLM2-135M-Instruct's width (make test-all); ``narrow``, its
+# tiny twin (make test), keeps the vocabulary, the tied head and the grouped-query attention at a width of 64.
+SHAPES = {"smollm2": {},
+          "narrow": {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "head_dim": 16}}
+_shape = ["smollm2"]  # the shape smollm2_shaped builds (model_shape sets it)
+
+
+@contextlib.contextmanager
+def model_shape(name: str):
+    """Within the block :func:`smollm2_shaped` (and so :func:`lm_run` and :func:`dpo_run`) builds the ``name``
+    shape of :data:`SHAPES`."""
+    before, _shape[0] = _shape[0], name
+    try:
+        yield name
+    finally:
+        _shape[0] = before
+
+
+def current_shape() -> str:
+    return _shape[0]
+
+
 def smollm2_shaped(layers: int = 2, attn: str = "sdpa", tied: bool = True):
     """A random-init LlamaForCausalLM of SmolLM2-135M-Instruct's config (hidden 576, 9/3 heads of 64,
     SwiGLU 1,536, vocabulary 49,152, tied embeddings unless ``tied`` is False) with ``layers`` of its 30
-    layers (the width and vocabulary, where the output layer's arithmetic lives, are the model's)."""
+    layers (the width and vocabulary, where the output layer's arithmetic lives, are the model's); in
+    :func:`model_shape` ``"narrow"``, at a width of 64 (:data:`SHAPES`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from onegpu.models import packaged
     config = AutoConfig.from_pretrained(str(packaged.converted_dir(PACKAGED_CHAT_MODEL)))
     config.num_hidden_layers, config.tie_word_embeddings, config.use_cache = layers, tied, False
+    for key, value in SHAPES[current_shape()].items():
+        setattr(config, key, value)
     config._attn_implementation = attn
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config)

@@ -112,27 +112,31 @@ def test_every_knob_out_of_the_key_says_how_it_is_proven():
 
 # -- a causal LM of SmolLM2's shape, built from config: the fused head --
 
-@functools.cache
 def _ref(**kw) -> f64.Run:
-    """A reference run, kept for the file's tests: ``f64.lm_run(**kw)``. Every knob's reference is the fused
-    head at 8 x 1 (it projects only the targets: several times faster), which equals the whole logits
-    (test_same_training.py::test_the_fused_head_is_the_whole_logits_in_float64)."""
+    """A reference run, kept for the file's tests of the current shape: ``f64.lm_run(**kw)``. Every knob's
+    reference is the fused head at 8 x 1 (it projects only the targets: several times faster), which equals the
+    whole logits (test_same_training.py::test_the_fused_head_is_the_whole_logits_in_float64)."""
+    return _ref_of(f64.current_shape(), **kw)
+
+
+@functools.cache
+def _ref_of(shape: str, **kw) -> f64.Run:
     return f64.lm_run(**kw)
 
 
-@pytest.mark.slow  # float64 on a model of SmolLM2's width and vocabulary: make test-quick leaves it out
+@pytest.mark.usefixtures("from_config_shape")  # the narrow twin (make test), SmolLM2's width (make test-all)
 def test_the_fused_head_is_the_whole_logits_in_float64():
     """The issue's job (answers of one token; TRL's kernel, a float32 log-sum-exp, was 1e-5..2e-4 off)."""
     f64.assert_same(_ref(), _ref(fused=False))
 
 
-@pytest.mark.slow  # float64 on a model of SmolLM2's width and vocabulary: make test-quick leaves it out
+@pytest.mark.usefixtures("from_config_shape")  # the narrow twin (make test), SmolLM2's width (make test-all)
 @pytest.mark.parametrize("kind", ["answers", "chat"])
 def test_the_fused_head_is_the_whole_logits_on_long_answers_and_assistant_only_chats(kind):
     f64.assert_same(f64.lm_run(kind, 2, 4), f64.lm_run(kind, 2, 4, fused=False))
 
 
-@pytest.mark.slow  # float64 on a model of SmolLM2's width and vocabulary: make test-quick leaves it out
+@pytest.mark.usefixtures("from_config_shape")  # the narrow twin (make test), SmolLM2's width (make test-all)
 @pytest.mark.parametrize("variant", ["untied", "lora"])
 def test_the_fused_head_is_the_whole_logits_with_an_untied_head_and_under_lora(variant):
     kw = {"tied": False} if variant == "untied" else {"lora": True}

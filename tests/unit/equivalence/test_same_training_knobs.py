@@ -1,6 +1,6 @@
-"""The knobs of the same training other than the fused head, on the causal LM of SmolLM2-135M-Instruct's
-shape built from config (tests/unit/equivalence/float64.py's ``lm_run``), in float64 against the fused head
-at 8 x 1 (the list of knobs and how each is proven: test_same_training.py).
+"""The knobs of the same training other than the fused head, on the causal LM of SmolLM2-135M-Instruct's shape
+built from config (tests/unit/equivalence/float64.py's ``lm_run``; each also on its narrow twin), in float64
+against the fused head at 8 x 1 (the list of knobs and how each is proven: test_same_training.py).
 
 The rows are answers of 1..9 words (3 to 9 target tokens a row, ``float64.answer_rows``), so the
 micro-batches of every split hold different numbers of targets: the exact loss (each micro-batch's sum over
@@ -16,16 +16,21 @@ torch = pytest.importorskip("torch")
 
 from tests.unit.equivalence import float64 as f64  # noqa: E402
 
-pytestmark = pytest.mark.slow  # float64 on a model of SmolLM2's width and vocabulary: make test-quick leaves it out
+# Each proof twice: on the narrow twin (make test) and at SmolLM2's width and vocabulary (slow: make test-all).
+pytestmark = pytest.mark.usefixtures("from_config_shape")
 
 KIND = "answers"  # uneven targets per row (float64.answer_rows)
 
 
-@functools.cache
 def _ref(**kw) -> f64.Run:
-    """A reference run, kept for the file's tests: ``f64.lm_run(KIND, **kw)``. Every knob's reference is the
-    fused head at 8 x 1 (it projects only the targets: several times faster), which equals the whole logits
-    (test_same_training.py::test_the_fused_head_is_the_whole_logits_*)."""
+    """A reference run, kept for the file's tests of the current shape: ``f64.lm_run(KIND, **kw)``. Every knob's
+    reference is the fused head at 8 x 1 (it projects only the targets: several times faster), which equals the
+    whole logits (test_same_training.py::test_the_fused_head_is_the_whole_logits_*)."""
+    return _ref_of(f64.current_shape(), **kw)
+
+
+@functools.cache
+def _ref_of(shape: str, **kw) -> f64.Run:
     return f64.lm_run(KIND, **kw)
 
 

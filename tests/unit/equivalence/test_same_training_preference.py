@@ -1,6 +1,6 @@
-"""DPO is the same training however its steps are split (issue 42): on a 2-layer model of SmolLM2-135M's width
-and vocabulary with the packaged tokenizer's chat template, 8 pairs per step whose answers differ in length,
-the fused LM head, both backends.
+"""DPO is the same training however its steps are split (issue 42): on a 2-layer model of SmolLM2-135M's width and
+vocabulary (make test-all) and on its narrow twin (make test) with the packaged tokenizer's chat template, 8 pairs
+per step whose answers differ in length, the fused LM head, both backends.
 
 - Step 1 with policy = reference and dropout off: loss ln 2 (float64 exactly; float32 within 1e-7).
 - 8 x 1 = 2 x 4 = 1 x 8 = padding-free, and a 7-pair step as 4 + 3, in float64 within 1e-12 at every step
@@ -18,15 +18,17 @@ torch = pytest.importorskip("torch")
 
 from tests.unit.equivalence import float64  # noqa: E402
 
-pytestmark = pytest.mark.slow
-
-
 FIGURES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/ties", "rewards/margins",
            "logps/chosen", "logps/rejected")
 
 
-@functools.cache
 def baseline(dtype=torch.float64) -> float64.Run:
+    """8 x 1 on the from-config model of the current shape (``from_config_shape``), kept for the file's tests."""
+    return _baseline_of(float64.current_shape(), dtype)
+
+
+@functools.cache
+def _baseline_of(shape: str, dtype) -> float64.Run:
     return float64.dpo_run(8, 1, dtype=dtype)
 
 
@@ -38,6 +40,7 @@ def assert_same(a: float64.Run, b: float64.Run, figures=FIGURES) -> None:
         assert all(abs(r[k] - s[k]) <= 1e-12 * max(1.0, abs(s[k])) for k in figures), (r, s)
 
 
+@pytest.mark.usefixtures("from_config_shape")  # the narrow twin (make test), SmolLM2's width (make test-all)
 def test_step_1_of_a_policy_that_is_its_reference_is_ln2():
     first = baseline().rows[0]
     assert first["loss"] == math.log(2)
@@ -47,6 +50,7 @@ def test_step_1_of_a_policy_that_is_its_reference_is_ln2():
     assert 0 < later["rewards/accuracies"] + later["rewards/ties"] <= 1 and later["rewards/ties"] < 1
 
 
+@pytest.mark.usefixtures("from_config_shape")  # the narrow twin (make test), SmolLM2's width (make test-all)
 @pytest.mark.parametrize("split", [dict(micro=2, accum=4), dict(micro=1, accum=8, backend="accelerate"),
                                    dict(micro=4, accum=2, backend="accelerate", padding_free=True),
                                    dict(micro=8, padding_free=True)], ids=["2x4", "1x8-accelerate",
@@ -56,6 +60,7 @@ def test_the_splits_of_a_step_are_one_training_in_float64(split):
     assert_same(float64.dpo_run(**split), baseline())
 
 
+@pytest.mark.usefixtures("from_config_shape")  # the narrow twin (make test), SmolLM2's width (make test-all)
 def test_a_precomputed_reference_is_the_live_one_over_a_whole_run_in_float64():
     """train.dpo.precompute_ref_log_probs: the reference's log-probabilities computed once before step 1 (in
     batches of their own) and read from the rows, no reference model kept: the live frozen copy's steps. Not
@@ -66,6 +71,7 @@ def test_a_precomputed_reference_is_the_live_one_over_a_whole_run_in_float64():
     assert 0 < run.rows[0]["rewards/accuracies"] + run.rows[0]["rewards/ties"] <= 1
 
 
+@pytest.mark.usefixtures("from_config_shape")  # the narrow twin (make test), SmolLM2's width (make test-all)
 @pytest.mark.parametrize("backend,padding_free", [("trainer", True), ("accelerate", False)])
 def test_an_out_of_memory_retry_is_the_same_training_rewards_included(backend, padding_free):
     """An injected out-of-memory error in step 1's second micro-batch (4 x 2): the step is redone in pieces of
@@ -90,6 +96,7 @@ def test_an_out_of_memory_retry_is_the_same_training_rewards_included(backend, p
         assert abs(run.rows[0][k] - ref[k]) <= 1e-12 * max(1.0, abs(ref[k])), (k, run.rows[0][k], ref[k])
 
 
+@pytest.mark.usefixtures("from_config_shape")  # the narrow twin (make test), SmolLM2's width (make test-all)
 @pytest.mark.parametrize("backend", ["trainer", "accelerate"])
 def test_a_step_of_7_pairs_as_4_plus_3_is_the_7_pair_step_in_float64(backend):
     """7 pairs of data, 2 epochs: each step is the epoch's 7 pairs, as 7 x 1 or as 4 + 3 (TRL would weigh
@@ -99,6 +106,7 @@ def test_a_step_of_7_pairs_as_4_plus_3_is_the_7_pair_step_in_float64(backend):
     assert [r["loss"] for r in whole.rows][0] == math.log(2) and whole.rows[1]["loss"] != math.log(2)
 
 
+@pytest.mark.usefixtures("from_config_shape")  # the narrow twin (make test), SmolLM2's width (make test-all)
 def test_the_splits_agree_in_float32_within_1e_6_at_step_1_and_1e_5_later():
     a, b = baseline(torch.float32), float64.dpo_run(1, 8, backend="accelerate", dtype=torch.float32)
     for i, (r, s) in enumerate(zip(a.rows, b.rows)):
@@ -146,6 +154,7 @@ def test_a_stopped_and_resumed_run_is_the_uninterrupted_one(tmp_path, monkeypatc
             assert abs(r[k] - s[k]) <= 1e-12 * max(1.0, abs(s[k])), (k, r[k], s[k])
 
 
+@pytest.mark.slow  # the packaged model: make test-all
 @pytest.mark.big_memory
 def test_on_the_packaged_chat_model_a_dpo_step_split_is_exact_in_float64():
     """The packaged SmolLM2-135M-Instruct itself, 4 pairs in one step (the whole 30-layer model in float64
@@ -196,6 +205,7 @@ def _fsdp_rank(rank: int, port: int, out: str) -> None:
     torch.save(runs, f"{out}/rank{rank}.pt")
 
 
+@pytest.mark.slow  # two spawned processes: make test-all
 def test_dpo_sharded_over_two_processes_is_one_process_in_float64(tmp_path):
     """train.fsdp with DPO: 2 gloo processes x 1 x 2 pairs, the policy sharded, = 1 unsharded process x 4 x 1 of
     the whole logits, per step within 1e-12 in float64 (loss, grad_norm, every parameter's step-1 gradient gathered
