@@ -17,17 +17,29 @@ The training and evaluation loops run with CPython's default thresholds (:func:`
 as any PyTorch process does; only the frozen start-up objects are no longer scanned. A process that imports
 onegpu as a library (a notebook, the tests, bench/) keeps its interpreter as it is: only :func:`start` (the
 ``onegpu`` command, a tradeoffs worker) changes anything.
+
+A command also leaves out what transformers would import for no onegpu work (:func:`skip_unused_optionals`).
+transformers decides at import time whether an optional package is installed, and a module whose code may use
+it imports it then, used or not. Two of these cost a stage process most of its start (docs/details.md, "A stage
+process's start"): ``transformers.quantizers`` imports torchao (a second of CPU with its ``torch._dynamo``
+registrations) for loading torchao-quantized checkpoints, and the detection losses of
+``transformers.loss.loss_utils`` import ``scipy.optimize`` (the Hungarian matcher of DETR-like models). onegpu
+loads no quantized checkpoint and trains no detection model; torchao's low-bit AdamW (``train.optim:
+adamw_torch_8bit`` / ``adamw_torch_4bit``) asks for torchao when its optimizer is built, and then gets it
+(:func:`allow`). How: an import hook (:class:`_Patch`) wraps ``transformers.utils.import_utils``' availability
+checks of :data:`SKIPPED` as soon as that module is imported, and before any module binds them, so that they
+answer False until :func:`allow` names the package.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import gc
+import importlib.abc
+import importlib.machinery
 import os
 import signal
 import sys
-
-from onegpu import imports
 
 DEFAULT_THRESHOLD = gc.get_threshold()  # CPython's, as this interpreter started
 # The young generation's threshold while the command imports; the older generations' stay CPython's.
@@ -38,7 +50,7 @@ _starting = False  # start() ran and settle() has not yet
 def start() -> None:
     """For a command's start: stdout and stderr made :class:`Tolerant`, SIGTERM and SIGHUP handled
     (:func:`stop_on_signals`), transformers' unused optional imports skipped
-    (:func:`onegpu.imports.skip_unused_optionals`), the higher young threshold until
+    (:func:`skip_unused_optionals`), the higher young threshold until
     :func:`settle`, and ``gc.freeze()`` at exit (before the interpreter's final collections; atexit runs
     it after the handlers registered later)."""
     global _starting
@@ -46,7 +58,7 @@ def start() -> None:
     tolerate_lost_streams()
     stop_on_signals()
     quiet_optional_kernels()
-    imports.skip_unused_optionals()
+    skip_unused_optionals()
     gc.set_threshold(*START_THRESHOLD)
     atexit.register(gc.freeze)
 
@@ -149,3 +161,63 @@ def stop_on_signals() -> None:
     for s in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(s) == signal.SIG_DFL:
             signal.signal(s, _raise_interrupt)
+
+
+# transformers.utils.import_utils' check -> the package it checks.
+SKIPPED = {"is_torchao_available": "torchao", "is_scipy_available": "scipy"}
+TARGET = "transformers.utils.import_utils"
+_allowed: set[str] = set()
+
+
+def allow(package: str) -> None:
+    """From now on this process's transformers sees ``package`` (a value of :data:`SKIPPED`) as installed
+    if it is: call before the code that needs it (torchao's optimizer, say) runs."""
+    _allowed.add(package)
+
+
+def _gated(check, package: str):
+    def gated(*args, **kwargs):
+        return package in _allowed and check(*args, **kwargs)
+    gated.__name__ = gated.__qualname__ = check.__name__
+    gated.__doc__ = (check.__doc__ or "") + f"\n\n(onegpu: False unless onegpu.interpreter.allow({package!r}).)"
+    return gated
+
+
+def _patch(module) -> None:
+    for name, package in SKIPPED.items():
+        check = getattr(module, name, None)
+        if check is not None and not getattr(check, "_onegpu_gated", False):
+            gated = _gated(check, package)
+            gated._onegpu_gated = True
+            setattr(module, name, gated)
+
+
+class _Patch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """A finder for :data:`TARGET` alone: the module is found and executed by the regular machinery, then
+    :func:`_patch` runs on it before the importer (``transformers.utils``) binds its names."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        self._loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _patch(module)
+
+
+def skip_unused_optionals() -> None:
+    """Install the hook (once; where transformers is already imported, patch its checks in place: modules
+    that bound them already keep the originals)."""
+    if TARGET in sys.modules:
+        _patch(sys.modules[TARGET])
+    elif not any(isinstance(f, _Patch) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Patch())

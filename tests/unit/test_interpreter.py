@@ -1,9 +1,14 @@
-"""onegpu.interpreter: the `onegpu` command's garbage-collector settings, CPython's own while it trains."""
+"""onegpu.interpreter: the `onegpu` command's garbage-collector settings, CPython's own while it trains; transformers'
+torchao and scipy.optimize imports left out of a command's process (each such case in a fresh interpreter: the test
+process imported transformers long ago), torchao's low-bit AdamW still there when ``train.optim`` asks for it."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 import subprocess
 import sys
+
+import pytest
 
 from onegpu import cli, interpreter
 
@@ -126,3 +131,46 @@ def test_a_command_prints_no_import_time_lines_about_kernels_it_never_calls():
     assert out.stdout.split() == [str(logging.ERROR)]
     assert "Failed to load" not in out.stderr and "Enum subclass" not in out.stderr, out.stderr
     assert "_stable_hash_for_caching" not in out.stderr  # torch compiling torchao's step (train.optim 8/4-bit)
+
+
+# A stage's imports: a model class, Trainer and its optimizer table, after the command's start (or not).
+IMPORTS = """
+import sys
+if sys.argv[1] == "start":
+    from onegpu import interpreter
+    interpreter.start()
+from transformers import BertForSequenceClassification, LlamaForCausalLM, Trainer, TrainingArguments
+print(sorted(m for m in ("torchao", "scipy.optimize") if m in sys.modules))
+"""
+
+LOW_BIT = """
+import sys
+from onegpu import interpreter
+interpreter.start()
+from transformers import Trainer
+from onegpu.config import from_container
+from onegpu.training.backends import hf_trainer
+cfg = from_container({"train": {"optim": sys.argv[1]}}, source="test")
+args = hf_trainer.training_arguments(cfg, sys.argv[2])
+cls, _ = Trainer.get_optimizer_cls_and_kwargs(args)
+print(cls.__module__, cls.__name__)
+"""
+
+
+def _run_code(code: str, *args: str) -> str:
+    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+def test_a_commands_process_imports_neither_torchao_nor_scipy_optimize_with_transformers():
+    assert _run_code(IMPORTS, "start") == "[]"
+    assert _run_code(IMPORTS, "library") == "['scipy.optimize', 'torchao']"  # as transformers does by itself
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+@pytest.mark.parametrize("optim, name", [("adamw_torch_8bit", "AdamW8bit"), ("adamw_torch_4bit", "AdamW4bit")])
+def test_torchaos_low_bit_adamw_is_there_when_train_optim_asks_for_it(tmp_path, optim, name):
+    module, cls = _run_code(LOW_BIT, optim, str(tmp_path)).split()
+    assert module.startswith("torchao.") and cls == name

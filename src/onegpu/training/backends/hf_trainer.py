@@ -17,7 +17,7 @@ import tempfile
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 
-from onegpu import imports
+from onegpu import interpreter
 from onegpu.config import TORCHAO_OPTIMIZERS, Config
 from onegpu.measure import memory
 from onegpu.training import around_steps, checkpointing, distributed, machines, objectives, oom, validation
@@ -68,7 +68,7 @@ def training_arguments(cfg: Config, output_dir: str) -> TrainingArguments:
     t = cfg.train
     cuda = memory.cuda_available()
     if t.optim in TORCHAO_OPTIMIZERS:  # Trainer's _get_torchao_optimizer asks transformers whether torchao is there
-        imports.allow("torchao")
+        interpreter.allow("torchao")
     return TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=t.per_device_train_batch_size,
