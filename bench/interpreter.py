@@ -39,17 +39,27 @@ def make_project(args) -> Path:
     return root
 
 
-def one(root: Path, arm: str, stage: str) -> dict:
-    """``stage`` in a process of its own under ``arm``: its CPU and wall seconds (and train's figures)."""
+def timed_process(cmd: list[str], root: Path, env: dict | None = None) -> tuple[dict, str]:
+    """``cmd`` in ``root`` as a process of its own (stdout discarded): ``({"cpu_s", "wall_s"}, its stderr)``,
+    CPU seconds being user + system of it and its children (``wait4``), wall seconds from the start.
+
+    Raises:
+        RuntimeError: it exited non-zero (the message ends with its stderr's last 3,000 characters).
+    """
     err = root / "tmp" / "stderr.txt"
     t0 = time.perf_counter()
     with open(err, "w") as f:
-        p = subprocess.Popen([*ARMS[arm], stage], cwd=root, stdout=subprocess.DEVNULL, stderr=f)
+        p = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=f)
         _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    if p.returncode != 0:
-        raise RuntimeError(f"onegpu {stage} ({arm}) exited {p.returncode}:\n{err.read_text()[-3000:]}")
-    res = {"cpu_s": usage.ru_utime + usage.ru_stime, "wall_s": time.perf_counter() - t0}
+    wall, text, rc = time.perf_counter() - t0, err.read_text(), os.waitstatus_to_exitcode(status)
+    if rc != 0:
+        raise RuntimeError(f"{' '.join(cmd[1:])} exited {rc}:\n{text[-3000:]}")
+    return {"cpu_s": usage.ru_utime + usage.ru_stime, "wall_s": wall}, text
+
+
+def one(root: Path, arm: str, stage: str) -> dict:
+    """``stage`` in a process of its own under ``arm``: its CPU and wall seconds (and train's figures)."""
+    res, _ = timed_process([*ARMS[arm], stage], root)
     if stage == "train":
         res.update(json.loads((root / "metrics" / "train.json").read_text()))
     return res

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
-from bench import environment, interpreter, machine, reporting
+from bench import arms, environment, interpreter, machine, reporting
 from onegpu.formatting import markdown_table
 
 COMMANDS = (("prepare",), ("train",), ("evaluate",), ("compare",), ("summary",), ("--help",))
@@ -51,18 +49,9 @@ def one(root: Path, command: tuple[str, ...], src: str | None, importtime: bool 
     """``command`` in a process of its own (``src`` first on its path): CPU and wall seconds, and with
     ``importtime`` its import seconds by package. RuntimeError with its stderr if it fails."""
     cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "onegpu", *command]
-    t0 = time.perf_counter()
-    err = root / "tmp" / "stage_start.stderr"
-    with open(err, "w") as f:
-        p = subprocess.Popen(cmd, cwd=root, env=_env(src), stdout=subprocess.DEVNULL, stderr=f)
-        _, status, usage = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t0
-    text = err.read_text()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"onegpu {' '.join(command)} exited {os.waitstatus_to_exitcode(status)}:\n{text[-3000:]}")
-    res = {"cpu_s": usage.ru_utime + usage.ru_stime, "wall_s": wall}
+    res, stderr = interpreter.timed_process(cmd, root, _env(src))
     if importtime:
-        res["imports"] = import_seconds(text)
+        res["imports"] = import_seconds(stderr)
     return res
 
 
@@ -74,7 +63,7 @@ def measure(args, root: Path) -> dict:
     for rep in range(args.reps + 1):
         for command in COMMANDS:
             name = " ".join(command)
-            for arm in (list(srcs) if rep % 2 == 0 else list(srcs)[::-1]):
+            for arm in arms.rotated(list(srcs), rep):
                 timed = rep == args.reps  # the last pass is -X importtime's
                 res = machine.clean_run(lambda a=arm, c=command, t=timed: one(root, c, srcs[a], t), args, name)
                 if timed:

@@ -192,25 +192,31 @@ def _patch(module) -> None:
             setattr(module, name, gated)
 
 
-class _Patch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """A finder for :data:`TARGET` alone: the module is found and executed by the regular machinery, then
-    :func:`_patch` runs on it before the importer (``transformers.utils``) binds its names."""
+class _Patch(importlib.abc.MetaPathFinder):
+    """A finder for :data:`TARGET` alone: the module is found by the regular machinery and its loader
+    wrapped (:class:`_PatchingLoader`)."""
 
     def find_spec(self, fullname, path, target=None):
         if fullname != TARGET:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return None
-        self._loader = spec.loader
-        spec.loader = self
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchingLoader(spec.loader)
         return spec
 
+
+class _PatchingLoader(importlib.abc.Loader):
+    """``loader``'s module, then :func:`_patch` on it before the importer (``transformers.utils``) binds
+    its names."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
     def create_module(self, spec):
-        return self._loader.create_module(spec)
+        return self.loader.create_module(spec)
 
     def exec_module(self, module):
-        self._loader.exec_module(module)
+        self.loader.exec_module(module)
         _patch(module)
 
 

@@ -133,6 +133,8 @@ def test_a_command_prints_no_import_time_lines_about_kernels_it_never_calls():
     assert "_stable_hash_for_caching" not in out.stderr  # torch compiling torchao's step (train.optim 8/4-bit)
 
 
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+
 # A stage's imports: a model class, Trainer and its optimizer table, after the command's start (or not).
 IMPORTS = """
 import sys
@@ -163,13 +165,13 @@ def _run_code(code: str, *args: str) -> str:
     return p.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+@needs_torchao
 def test_a_commands_process_imports_neither_torchao_nor_scipy_optimize_with_transformers():
     assert _run_code(IMPORTS, "start") == "[]"
     assert _run_code(IMPORTS, "library") == "['scipy.optimize', 'torchao']"  # as transformers does by itself
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+@needs_torchao
 @pytest.mark.parametrize("optim, name", [("adamw_torch_8bit", "AdamW8bit"), ("adamw_torch_4bit", "AdamW4bit")])
 def test_torchaos_low_bit_adamw_is_there_when_train_optim_asks_for_it(tmp_path, optim, name):
     module, cls = _run_code(LOW_BIT, optim, str(tmp_path)).split()
