@@ -622,6 +622,7 @@ def reshard_results(rank_results) -> dict:
     return results
 
 
+@pytest.mark.slow  # four processes, then two more: the matrix of process counts (make test-all)
 def test_a_sharded_checkpoint_resumes_on_another_number_of_processes_in_float64(rank_results, reshard_results):
     """train.fsdp, AdamW with warmup, a checkpoint every step, 4 examples per step: stopped during step 2 on 2 gloo
     processes of 1 x 2, resumed on 4 processes of 1 x 1; and stopped during step 2 on 4, resumed on 2.
