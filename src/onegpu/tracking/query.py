@@ -10,9 +10,10 @@ from onegpu.tracking.runs import run_context_tags
 from onegpu.tracking.store import Tracker
 from onegpu.tracking.uri import redact
 
-# Per-step metrics (MLflow step = optimizer step, from 1) fetched for a comparison.
+# Per-step metrics (MLflow step = optimizer step, from 1) fetched for a comparison; eval_loss: the validation
+# points, at the steps they followed.
 STEP_SERIES = ("loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second", "mem_peak_bytes",
-               "step_examples", "eval_loss")  # eval_loss: the validation points, at the steps they followed
+               "step_examples", "step_compile_s", "eval_loss")
 TRAINING = "tags.stage = 'train'"
 
 

@@ -361,7 +361,8 @@ def timing(manifest: dict, runs: dict[str, RunRecord]) -> list[str]:
     ``train_runtime``: the whole, and the per-row overhead that a row pays whatever its window (as
     ``dvc exp run --temp``: DVC's temporary clone, each stage's process start, the model's load and save;
     in workers: the model's build and the MLflow run, the first row of a worker its start and the data's
-    preparation). Empty before any row ran here (a queued batch)."""
+    preparation), and the seconds the rows' steps spent compiling (``step_compile_s``: warm-up, said apart
+    since no window's samples/s counts it). Empty before any row ran here (a queued batch)."""
     wall = manifest.get("wall_s", {})
     if not wall:
         return []
@@ -370,6 +371,10 @@ def timing(manifest: dict, runs: dict[str, RunRecord]) -> list[str]:
     workers = manifest.get("runner") == WORKERS
     how = "rows in worker processes" if workers else "dvc exp run --temp"
     out = [f"the rows took {sum(wall.values()):.0f} s of wall time ({len(wall)} {how}, one at a time)"]
+    compiled = {n: sum(v for _, v in runs[n].series.get("step_compile_s", [])) for n in wall if n in runs}
+    if any(compiled.values()):
+        out[0] += (f", {sum(compiled.values()):.0f} s of it compiling (warm-up: torch.compile, torchao's optimizer "
+                   f"step; in no window's samples/s) in {sum(1 for c in compiled.values() if c)} of them")
     if pairs:
         over = sorted(w - t for w, t in pairs)
         what = ("the model's build and its MLflow run (a worker's first row: its start and the data's preparation)"

@@ -41,11 +41,13 @@ SLOW_STEP = 5.0
 
 
 def steady_samples_per_second(r: RunRecord) -> float | None:
-    """Examples per second over optimizer steps 2..N (:func:`onegpu.training.recorder.
-    steady_samples_per_second` on the run's ``step_examples`` and ``step_time_s`` series); the whole
+    """Examples per second over the optimizer steps after the first that did not compile
+    (:func:`onegpu.training.recorder.steady_samples_per_second` on the run's ``step_examples``,
+    ``step_time_s`` and ``step_compile_s`` series: a row's warm-up is in none of its windows); the whole
     run's ``train_samples_per_second`` when the run has a single step or no per-step series."""
     examples = dict(r.series.get("step_examples", []))
-    rows = [{"step": s, "samples": examples[s], "step_time_s": t}
+    compiled = dict(r.series.get("step_compile_s", []))
+    rows = [{"step": s, "samples": examples[s], "step_time_s": t, "step_compile_s": compiled.get(s, 0.0)}
             for s, t in r.series.get("step_time_s", []) if s in examples]
     v = steady_throughput(rows)
     return v if v is not None else r.metrics.get("train_samples_per_second")
@@ -78,6 +80,7 @@ class Row:
     memory_ratio: float | None = None
     memory_kind: str = ""
     first_step_s: float | None = None
+    compile_s: float = 0.0  # seconds its steps spent compiling (``step_compile_s``): warm-up, in no window
     train_runtime_s: float | None = None
     test_loss: float | None = None
     time_to_test_loss_s: float | None = None
@@ -133,6 +136,25 @@ def unmeasured(run: RunRecord | None, state: str | None = None) -> str | None:
     return RUNNING if run.status == "RUNNING" else STOPPED  # no train-end summary
 
 
+def _step_notes(times: dict[int, float], compiled: dict[int, float]) -> list[str]:
+    """The notes on a run's steps after the first: those that compiled (left out of its samples/s), and
+    those slower than :data:`SLOW_STEP` times the median of the others without compiling (counted)."""
+    notes = []
+    warm = [(s, times[s], c) for s, c in sorted(compiled.items()) if s >= 2 and c > 0 and s in times]
+    if warm:  # torch.compile recompiling for a new shape (an epoch's short last step), torchao's step
+        notes.append("optimizer step " + ", ".join(f"{s} compiled ({c:.1f} s of its {t:.1f} s)" for s, t, c in warm)
+                     + ": warm-up, left out of its samples/s")
+    later = sorted(v for s, v in times.items() if s >= 2 and not compiled.get(s))
+    if later:
+        typical = later[len(later) // 2]
+        slow = [(s, v) for s, v in sorted(times.items()) if s >= 2 and not compiled.get(s) and v > SLOW_STEP * typical]
+        if slow:
+            notes.append("optimizer step " + ", ".join(f"{s} took {v:.1f} s" for s, v in slow)
+                         + f" against a median {typical:.2f} s without compiling (a one-off stall); its samples/s "
+                           "count them")
+    return notes
+
+
 def measure_row(v: Variant, run: RunRecord | None, baseline: RunRecord | None, state: str | None = None) -> Row:
     """Measure ``run`` (the variant's training run, None when it has not run) against ``baseline``; a run
     that did not finish its training is no measurement: the row says why (:func:`unmeasured`)."""
@@ -144,14 +166,8 @@ def measure_row(v: Variant, run: RunRecord | None, baseline: RunRecord | None, s
     row.memory_bytes, row.memory_kind = memory_bytes(run)
     times = dict(run.series.get("step_time_s", []))
     row.first_step_s = times.get(1)
-    later = sorted(v for s, v in times.items() if s >= 2)
-    if later:
-        typical = later[len(later) // 2]
-        slow = [(s, v) for s, v in sorted(times.items()) if s >= 2 and v > SLOW_STEP * typical]
-        if slow:  # torch.compile recompiling for a new shape (an epoch's short last step), a stall
-            row.notes.append("optimizer step " + ", ".join(f"{s} took {v:.1f} s" for s, v in slow)
-                             + f" against a median {typical:.2f} s (torch.compile recompiles for each new batch "
-                               "shape; otherwise a one-off stall); its samples/s count them")
+    row.compile_s = sum(v for _, v in run.series.get("step_compile_s", []))
+    row.notes.extend(_step_notes(times, dict(run.series.get("step_compile_s", []))))
     row.train_runtime_s = run.metrics.get("train_runtime")
     row.test_loss = run.metrics.get("test_loss")
     if baseline is None:
@@ -207,6 +223,7 @@ def aggregate(v: Variant, rows: list[Row]) -> Row:
     for attr in ("samples_per_second", "speedup", "memory_bytes", "memory_ratio", "first_step_s",
                  "train_runtime_s", "test_loss", "time_to_test_loss_s"):
         setattr(out, attr, med([getattr(r, attr) for r in rows]))
+    out.compile_s = sum(r.compile_s for r in rows)  # a cost paid, not a rate: summed
     worst = next((r for r in rows if not r.same_training), first)
     out.verdict, out.same_training = worst.verdict, all(r.same_training for r in rows)
     ups = [r.speedup for r in rows]

@@ -75,7 +75,7 @@ def _cells(r: Row) -> list[str]:
             num(r.train_runtime_s), num(r.test_loss, ".4f"), _time_to_loss(r), r.verdict]
 
 
-HEAD = ["row", "change", "the guide says (speed / memory)", "samples/s (steps 2..N)", "vs baseline (median)",
+HEAD = ["row", "change", "the guide says (speed / memory)", "samples/s (steady steps)", "vs baseline (median)",
         "min-max of repeats", "step 1 (s)", "memory (MiB)", "vs baseline", "train time (s)", "test loss",
         "time to baseline's test loss (s)", "verdict"]
 
@@ -166,8 +166,9 @@ def markdown(rows: list[Row], rec: Recommendation, measured: Row | None, title: 
     kind = next((r.memory_kind for r in rows if r.memory_kind), "")
     lines = [f"# {title}", "",
              f"Device: {device}. The rows trained one at a time; each row changes one "
-             "knob of the baseline (your params). samples/s over optimizer steps 2..N (step 1 holds warm-up "
-             "and compilation: its time is its own column). Memory: "
+             "knob of the baseline (your params). samples/s over the steady optimizer steps: steps 2..N less any "
+             "that compiled (warm-up: step 1's time is its own column, the seconds compiled are in the notes). "
+             "Memory: "
              + ("the CUDA allocator peak." if kind == "allocator peak" else
                 "params + grads + optimizer states + one micro-batch's saved activations (bytes; on CPU the "
                 "process RSS hides what checkpointing and precision save).")

@@ -8,10 +8,14 @@ to disk), nothing is written to ``models/``, ``metrics/`` or ``plots/``, no resu
 taken (a probe is re-run, not resumed; the checkpoints of the user's own runs are left alone), and the
 run gets no figure of its own (the batch's report plots the rows).
 
-Between rows it resets what a previous row could leave in the process: TorchDynamo's compiled code and
-recompilation state (``torch._dynamo.reset``), Accelerate's process-wide state, Python garbage, the CUDA
-allocator's cache. What cannot be
-reset, the host allocator (``train.cpu_allocator``: glibc's ``mallopt`` is process-wide and cannot be
+Between rows it resets what a previous row could leave in the process and would change the next row's
+training or speed: Accelerate's process-wide state, Python garbage, the CUDA allocator's cache. It keeps
+what TorchDynamo compiled: a warm-up (``torch.compile``'s graphs, torchao's compiled optimizer step) is paid
+once per worker, by the first row that needs it, and a later window of that row runs the same compiled code
+(a new model of the same shapes passes its guards) instead of compiling it again. Any step that compiles
+is left out of the row's samples/s either way (``step_compile_s``, :func:`onegpu.training.recorder.warm_up`),
+and the batch's report says the seconds apart. Code no later row calls costs nothing but memory. What cannot
+be reset, the host allocator (``train.cpu_allocator``: glibc's ``mallopt`` is process-wide and cannot be
 undone), is why the pool keeps one worker per setting.
 """
 from __future__ import annotations
@@ -54,14 +58,12 @@ def prepared(cfg, cache: dict):
 
 
 def _reset_process_state() -> None:
-    """What a previous row may leave behind: compiled code, Accelerate's process-wide state (its
-    ``Accelerator`` refuses another mixed precision once the state exists; transformers' TrainingArguments
-    resets it the same way), garbage, cached CUDA blocks."""
-    import torch
+    """What a previous row may leave behind: Accelerate's process-wide state (its ``Accelerator`` refuses
+    another mixed precision once the state exists; transformers' TrainingArguments resets it the same way),
+    garbage, cached CUDA blocks. Compiled code stays (the module docstring says why)."""
     from accelerate.state import AcceleratorState, GradientState
 
     from onegpu.measure import memory
-    torch._dynamo.reset()
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     gc.collect()

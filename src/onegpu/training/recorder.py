@@ -15,7 +15,7 @@ from collections.abc import Callable
 from onegpu.config import TORCHAO_OPTIMIZERS
 from onegpu.errors import UserError
 from onegpu.formatting import duration, gib, mib
-from onegpu.measure import memory
+from onegpu.measure import compilation, memory
 from onegpu.training import interrupt
 
 
@@ -105,7 +105,9 @@ class StepRecorder:
 
     ``loss``, ``grad_norm``, ``learning_rate`` (given by the backend), ``step_time_s`` (wall seconds
     since the previous step ended, data loading and all micro-batches included), ``samples_per_second``,
-    ``tokens_per_second`` (non-padding tokens), ``mem_peak_bytes`` (see :mod:`onegpu.measure.memory`), and the
+    ``tokens_per_second`` (non-padding tokens), ``mem_peak_bytes`` (see :mod:`onegpu.measure.memory`),
+    ``step_compile_s`` (seconds of it spent compiling: ``torch.compile``, torchao's optimizer step;
+    :mod:`onegpu.measure.compilation`; > 0 marks a warm-up step, left out of the steady figures), and the
     step's item counts ``step_examples``, ``step_tokens``, ``step_targets`` (:data:`ITEM_COUNTS`).
     Rows are kept in ``self.rows`` for plots and the summary; each is also sent to ``sink``.
 
@@ -120,6 +122,7 @@ class StepRecorder:
         self.events: list[dict] = []          # out-of-memory recoveries: step, old and new split
         self._pending: dict[int, dict] = {}
         self._watch = None
+        self._compiled = None
         self._cuda_peaks: dict[str, int] = {}
         # The training window, wall-clock seconds since the epoch: start of the first step this process
         # ran to the end of its last one (``onegpu compare`` flags runs whose windows overlap).
@@ -160,18 +163,20 @@ class StepRecorder:
         memory.synchronize(self.device)
         memory.reset_peak(self.device)
         self._watch = memory.Stopwatch()
+        self._compiled = compilation.Compilations()
         self._wall_start = time.time()
         self.counter.take_all()
 
     def end_step(self, step: int) -> None:
         memory.synchronize(self.device)
         dt = self._watch.lap()
+        compiled = self._compiled.lap()
         samples, tokens, targets, tokens_sq = self.counter.take_all()
         if self.window_start is None:
             self.window_start = self._wall_start
         self.window_end = time.time()
         peak = memory.peak_bytes(self.device)
-        self._pending[step] = _whole_step(dt, samples, tokens, targets, tokens_sq, peak, self.device)
+        self._pending[step] = _whole_step(dt, samples, tokens, targets, tokens_sq, peak, compiled, self.device)
         for k, v in memory.cuda_peaks(self.device).items():
             self._cuda_peaks[k] = max(v, self._cuda_peaks.get(k, 0))
         memory.reset_peak(self.device)
@@ -209,6 +214,7 @@ class StepRecorder:
             host_allocator.release()
         if self._watch is not None:
             self._watch.lap()
+            self._compiled.lap()
         memory.reset_peak(self.device)
         return metrics
 
@@ -257,29 +263,39 @@ class StepRecorder:
         }
 
 
-def steady_samples_per_second(rows) -> float | None:
-    """Steady-state throughput, examples per second: over optimizer steps 2..N (step 1 holds warm-up:
-    compilation, allocator growth, the activation probe), the steps' examples over their wall time.
+def warm_up(row: dict) -> bool:
+    """Whether an optimizer step's row (the recorder's, or one rebuilt from the logged series) holds warm-up:
+    step 1 (allocator growth, the activation probe, a kernel's first call) or any step that compiled
+    (``step_compile_s`` > 0: ``torch.compile``'s first graph, a recompilation for a new shape, torchao's
+    optimizer step)."""
+    return row["step"] < 2 or (row.get("step_compile_s") or 0.0) > 0.0
 
-    ``rows``: the recorder's rows (``step``, ``samples``, ``step_time_s``), or rows of the same keys
-    rebuilt from the logged ``step_examples`` and ``step_time_s`` series. None when no step after the
-    first has a time."""
-    keep = [r for r in rows if r["step"] >= 2]
+
+def steady_samples_per_second(rows) -> float | None:
+    """Steady-state throughput, examples per second: the steps that are not :func:`warm_up` (step 1 and any
+    step that compiled), their examples over their wall time.
+
+    ``rows``: the recorder's rows (``step``, ``samples``, ``step_time_s``, ``step_compile_s``), or rows of the
+    same keys rebuilt from the logged ``step_examples``, ``step_time_s`` and ``step_compile_s`` series (runs
+    logged before ``step_compile_s`` existed: step 1 alone is warm-up). None when no steady step has a time."""
+    keep = [r for r in rows if not warm_up(r)]
     total = sum(r["step_time_s"] for r in keep)
     return sum(r["samples"] for r in keep) / total if total > 0 else None
 
 
-def _whole_step(dt: float, samples: int, tokens: int, targets: int, tokens_sq: int, peak: int, device) -> dict:
+def _whole_step(dt: float, samples: int, tokens: int, targets: int, tokens_sq: int, peak: int, compiled: float,
+                device) -> dict:
     """The step's row over all processes (one all-gather under several; this process's values alone).
 
     Counts are summed over ranks; ``step_time_s`` is the slowest rank's (they wait for each other at the
     gradient all-reduce); ``samples_per_second``/``tokens_per_second`` = the step's examples/tokens over
-    all ranks divided by it; ``mem_peak_bytes`` = the largest rank's. Under several processes each rank's
+    all ranks divided by it; ``mem_peak_bytes`` = the largest rank's; ``step_compile_s`` the largest rank's
+    compile seconds (one rank compiling holds the others at the next collective). Under several processes each rank's
     own ``step_time_s``, ``samples_per_second``, ``tokens_per_second`` and ``mem_peak_bytes`` are added
     as ``<name>.rank<r>``.
     """
     from onegpu.training import distributed
-    ranks = distributed.gather_over_ranks([dt, samples, tokens, targets, tokens_sq, peak], device)
+    ranks = distributed.gather_over_ranks([dt, samples, tokens, targets, tokens_sq, peak, compiled], device)
     step_time = max(r[0] for r in ranks)
     total = [int(sum(r[i] for r in ranks)) for i in range(1, 5)]
     row = {
@@ -287,10 +303,11 @@ def _whole_step(dt: float, samples: int, tokens: int, targets: int, tokens_sq: i
         "samples_per_second": total[0] / step_time if step_time > 0 else 0.0,
         "tokens_per_second": total[1] / step_time if step_time > 0 else 0.0,
         "mem_peak_bytes": int(max(r[5] for r in ranks)),
+        "step_compile_s": max(r[6] for r in ranks),
         "samples": total[0], "tokens": total[1], "targets": total[2], "tokens_sq": total[3],
     }
     if len(ranks) > 1:
-        for i, (r_dt, r_samples, r_tokens, _, _, r_peak) in enumerate(ranks):
+        for i, (r_dt, r_samples, r_tokens, _, _, r_peak, _) in enumerate(ranks):
             row[f"step_time_s.rank{i}"] = r_dt
             row[f"samples_per_second.rank{i}"] = r_samples / r_dt if r_dt > 0 else 0.0
             row[f"tokens_per_second.rank{i}"] = r_tokens / r_dt if r_dt > 0 else 0.0
@@ -305,13 +322,13 @@ def progress_line(step: int, total: int, rows: list[dict], device, evals: list[d
     Example: ``step 20/32 | loss 1.2034 | eval_loss 1.3120 (step 16) | 41.3 samples/s | 0.39 s/step | peak 1.69 GiB
     RSS | 5 s left`` (the latest validation point, ``evals``, when there is one).
     Memory is the step's peak: the CUDA allocator's on a GPU, the process RSS on a CPU (:mod:`onegpu.measure.memory`).
-    Time left: mean step time of the rows after this process's first (which holds warm-up, as in
-    :func:`steady_samples_per_second`: compilation, such as torchao's optimizer step) x steps to go; the
-    first row's when it is the only one.
+    Time left: mean step time of this process's rows after its first that did not compile (warm-up, as in
+    :func:`steady_samples_per_second`: compilation, such as torchao's optimizer step) x steps to go; of the
+    rows after the first when each compiled; the first row's when it is the only one.
     """
     row = rows[-1]
     where = "allocated" if memory.is_cuda(device) else "RSS"
-    steady = rows[1:] or rows
+    steady = [r for r in rows[1:] if not warm_up(r)] or rows[1:] or rows
     mean = sum(r["step_time_s"] for r in steady) / len(steady)
     left = max(total - step, 0) * mean
     latest = f" | eval_loss {evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})" if evals else ""
@@ -328,7 +345,7 @@ def first_step_note(optim) -> str | None:
     if name not in TORCHAO_OPTIMIZERS:
         return None
     return (f"{name}: torchao compiles its optimizer step during step 1 (tens of seconds on a CPU); "
-            "the time left and the steady-state throughput leave step 1 out")
+            "the time left and the steady-state throughput leave out the steps that compile")
 
 
 def closing_line(summary: dict, layout, device: str, budget: int | None, run_id: str) -> str:

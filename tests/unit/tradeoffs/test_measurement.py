@@ -19,11 +19,42 @@ def test_speed_excludes_step_one_and_memory_is_the_breakdown_on_cpu():
     assert row.verdict == measurement.SAME_TRAINING and row.same_training
     assert row.time_to_test_loss_s == row.train_runtime_s  # same eval loss: reached
     assert row.notes == []
-    recompiled = _run("compile", step_time=0.5, first=30.0)
-    recompiled.series["step_time_s"][-1] = (STEPS, 20.0)  # the last step recompiles for its new shape
-    row = measurement.measure_row(_variant("compile", "compile"), recompiled, base)
-    assert row.notes == [f"optimizer step {STEPS} took 20.0 s against a median 0.50 s (torch.compile recompiles "
-                         "for each new batch shape; otherwise a one-off stall); its samples/s count them"]
+    stalled = _run("split", step_time=0.5, first=30.0)
+    stalled.series["step_time_s"][-1] = (STEPS, 20.0)  # a one-off stall, nothing compiled: counted
+    row = measurement.measure_row(_variant("split", "split"), stalled, base)
+    assert row.notes == [f"optimizer step {STEPS} took 20.0 s against a median 0.50 s without compiling (a one-off "
+                         "stall); its samples/s count them"]
+    assert row.samples_per_second == pytest.approx(16 * 5 / (0.5 * 4 + 20.0))
+
+
+def test_a_rows_warm_up_is_in_none_of_its_windows():
+    """Issue 64: a step that compiled (``step_compile_s`` > 0: torch.compile's graphs after step 1, a
+    recompilation for a new shape, torchao's optimizer step) is warm-up, left out of the row's samples/s as
+    step 1 is, in every window (each repeat against the baseline of its round); its seconds are the row's
+    ``compile_s``, summed over the windows, and the batch's notes say them apart from the wall time."""
+    from onegpu.tradeoffs import batch
+    base = _run("baseline")
+    windows = []
+    for _ in (1, 2):
+        run = _run("compile", step_time=0.5, first=30.0)
+        run.series["step_time_s"][1] = (2, 12.0)  # step 2 recompiles (a new shape): 11.5 s of compiling
+        run.series["step_time_s"][3] = (4, 3.0)   # step 4 compiles the optimizer step's graph
+        run.series["step_compile_s"] = [(1, 29.0), (2, 11.5), (3, 0.0), (4, 2.5), (5, 0.0), (6, 0.0)]
+        windows.append(measurement.measure_row(_variant("compile", "compile"), run, base))
+    for row in windows:
+        assert row.samples_per_second == pytest.approx(32.0)  # steps 3, 5 and 6 alone: 16 examples / 0.5 s
+        assert row.speedup == pytest.approx(2.0)
+        assert row.compile_s == pytest.approx(43.0)
+        assert row.notes == ["optimizer step 2 compiled (11.5 s of its 12.0 s), 4 compiled (2.5 s of its 3.0 s): "
+                             "warm-up, left out of its samples/s"]
+    both = measurement.aggregate(_variant("compile", "compile"), windows)
+    assert both.speedup == pytest.approx(2.0) and both.speedup_range == pytest.approx((2.0, 2.0))
+    assert both.compile_s == pytest.approx(86.0)
+    runs = {"baseline": base, "compile": windows[0].run, "compile-r2": windows[1].run}
+    plan = {"runner": batch.WORKERS, "wall_s": {"baseline": 10.0, "compile": 50.0, "compile-r2": 50.0}}
+    assert batch.timing(plan, runs)[0].startswith(
+        "the rows took 110 s of wall time (3 rows in worker processes, one at a time), 86 s of it compiling "
+        "(warm-up: torch.compile, torchao's optimizer step; in no window's samples/s) in 2 of them")
 
 
 def test_memory_on_gpu_is_the_allocator_peak():

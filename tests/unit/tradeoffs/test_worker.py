@@ -51,3 +51,23 @@ def test_a_row_may_change_the_mixed_precision_of_the_row_before_it():
         assert Accelerator(mixed_precision="bf16", cpu=True).mixed_precision == "bf16"
     finally:
         worker._reset_process_state()  # leave no state to the tests after this one
+
+
+def test_what_a_row_compiled_is_still_compiled_for_the_next_row():
+    """Issue 64: a warm-up is paid once per worker. Between rows the worker keeps TorchDynamo's compiled code,
+    so the next window of a compiled row (a new model of the same shapes) compiles nothing again; a reset of
+    TorchDynamo would make every window compile anew (inside its step 1, or its later steps after a new shape)."""
+    import torch
+
+    from onegpu.measure import compilation
+
+    def build():
+        torch.manual_seed(0)
+        return torch.compile(torch.nn.Linear(4, 3), backend="eager")
+
+    laps = compilation.Compilations()
+    build()(torch.ones(2, 4)).sum().backward()
+    assert laps.lap() > 0.0
+    worker._reset_process_state()
+    build()(torch.ones(2, 4)).sum().backward()  # the next row's model: the same code, the same guards
+    assert laps.lap() == 0.0

@@ -30,7 +30,7 @@ def test_rows_summary_and_sink():
     assert [s for s, _ in sunk] == [1, 2]
     assert set(sunk[0][1]) == {"loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second",
                                "tokens_per_second", "mem_peak_bytes", "step_examples", "step_tokens",
-                               "step_targets"}
+                               "step_targets", "step_compile_s"}
     summ = rec.summary()
     assert summ["train_loss"] == 1.5 and summ["train_steps"] == 2 and summ["train_samples"] == 8
     assert summ["train_runtime"] > 0 and summ["train_mem_peak_bytes"] > 0
@@ -79,12 +79,34 @@ def test_classification_targets_are_examples():
     assert (sunk[0][1]["step_examples"], sunk[0][1]["step_tokens"], sunk[0][1]["step_targets"]) == (3, 12, 3)
 
 
-def test_steady_throughput_leaves_out_step_one():
+def test_steady_throughput_leaves_out_step_one_and_every_step_that_compiled():
     from onegpu.training.recorder import steady_samples_per_second
     rows = [{"step": 1, "samples": 16, "step_time_s": 9.0}, {"step": 2, "samples": 16, "step_time_s": 1.0},
             {"step": 3, "samples": 8, "step_time_s": 0.5}]
     assert steady_samples_per_second(rows) == 24 / 1.5
     assert steady_samples_per_second(rows[:1]) is None and steady_samples_per_second([]) is None
+    compiled = [*rows, {"step": 4, "samples": 16, "step_time_s": 7.0, "step_compile_s": 6.5}]
+    assert steady_samples_per_second(compiled) == 24 / 1.5
+    assert steady_samples_per_second([rows[0], compiled[-1]]) is None  # no steady step: no steady figure
+
+
+def test_a_step_that_compiles_logs_its_compile_seconds_and_the_others_zero():
+    """step_compile_s: TorchDynamo's own timing of the compilations made during the step (here a function
+    compiled by the eager backend during step 2 and called again in step 3); 0 for a step that compiled
+    nothing. Compiling between steps (as validation may) counts in neither."""
+    rec, sunk = _recorder()
+    fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="eager")
+    _step(rec, 1, 2.0)
+    fn(torch.ones(3))
+    _step(rec, 2, 1.9)
+    fn(torch.ones(3))
+    _step(rec, 3, 1.8)
+    rec._between_steps(lambda step: {"eval_loss": float(torch.compile(lambda x: x.cos(), backend="eager")(
+        torch.ones(2)).sum())}, 3)
+    _step(rec, 4, 1.7)
+    compiled = {s: m["step_compile_s"] for s, m in sunk if "step_compile_s" in m}
+    assert compiled[1] == compiled[3] == compiled[4] == 0.0
+    assert 0.0 < compiled[2] < rec.rows[1]["step_time_s"]
 
 
 # -- the terminal lines ----------------------------------------------------------------------------
@@ -111,7 +133,7 @@ def test_first_step_note_only_for_optimizers_that_compile_their_step():
     from onegpu.training.recorder import first_step_note
     assert first_step_note("adamw_torch_4bit") == (
         "adamw_torch_4bit: torchao compiles its optimizer step during step 1 (tens of seconds on a CPU); "
-        "the time left and the steady-state throughput leave step 1 out")
+        "the time left and the steady-state throughput leave out the steps that compile")
     assert first_step_note(OptimizerNames.ADAMW_TORCH_8BIT).startswith("adamw_torch_8bit: torchao compiles")
     assert first_step_note("adamw_torch") is None and first_step_note(OptimizerNames.ADAMW_BNB) is None
 
