@@ -22,14 +22,6 @@ def _metrics() -> dict[str, list[float]]:
     return getattr(utils, "compilation_time_metrics", None) or {}
 
 
-def totals() -> tuple[float, int]:
-    """``(seconds, events)`` compiled in this process since TorchDynamo's last reset: the seconds of the
-    :data:`TOP_LEVEL` events, the count of events of every name. ``(0.0, 0)`` when TorchDynamo was never
-    imported."""
-    metrics = _metrics()
-    return float(sum(sum(metrics.get(k, ())) for k in TOP_LEVEL)), sum(len(v) for v in metrics.values())
-
-
 class Compilations:
     """The compile time between two reads: ``lap()`` returns the seconds compiled since the previous
     ``lap()`` (or since it was made), a positive figure whenever anything compiled meanwhile (at least

@@ -17,7 +17,7 @@ from onegpu.compare import RunRecord
 from onegpu.config import Config, DeviceFacts, load
 from onegpu.errors import ConfigError, UserError
 from onegpu.formatting import GiB
-from onegpu.tradeoffs import queue, windows as rounds
+from onegpu.tradeoffs import measurement, queue, windows as rounds
 from onegpu.tradeoffs.knobs import Variant, plan as plan_knobs, with_overrides
 from onegpu.tradeoffs.measurement import Row, aggregate, measure_row, measure_rows, repeat_name, unmeasured
 from onegpu.tradeoffs.pool import WORKERS, Pool, run_rows as run_in_pool
@@ -371,7 +371,7 @@ def timing(manifest: dict, runs: dict[str, RunRecord]) -> list[str]:
     workers = manifest.get("runner") == WORKERS
     how = "rows in worker processes" if workers else "dvc exp run --temp"
     out = [f"the rows took {sum(wall.values()):.0f} s of wall time ({len(wall)} {how}, one at a time)"]
-    compiled = {n: sum(v for _, v in runs[n].series.get("step_compile_s", [])) for n in wall if n in runs}
+    compiled = {n: sum(measurement.compiled_by_step(runs[n]).values()) for n in wall if n in runs}
     if any(compiled.values()):
         out[0] += (f", {sum(compiled.values()):.0f} s of it compiling (warm-up: torch.compile, torchao's optimizer "
                    f"step; in no window's samples/s) in {sum(1 for c in compiled.values() if c)} of them")

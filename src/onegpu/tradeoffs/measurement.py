@@ -40,13 +40,18 @@ _RUN_STATUS = {"KILLED": STOPPED, "FAILED": FAILED}
 SLOW_STEP = 5.0
 
 
+def compiled_by_step(r: RunRecord) -> dict[int, float]:
+    """The seconds each optimizer step of ``r`` spent compiling (its ``step_compile_s`` series; {} for a run
+    logged before it existed)."""
+    return dict(r.series.get("step_compile_s", []))
+
+
 def steady_samples_per_second(r: RunRecord) -> float | None:
     """Examples per second over the optimizer steps after the first that did not compile
     (:func:`onegpu.training.recorder.steady_samples_per_second` on the run's ``step_examples``,
     ``step_time_s`` and ``step_compile_s`` series: a row's warm-up is in none of its windows); the whole
     run's ``train_samples_per_second`` when the run has a single step or no per-step series."""
-    examples = dict(r.series.get("step_examples", []))
-    compiled = dict(r.series.get("step_compile_s", []))
+    examples, compiled = dict(r.series.get("step_examples", [])), compiled_by_step(r)
     rows = [{"step": s, "samples": examples[s], "step_time_s": t, "step_compile_s": compiled.get(s, 0.0)}
             for s, t in r.series.get("step_time_s", []) if s in examples]
     v = steady_throughput(rows)
@@ -166,8 +171,9 @@ def measure_row(v: Variant, run: RunRecord | None, baseline: RunRecord | None, s
     row.memory_bytes, row.memory_kind = memory_bytes(run)
     times = dict(run.series.get("step_time_s", []))
     row.first_step_s = times.get(1)
-    row.compile_s = sum(v for _, v in run.series.get("step_compile_s", []))
-    row.notes.extend(_step_notes(times, dict(run.series.get("step_compile_s", []))))
+    compiled = compiled_by_step(run)
+    row.compile_s = sum(compiled.values())
+    row.notes.extend(_step_notes(times, compiled))
     row.train_runtime_s = run.metrics.get("train_runtime")
     row.test_loss = run.metrics.get("test_loss")
     if baseline is None:
