@@ -8,7 +8,7 @@ as the train stage drives it
 training alone), in the process :func:`bench.environment.setup` isolated.
 
 Timing conventions used by every script:
-- ``step_time_s`` comes from :class:`onegpu.training.recorder.StepRecorder` (wall time from the end of
+- ``step_time_s`` comes from :class:`onegpu.training.record.recorder.StepRecorder` (wall time from the end of
   one optimizer step to the end of the next, data loading included, CUDA-synchronised);
 - optimizer step 1 is warm-up and is excluded from step-time medians and steady-state throughput;
 - repetitions are summarised by their median.
@@ -260,8 +260,8 @@ def without_rows(runs: dict) -> dict:
 
 def steady(rows: list[dict]) -> dict:
     """Median/mean step time over optimizer steps 2..N (step 1 is warm-up) and the steady-state
-    samples/s (:func:`onegpu.training.recorder.steady_samples_per_second`, NaN without steps 2..N)."""
-    from onegpu.training.recorder import steady_samples_per_second
+    samples/s (:func:`onegpu.training.record.recorder.steady_samples_per_second`, NaN without steps 2..N)."""
+    from onegpu.training.record.recorder import steady_samples_per_second
     t = [r["step_time_s"] for r in rows if r["step"] >= 2]
     sps = steady_samples_per_second(rows)
     return {"step_times_s": [r["step_time_s"] for r in rows],

@@ -18,14 +18,14 @@ training (:func:`onegpu.training.session.plan`, ``build_model`` and ``fit``: the
 
 One rank: FSDP2's reduce-scatter over a world of one is a copy, so this checks onegpu's sharded code path on the
 device (DTensor parameters, gradients and AdamW states, the gathered weights), not the arithmetic of N ranks,
-which the CPU suite proves in float64 over 2 gloo ranks (tests/unit/training/test_distributed.py).
+which the CPU suite proves in float64 over 2 gloo ranks (tests/unit/training/parallel/test_distributed.py).
 
 Printed per optimizer step: each arm's loss, grad_norm and step time (s), the relative differences of the loss and
 grad_norm; the gathered model's weights against the unsharded run's (max over tensors of max|a - b| / max|b|).
 Memory per arm, **measured**: parameters, gradients and optimizer states (bytes, :func:`onegpu.measure.memory.
 state_bytes` after step 1, which counts a DTensor's local storage: this rank's shards) and the peak per step, max
 over the steps (CUDA: peak allocated memory, ``torch.cuda.max_memory_allocated``; a CPU: the process's resident
-set, which holds both arms' leftovers: no figure of sharding). **Predicted** (:func:`onegpu.training.sharding.
+set, which holds both arms' leftovers: no figure of sharding). **Predicted** (:func:`onegpu.training.parallel.sharding.
 per_rank_bytes`, no measurement): one rank's params, grads, optimizer states and gathered weights for N = 1 (to
 set against the measured sharded arm) and N = 2, 4, 8 ranks (per rank memory where more GPUs exist).
 
@@ -92,7 +92,7 @@ def one_rank(device_type: str):
 
 def predicted(model, args) -> dict[int, dict[str, int]]:
     """``{N: per_rank_bytes(...)}`` for N in :data:`RANKS` from the unsharded ``model`` (bytes, predicted)."""
-    from onegpu.training import sharding
+    from onegpu.training.parallel import sharding
     return {n: sharding.per_rank_bytes(model, n, args.accum, "adamw_torch", not args.keep_gathered) for n in RANKS}
 
 

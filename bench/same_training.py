@@ -57,8 +57,8 @@ def arm(label, micro, accum, padding_free, backend, fused, tok, dsd, args) -> di
 
     from onegpu.config import PACKAGED_CHAT_MODEL, from_container
     from onegpu.models import loader
-    from onegpu.training import lm_head
     from onegpu.training.backends import base
+    from onegpu.training.objectives import lm_head
     cfg = from_container({"data": {"max_length": 64, "padding_free": padding_free},
                           "model": {"task": "causal-lm", "name_or_path": PACKAGED_CHAT_MODEL, "dropout": 0.0},
                           "train": {"backend": backend, "per_device_train_batch_size": micro,

@@ -34,7 +34,7 @@ def plain_run(model, tok, dsd, cfg, verbose: bool) -> dict:
 
     from onegpu.config import resolve
     from onegpu.training.backends import hf_trainer
-    from onegpu.training.batches import collator_for, model_inputs
+    from onegpu.training.objectives import collator_for, model_inputs
 
     class Stamps(TrainerCallback):
         def __init__(self):
@@ -77,8 +77,8 @@ def our_extras(cfg, labels, path, tok, dsd) -> dict:
     """Direct timings of the work ours does and plain does not: the activation probe (once per run) and
     the per-step measurement (RSS peak reset and read)."""
     from onegpu.measure import memory
-    from onegpu.training.batches import collator_for, model_inputs, probe_batch
-    from onegpu.training.loss import loss_for
+    from onegpu.training.objectives import collator_for, loss_for, model_inputs
+    from onegpu.training.objectives.batches import probe_batch
     model = arms.pretrained_model(cfg, labels, path)
     ds = model_inputs(dsd, cfg.model.task)["train"]
     batch = probe_batch(ds, collator_for(cfg.model.task, tok), cfg.train.per_device_train_batch_size)

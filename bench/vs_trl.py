@@ -7,7 +7,7 @@ train the same optimizer steps from the same weights on the same collated micro-
 once; each arm checks the SHA-256 of every micro-batch's ``input_ids`` it trains on against that list):
 
 - ``whole``: onegpu with ``train.fused_lm_head: false`` (the whole ``(rows, tokens, vocab)`` logits);
-- ``fused``: onegpu's default (:mod:`onegpu.training.lm_head`: the targets' logits only, in tiles);
+- ``fused``: onegpu's default (:mod:`onegpu.training.objectives.lm_head`: the targets' logits only, in tiles);
 - ``trl``: the model patched by TRL's ``add_fused_lm_head`` as ``SFTTrainer.__init__`` does (outputs
   ``log_probs``, ``entropy``, ``is_top1``) and called as ``SFTTrainer.compute_loss`` calls it
   (``fused_lm_head=True``, ``labels``, ``num_items_in_batch``: the step's target count).
@@ -63,7 +63,8 @@ def micro_batches(args, cfg):
 
     from onegpu.data import pipeline
     from onegpu.models import loader
-    from onegpu.training.batches import PaddingFreeCollator, model_inputs
+    from onegpu.training.objectives import model_inputs
+    from onegpu.training.objectives.batches import PaddingFreeCollator
     path = loader.resolve_model_path(cfg.model.name_or_path)
     dsd, tok, _, _ = pipeline.prepare(cfg, "prompt-completion", lambda texts: loader.load_tokenizer(path, "causal-lm"))
     rows = model_inputs(dsd, "causal-lm")["train"]
@@ -105,7 +106,7 @@ def build(arm: str, cfg, tok, path, device: str):
     import transformers
 
     from onegpu.models import loader, lora
-    from onegpu.training import lm_head
+    from onegpu.training.objectives import lm_head
     transformers.set_seed(cfg.train.seed)
     model = loader.build_causal_lm(path, tok, cfg.model, cfg.data.max_length, 0.0)
     if cfg.model.lora_adapters is not None:
@@ -123,7 +124,7 @@ def build(arm: str, cfg, tok, path, device: str):
 
 def loss_of(arm: str, model, mb: dict, num_items, bf16: bool = False):
     """One micro-batch's share of the step's mean loss, as the arm computes it (``bf16``: under bf16 autocast)."""
-    from onegpu.training.loss import causal_lm_loss
+    from onegpu.training.objectives.loss import causal_lm_loss
     features = {k: v for k, v in mb.items() if k != "labels"}
     with autocast(str(mb["input_ids"].device), bf16):
         if arm == "trl":
@@ -149,7 +150,7 @@ class _TrlCall:
 def saved_bytes(arm: str, model, mb: dict, bf16: bool = False) -> int:
     """Bytes one micro-batch saves for backward (activations: under bf16 autocast, its weight copies apart)."""
     from onegpu.measure import memory
-    from onegpu.training.loss import causal_lm_loss
+    from onegpu.training.objectives.loss import causal_lm_loss
     if arm == "trl":
         return memory.saved_bytes(_TrlCall(model, mb["labels"], bf16), mb, lambda out, labels: out)["activations"]
     with autocast(str(mb["input_ids"].device), bf16):
@@ -184,7 +185,7 @@ def train_arm(arm: str, steps, cfg, tok, path, device: str, digests: list[str], 
     """``--steps`` optimizer steps of ``arm``; its per-step loss, grad_norm and wall time, its peak."""
     import torch
 
-    from onegpu.training.loss import count_items
+    from onegpu.training.objectives import count_items
     model = build(arm, cfg, tok, path, device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.train.learning_rate)
     saved = max(saved_bytes(arm, model, {k: v.to(device) for k, v in mb.items()}, bf16) for mb in steps[0])

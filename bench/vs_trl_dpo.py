@@ -97,7 +97,8 @@ class Arm:
     micro-batches' forward and loss under bf16 autocast (fp32 weights and optimizer, as ``train.bf16``)."""
 
     def __init__(self, name: str, model, cfg, tok, device: str, bf16: bool = False):
-        from onegpu.training import lm_head, objectives
+        from onegpu.training import objectives
+        from onegpu.training.objectives import lm_head
         self.name, self.cfg, self.pad, self.trainer = name, cfg, tok.pad_token_id, None
         self.device, self.bf16 = device, bf16
         self.objective = objectives.get("preference")
@@ -127,7 +128,7 @@ class Arm:
     def batch(self, pairs: list[dict], device: str) -> dict:
         """The arm's collated micro-batch on ``device``."""
         if self.name == "onegpu":
-            from onegpu.training.dpo import PreferenceCollator
+            from onegpu.training.objectives.dpo import PreferenceCollator
             b = PreferenceCollator(self.pad)(pairs)
         else:
             from trl.trainer.dpo_trainer import DataCollatorForPreference

@@ -43,7 +43,7 @@ os.environ["XDG_CACHE_HOME"] = _CACHE
 os.environ["ONEGPU_CACHE_DIR"] = os.path.join(_CACHE, "onegpu")  # onegpu.measure.flops reads it first
 
 from onegpu import interpreter  # noqa: E402  (after the cache variables: onegpu modules may read them at import)
-from onegpu.training import host_allocator  # noqa: E402
+from onegpu.training.memory import host_allocator  # noqa: E402
 
 # The test processes import torch, transformers and MLflow as the `onegpu` command does: the same
 # garbage-collector start-up settings (onegpu.interpreter), and what collection leaves alive frozen.

@@ -219,13 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"onegpu {args.command}: error: {message}{_params_note(args)}", file=sys.stderr)
         return 2
     except Exception:
-        from onegpu.training import distributed  # the standard library only
+        from onegpu.training.parallel import distributed  # the standard library only
         # A launch's process: its launcher's last line names the rank and says this once for the launch.
         if not distributed.launched() and (note := _params_note(args)):
             print(f"onegpu {args.command}: error (traceback below){note}", file=sys.stderr)
         raise
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (onegpu.interpreter.start)
-        from onegpu.training import distributed, interrupt  # the standard library only
+        from onegpu.training.lifecycle import interrupt  # the standard library only
+        from onegpu.training.parallel import distributed
         if distributed.is_main():  # one line per stop, not one per process of a launch
             print(f"onegpu {args.command}: {interrupt.describe(e)}", file=sys.stderr)
         return 128 + getattr(e, "signum", 2)

@@ -98,7 +98,8 @@ LOW_BIT_OPTIMIZERS = {"adamw_bnb_8bit": 8, "adamw_torch_8bit": 8, "adamw_torch_4
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 # torch.compile modes (TrainingArguments.torch_compile_mode).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
-# train.cpu_allocator (onegpu.training.host_allocator): keep freed host memory for the next step, or glibc's defaults.
+# train.cpu_allocator (onegpu.training.memory.host_allocator): keep freed host memory for the next step, or glibc's
+# defaults.
 CPU_ALLOCATORS = ("caching", "system")
 # train.main_process_port: null = torchrun's default rendezvous port (--master-port).
 DEFAULT_MAIN_PROCESS_PORT = 29500
@@ -106,7 +107,8 @@ DEFAULT_MAIN_PROCESS_PORT = 29500
 CHECKPOINTING_BLOCKS = ("layer", "attention", "mlp")
 # train.eval_strategy: HF's IntervalStrategy values.
 EVAL_STRATEGIES = ("no", "steps", "epoch")
-# train.metric_for_best_model: the validation figures (onegpu.training.heldout) that can rank validation points.
+# train.metric_for_best_model: the validation figures (onegpu.training.objectives.heldout) that can rank validation
+# points.
 BEST_METRICS = ("eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity", "eval_mean_token_accuracy",
                 "eval_rewards/accuracies", "eval_rewards/margins")
 
@@ -241,7 +243,7 @@ def _loss_types(v) -> bool:
 @dataclass
 class DPOConfig:
     """``train.dpo``: preference tuning (``model.task: preference``) with TRL's ``DPOConfig`` names and
-    defaults (:mod:`onegpu.training.dpo`). In the equivalence key of preference runs only."""
+    defaults (:mod:`onegpu.training.objectives.dpo`). In the equivalence key of preference runs only."""
     beta: float = knob(0.1, key=IN_KEY, help="how far the policy may move from the reference (TRL's beta)",
                        rule=(lambda v: v > 0, "must be a positive number, got {v}"))
     loss_type: list[str] = knob(default_factory=lambda: ["sigmoid"], key=IN_KEY, help=(
@@ -260,7 +262,8 @@ class DPOConfig:
 @dataclass
 class FSDPConfig:
     """``train.fsdp``: FSDP2 sharding (torch's ``fully_shard``) of the model, its gradients and optimizer states over
-    the ``train.num_processes`` processes, with accelerate's FSDP plugin names (:mod:`onegpu.training.sharding`)."""
+    the ``train.num_processes`` processes, with accelerate's FSDP plugin names
+    (:mod:`onegpu.training.parallel.sharding`)."""
     enabled: bool = knob(False, help=(
         "FSDP2: each process holds 1/N of the weights, gradients and optimizer states (needs backend accelerate, "
         "num_processes >= 2)"), key=OutOfKey(_SHARDED))
@@ -755,7 +758,7 @@ def _check_train(t: TrainConfig, source: str) -> None:
 
 def _check_machines(t: TrainConfig, source: str) -> None:
     """``train.num_machines`` with ``machine_rank`` below it, ``num_processes`` an equal share per machine and
-    ``main_process_ip`` given (accelerate's names; :func:`onegpu.training.distributed.torchrun_args`)."""
+    ``main_process_ip`` given (accelerate's names; :func:`onegpu.training.parallel.distributed.torchrun_args`)."""
     if t.machine_rank >= t.num_machines:
         _fail(source, "train.machine_rank", f"is {t.machine_rank} but train.num_machines is {t.num_machines}: "
               f"machines are numbered 0 .. {t.num_machines - 1}")
@@ -834,7 +837,7 @@ def _check_fsdp(cfg: Config, source: str) -> None:
                 _fail(source, "train.fsdp.enabled", f"is true with {key}: {problem}")
 
 
-# The validation figures of each task (onegpu.training.heldout): what train.metric_for_best_model may name.
+# The validation figures of each task (onegpu.training.objectives.heldout): what train.metric_for_best_model may name.
 TASK_EVAL_METRICS = {task: traits.eval_metrics for task, traits in TASK_TRAITS.items()}
 
 

@@ -1,5 +1,5 @@
 """The evaluate stage's figures on the test split (``test_*``, HF ``Trainer.predict``'s prefix): a
-classifier's and a causal LM's exact figures (:mod:`onegpu.training.heldout`, which validation during
+classifier's and a causal LM's exact figures (:mod:`onegpu.training.objectives.heldout`, which validation during
 training shares), and for instruction data also greedy generations scored by ROUGE-L; which of them comes
 from the run's objective (:mod:`onegpu.training.objectives`), not a branch per task. rouge-score and
 matplotlib (heavy) are imported where they are used.
@@ -12,7 +12,7 @@ from onegpu import interpreter
 from onegpu.config import Config
 from onegpu.errors import failure_note as failure_note_of
 from onegpu.training import objectives
-from onegpu.training.heldout import TEST, Prediction, causal_lm_metrics, classifier_metrics, predict
+from onegpu.training.objectives.heldout import TEST, Prediction, causal_lm_metrics, classifier_metrics, predict
 
 __all__ = ["Prediction", "causal_lm_metrics", "classifier_metrics", "predict"]  # held-out figures, re-exported
 
@@ -81,12 +81,12 @@ def sft_metrics(model, tokenizer, dataset, cfg: Config, device: str, prefix: str
 def as_trained(model, cfg: Config):
     """``model`` (loaded from models/) with the output layer training ran: under ``train.fused_lm_head`` a
     causal LM's held-out loss then comes from the targets' logits in tiles, never the whole logits
-    (:func:`onegpu.training.lm_head.attach`; generation runs the model's own forward). Returns ``model``.
+    (:func:`onegpu.training.objectives.lm_head.attach`; generation runs the model's own forward). Returns ``model``.
     Raises:
         onegpu.errors.ModelError: an output layer the fused path would not reproduce (as training refused it).
     """
     if objectives.of(cfg).causal_lm and cfg.train.fused_lm_head:
-        from onegpu.training import lm_head
+        from onegpu.training.objectives import lm_head
         lm_head.check(model, "models/ (train.fused_lm_head)")
         lm_head.attach(model)
     return model

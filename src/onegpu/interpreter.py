@@ -156,7 +156,7 @@ def stop_on_signals() -> None:
     """SIGTERM (``kill``, a scheduler) and SIGHUP (the terminal closed) raise KeyboardInterrupt carrying
     ``signum``, as Ctrl-C's SIGINT does, so every stage ends its MLflow run KILLED with what it measured
     (the default action ends the process at once, its run left RUNNING). A training handles all three
-    itself (:mod:`onegpu.training.interrupt`). A signal ignored when the command started stays ignored
+    itself (:mod:`onegpu.training.lifecycle.interrupt`). A signal ignored when the command started stays ignored
     (``nohup``'s SIGHUP)."""
     for s in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(s) == signal.SIG_DFL:

@@ -88,7 +88,7 @@ def _generations(shown: int = 3) -> str:
 def _stopped() -> str:
     """For a stopped training: which one (its newest complete checkpoint under ``.onegpu/checkpoints``,
     the most recent of all configurations) and how to resume it; '' when none is kept."""
-    from onegpu.training.resume import latest_checkpoint
+    from onegpu.training.lifecycle.resume import latest_checkpoint
     root = paths.project_root() / ".onegpu" / "checkpoints"
     found = [c for c in map(latest_checkpoint, sorted(root.glob("*"))) if c is not None]
     if not found:

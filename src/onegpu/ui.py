@@ -35,7 +35,7 @@ from onegpu.errors import UserError
 VIEW_KEY = "onegpu-training-runs"  # the saved view's key: tag mlflow.sharedViewState.<VIEW_KEY>
 EXPERIMENT_KIND = tracking.EXPERIMENT_KIND  # set on a new experiment too (tracking.store); here for older ones
 # Columns of the runs table, in this order (metrics no training run has are left out). Memory and speed
-# come as the train stage's tags in people's units (training.run_tags.TABLE_TAGS: "1.46 GiB",
+# come as the train stage's tags in people's units (training.record.run_tags.TABLE_TAGS: "1.46 GiB",
 # "2.53 samples/s", "71% of 2 CPUs"): MLflow prints the metrics raw (1572425728, nine-digit floats).
 # The split and the knobs that are on are in the tag config ("bs4x4-fp32-ckpt"; with `auto`, the split
 # it chose): one column instead of the five params of the split, checkpointing and backend, so the costs

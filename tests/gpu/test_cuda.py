@@ -168,8 +168,8 @@ def test_the_fused_lm_head_on_cuda_gives_the_whole_logits_loss_and_gradients(dty
     bf16 autocast: 1e-2), and the allocator's peak over the loss is lower at a 32,768-token vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from onegpu.training import lm_head
-    from onegpu.training.loss import causal_lm_loss
+    from onegpu.training.objectives import lm_head
+    from onegpu.training.objectives.loss import causal_lm_loss
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32768, hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -215,10 +215,10 @@ def test_keeping_the_best_weights_adds_nothing_to_device_memory(tokenizer, dsd, 
 def test_a_fused_validation_pass_peaks_below_the_whole_logits_on_cuda():
     """Held-out figures of a SmolLM2-width causal LM (vocab 49,152) over 8 rows x 96 tokens: under the
     fused head the pass's CUDA peak above the weights is at most a third of the whole logits' (on the
-    CPU: tests/unit/training/test_lm_head.py measures both against the estimate)."""
+    CPU: tests/unit/training/objectives/test_lm_head.py measures both against the estimate)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from onegpu.training import heldout, lm_head
+    from onegpu.training.objectives import heldout, lm_head
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                          num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,

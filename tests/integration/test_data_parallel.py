@@ -11,7 +11,7 @@ rank; per-rank metrics beside the whole step's; step counts summed over the rank
 The classifier's two-process equality is proven more cheaply, not here: in float64 on the Trainer backend
 (2 gloo ranks x 4 x 1 = 1 x 8 x 1, every gradient) by
 tests/unit/equivalence/test_same_training_classifier.py::test_two_processes_are_one_in_float64_and_the_host_allocator_is_the_same_training,
-and the Accelerate backend's classification step over two ranks by tests/unit/training/test_distributed.py.
+and the Accelerate backend's classification step over two ranks by tests/unit/training/parallel/test_distributed.py.
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def _two_machines(projects, port: int, env: dict, *more: str) -> list[subprocess
 
 
 def test_two_machines_of_one_process_train_as_one_machine_of_two_in_float64(tmp_path, prepared, float64_reference):
-    from tests.unit.training.test_distributed import _free_port
+    from tests.unit.training.parallel.test_distributed import _free_port
     ref = float64_reference()
     project = two_process_project(prepared, tmp_path, max_steps=STEPS, backend="accelerate")
     zero, one = _two_machines((project, project), _free_port(), float64_env())
@@ -70,7 +70,7 @@ def test_a_rank_failing_on_a_machine_with_its_own_disk_is_named_and_both_resume_
     every 2 steps: rank 1 raising after step 3 ends the run FAILED naming it, with rank 0's printed steps kept, and
     each machine keeps the checkpoint of step 2 in its own folder; the same commands again resume both from it, to
     the one-machine run's per-step losses."""
-    from tests.unit.training.test_distributed import _free_port
+    from tests.unit.training.parallel.test_distributed import _free_port
     project = two_process_project(prepared, tmp_path / "machine0", max_steps=STEPS, save_steps=2, backend="accelerate")
     other = copy_project(project, tmp_path / "machine1")
     zero, one = _two_machines((project, other), _free_port(), float64_env(ONEGPU_TEST_FAULT="raise:1:3"))

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from onegpu.training.dpo import FIGURES
+from onegpu.training.objectives.dpo import FIGURES
 
 from .conftest import BIN, FAULTS, _env, client, copy_project, make_project, run, runs
 from .terminal import Terminal

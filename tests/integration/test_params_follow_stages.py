@@ -118,7 +118,7 @@ def test_every_key_a_stage_reads_makes_dvc_status_name_it(causal):
 
 def test_the_reference_stage_runs_again_for_what_decides_its_scores_alone(causal):
     """DPO's precomputed reference (the reference stage) is scored again when the model, the data or a param
-    of :data:`onegpu.training.precomputed.PARAMS` changes, not for a sweep of the learning rate, beta, the
+    of :data:`onegpu.training.objectives.precomputed.PARAMS` changes, not for a sweep of the learning rate, beta, the
     split or the LoRA rank: those re-run train alone (and evaluate)."""
     params_file = causal / "params.yaml"
     text = params_file.read_text()

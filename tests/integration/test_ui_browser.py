@@ -62,7 +62,8 @@ def _fill_store(root: Path) -> list[str]:
     import signal as signals
 
     from onegpu import tracking
-    from onegpu.training import closing_record, interrupt, run_tags
+    from onegpu.training.lifecycle import interrupt
+    from onegpu.training.record import closing_record, run_tags
     tr = tracking.connect("onegpu", root=root)
     prep = tr.start_run("prepare-run", {"stage": "prepare"})
     tr.log_metrics(prep, {"prepare_runtime": 1.0, "prepare_rows_per_second": 100.0, "prepare_mem_peak_bytes": 1e8})
@@ -101,7 +102,7 @@ def _fill_store(root: Path) -> list[str]:
     return ids
 
 
-from onegpu.training import figure as session_figure  # noqa: E402
+from onegpu.training.record import figure as session_figure  # noqa: E402
 
 ROWS_SHOWN: list = []  # the steps of the run whose page is shown (filled by _fill_store)
 
@@ -133,7 +134,7 @@ def _figure_pixels(png: Path) -> int:
     in a screenshot: how much of the figure the page's first screen shows."""
     from PIL import Image
 
-    from onegpu.training.figure import FACE
+    from onegpu.training.record.figure import FACE
     face = tuple(int(FACE[i:i + 2], 16) for i in (1, 3, 5))
     img = Image.open(png).convert("RGB")
     return sum(1 for px in img.getdata() if all(abs(a - b) <= 3 for a, b in zip(px, face)))

@@ -196,7 +196,8 @@ def test_fsdp_is_accepted_with_what_its_first_slice_runs(raw):
                           "train.save_steps": 10, "model.lora": {"r": 8}, "train.num_machines": 2,
                           "train.main_process_ip": "10.0.0.1"}.items():  # over machines: machines.agree's check
         _set(raw, dotted, value)
-    cfg = config.from_container(raw)  # with LoRA adapters too (proven in tests/unit/training/test_distributed.py)
+    cfg = config.from_container(raw)  # with LoRA adapters too (proven in
+    # tests/unit/training/parallel/test_distributed.py)
     assert cfg.train.fsdp == config.FSDPConfig(enabled=True, reshard_after_forward=False) and cfg.model.lora.r == 8
 
 
@@ -204,7 +205,7 @@ def test_fsdp_is_accepted_with_what_its_first_slice_runs(raw):
                                           ("preference", "bbcnews-headline-pairs")])
 def test_fsdp_is_accepted_with_the_fused_lm_head(raw, task, source):
     """The fused LM head (the default) of a causal LM and of DPO under sharding: its tiles project with the root's
-    gathered head (training/sharding.py:shard; proven in float64 by test_distributed.py's fused-* cases and
+    gathered head (training/parallel/sharding.py:shard; proven in float64 by test_distributed.py's fused-* cases and
     test_same_training_preference.py's *-fused cases); it was refused, and every sharded causal LM turned it off."""
     for dotted, value in {"train.fsdp.enabled": True, "train.backend": "accelerate", "train.num_processes": 2,
                           "train.oom_retry": False, "model.task": task, "model.name_or_path": None,

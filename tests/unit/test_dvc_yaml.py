@@ -39,14 +39,19 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-def code_read_by(stage: str) -> set[str]:
-    """Repo-relative paths of the onegpu source files ``onegpu <stage>`` can import."""
+def code_read_by(stage: str, packages: bool = True) -> set[str]:
+    """Repo-relative paths of the onegpu source files ``onegpu <stage>`` can import: a module's imports and
+    (``packages``) its packages' (importing ``onegpu.training.objectives.precomputed`` runs
+    ``onegpu/training/objectives/__init__`` first, and what that imports). Without ``packages``: the modules
+    the stage's code names, the ones whose functions it can call."""
     seen, todo = set(), [f"onegpu.stages.{stage}"]
     while todo:
         m = todo.pop()
         if m not in seen:
             seen.add(m)
             todo += _imports(_file(m))
+            if packages:
+                todo += [".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 1)]
     return {_file(m).relative_to(REPO).as_posix() for m in seen if _file(m).name != "__init__.py"}
 
 
@@ -58,6 +63,15 @@ def test_code_deps_match_what_the_stage_imports(stage):
     assert code - covered == set(), f"{stage} imports these but dvc.yaml does not list them"
     stray = [d for d in deps if not any(f == d or f.startswith(d.rstrip("/") + "/") for f in code)]
     assert stray == [], f"{stage} lists these but never imports them"
+
+
+def test_a_stages_code_includes_what_its_packages_import():
+    """Importing a module runs its packages' ``__init__`` first: the reference stage imports
+    ``objectives.precomputed`` by name, and ``objectives/__init__`` brings the registry and every objective
+    with it (data/chat.py likewise brings the whole ``data`` package), so dvc.yaml must list them too."""
+    named, loaded = code_read_by("reference", packages=False), code_read_by("reference")
+    assert "src/onegpu/training/objectives/registry.py" in loaded - named
+    assert "src/onegpu/data/splits.py" in loaded - named
 
 
 def test_stages_that_read_params_named_inputs_depend_on_their_links():
@@ -289,7 +303,7 @@ def _module_reads(m: _Module, seen: set) -> set[str]:
 def params_read_by(stage: str) -> set[str]:
     """Dotted params keys that ``stage``'s code reads (the rule: test_each_stage_declares_every_param_...)."""
     out, seen = set(), set(CHECKS_ONLY.get(stage, ()))
-    for path in sorted(code_read_by(stage) - {"src/onegpu/config.py"}):
+    for path in sorted(code_read_by(stage, packages=False) - {"src/onegpu/config.py"}):
         out |= _module_reads(_module(".".join(Path(path).relative_to("src").with_suffix("").parts)), seen)
     return out
 
@@ -320,7 +334,7 @@ def test_each_stage_declares_every_param_its_code_reads(stage):
     do not change it) or keeps it (``TrainRequest(cfg=cfg)``, read back as ``req.cfg`` above); modules in
     :data:`CHECKS_ONLY`.
     The rule over-reads rather than misses: a module counts whole, as in the code deps (evaluate imports
-    training/batches.py for its collator, so declares what the training rows there read as well).
+    training/objectives/batches.py for its collator, so declares what the training rows there read as well).
     """
     declared = STAGES[stage].get("params", [])
     read = params_read_by(stage)

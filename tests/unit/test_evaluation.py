@@ -21,7 +21,7 @@ GROUPS = ("market shares bank rates growth", "team final match crowd won", "film
 def test_the_evaluation_loop_runs_with_cpythons_collector_after_the_commands_start_up(monkeypatch, collector):
     """`onegpu evaluate` starts with onegpu.interpreter's start-up threshold; the measured loop (here the
     classifier's) runs with CPython's default thresholds, the start-up objects frozen, as training's does."""
-    from onegpu.training import heldout
+    from onegpu.training.objectives import heldout
     seen = []
     monkeypatch.setattr(heldout, "classifier_metrics", lambda *a: seen.append(
         (gc.get_threshold(), gc.get_freeze_count() > 0)) or ({}, [], []))
@@ -34,7 +34,7 @@ def test_the_evaluation_loop_runs_with_cpythons_collector_after_the_commands_sta
 def test_each_kind_of_data_gets_its_metrics_from_its_objective(monkeypatch):
     """No branch on model.task: the objective gives the test figures; instruction data (a token-level
     objective's rows with a `reference` column) adds generation."""
-    from onegpu.training import heldout
+    from onegpu.training.objectives import heldout
     calls = []
     monkeypatch.setattr(heldout, "classifier_metrics",
                         lambda *a: calls.append("classifier") or ({"c": 1}, [0], [1]))
@@ -170,7 +170,7 @@ def test_macro_f1_is_scikit_learns(gold, pred):
 
     from sklearn.metrics import f1_score
 
-    from onegpu.training import heldout
+    from onegpu.training.objectives import heldout
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # scikit-learn warns of labels without a prediction
         assert heldout.f1_macro(gold, pred) == pytest.approx(f1_score(gold, pred, average="macro"), abs=1e-15)
@@ -181,7 +181,7 @@ def test_each_process_reads_its_own_rows_of_a_held_out_split_once(monkeypatch, r
     """heldout.shard: contiguous shares over the processes, every row once (none padded in twice)."""
     from datasets import Dataset
 
-    from onegpu.training import heldout
+    from onegpu.training.objectives import heldout
     split, seen = Dataset.from_dict({"i": list(range(rows))}), []
     import torch.distributed as dist
     monkeypatch.setattr(dist, "is_initialized", lambda: True)  # a process group of `world`, as rank `rank`
@@ -196,7 +196,7 @@ def test_each_process_reads_its_own_rows_of_a_held_out_split_once(monkeypatch, r
 def _whole_and_fused(model, split, tokenizer, batch: int) -> tuple[dict, dict]:
     """The held-out figures of ``model`` over ``split`` with the whole logits, then under the fused LM head
     with the output layer's own forward made to fail (so the whole logits cannot have been built)."""
-    from onegpu.training import lm_head
+    from onegpu.training.objectives import lm_head
     cfg = from_container({"evaluate": {"per_device_eval_batch_size": batch}}, source="test")
     whole = evaluation.causal_lm_metrics(model, tokenizer, split, cfg, "cpu")
     lm_head.attach(model)
@@ -231,14 +231,14 @@ def test_on_the_packaged_chat_model_the_fused_heads_validation_figures_are_the_w
     3, 3 and 2 (completion-only targets): the fused head's loss within 1e-12 of the whole logits', the same
     token accuracy."""
     torch = pytest.importorskip("torch")
-    from onegpu.training import batches
+    from onegpu.training import objectives
     from tests.unit.equivalence import float64 as f64
     model = f64.packaged_chat_model().to(torch.float64)
     f64.float64_norms(model)
     split = f64.instruction_data("answers", 8)["train"]
     whole, fused = _whole_and_fused(model, split, f64.chat_tokenizer(), 3)
     assert fused["test_tokens"] == whole["test_tokens"] == sum(
-        sum(t != -100 for t in r["labels"][1:]) for r in batches.model_inputs(split, "causal-lm"))
+        sum(t != -100 for t in r["labels"][1:]) for r in objectives.model_inputs(split, "causal-lm"))
     assert fused["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-12)
     assert fused["test_mean_token_accuracy"] == whole["test_mean_token_accuracy"]
 

@@ -15,15 +15,16 @@ EXEMPT = {
     "__main__.py": "`python -m onegpu`: calls cli.entry; tests/unit/test_cli.py and the integration tests",
     "compare/records.py": "RunRecord: tests/unit/compare/test_verdict.py, test_groups.py (built by records.py)",
     "compare/summary.py": "one group in sentences: tests/unit/compare/test_groups.py, test_report.py",
-    "models/packaged.py": "the GGUF conversion: tests/unit/training/test_batches.py, tests/integration/test_sft.py",
+    "models/packaged.py": "the GGUF conversion: tests/unit/training/objectives/test_batches.py, "
+                          "tests/integration/test_sft.py",
     "stages/evaluate.py": _STAGE + " (test_pipeline.py)",
     "stages/inputs.py": _STAGE + " (test_inputs.py)",
     "stages/prepare.py": _STAGE + " (test_pipeline.py)",
     "stages/tradeoffs.py": _STAGE + " (test_tradeoffs.py); its arguments in tests/unit/test_cli.py",
     "tracking/runs.py": "RunHandle: tests/unit/tracking/test_store.py, test_spool.py write through it",
     "tracking/uri.py": "the store URI: tests/unit/tracking/test_store.py, tests/unit/test_paths.py",
-    "training/heldout.py": "the exact held-out figures: tests/unit/test_evaluation.py (through evaluation's "
-                           "names), tests/unit/training/test_validation.py",
+    "training/objectives/heldout.py": "the exact held-out figures: tests/unit/test_evaluation.py (through "
+                                      "evaluation's names), tests/unit/training/test_validation.py",
     "training/objectives/base.py": "the interface: tests/unit/training/objectives/ (each objective, the registry)",
     "training/backends/accelerate.py": "tests/unit/training/backends/test_base.py: both backends step for step",
 }

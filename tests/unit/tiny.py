@@ -40,8 +40,8 @@ def interrupt_at_step_2(train, ckpt):
     """``train(sink, checkpoint_dir=, stop=, checkpoint_meta=)`` stopped by a signal that "arrives"
     during optimizer step 2 (a GracefulStop stand-in); it must raise Interrupted. Returns the losses the
     sink saw and the checkpoint left in ``ckpt`` (None if none)."""
-    from onegpu.training.interrupt import Interrupted
-    from onegpu.training.resume import latest_checkpoint
+    from onegpu.training.lifecycle.interrupt import Interrupted
+    from onegpu.training.lifecycle.resume import latest_checkpoint
 
     class Stop:
         requested = None

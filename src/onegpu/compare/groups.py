@@ -7,23 +7,7 @@ from dataclasses import dataclass, field
 
 from onegpu.compare.records import RunRecord
 from onegpu.compare.summary import summarize
-from onegpu.compare.verdict import DIVERGED, EQUIVALENT, RunComparison, compare_run
-
-
-@dataclass
-class GroupComparison:
-    """The runs that share one ``equivalence_key``; ``rows[0]`` is the reference."""
-    key: str
-    reference: RunRecord
-    rows: list[RunComparison]
-    summary: str = ""
-
-    @property
-    def runs(self) -> list[RunRecord]:
-        return [r.run for r in self.rows]
-
-    def count(self, status: str) -> int:
-        return sum(r.status == status for r in self.rows)
+from onegpu.compare.verdict import DIVERGED, EQUIVALENT, GroupComparison, compare_run
 
 
 @dataclass

@@ -2,13 +2,8 @@
 likely causes, and the cheapest equivalent run in memory and the fastest in samples per second."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from onegpu.compare.verdict import DIVERGED, EQUIVALENT, INCOMPLETE, NO_DATA
+from onegpu.compare.verdict import DIVERGED, EQUIVALENT, INCOMPLETE, NO_DATA, GroupComparison
 from onegpu.formatting import mib
-
-if TYPE_CHECKING:
-    from onegpu.compare.groups import GroupComparison
 
 
 def summarize(g: GroupComparison) -> str:

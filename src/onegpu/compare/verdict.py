@@ -246,3 +246,19 @@ def _validation_curve(c: RunComparison, run: RunRecord, reference: RunRecord, to
                    + (f"; diverged at validation step {at}{first}" if at is not None else ""))
     if at is not None and c.first_divergent_step is None:
         c.first_divergent_step, c.first_divergent_metric = at, "eval_loss"
+
+
+@dataclass
+class GroupComparison:
+    """The runs that share one ``equivalence_key``; ``rows[0]`` is the reference."""
+    key: str
+    reference: RunRecord
+    rows: list[RunComparison]
+    summary: str = ""
+
+    @property
+    def runs(self) -> list[RunRecord]:
+        return [r.run for r in self.rows]
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.rows)

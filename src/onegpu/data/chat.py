@@ -12,7 +12,7 @@ training sequence starts with exactly the ids the model gets at generation time 
 generation prompt) are tokenized apart and joined, so an answer opening with whitespace (``"\\n\\n"``, two
 spaces) is not merged with the ``\\n`` after ``assistant`` into one token that is neither prompt nor target.
 
-**The loss mask** (labels = ids, -100 where masked; :mod:`onegpu.training.loss` shifts them):
+**The loss mask** (labels = ids, -100 where masked; :mod:`onegpu.training.objectives.loss` shifts them):
 ``data.completion_only_loss`` (null = on for prompt-completion rows) masks the prompt; the completion,
 its end-of-turn token (here pad = eos = ``<|im_end|>``) included, stays a target: masking is by position,
 never by token id. ``data.assistant_only_loss`` keeps only the assistant turns of ``messages`` rows, found

@@ -2,7 +2,7 @@
 
 TRL's best-fit-decreasing packer (``trl.data_utils.pack_dataset(strategy="bfd")``) fills each row with whole
 examples (sorted by length, each into the row it fits best) and records their lengths (``seq_lengths``);
-the padding-free collator (:class:`onegpu.training.batches.PaddingFreeCollator`) then restarts the
+the padding-free collator (:class:`onegpu.training.objectives.batches.PaddingFreeCollator`) then restarts the
 position ids at each example, so attention and next-token targets never cross from one example into
 another. Rows are shuffled with ``train.seed`` before packing (TRL's ``shuffle_dataset``: it decides
 which of equally long examples share a row).

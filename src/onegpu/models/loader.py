@@ -287,7 +287,7 @@ def enable_checkpointing(model, kwargs: dict | None = None) -> None:
     """Activation checkpointing on, with the current transformers name where it exists.
 
     ``kwargs``: ``use_reentrant`` (default False) and optionally ``every_n_layers`` (transformers'
-    ``activation_checkpointing_enable``); :mod:`onegpu.training.checkpointing` builds them from params."""
+    ``activation_checkpointing_enable``); :mod:`onegpu.training.memory.checkpointing` builds them from params."""
     kwargs = dict(kwargs or {"use_reentrant": False})
     every = kwargs.pop("every_n_layers", 1)
     extra = {"every_n_layers": every} if every != 1 else {}

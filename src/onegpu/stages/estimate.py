@@ -1,10 +1,9 @@
 """``onegpu estimate``: predicted memory per micro-batch for the current params, without training.
 
 One probe forward pass on one and two copies of the longest training row (with and without activation
-checkpointing; under the bf16/fp16 autocast the training uses, with the configured attention kernel and LoRA
-adapters) fixes the activation line; params, grads and optimizer states are exact sums over the model
-(:mod:`onegpu.training.autobatch`), one rank's under train.fsdp (:func:`onegpu.training.sharding.per_rank_estimate`).
-Rows: data/processed when prepare has run, else a few hundred from the source."""
+checkpointing; the training's autocast, attention kernel and LoRA adapters) fixes the activation line; params,
+grads, optimizer states: exact sums over the model (:mod:`onegpu.training.memory.autobatch`; one rank's under
+train.fsdp, ``sharding.per_rank_estimate``). Rows: data/processed, else a few hundred from the source."""
 from __future__ import annotations
 
 import time
@@ -13,19 +12,20 @@ from datasets import load_from_disk
 from datasets.utils.logging import disable_progress_bar
 
 from onegpu import config, data, paths
-from onegpu.config import Config
 from onegpu.data import pipeline
 from onegpu.formatting import GiB
 from onegpu.measure import memory
 from onegpu.models import loader
-from onegpu.training import autobatch, checkpointing, objectives, sharding, validation
+from onegpu.training import objectives, validation
+from onegpu.training.memory import autobatch, checkpointing
+from onegpu.training.parallel import sharding
 from onegpu.training.session import build_model, check_flattened
 
 DEFAULT_MICRO_BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SAMPLE_ROWS = 256  # rows read from data.source when prepare has not run
 
 
-def _rows(cfg: Config, tokenizer_path: str | None):
+def _rows(cfg: config.Config, tokenizer_path: str | None):
     """Rows for ``onegpu estimate``: ``(DatasetDict, tokenizer, where they came from)``: data/processed
     when prepare has run, else prepare's own reading of the first :data:`SAMPLE_ROWS` kept rows of
     ``data.source`` (:func:`onegpu.data.pipeline.sample`: its reader, de-duplication and tokenization, a
@@ -38,7 +38,7 @@ def _rows(cfg: Config, tokenizer_path: str | None):
     return dsd, tokenizer, f"{cfg.data.source} (first {len(dsd['train'])} rows, {fmt}, as prepare makes them)"
 
 
-def run(cfg: Config, micro_batches: list[int] | None = None, budget_gib: float | None = None) -> dict:
+def run(cfg: config.Config, micro_batches: list[int] | None = None, budget_gib: float | None = None) -> dict:
     config.check_device(cfg, memory.device_facts())  # e.g. flash_attention_2 on a CPU: one line, before any work
     disable_progress_bar()
     start = time.perf_counter()

@@ -2,7 +2,8 @@
 
 With ``model.task: preference`` and ``train.dpo.precompute_ref_log_probs`` (TRL's name), the model training
 starts from scores the chosen and rejected answer of every training, validation and test pair
-(:mod:`onegpu.training.precomputed`); train and evaluate read the scores instead of keeping a reference model.
+(:mod:`onegpu.training.objectives.precomputed`); train and evaluate read the scores instead of keeping a reference
+model.
 DVC re-runs this stage only when the model, the prepared data or the params that decide the scores change,
 so a sweep of the learning rate, beta or the batch split scores the pairs once. Otherwise it writes
 data/reference/unused.json and loads nothing.
@@ -10,7 +11,7 @@ data/reference/unused.json and loads nothing.
 from __future__ import annotations
 
 from onegpu.config import Config
-from onegpu.training import precomputed
+from onegpu.training.objectives import precomputed
 
 
 def run(cfg: Config) -> dict:
@@ -22,7 +23,8 @@ def run(cfg: Config) -> dict:
     from onegpu import paths
     from onegpu.measure import memory
     from onegpu.models import loader
-    from onegpu.training import lm_head, prepared
+    from onegpu.training import prepared
+    from onegpu.training.objectives import lm_head
     hf_logging.disable_progress_bar()  # no "Loading weights" bar between the stage's lines
     dsd = prepared.load_processed()
     model_path = loader.resolve_model_path(cfg.model.name_or_path)

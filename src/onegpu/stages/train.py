@@ -1,11 +1,9 @@
-"""``onegpu train``: fine-tune on data/processed -> models/, metrics/train.json, plots/train_steps.csv and
-plots/eval_steps.csv.
+"""``onegpu train``: fine-tune on data/processed -> models/, metrics/train.json, plots/{train,eval}_steps.csv.
 
-Opens the training run (one per training configuration) and ends it when the stage ends: SCHEDULED
-(trained; its evaluation is still to come), or FAILED/KILLED on an error or a stop. ``evaluate``
-re-opens the same run, logs into it and ends it FINISHED; the run id is kept in ``models/mlflow_run.json``.
-No run is RUNNING unless a process writes to it. The run itself: :mod:`onegpu.training.tracked_run`.
-"""
+Opens the training run (one per training configuration) and ends it when the stage ends: SCHEDULED (trained;
+its evaluation still to come), or FAILED/KILLED on an error or a stop. ``evaluate`` re-opens the same run, logs
+into it and ends it FINISHED; the run id is kept in ``models/mlflow_run.json``. No run is RUNNING unless a
+process writes to it. The run itself: :mod:`onegpu.training.tracked_run`."""
 from __future__ import annotations
 
 import sys
@@ -16,7 +14,9 @@ from onegpu.config import Config
 from onegpu.equivalence.key import run_config_hash
 from onegpu.measure import outside_load
 from onegpu.models import lora
-from onegpu.training import distributed, machines, prepared, recorder, session, tracked_run
+from onegpu.training import prepared, session, tracked_run
+from onegpu.training.parallel import distributed, machines
+from onegpu.training.record import recorder
 
 # metrics/train.json (`dvc exp show`, `dvc metrics diff`): these headline figures only, so a sweep's table fits a
 # terminal next to the params that vary; the rest (runtime, memory breakdown, FLOP/s, MFU, resolved.*, per-step series)

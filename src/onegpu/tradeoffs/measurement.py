@@ -1,7 +1,7 @@
 """``onegpu tradeoffs``' measurements: each variant's training run against the baseline's.
 
 Per row (:func:`measure_row`): steady-state samples per second (optimizer steps 2..N, the recorder's
-definition: :func:`onegpu.training.recorder.steady_samples_per_second`), peak memory (the CUDA allocator
+definition: :func:`onegpu.training.record.recorder.steady_samples_per_second`), peak memory (the CUDA allocator
 peak on a GPU; on CPU the breakdown params + grads + optimizer states + one micro-batch's activations,
 since the process RSS hides activation savings), time to the baseline's test loss, and the verdict:
 same training, same within a precision's tolerance, or a different training (:mod:`onegpu.compare`
@@ -16,7 +16,7 @@ import numpy as np
 from onegpu.compare import DIVERGED, EQUIVALENT, REFERENCE, RunComparison, RunRecord, compare_run
 from onegpu.compare.causes import DROPOUT
 from onegpu.tradeoffs.knobs import PRECISION, Variant
-from onegpu.training.recorder import steady_samples_per_second as steady_throughput
+from onegpu.training.record.recorder import steady_samples_per_second as steady_throughput
 
 # Verdicts shown in the table.
 SAME_TRAINING = "same training"
@@ -48,7 +48,7 @@ def compiled_by_step(r: RunRecord) -> dict[int, float]:
 
 def steady_samples_per_second(r: RunRecord) -> float | None:
     """Examples per second over the optimizer steps after the first that did not compile
-    (:func:`onegpu.training.recorder.steady_samples_per_second` on the run's ``step_examples``,
+    (:func:`onegpu.training.record.recorder.steady_samples_per_second` on the run's ``step_examples``,
     ``step_time_s`` and ``step_compile_s`` series: a row's warm-up is in none of its windows); the whole
     run's ``train_samples_per_second`` when the run has a single step or no per-step series."""
     examples, compiled = dict(r.series.get("step_examples", [])), compiled_by_step(r)

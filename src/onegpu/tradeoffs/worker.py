@@ -13,7 +13,7 @@ training or speed: Accelerate's process-wide state, Python garbage, the CUDA all
 what TorchDynamo compiled: a warm-up (``torch.compile``'s graphs, torchao's compiled optimizer step) is paid
 once per worker, by the first row that needs it, and a later window of that row runs the same compiled code
 (a new model of the same shapes passes its guards) instead of compiling it again. Any step that compiles
-is left out of the row's samples/s either way (``step_compile_s``, :func:`onegpu.training.recorder.warm_up`),
+is left out of the row's samples/s either way (``step_compile_s``, :func:`onegpu.training.record.recorder.warm_up`),
 and the batch's report says the seconds apart. Code no later row calls costs nothing but memory. What cannot
 be reset, the host allocator (``train.cpu_allocator``: glibc's ``mallopt`` is process-wide and cannot be
 undone), is why the pool keeps one worker per setting.

@@ -19,11 +19,14 @@ from dataclasses import dataclass
 
 from onegpu.config import Config
 from onegpu.measure import memory
-from onegpu.training import activation_offloading, checkpointing, distributed, objectives, oom
-from onegpu.training.batches import probe_batch
-from onegpu.training.interrupt import Interrupted
-from onegpu.training.loss import loss_for
-from onegpu.training.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
+from onegpu.training import objectives
+from onegpu.training.lifecycle import oom
+from onegpu.training.lifecycle.interrupt import Interrupted
+from onegpu.training.memory import activation_offloading, checkpointing
+from onegpu.training.objectives import loss_for
+from onegpu.training.objectives.batches import probe_batch
+from onegpu.training.parallel import distributed
+from onegpu.training.record.recorder import BatchCounter, StepRecorder, first_step_note, progress_line
 
 
 def schedule(len_dataloader: int, cfg: Config) -> tuple[int, int, int]:
@@ -42,7 +45,7 @@ def schedule(len_dataloader: int, cfg: Config) -> tuple[int, int, int]:
 
 
 def new_recorder(cfg: Config, sink: Callable[[dict, int], None], device, model) -> StepRecorder:
-    """The run's :class:`~onegpu.training.recorder.StepRecorder` on ``device``: its counter counts the
+    """The run's :class:`~onegpu.training.record.recorder.StepRecorder` on ``device``: its counter counts the
     objective's sequences per item, it takes the objective's per-step figures of ``model`` (DPO's rewards) and
     its memory breakdown starts with the objective's own terms (DPO's reference model)."""
     objective = objectives.of(cfg)
@@ -89,7 +92,8 @@ class Start:
 
 def announce(start: Start, optim) -> None:
     """Print (rank 0) ``start``'s line and, for an optimizer that compiles its first step (``optim``:
-    ``train.optim``, or transformers' ``OptimizerNames`` member), :func:`~onegpu.training.recorder.first_step_note`."""
+    ``train.optim``, or transformers' ``OptimizerNames`` member),
+    :func:`~onegpu.training.record.recorder.first_step_note`."""
     distributed.print_main(start.line())
     if note := first_step_note(optim):
         distributed.print_main(note)
@@ -97,7 +101,7 @@ def announce(start: Start, optim) -> None:
 
 def enable_checkpointing(model, t, by_framework: bool = False) -> None:
     """Switch ``t.gradient_checkpointing``'s activation checkpointing on in ``model``
-    (:func:`onegpu.training.checkpointing.enable`), unless it is off or ``by_framework``: the backend's
+    (:func:`onegpu.training.memory.checkpointing.enable`), unless it is off or ``by_framework``: the backend's
     framework switches it on itself (Trainer's ``activation_checkpointing``).
 
     Raises:
@@ -109,14 +113,14 @@ def enable_checkpointing(model, t, by_framework: bool = False) -> None:
 
 def offload_context(model, enabled: bool):
     """The context each micro-batch's forward and backward run in: ``train.activation_offloading``'s
-    (:func:`onegpu.training.activation_offloading.context`, reusable across steps) for ``model`` when
+    (:func:`onegpu.training.memory.activation_offloading.context`, reusable across steps) for ``model`` when
     ``enabled``, else a no-op."""
     return activation_offloading.context(model, enabled)
 
 
 def activation_probe(rows, collator, t, task: str) -> tuple[dict, Callable]:
     """``(batch, loss_fn)`` for :func:`begin`: the first micro-batch of ``rows`` collated by ``collator``
-    (:func:`onegpu.training.batches.probe_batch`, the sampler's RNG untouched) and ``task``'s loss."""
+    (:func:`onegpu.training.objectives.batches.probe_batch`, the sampler's RNG untouched) and ``task``'s loss."""
     return probe_batch(rows, collator, t.per_device_train_batch_size), loss_for(task)
 
 
@@ -142,7 +146,8 @@ def step_items(objective, batches: list[dict], device):
 def recover(error, model, batches: list[dict], pieces: int, accum: int, step: int, retry: bool,
             events: list[dict], objective) -> int:
     """After out-of-memory ``error`` at optimizer step ``step`` (``batches``: the micro-batches redone, each cut in
-    ``pieces`` pieces; ``accum``: the accumulation): :func:`onegpu.training.oom.recover` (gradients dropped, cache
+    ``pieces`` pieces; ``accum``: the accumulation): :func:`onegpu.training.lifecycle.oom.recover` (gradients dropped,
+    cache
     freed, the event appended to ``events``) and ``objective``'s step restarted (its per-step figures again).
     Returns the next number of pieces per micro-batch.
 
@@ -158,7 +163,7 @@ def recover(error, model, batches: list[dict], pieces: int, accum: int, step: in
 
 def progress(recorder: StepRecorder, step: int, total: int, every: int) -> None:
     """After step ``step`` of ``total`` is logged: its progress line
-    (:func:`~onegpu.training.recorder.progress_line`, rank 0) every ``every`` steps and at the last."""
+    (:func:`~onegpu.training.record.recorder.progress_line`, rank 0) every ``every`` steps and at the last."""
     if step % every == 0 or step == total:
         distributed.print_main(progress_line(step, total, recorder.rows, recorder.device, recorder.evals))
 
@@ -173,7 +178,8 @@ def empty_cache(step: int, every: int) -> bool:
 
 
 def stop_requested(stop, world: int, device) -> bool:
-    """Whether a stop was requested (``stop``: a :class:`~onegpu.training.interrupt.GracefulStop`, or None) on
+    """Whether a stop was requested (``stop``: a :class:`~onegpu.training.lifecycle.interrupt.GracefulStop`, or None)
+    on
     this rank or, under several processes (``world``), on any rank: all stop after the same step. Under
     several processes every rank must call it at the same point (one all-reduce on ``device``)."""
     requested = stop is not None and stop.requested is not None
@@ -183,6 +189,6 @@ def stop_requested(stop, world: int, device) -> bool:
 
 
 def interruption(stop, step: int) -> Interrupted:
-    """The :class:`~onegpu.training.interrupt.Interrupted` to raise after optimizer step ``step`` for a stop
+    """The :class:`~onegpu.training.lifecycle.interrupt.Interrupted` to raise after optimizer step ``step`` for a stop
     :func:`stop_requested` found: this rank's signal, or SIGTERM (15) where another rank's stop ended it."""
     return Interrupted(getattr(stop, "requested", None) or 15, step)

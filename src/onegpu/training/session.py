@@ -22,19 +22,13 @@ from onegpu.equivalence import equivalence_key, run_config_hash
 from onegpu.errors import ConfigError
 from onegpu.measure import memory
 from onegpu.models import loader, lora
-from onegpu.training import (
-    autobatch,
-    checkpointing,
-    distributed,
-    host_allocator,
-    lm_head,
-    objectives,
-    prepared,
-    validation,
-)
+from onegpu.training import objectives, prepared, validation
 from onegpu.training.backends import base
-from onegpu.training.interrupt import GracefulStop
-from onegpu.training.resume import ResumePoint, latest_checkpoint
+from onegpu.training.lifecycle.interrupt import GracefulStop
+from onegpu.training.lifecycle.resume import ResumePoint, latest_checkpoint
+from onegpu.training.memory import autobatch, checkpointing, host_allocator
+from onegpu.training.objectives import lm_head
+from onegpu.training.parallel import distributed
 
 
 @dataclass(frozen=True)
@@ -83,7 +77,7 @@ def check_resumable(cfg: Config, resume: ResumePoint | None) -> None:
     none) is held in another layout than ``cfg`` trains in: whole weights (data parallel, one process) under
     ``train.fsdp``, or shards under data parallel (``train.fsdp`` is outside the checkpoint hash). Another split
     resumes: whole weights load on any number of processes, shards reshard on load
-    (:func:`onegpu.training.resume.load_sharded_state`)."""
+    (:func:`onegpu.training.lifecycle.resume.load_sharded_state`)."""
     if resume is None:
         return
     fsdp = cfg.train.fsdp.enabled
@@ -139,12 +133,13 @@ def build_model(cfg: Config, model_path: str | None, stats: dict, tokenizer=None
     (or prepare's, for a model built from config).
 
     With ``model.lora`` the model is a ``peft.PeftModel`` (:func:`onegpu.models.lora.apply`). A causal LM
-    with ``train.fused_lm_head`` returns hidden states in train mode (:func:`onegpu.training.lm_head.attach`).
+    with ``train.fused_lm_head`` returns hidden states in train mode
+    (:func:`onegpu.training.objectives.lm_head.attach`).
     Raises:
         ModelError: ``train.gradient_checkpointing`` on a model that does not support it (or its
-            ``gradient_checkpointing_blocks``, :func:`onegpu.training.checkpointing.check`); LoRA target
+            ``gradient_checkpointing_blocks``, :func:`onegpu.training.memory.checkpointing.check`); LoRA target
             modules that match nothing; ``train.fused_lm_head`` on a causal LM whose logits it would not
-            reproduce (:func:`onegpu.training.lm_head.check`).
+            reproduce (:func:`onegpu.training.objectives.lm_head.check`).
     """
     from transformers import set_seed  # heavy: estimate and the launcher import this module too
     objective = objectives.of(cfg)
@@ -168,7 +163,7 @@ def build_model(cfg: Config, model_path: str | None, stats: dict, tokenizer=None
 
 def fit(plan: TrainPlan, model, tokenizer, dsd, sink: Callable[[dict, int], None], run_id: str = "",
         checkpoints: bool = True):
-    """The host allocator set (``train.cpu_allocator``, :mod:`onegpu.training.host_allocator`), then
+    """The host allocator set (``train.cpu_allocator``, :mod:`onegpu.training.memory.host_allocator`), then
     :func:`train` (bench's untracked arms; the tracked run sets the allocator itself, to tag the run with it)."""
     host_allocator.apply(plan.cfg.train.cpu_allocator, plan.device)  # before the first step allocates
     return train(plan, model, tokenizer, dsd, sink, run_id, checkpoints)
@@ -184,7 +179,7 @@ def train(plan: TrainPlan, model, tokenizer, dsd, sink: Callable[[dict, int], No
     ``stop``: the run's :class:`GracefulStop` (the tracked run's; None: one for this call alone); its loop
     phase covers the backend's loop.
     Raises:
-        onegpu.training.interrupt.Interrupted: a stop was requested (after the checkpoint is saved).
+        onegpu.training.lifecycle.interrupt.Interrupted: a stop was requested (after the checkpoint is saved).
     """
     backend = base.get(plan.cfg.train.backend)
     dsd = objectives.of(plan.cfg).prepared_data(dsd, model, tokenizer, plan.cfg)  # before a resume loads weights

@@ -1,12 +1,12 @@
 """One training run into MLflow, as the train stage, ``onegpu tradeoffs``' worker and ``bench/`` run it:
 :func:`run` on a :func:`onegpu.training.session.plan`.
 
-:func:`run` opens the MLflow run (named from its settings, :func:`onegpu.training.run_tags.config_name`),
+:func:`run` opens the MLflow run (named from its settings, :func:`onegpu.training.record.run_tags.config_name`),
 builds the model (:func:`onegpu.training.session.build_model`), finds the ``auto`` micro-batch and logs
 its probes, trains (:func:`onegpu.training.session.train`, the host allocator set once), logs what the
-recorder measured (:func:`onegpu.training.run_tags.log_results`) and hands the result to the caller's
+recorder measured (:func:`onegpu.training.record.run_tags.log_results`) and hands the result to the caller's
 ``save`` inside the run's guard (an error there fails the run). On the way out, finished or not, it logs
-the outside load and the run's figure (:mod:`onegpu.training.closing_record`); after a finished training
+the outside load and the run's figure (:mod:`onegpu.training.record.closing_record`); after a finished training
 it removes the checkpoints nothing can resume.
 
 The run ends SCHEDULED, not FINISHED: the configuration's run is finished once evaluate has logged into it.
@@ -28,14 +28,16 @@ from onegpu.equivalence import resolved_params
 from onegpu.formatting import gib
 from onegpu.measure import memory, outside_load
 from onegpu.models import loader, record
-from onegpu.training import autobatch, checkpointing, distributed, host_allocator, machines, objectives, session
-from onegpu.training.closing_record import closing_record, own_tree_root, reaped_figure
-from onegpu.training.interrupt import GracefulStop, Interrupted
-from onegpu.training.recorder import step_metrics
-from onegpu.training.resume import latest_checkpoint, tidy_other_checkpoints
-from onegpu.training.run_tags import CONFIG_TAG, config_name, log_results
+from onegpu.training import objectives, session
+from onegpu.training.lifecycle.interrupt import GracefulStop, Interrupted
+from onegpu.training.lifecycle.resume import latest_checkpoint, tidy_other_checkpoints
+from onegpu.training.memory import autobatch, checkpointing, host_allocator
+from onegpu.training.parallel import distributed, machines
+from onegpu.training.parallel.sharding import per_rank_bytes
+from onegpu.training.record.closing_record import closing_record, own_tree_root, reaped_figure
+from onegpu.training.record.recorder import step_metrics
+from onegpu.training.record.run_tags import CONFIG_TAG, config_name, log_results
 from onegpu.training.session import TrainPlan
-from onegpu.training.sharding import per_rank_bytes
 
 _BUDGET_CPU = ("; on a CPU the budget covers the training state: params, grads, optimizer states and "
                "activations, not the whole process")
@@ -70,14 +72,14 @@ def run(plan: TrainPlan, tracker, dsd, save: Callable[[TrainResult], None] | Non
     ``dsd``: the prepared ``DatasetDict``; ``save``: writes the outputs from the result, inside the run's
     guard; ``built``: a ``(model, tokenizer)`` to train instead of :func:`onegpu.training.session.build_model`'s
     (benchmarks); ``name``: the MLflow run name (None: the DVC experiment's, else
-    :func:`onegpu.training.run_tags.config_name`); ``probe``: a probe row of ``onegpu tradeoffs``
+    :func:`onegpu.training.record.run_tags.config_name`); ``probe``: a probe row of ``onegpu tradeoffs``
     (``plan.resume`` None): no resumable checkpoints, every checkpoint folder left alone, no figure (the
     batch's report plots the rows); ``tokenizer``: the one prepare used (None: the model's).
     Signals are handled from the start to the end of the run's record (:class:`GracefulStop`).
     Returns:
         The :class:`TrainResult`; the run is left SCHEDULED.
     Raises:
-        onegpu.training.interrupt.Interrupted: stopped on a signal, with the run id, the steps logged and
+        onegpu.training.lifecycle.interrupt.Interrupted: stopped on a signal, with the run id, the steps logged and
             the checkpoint kept on it.
     """
     run_id = _start_run(plan, tracker, name, tidy=not probe)
@@ -242,7 +244,7 @@ def _with_layout(plan: TrainPlan, model, tokenizer, dsd, tracker, run_id: str) -
 
 
 def _find_micro_batch(model, tokenizer, dsd, plan: TrainPlan, tracker, run_id: str) -> int:
-    """Run the ``auto`` finder (:mod:`onegpu.training.autobatch`) on ``model`` (moved to ``plan.device``,
+    """Run the ``auto`` finder (:mod:`onegpu.training.memory.autobatch`) on ``model`` (moved to ``plan.device``,
     checkpointed as configured) within ``plan.budget`` bytes; print and log its probes
     (``auto_micro_batch.json``, ``auto_micro_batch.md``). Returns the micro-batch, the smallest over ranks."""
     cfg, device, budget = plan.cfg, plan.device, plan.budget

@@ -1,12 +1,12 @@
 """Validation during training: the validation split evaluated after chosen optimizer steps and at the end,
-with the evaluate stage's code (:func:`onegpu.training.heldout.validation_metrics`: exact over the split), by
+with the evaluate stage's code (:func:`onegpu.training.objectives.validation_metrics`: exact over the split), by
 both backends alike.
 
 When (HF ``TrainingArguments``' names and meanings): ``train.eval_strategy`` ``steps`` validates after
 every ``train.eval_steps`` optimizer steps (below 1: that share of the run's steps, rounded up, as HF's
 ``TrainingArguments`` does), ``epoch`` after each epoch's last step, ``no`` never; with ``steps`` or
 ``epoch`` the run's last step is validated too. A backend hands a :class:`Validation` to its
-:class:`onegpu.training.recorder.StepRecorder`, which runs it after the step's own metrics and keeps its time
+:class:`onegpu.training.record.recorder.StepRecorder`, which runs it after the step's own metrics and keeps its time
 and peak memory out of the steps' (``eval_runtime``, ``eval_mem_peak_bytes`` are its own).
 
 Validation changes nothing of the training: the model is put in eval mode under ``torch.no_grad()`` and
@@ -14,7 +14,7 @@ back in its mode afterwards, and the random number generators are restored after
 (``torch.random.fork_rng``; a DataLoader draws its base seed from the global generator when it is
 iterated), so the steps' losses, gradient norms and weights are bit-equal with validation on or off
 (``tests/unit/training/test_validation.py``). Under several processes each validates its contiguous share
-of the split (:func:`onegpu.training.heldout.shard`: every row once) and the sums are all-reduced, so every
+of the split (:func:`onegpu.training.objectives.heldout.shard`: every row once) and the sums are all-reduced, so every
 process holds the one-process figures.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 
 from onegpu.config import Config
 from onegpu.errors import ConfigError
-from onegpu.training import distributed
+from onegpu.training.parallel import distributed
 
 
 def interval(cfg: Config, total_steps: int, steps_per_epoch: int) -> int | None:
@@ -71,17 +71,17 @@ class Validation:
         return step % self.every == 0 or step == self.total_steps
 
     def __call__(self, step: int) -> dict:
-        """The split's ``eval_*`` figures with the weights after ``step`` (:func:`onegpu.training.heldout.
+        """The split's ``eval_*`` figures with the weights after ``step`` (:func:`onegpu.training.objectives.
         validation_metrics`); the model's mode and every random number generator as they were."""
         import torch
 
-        from onegpu.training import heldout
+        from onegpu.training import objectives
         was_training = self.model.training
         devices = [self.device] if self.device.startswith("cuda") else []
         try:
             with torch.random.fork_rng(devices=devices):
-                metrics = heldout.validation_metrics(self.model, self.tokenizer, self.dataset, self.cfg,
-                                                     self.device)
+                metrics = objectives.validation_metrics(self.model, self.tokenizer, self.dataset, self.cfg,
+                                                        self.device)
         finally:
             self.model.train(was_training)
         return metrics
@@ -126,7 +126,7 @@ class Validation:
         import torch
 
         from onegpu.measure import memory
-        from onegpu.training import sharding
+        from onegpu.training.parallel import sharding
         if sharding.is_sharded(self.model):  # train.fsdp: every rank sends its shards, rank 0 gets the whole
             state = sharding.full_state(self.model)
         elif distributed.is_main():
@@ -150,7 +150,7 @@ class Validation:
         best, _ = best_point(evals, t.metric_for_best_model, greater(t), t.early_stopping_threshold)
         if not t.load_best_model_at_end or best is None or not os.path.isfile(self._best_file()):
             return None
-        from onegpu.training import sharding
+        from onegpu.training.parallel import sharding
         if sharding.is_sharded(model):  # train.fsdp, a rank but 0: it writes no models/ (rank 0's is gathered)
             return best
         from onegpu.measure import memory
@@ -255,11 +255,11 @@ def estimate_line(model, tokenizer, dsd, cfg: Config, est: dict) -> str | None:
     validation rows): the model's params and optimizer states stay (the gradients are freed after each
     optimizer step, before the pass), the pass adds its output layer's and loss's peak for batches of
     ``evaluate.per_device_eval_batch_size`` rows as long as the split's longest
-    (:func:`onegpu.training.autobatch.validation_term`; before prepare has run, the longest of the sampled
-    rows, which the split is cut from). ``est``: :func:`onegpu.training.autobatch.estimate`'s."""
+    (:func:`onegpu.training.memory.autobatch.validation_term`; before prepare has run, the longest of the sampled
+    rows, which the split is cut from). ``est``: :func:`onegpu.training.memory.autobatch.estimate`'s."""
     from onegpu.formatting import mib
-    from onegpu.training import autobatch
-    from onegpu.training.batches import collator_for, model_inputs
+    from onegpu.training.memory import autobatch
+    from onegpu.training.objectives import collator_for, model_inputs
     split = dsd["validation"] if "validation" in dsd else dsd["train"]  # (prepare not run: the source's sample)
     if cfg.train.eval_strategy == "no" or len(split) == 0:
         return None

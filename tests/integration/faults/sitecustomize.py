@@ -56,7 +56,7 @@ def _failing_validation(module) -> None:
     module.Validation.__call__ = failing
 
 
-_PATCHES = {"raise": ("onegpu.training.recorder", _failing_end_step),
+_PATCHES = {"raise": ("onegpu.training.record.recorder", _failing_end_step),
             "raise_validating": ("onegpu.training.validation", _failing_validation),
             "slow_validation": ("onegpu.training.validation", _slow_validation)}
 

@@ -16,7 +16,7 @@ from bench import fsdp, gpu_models  # noqa: E402
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """``(args, runs, error)`` of :func:`bench.fsdp.run` on a 1-layer hidden-32 model, 2 steps of 2 x 2."""
-    from onegpu.training import host_allocator
+    from onegpu.training.memory import host_allocator
     own = host_allocator.apply  # not the process-wide mallopt (as tests/unit/bench/test_memory_knobs.py)
     host_allocator.apply = lambda setting, device: setting
     try:

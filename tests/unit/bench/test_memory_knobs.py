@@ -37,7 +37,7 @@ def test_each_check_fails_where_its_bar_is_crossed():
 
 
 def test_the_adamw_arm_trains_through_onegpu_with_eight_bytes_of_state_per_weight(tmp_path, monkeypatch):
-    from onegpu.training import host_allocator
+    from onegpu.training.memory import host_allocator
     # not bench.environment.setup() (its SIGTERM handler would outlive the test) nor the process-wide mallopt
     monkeypatch.setattr(host_allocator, "apply", lambda setting, device: setting)
     model = gpu_models.write_smollm2(tmp_path / "m", layers=1, hidden=32, heads=2, kv_heads=1, intermediate=48)

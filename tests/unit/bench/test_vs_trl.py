@@ -8,8 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from bench import vs_trl  # noqa: E402
-from onegpu.training import lm_head  # noqa: E402
-from tests.unit.training import test_batches as tb  # noqa: E402
+from onegpu.training.objectives import lm_head  # noqa: E402
+from tests.unit.training.objectives import test_batches as tb  # noqa: E402
 
 
 def _arm(arm: str):
@@ -25,7 +25,8 @@ def _arm(arm: str):
 
 
 def test_the_three_arms_give_one_loss_and_gradient_and_the_whole_logits_save_the_most():
-    from onegpu.training.batches import PaddingFreeCollator, model_inputs
+    from onegpu.training.objectives import model_inputs
+    from onegpu.training.objectives.batches import PaddingFreeCollator
     rows = model_inputs(tb.dataset(), "causal-lm")["train"]
     mb = PaddingFreeCollator()([rows[i] for i in range(4)])
     assert vs_trl.digest(mb) == vs_trl.digest(PaddingFreeCollator()([rows[i] for i in range(4)]))
@@ -47,7 +48,8 @@ def test_the_three_arms_give_one_loss_and_gradient_and_the_whole_logits_save_the
 
 
 def test_under_bf16_autocast_the_arms_agree_within_bf16():
-    from onegpu.training.batches import PaddingFreeCollator, model_inputs
+    from onegpu.training.objectives import model_inputs
+    from onegpu.training.objectives.batches import PaddingFreeCollator
     rows = model_inputs(tb.dataset(), "causal-lm")["train"]
     mb = PaddingFreeCollator()([rows[i] for i in range(4)])
     losses = {}

@@ -15,7 +15,7 @@ pytest.importorskip("trl")
 from bench import vs_trl_dpo  # noqa: E402
 from onegpu.config import from_container  # noqa: E402
 from tests.unit.equivalence import float64  # noqa: E402
-from tests.unit.training import test_batches as tb  # noqa: E402
+from tests.unit.training.objectives import test_batches as tb  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

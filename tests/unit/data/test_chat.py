@@ -13,7 +13,7 @@ SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, train
 
 @pytest.fixture(scope="module")
 def tok():
-    from tests.unit.training import test_batches as tp
+    from tests.unit.training.objectives import test_batches as tp
     return tp.tokenizer()
 
 
@@ -142,7 +142,7 @@ def test_ignore_index_is_defined_once_in_data_and_training_uses_it():
     from pathlib import Path
 
     import onegpu
-    from onegpu.training import batches, loss
+    from onegpu.training.objectives import batches, loss
     src = Path(onegpu.__file__).parent
     defined = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if "IGNORE_INDEX = " in p.read_text())
     assert defined == ["data/chat.py"]

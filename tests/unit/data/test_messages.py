@@ -50,7 +50,7 @@ def test_messages_and_a_tokenizer_without_a_chat_template_is_one_line_before_any
     from datasets import DatasetDict
 
     from onegpu.data import splits
-    from tests.unit.training import test_batches as tp
+    from tests.unit.training.objectives import test_batches as tp
     tok = tp.tokenizer()
     monkeypatch.setattr(tok, "chat_template", None)
     msgs = [[{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]]

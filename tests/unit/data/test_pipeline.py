@@ -13,7 +13,7 @@ from tests.unit.data.rows import cfg, write_jsonl
 
 @pytest.fixture(scope="module")
 def tok():
-    from tests.unit.training import test_batches as tp
+    from tests.unit.training.objectives import test_batches as tp
     return tp.tokenizer()
 
 

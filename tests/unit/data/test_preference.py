@@ -20,7 +20,7 @@ def _cfg(source: str, **data):
 
 
 def chat_tokenizer():
-    from tests.unit.training.test_batches import tokenizer
+    from tests.unit.training.objectives.test_batches import tokenizer
     return tokenizer()
 
 

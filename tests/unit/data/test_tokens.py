@@ -10,7 +10,7 @@ from onegpu.errors import DataError
 
 @pytest.fixture(scope="module")
 def tok():
-    from tests.unit.training import test_batches as tp
+    from tests.unit.training.objectives import test_batches as tp
     return tp.tokenizer()
 
 

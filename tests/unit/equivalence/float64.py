@@ -170,8 +170,8 @@ def assert_same(a: Run, b: Run, rel: float = REL, steps: int = 2) -> None:
 # -- the jobs: data and models --
 
 def chat_tokenizer():
-    """The packaged SmolLM2 tokenizer, converted once (tests/unit/training/test_batches.py's)."""
-    from tests.unit.training import test_batches
+    """The packaged SmolLM2 tokenizer, converted once (tests/unit/training/objectives/test_batches.py's)."""
+    from tests.unit.training.objectives import test_batches
     return test_batches.tokenizer()
 
 
@@ -270,7 +270,7 @@ def lm_run(kind: str = "yes_no", micro: int = 8, accum: int = 1, fused: bool = T
            attn: str = "sdpa", padding_free: bool = False, checkpointing: tuple = (), tied: bool = True,
            lora: bool = False, dtype=torch.float64) -> Run:
     """2 optimizer steps of the from-config model (:func:`smollm2_shaped`), 8 rows of ``kind`` per step."""
-    from onegpu.training import lm_head
+    from onegpu.training.objectives import lm_head
     model = smollm2_shaped(attn=attn, tied=tied)
     if lora:
         from onegpu.config import LoraConfig
@@ -313,7 +313,7 @@ def packaged_run(micro: int = 8, accum: int = 1, fused: bool = True, backend: st
     """``steps`` optimizer steps of the packaged SmolLM2-135M-Instruct (attention ``attn``) on ``micro *
     accum`` rows of ``kind`` each, times ``num_processes`` (the effective batch; ``yes_no``: the one-word answers
     of the issue's job)."""
-    from onegpu.training import lm_head
+    from onegpu.training.objectives import lm_head
     model = packaged_chat_model(attn)
     if fused:
         lm_head.attach(model)
@@ -358,11 +358,13 @@ def dpo_run(micro: int = 8, accum: int = 1, pairs: int = 8, steps: int = 2, fuse
     """``steps`` optimizer steps of DPO on the from-config model (:func:`smollm2_shaped`), ``pairs`` pairs per
     step (``rows`` pairs of data, default ``pairs x steps``: fewer repeat them in another epoch), its reference
     set up as the stage sets it (the objective's ``prepare_model``, after the cast). ``packaged``: the packaged
-    SmolLM2-135M-Instruct itself; ``tiny``: a hidden-32 Llama of its vocabulary (tests/unit/training/test_batches.py).
+    SmolLM2-135M-Instruct itself; ``tiny``: a hidden-32 Llama of its vocabulary
+    (tests/unit/training/objectives/test_batches.py).
     ``train_cfg``: more ``train`` keys (``num_processes``, ``fsdp``...)."""
-    from onegpu.training import lm_head, objectives
+    from onegpu.training import objectives
+    from onegpu.training.objectives import lm_head
     if tiny:
-        from tests.unit.training.test_batches import tiny_llama
+        from tests.unit.training.objectives.test_batches import tiny_llama
     model = packaged_chat_model() if packaged else tiny_llama() if tiny else smollm2_shaped()
     if lora:
         from onegpu.config import LoraConfig

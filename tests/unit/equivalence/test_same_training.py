@@ -39,8 +39,8 @@ PROOFS = {
     "train.gradient_accumulation_steps": "float64: test_splits_*",
     "train.effective_batch_size": "float64: test_splits_* (the resolved effective batch is in the key)",
     "train.num_processes": "float64: test_two_processes_are_one_in_float64_and_the_host_allocator_*",
-    "train.memory_budget_gib": "float64: test_splits_* (auto picks a split; tests/unit/training/test_autobatch.py: "
-                               "the split given by hand's key)",
+    "train.memory_budget_gib": "float64: test_splits_* (auto picks a split; "
+                               "tests/unit/training/memory/test_autobatch.py: the split given by hand's key)",
     "train.gradient_checkpointing": "float64: test_checkpointing_*",
     "train.gradient_checkpointing_kwargs.use_reentrant": "float64: test_checkpointing_*",
     "train.gradient_checkpointing_kwargs.every_n_layers": "float64: test_checkpointing_*",
@@ -57,11 +57,12 @@ PROOFS = {
                            "under glibc's defaults, the reference under the caching allocator)",
     "train.dataloader_num_workers": "float64: test_dataloader_workers_are_the_same_training",
     # FSDP2 over 2 gloo processes = 1 process unsharded, float64 within 1e-12: its proof runs in the two spawned
-    # ranks that tests/unit/training/test_distributed.py's other multi-process tests share (spawns are costly).
-    "train.fsdp.enabled": "float64 in 2 ranks: tests/unit/training/test_distributed.py::"
+    # ranks that tests/unit/training/parallel/test_distributed.py's other multi-process tests share (spawns are
+    # costly).
+    "train.fsdp.enabled": "float64 in 2 ranks: tests/unit/training/parallel/test_distributed.py::"
                           "test_fsdp2_over_two_processes_is_one_process_in_float64 (accumulation 1 and 4, whole "
                           "logits and the fused LM head)",
-    "train.fsdp.reshard_after_forward": "float64 in 2 ranks: tests/unit/training/test_distributed.py::"
+    "train.fsdp.reshard_after_forward": "float64 in 2 ranks: tests/unit/training/parallel/test_distributed.py::"
                                         "test_fsdp2_over_two_processes_is_one_process_in_float64 (true at "
                                         "accumulation 1, false at 4)",
     # More than one machine: two launchers on loopback (machine ranks 0 and 1, one process each) = one machine of
@@ -83,7 +84,8 @@ PROOFS = {
     "train.early_stopping_threshold": "which validation point is the best: no arithmetic",
     # No float64 proof possible or needed, and why:
     "train.logging_steps": "terminal output only: no arithmetic",
-    "train.save_steps": "checkpoints: tests/unit/training/test_resume.py (resumed = uninterrupted, per step)",
+    "train.save_steps": "checkpoints: tests/unit/training/lifecycle/test_resume.py "
+                        "(resumed = uninterrupted, per step)",
     "evaluate.per_device_eval_batch_size": "evaluation only: no training arithmetic",
     "tracking.experiment_name": "where results are logged: no arithmetic",
     "data.max_eval_samples": "evaluation data only",

@@ -38,7 +38,7 @@ def test_the_splits_proof_sees_a_mean_of_micro_batch_means(monkeypatch):
     """The accumulation bug planted: each micro-batch's loss its own mean over its rows, divided by the
     accumulation count. Step 1 (two micro-batches of 4) is unchanged; step 2's micro-batches of 4 and 2
     rows weight their rows unequally, and its loss and grad_norm move far beyond the proof's 1e-12."""
-    from onegpu.training import loss
+    from onegpu.training.objectives import loss
     ref, exact = _short_step_ref(), loss.classification_loss  # the reference trained with the exact loss
     monkeypatch.setattr(loss, "classification_loss",
                         lambda outputs, labels, num_items_in_batch=None: exact(outputs, labels, None) / 2)
@@ -86,7 +86,8 @@ def _ranks(rank: int, port: int, out_dir: str, parts: list[str]) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from accelerate.state import AcceleratorState, GradientState
 
-    from onegpu.training import distributed, host_allocator
+    from onegpu.training.memory import host_allocator
+    from onegpu.training.parallel import distributed
     distributed.TIMEOUT_S = 60
     results = {"allocator": host_allocator.apply("system", "cpu")}
     for part in parts:
@@ -102,7 +103,7 @@ def rank_results(request, tmp_path_factory) -> list[dict]:
     the part of each selected test below in turn."""
     import torch.multiprocessing as mp
 
-    from tests.unit.training.test_distributed import _free_port
+    from tests.unit.training.parallel.test_distributed import _free_port
     tests = {"two": test_two_processes_are_one_in_float64_and_the_host_allocator_is_the_same_training,
              "short": test_two_processes_with_a_short_last_step_are_one_in_float64,
              "fsdp": test_fsdp2_over_two_processes_is_one_process_on_the_packaged_classifier_in_float64}
@@ -123,7 +124,7 @@ def test_two_processes_are_one_in_float64_and_the_host_allocator_is_the_same_tra
     """2 processes x 4 x 1 under glibc's defaults = 1 process x 8 x 1 with the caching allocator (the test
     processes run under it, tests/conftest.py): one equality proves both knobs (a difference in either
     would show)."""
-    from onegpu.training import host_allocator
+    from onegpu.training.memory import host_allocator
     assert host_allocator._state["applied"].startswith("caching (glibc mallopt")
     for r in rank_results:
         assert r["allocator"] == "system"
@@ -132,7 +133,8 @@ def test_two_processes_are_one_in_float64_and_the_host_allocator_is_the_same_tra
 
 # An epoch's short last step under 2 processes: (backend, micro-batch, accumulation, rows) of each case. Accelerate
 # deals micro-batches of the epoch round-robin and fills the last ones with rows repeated from its start
-# (even_batches); each case's repeats are left out (training.batches.own_rows), and where a process has no row of
+# (even_batches); each case's repeats are left out (training.objectives.batches.own_rows), and where a process has no
+# row of
 # its own its micro-batch weighs 0 (Objective.pad_loss).
 SHORT_CASES = {"trainer-4x1-14": ("trainer", 4, 1, 14),      # step 2: 4 + 2 own rows of 4 + 4
                "accelerate-4x1-10": ("accelerate", 4, 1, 10),  # step 2: 2 own rows + a micro-batch of repeats only

@@ -64,7 +64,7 @@ def test_the_splits_proof_sees_a_mean_of_micro_batch_means(monkeypatch):
     ``num_items_in_batch``). On these rows the 4 x 2 micro-batches hold different numbers of targets, and
     the proof's distance to 8 x 1 is far above its 1e-12; the same loss at 8 x 1 (one micro-batch a step)
     is the exact one. (On the ``yes_no`` rows, 3 targets each, this loss would pass the proof.)"""
-    from onegpu.training import loss
+    from onegpu.training.objectives import loss
     ref, exact, accum = _ref(), loss.causal_lm_loss, 2  # the reference trained with the exact loss
     targets = [sum(t != -100 for t in row[1:]) for row in f64.instruction_data(KIND, 16)["train"]["labels"]]
     assert min(targets) == 3 and max(targets) == 9, targets

@@ -78,12 +78,12 @@ def test_the_packaged_chat_model_in_float64_rounds_nothing_to_float32():
     by rounding only (< 1e-13 relative). Without it the RMSNorms round to float32 and these changes
     (measured on an Intel Xeon with AVX-512) each moved the loss by the same 2.1e-8: the float64 proofs'
     1e-12 would rest on where a machine's summation order happens to leave the float32 roundings."""
-    from onegpu.training import batches
-    from onegpu.training.loss import causal_lm_loss
+    from onegpu.training import objectives
+    from onegpu.training.objectives.loss import causal_lm_loss
     model = f64.packaged_chat_model().to(torch.float64).eval()
     assert f64.float64_norms(model) == 61  # 2 per layer, 30 layers, and the final norm
-    rows = batches.model_inputs(f64.instruction_data("yes_no", 8)["train"], "causal-lm").select(range(4))
-    batch = batches.collator_for("causal-lm", f64.chat_tokenizer())(list(rows))  # a padded micro-batch of 4
+    rows = objectives.model_inputs(f64.instruction_data("yes_no", 8)["train"], "causal-lm").select(range(4))
+    batch = objectives.collator_for("causal-lm", f64.chat_tokenizer())(list(rows))  # a padded micro-batch of 4
 
     def loss() -> float:
         with torch.no_grad():
@@ -107,7 +107,7 @@ def _fsdp_rank(rank: int, port: int, out_dir: str) -> None:
     import os
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from onegpu.training import distributed
+    from onegpu.training.parallel import distributed
     distributed.TIMEOUT_S = 600  # a 135M-parameter float64 step takes tens of seconds on 2 cores
     run = _packaged(1, 2, backend="accelerate", num_processes=2, eval_strategy="no", oom_retry=False,
                     fsdp={"enabled": True}, kind="answers", gradient_checkpointing=True)
@@ -126,7 +126,7 @@ def test_on_the_packaged_chat_model_the_fused_head_sharded_over_two_processes_is
     moves by about sqrt(n) x 1.1e-16 = 1.3e-12 with the order (the gradients it sums are within 1e-12 here)."""
     import torch.multiprocessing as mp
 
-    from tests.unit.training.test_distributed import _free_port
+    from tests.unit.training.parallel.test_distributed import _free_port
     mp.spawn(_fsdp_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     (rows, grads), (other, _) = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert rows == other and len(rows) == 2

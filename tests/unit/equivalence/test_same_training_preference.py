@@ -100,7 +100,7 @@ def test_an_out_of_memory_retry_is_the_same_training_rewards_included(backend, p
 @pytest.mark.parametrize("backend", ["trainer", "accelerate"])
 def test_a_step_of_7_pairs_as_4_plus_3_is_the_7_pair_step_in_float64(backend):
     """7 pairs of data, 2 epochs: each step is the epoch's 7 pairs, as 7 x 1 or as 4 + 3 (TRL would weigh
-    the 3 pairs' mean like the 4's: tests/unit/training/test_dpo.py shows by how much)."""
+    the 3 pairs' mean like the 4's: tests/unit/training/objectives/test_dpo.py shows by how much)."""
     whole = float64.dpo_run(7, 1, pairs=7, rows=7, backend=backend)
     assert_same(float64.dpo_run(4, 2, pairs=7, rows=7, backend=backend), whole)
     assert [r["loss"] for r in whole.rows][0] == math.log(2) and whole.rows[1]["loss"] != math.log(2)
@@ -122,10 +122,11 @@ def test_a_stopped_and_resumed_run_is_the_uninterrupted_one(tmp_path, monkeypatc
     import importlib
 
     from onegpu.config import from_container
-    from onegpu.training import lm_head, objectives
+    from onegpu.training import objectives
     from onegpu.training.backends import base
+    from onegpu.training.objectives import lm_head
     from tests.unit import tiny
-    from tests.unit.training.test_batches import tiny_llama
+    from tests.unit.training.objectives.test_batches import tiny_llama
     monkeypatch.chdir(tmp_path)
     train = {"backend": backend, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 4,
              "optim": "sgd", "learning_rate": 1e-2, "max_grad_norm": 0.0, "seed": 3}
@@ -192,7 +193,7 @@ def _fsdp_rank(rank: int, port: int, out: str) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from accelerate.state import AcceleratorState, GradientState
 
-    from onegpu.training import distributed
+    from onegpu.training.parallel import distributed
     distributed.TIMEOUT_S = 60
     runs = {}
     for case, (micro, accum, extra) in FSDP_CASES.items():
@@ -213,7 +214,7 @@ def test_dpo_sharded_over_two_processes_is_one_process_in_float64(tmp_path):
     LoRA's disabled adapter; each with the whole logits and with the fused LM head (policy and reference)."""
     import torch.multiprocessing as mp
 
-    from tests.unit.training.test_distributed import _free_port
+    from tests.unit.training.parallel.test_distributed import _free_port
     mp.spawn(_fsdp_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     for r in (0, 1):
         for case, (rows, grads) in torch.load(tmp_path / f"rank{r}.pt", weights_only=False).items():

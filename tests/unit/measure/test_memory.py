@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from onegpu.measure import memory
-from onegpu.training.loss import classification_loss
+from onegpu.training.objectives.loss import classification_loss
 from tests.unit.tiny import low_bit_step
 
 
@@ -69,7 +69,7 @@ def test_state_bytes_count_torchaos_low_bit_states_by_their_storage(optim, bits,
 def test_state_bytes_read_adafactors_factored_moments(minilm):
     from transformers.optimization import Adafactor
 
-    from onegpu.training import autobatch
+    from onegpu.training.memory import autobatch
     model, batch = minilm
     model = type(model)(model.config)
     opt = Adafactor(model.parameters(), lr=1e-4, scale_parameter=False, relative_step=False)  # as Trainer builds it

@@ -18,7 +18,7 @@ from onegpu.equivalence import equivalence_key  # noqa: E402
 from onegpu.errors import ConfigError  # noqa: E402
 from onegpu.measure import memory  # noqa: E402
 from onegpu.models import loader, lora  # noqa: E402
-from onegpu.training import autobatch  # noqa: E402
+from onegpu.training.memory import autobatch  # noqa: E402
 from onegpu.training.backends.base import TrainRequest  # noqa: E402
 from tests import defaults  # noqa: E402
 from tests.unit.tiny import LOSS_TOL, NORM_TOL, dataset, interrupt_at_step_2, tiny_bert, tokenizer  # noqa: E402
@@ -136,7 +136,7 @@ def test_state_bytes_count_trainable_parameters_only_and_the_estimate_matches():
     predicted = autobatch.state_bytes_predicted(model, "adamw_torch")
     from onegpu.training.backends.accelerate import make_optimizer
     opt = make_optimizer(model, cfg)
-    from onegpu.training.batches import collator_for, model_inputs
+    from onegpu.training.objectives import collator_for, model_inputs
     rows = model_inputs(dataset(8))["train"]
     batch = collator_for("sequence-classification", tokenizer())([rows[i] for i in range(8)])
     model(**batch).loss.backward()

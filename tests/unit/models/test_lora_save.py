@@ -24,7 +24,7 @@ def _lora_bert():
 def _logits(model, rows: int = 6):
     from transformers import DataCollatorWithPadding
 
-    from onegpu.training.batches import model_inputs
+    from onegpu.training.objectives import model_inputs
     ds = model_inputs(dataset(rows)["train"])
     batch = DataCollatorWithPadding(tokenizer())([ds[i] for i in range(rows)])
     batch.pop("labels")

@@ -19,9 +19,9 @@ torch = pytest.importorskip("torch")
 
 from onegpu.config import from_container  # noqa: E402
 from onegpu.models import lora  # noqa: E402
-from onegpu.training import autobatch, checkpointing  # noqa: E402
-from onegpu.training.batches import collator_for, model_inputs  # noqa: E402
-from onegpu.training.loss import classification_loss  # noqa: E402
+from onegpu.training.memory import autobatch, checkpointing  # noqa: E402
+from onegpu.training.objectives import collator_for, model_inputs  # noqa: E402
+from onegpu.training.objectives.loss import classification_loss  # noqa: E402
 from tests.unit.tiny import WORDS, tiny_bert, tokenizer  # noqa: E402
 
 MICRO = 4
@@ -157,7 +157,7 @@ def test_without_prepared_data_the_estimate_sees_prepares_own_rows(tmp_path, mon
     from onegpu import paths
     from onegpu.data import pipeline
     from onegpu.stages import estimate as stage
-    from tests.unit.training import test_batches as tp
+    from tests.unit.training.objectives import test_batches as tp
     monkeypatch.setattr(paths, "PROCESSED", tmp_path / "no-processed-data")
     if fmt == "text":
         cfg = from_container({"data": {"max_train_samples": None}}, source="test")  # bbcnews, packaged MiniLM
@@ -207,12 +207,13 @@ def test_the_estimate_says_what_a_validation_pass_adds_unless_the_run_does_not_v
 
 def test_under_fsdp_the_estimate_is_per_rank_and_says_so(monkeypatch, capsys):
     """train.fsdp.enabled over 2 processes: one header line says the figures are per rank of 2 under FSDP2; the
-    params, grads and optimizer states are one rank's dim-0 shards (onegpu.training.sharding.per_rank_bytes of the
+    params, grads and optimizer states are one rank's dim-0 shards (onegpu.training.parallel.sharding.per_rank_bytes
+    of the
     model the stage built), plus the gathered weights, in every total; the activations are the unsharded run's."""
     from onegpu.formatting import mib
     from onegpu.models import loader
     from onegpu.stages import estimate as stage
-    from onegpu.training import sharding
+    from onegpu.training.parallel import sharding
     dsd = _uniform_rows()
     monkeypatch.setattr(stage, "_rows", lambda cfg, path: (dsd, tokenizer(), "test rows"))
     monkeypatch.setattr(loader, "build_classifier", lambda path, labels, dropout, attn: tiny_bert(attn))

@@ -10,7 +10,8 @@ torch = pytest.importorskip("torch")
 from onegpu import paths  # noqa: E402
 from onegpu.config import from_container  # noqa: E402
 from onegpu.stages import reference  # noqa: E402
-from onegpu.training import objectives, precomputed, session  # noqa: E402
+from onegpu.training import objectives, session  # noqa: E402
+from onegpu.training.objectives import precomputed  # noqa: E402
 from tests.unit.equivalence import float64  # noqa: E402
 
 OBJECTIVE = objectives.get("preference")

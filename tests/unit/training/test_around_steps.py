@@ -1,7 +1,7 @@
 """What both backends do around their optimizer steps (onegpu.training.around_steps): the step count, the recorder,
 the one start line, checkpointing, the activation probe, the step's items over the ranks, out-of-memory recovery,
 the progress and empty-cache cadences and the stop decided over the ranks. (Both backends through these, end to
-end: tests/unit/training/backends/test_base.py, tests/unit/training/test_recorder.py.)"""
+end: tests/unit/training/backends/test_base.py, tests/unit/training/record/test_recorder.py.)"""
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from onegpu.config import from_container  # noqa: E402
-from onegpu.training import around_steps, distributed  # noqa: E402
+from onegpu.training import around_steps  # noqa: E402
 from onegpu.training.around_steps import Start  # noqa: E402
+from onegpu.training.parallel import distributed  # noqa: E402
 
 
 def _start(world: int, **kw) -> Start:
@@ -69,7 +70,7 @@ def test_the_classifiers_recorder_has_no_figures_of_its_own():
 @pytest.mark.parametrize(("on", "by_framework", "enabled"), [(False, False, False), (True, True, False),
                                                              (True, False, True)])
 def test_checkpointing_is_switched_on_once_by_whoever_does_it(monkeypatch, on, by_framework, enabled):
-    from onegpu.training import checkpointing
+    from onegpu.training.memory import checkpointing
     calls = []
     monkeypatch.setattr(checkpointing, "enable", lambda model, t: calls.append((model, t)))
     t = SimpleNamespace(gradient_checkpointing=on)

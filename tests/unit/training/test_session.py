@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 from onegpu.config import Resolved, flatten, from_container  # noqa: E402
 from onegpu.equivalence import equivalence_key  # noqa: E402
 from onegpu.training import session  # noqa: E402
-from onegpu.training.resume import STATE_FILE  # noqa: E402
+from onegpu.training.lifecycle.resume import STATE_FILE  # noqa: E402
 
 STATS = {"fingerprint": "f" * 16, "labels": ["a", "b"]}
 AUTO = {"per_device_train_batch_size": "auto", "effective_batch_size": 8, "memory_budget_gib": 1}
@@ -103,7 +103,7 @@ def test_the_training_loop_runs_with_cpythons_collector_after_the_commands_start
 
     from onegpu import interpreter
     from onegpu.training.backends import base
-    from onegpu.training.recorder import StepRecorder
+    from onegpu.training.record.recorder import StepRecorder
     seen = []
     monkeypatch.setattr(base, "get", lambda name: types.SimpleNamespace(
         train=lambda request: seen.append((gc.get_threshold(), gc.get_freeze_count() > 0))
@@ -132,7 +132,7 @@ def test_the_plan_carries_the_flattened_params_and_the_model_path_computed_once(
 
 
 def test_build_model_runs_both_checkpointing_checks_through_one_function(monkeypatch):
-    from onegpu.training import checkpointing
+    from onegpu.training.memory import checkpointing
     seen = []
     monkeypatch.setattr(checkpointing, "check", lambda model, train: seen.append(type(model).__name__))
     from tests.unit.tiny import tokenizer
@@ -159,5 +159,6 @@ def test_the_session_only_trains_it_imports_no_tracking_module_and_is_short():
     names = _imported_modules(path)
     assert not {n for n in names if n == "onegpu.tracking" or n.startswith("onegpu.tracking.")}, names
     assert "mlflow" not in {n.split(".")[0] for n in names}
-    assert not names & {"onegpu.training.tracked_run", "onegpu.training.run_tags", "onegpu.training.closing_record"}
+    assert not names & {"onegpu.training.tracked_run", "onegpu.training.record.run_tags",
+                        "onegpu.training.record.closing_record"}
     assert len(path.read_text().splitlines()) < 250

@@ -7,7 +7,8 @@ import pytest
 pytest.importorskip("torch")
 
 from onegpu.config import from_container  # noqa: E402
-from onegpu.training import closing_record, run_tags, session, tracked_run  # noqa: E402
+from onegpu.training import session, tracked_run  # noqa: E402
+from onegpu.training.record import closing_record, run_tags
 
 STATS = {"fingerprint": "f" * 16, "labels": ["a", "b"]}
 AUTO = {"per_device_train_batch_size": "auto", "effective_batch_size": 8, "memory_budget_gib": 1}
@@ -30,7 +31,7 @@ def test_the_auto_finder_probes_under_the_trainings_precision(tmp_path, monkeypa
 
 def _stub_finder(monkeypatch, micro: int) -> dict:
     """autobatch.find_micro_batch replaced by one returning ``micro``; returns the keywords it was called with."""
-    from onegpu.training import autobatch
+    from onegpu.training.memory import autobatch
     seen = {}
 
     def finder(*args, **kw):
@@ -54,7 +55,7 @@ def test_under_fsdp2_the_auto_finder_sizes_one_ranks_shards(tmp_path, monkeypatc
     """train.fsdp: the finder's states are one rank's (sharding.per_rank_bytes over train.num_processes, at the
     accumulation each micro-batch implies), and its line says the budget is per rank; without sharding, the whole
     model's (states_at None)."""
-    from onegpu.training import sharding
+    from onegpu.training.parallel import sharding
     from tests.unit.tiny import tiny_bert
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
     seen = _stub_finder(monkeypatch, 2)
@@ -106,7 +107,7 @@ def test_a_training_run_logs_its_outside_load_its_figure_and_a_name_from_its_par
     (tag onegpu.outside_load, metric train_outside_cpu_load), a PNG of loss/grad_norm/memory/speed per step,
     and, outside a DVC experiment, a name from its settings instead of MLflow's random one."""
     from onegpu.measure import outside_load
-    from onegpu.training import figure
+    from onegpu.training.record import figure
     run_id, client = _tiny_run(fresh_root, tokenizer, dsd, gradient_checkpointing=True)
     run = client.get_run(run_id)
     info = outside_load.parse(run.data.tags[outside_load.TAG])
@@ -128,7 +129,7 @@ def test_a_training_run_logs_its_outside_load_its_figure_and_a_name_from_its_par
 
 def test_a_failed_training_still_logs_the_figure_of_the_steps_it_measured(fresh_root, tokenizer, dsd):
     from onegpu.measure import outside_load
-    from onegpu.training import figure
+    from onegpu.training.record import figure
     run_id, client = _tiny_run(fresh_root, tokenizer, dsd, fail_at=2)
     run = client.get_run(run_id)
     assert run.info.status == "FAILED"
@@ -148,7 +149,7 @@ def test_a_sigterm_while_a_failed_run_is_closed_waits_until_its_steps_error_and_
     import os
     import signal
 
-    from onegpu.training import figure
+    from onegpu.training.record import figure
 
     def killed(signum, frame):
         raise _Killed()
@@ -176,7 +177,7 @@ def test_a_full_disk_while_logging_the_runs_figure_fails_the_run_naming_the_arti
     from mlflow import MlflowClient
 
     from onegpu.errors import DiskFullError
-    from onegpu.training import figure
+    from onegpu.training.record import figure
 
     def full(*a, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -196,7 +197,7 @@ def test_a_probe_row_of_tradeoffs_is_named_by_the_batch_and_gets_no_figure_and_n
     """``onegpu tradeoffs``' worker: the row's own name, the outside load kept (the batch's report reads
     it), no figure (the report plots the rows), no checkpoint folder written or tidied."""
     from onegpu.measure import outside_load
-    from onegpu.training import figure
+    from onegpu.training.record import figure
     run_id, client = _tiny_run(fresh_root, tokenizer, dsd, run={"name": "row-3", "probe": True})
     run = client.get_run(run_id)
     assert run.info.run_name == "row-3" and run.data.tags[run_tags.CONFIG_TAG] == "bs4x2-fp32"

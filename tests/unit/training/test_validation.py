@@ -106,13 +106,13 @@ def test_the_best_point_and_the_patience_counter_follow_hf(losses, threshold, be
 
 def _planted(monkeypatch, losses: list[float]):
     """Validation figures planted per point (``losses`` in order); each point keeps the weights it saw."""
-    from onegpu.training import heldout
+    from onegpu.training import objectives
     seen = {}
 
     def planted(model, tokenizer, dataset, cfg, device):
         seen[len(seen) + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return {"eval_loss": losses[len(seen) - 1], "eval_accuracy": 0.5, "eval_runtime": 0.0}
-    monkeypatch.setattr(heldout, "validation_metrics", planted)
+    monkeypatch.setattr(objectives, "validation_metrics", planted)
     return seen
 
 
@@ -187,8 +187,8 @@ def test_a_resumed_run_continues_the_points_the_best_and_the_patience(backend, m
     import importlib
 
     from onegpu.training.backends.base import TrainRequest
-    from onegpu.training.interrupt import Interrupted
-    from onegpu.training.resume import latest_checkpoint
+    from onegpu.training.lifecycle.interrupt import Interrupted
+    from onegpu.training.lifecycle.resume import latest_checkpoint
     seen = _planted(monkeypatch, [1.0, 0.8, 0.9, 0.95, 0.5, 0.5, 0.5, 0.5])
     module = importlib.import_module(f"onegpu.training.backends.{'hf_trainer' if backend == 'trainer' else backend}")
     cfg = _cfg(max_steps=8, eval_steps=1, early_stopping_patience=2, load_best_model_at_end=True)

@@ -4,7 +4,7 @@ It trains the same way as the ``trainer`` backend (:mod:`onegpu.training.backend
 params both give the same per-step losses: the same data order (a ``RandomSampler`` reseeded with
 ``train.seed + epoch`` each epoch), collator, optimizer with weight-decay groups, scheduler and warmup,
 gradient clipping, number of optimizer steps, and the exact loss over each effective batch
-(:mod:`onegpu.training.loss`). Where a line copies the behaviour of HF ``Trainer``, the comment names the
+(:mod:`onegpu.training.objectives.loss`). Where a line copies the behaviour of HF ``Trainer``, the comment names the
 place in ``transformers/trainer.py`` (transformers 5.24).
 
 Gradient accumulation is driven here, not by ``accelerator.accumulate``: an optimizer step prefetches its
@@ -28,11 +28,19 @@ from functools import partial
 
 from onegpu.config import TORCHAO_OPTIMIZERS, Config
 from onegpu.measure import memory
-from onegpu.training import around_steps, distributed, machines, objectives, oom, sharding, validation
+from onegpu.training import around_steps, objectives, validation
 from onegpu.training.backends.base import TrainRequest
-from onegpu.training.batches import own_micro_batches, rows_as_they_are
-from onegpu.training.recorder import StepRecorder
-from onegpu.training.resume import load_loop_state, load_rng, load_sharded_state, save_loop_state, save_sharded_state
+from onegpu.training.lifecycle import oom
+from onegpu.training.lifecycle.resume import (
+    load_loop_state,
+    load_rng,
+    load_sharded_state,
+    save_loop_state,
+    save_sharded_state,
+)
+from onegpu.training.objectives.batches import own_micro_batches, rows_as_they_are
+from onegpu.training.parallel import distributed, machines, sharding
+from onegpu.training.record.recorder import StepRecorder
 
 # Parameter names that get no weight decay: Trainer.get_decay_parameter_names (transformers/trainer.py).
 NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
@@ -97,10 +105,10 @@ def _forward_backward(accelerator, model, micro_batches: list[dict], num_items, 
     the pieces' losses, each already divided by the step's item count over all ranks ``num_items``
     (``loss_of``: the objective's :meth:`~onegpu.training.objectives.base.Objective.step_loss`).
     Gradients are all-reduced (under DDP) only after the last piece (``accelerator.no_sync`` before; under
-    ``fsdp``, FSDP2's ``set_requires_gradient_sync(False)``, :func:`onegpu.training.sharding.gradient_sync`:
+    ``fsdp``, FSDP2's ``set_requires_gradient_sync(False)``, :func:`onegpu.training.parallel.sharding.gradient_sync`:
     reduce-scattered once); each piece's backward is scaled by the number of processes, since DDP and FSDP2
     average the ranks' gradients where the step's loss sums them. Pieces hold whole groups of ``group`` rows
-    (:func:`onegpu.training.oom.cut`).
+    (:func:`onegpu.training.lifecycle.oom.cut`).
     ``labels`` stay in the inputs. ``offload``: the context each piece's forward and backward run in
     (:func:`onegpu.training.around_steps.offload_context`; None: none). The micro-batches at ``pads`` are only
     accelerate's repeats (several processes, an epoch's last step): their loss is ``pad_of``'s, 0.
@@ -216,9 +224,11 @@ def _prepare(accelerator, model, loader, cfg: Config, device_type: str):
 
 
 def _shard(accelerator, model, t, device_type: str):
-    """``train.fsdp``: ``model`` sharded in place with FSDP2 (:func:`onegpu.training.sharding.shard`) and given
+    """``train.fsdp``: ``model`` sharded in place with FSDP2 (:func:`onegpu.training.parallel.sharding.shard`) and
+    given
     accelerate's mixed-precision forward (``prepare_model`` in evaluation mode: autocast, no DDP wrapper).
-    Returns the plain skeleton (:func:`onegpu.training.sharding.meta_copy`) that ``models/`` is gathered into."""
+    Returns the plain skeleton (:func:`onegpu.training.parallel.sharding.meta_copy`) that ``models/`` is gathered
+    into."""
     skeleton = sharding.meta_copy(model)
     shards = sharding.shard(model, device_type, t.fsdp.reshard_after_forward)
     accelerator.prepare_model(model, evaluation_mode=True)
@@ -266,7 +276,7 @@ def _epoch_steps(lp: _Loop, epoch: int, skip: int, accum: int):
 
 def _own_batches(lp: _Loop, raw: list[list[dict]], first: int) -> tuple[list[dict], frozenset]:
     """A step's uncollated micro-batches (this process's ``first``-th of the epoch onwards) collated without
-    accelerate's repeated rows (:func:`onegpu.training.batches.own_rows`), on the device; and the indices of
+    accelerate's repeated rows (:func:`onegpu.training.objectives.batches.own_rows`), on the device; and the indices of
     those with no row of their own (their loss weighs 0: :meth:`~onegpu.training.objectives.base.Objective.
     pad_loss`)."""
     acc, micro = lp.accelerator, lp.loader.total_batch_size // lp.accelerator.num_processes
@@ -279,9 +289,9 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
     """Fine-tune ``req.model`` on ``req.dsd['train']`` in a plain Accelerate loop; the contract is
     :class:`onegpu.training.backends.base.Backend`.
 
-    Checkpoints are :func:`onegpu.training.resume.save_loop_state`'s (under ``train.fsdp``
-    :func:`~onegpu.training.resume.save_sharded_state`'s: every process its shards). Out-of-memory recovery
-    (``train.oom_retry``): :mod:`onegpu.training.oom`, as the ``trainer`` backend. The returned model is
+    Checkpoints are :func:`onegpu.training.lifecycle.resume.save_loop_state`'s (under ``train.fsdp``
+    :func:`~onegpu.training.lifecycle.resume.save_sharded_state`'s: every process its shards). Out-of-memory recovery
+    (``train.oom_retry``): :mod:`onegpu.training.lifecycle.oom`, as the ``trainer`` backend. The returned model is
     unwrapped from Accelerate; the recorder's rows are one per optimizer step (loss = the step's exact
     mean loss, grad_norm = total L2 norm before clipping, learning_rate = the rate that step used).
     """

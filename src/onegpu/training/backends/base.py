@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from onegpu.config import Config
-    from onegpu.training.interrupt import GracefulStop
-    from onegpu.training.recorder import StepRecorder
-    from onegpu.training.resume import ResumePoint
+    from onegpu.training.lifecycle.interrupt import GracefulStop
+    from onegpu.training.lifecycle.resume import ResumePoint
+    from onegpu.training.record.recorder import StepRecorder
 
 # train.backend -> the module that implements it (imported only when that backend trains).
 REGISTRY = {"trainer": "onegpu.training.backends.hf_trainer",
@@ -65,8 +65,8 @@ class Backend(Protocol):
         Returns:
             The trained model (``save_pretrained`` saves it) and the step recorder.
         Raises:
-            onegpu.training.interrupt.Interrupted: a stop was requested (after the checkpoint is saved).
-            onegpu.training.recorder.TrainingDiverged: a step's loss is not finite.
+            onegpu.training.lifecycle.interrupt.Interrupted: a stop was requested (after the checkpoint is saved).
+            onegpu.training.record.recorder.TrainingDiverged: a step's loss is not finite.
         """
         ...
 

@@ -1,10 +1,10 @@
 """The ``trainer`` backend: HF ``Trainer`` with ``TrainingArguments`` built from params.yaml's ``train``.
 
-The loss is the exact mean over each optimizer step's effective batch (:mod:`onegpu.training.loss`),
+The loss is the exact mean over each optimizer step's effective batch (:mod:`onegpu.training.objectives.loss`),
 passed as ``compute_loss_func`` so that Trainer counts the step's labels over all its micro-batches
 (``num_items_in_batch``) and does not divide by the accumulation count again.
 
-The Trainer callbacks that feed onegpu's backend-neutral :class:`~onegpu.training.recorder.StepRecorder`,
+The Trainer callbacks that feed onegpu's backend-neutral :class:`~onegpu.training.record.recorder.StepRecorder`,
 print its progress lines, add onegpu's checkpoint state and honour a requested stop live here too.
 """
 from __future__ import annotations
@@ -20,12 +20,15 @@ from transformers.trainer_callback import ProgressCallback
 from onegpu import interpreter
 from onegpu.config import TORCHAO_OPTIMIZERS, Config
 from onegpu.measure import memory
-from onegpu.training import around_steps, checkpointing, distributed, machines, objectives, oom, validation
+from onegpu.training import around_steps, objectives, validation
 from onegpu.training.backends.base import TrainRequest
-from onegpu.training.batches import own_micro_batches, rows_as_they_are
-from onegpu.training.loss import loss_for
-from onegpu.training.recorder import BatchCounter, StepRecorder
-from onegpu.training.resume import complete
+from onegpu.training.lifecycle import oom
+from onegpu.training.lifecycle.resume import complete
+from onegpu.training.memory import checkpointing
+from onegpu.training.objectives import loss_for
+from onegpu.training.objectives.batches import own_micro_batches, rows_as_they_are
+from onegpu.training.parallel import distributed, machines
+from onegpu.training.record.recorder import BatchCounter, StepRecorder
 
 # Whole-layer checkpointing through Trainer: transformers' current name is ``activation_checkpointing``
 # (with ``every_n_layers`` in its kwargs). Earlier 5.x releases (5.17, say) have only
@@ -57,7 +60,7 @@ def training_arguments(cfg: Config, output_dir: str) -> TrainingArguments:
     ``train.gradient_checkpointing`` becomes ``activation_checkpointing`` (its current name) with
     ``train.gradient_checkpointing_kwargs`` (``use_reentrant``, ``every_n_layers``) as its kwargs; with
     ``gradient_checkpointing_blocks`` attention/mlp Trainer's is off and the backend wraps the sub-blocks
-    (:mod:`onegpu.training.checkpointing`); on a transformers without ``activation_checkpointing`` it is
+    (:mod:`onegpu.training.memory.checkpointing`); on a transformers without ``activation_checkpointing`` it is
     not passed at all (:data:`TRAINER_CHECKPOINTS`).
     ``train.tf32`` goes to TrainingArguments only with CUDA (there it is set either way, so that
     ``torch_compile`` does not switch TF32 on by itself); without CUDA it is a no-op and left None
@@ -163,7 +166,8 @@ class ExactLossTrainer(Trainer):
 
     def _own_batches(self, raw: list[list[dict]], epoch_iterator, device) -> list[dict]:
         """A step's uncollated micro-batches collated without accelerate's repeated rows
-        (:func:`onegpu.training.batches.own_rows`), on ``device``; those with no row of their own are kept in
+        (:func:`onegpu.training.objectives.batches.own_rows`), on ``device``; those with no row of their own are kept
+        in
         ``_pads`` (their loss weighs 0). Which micro-batch of the epoch comes next is counted here: at an
         epoch's (or a resumed epoch's) first step from the optimizer steps done, as Trainer skips them."""
         args, accum, rows = self.args, self.args.gradient_accumulation_steps, len(self.train_dataset)
@@ -253,7 +257,7 @@ class ExactLossTrainer(Trainer):
 
 class CheckpointState(TrainerCallback):
     """After Trainer saves ``checkpoint-N``, add onegpu's state (step rows, breakdown, events, ``meta``)
-    and then remove the older checkpoint (:func:`onegpu.training.resume.complete`; Trainer's own rotation,
+    and then remove the older checkpoint (:func:`onegpu.training.lifecycle.resume.complete`; Trainer's own rotation,
     ``save_total_limit``, is off: it removes the older one before this state file is written)."""
 
     def __init__(self, recorder: StepRecorder, meta: dict) -> None:
@@ -345,7 +349,7 @@ class EmptyCache(TrainerCallback):
 
 
 class StopCallback(TrainerCallback):
-    """After a requested stop (:class:`onegpu.training.interrupt.GracefulStop`), save a checkpoint at the
+    """After a requested stop (:class:`onegpu.training.lifecycle.interrupt.GracefulStop`), save a checkpoint at the
     step's end and stop. Checked once the step is logged (added after :class:`StepMetrics`, whose
     ``on_log`` runs the step's validation pass): a stop requested during the pass stops after that step,
     with its point in the checkpoint, as the accelerate backend does; Trainer saves right after ``on_log``."""

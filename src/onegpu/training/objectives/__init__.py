@@ -14,18 +14,24 @@ from onegpu.training.objectives import causal_lm, classification, preference
 from onegpu.training.objectives.base import Objective, TrainingParts
 from onegpu.training.objectives.registry import (
     REGISTRY,
+    collator_for,
+    count_items,
     flattened,
     get,
+    loss_for,
+    model_inputs,
     of,
     packed,
     register,
     train_rows,
     training_parts,
+    validation_metrics,
 )
 
 for _module in (classification, causal_lm, preference):
     register(_module.OBJECTIVE)
 del _module
 
-__all__ = ["Objective", "REGISTRY", "TrainingParts", "causal_lm", "classification", "flattened", "get", "of",
-           "packed", "preference", "register", "train_rows", "training_parts"]
+__all__ = ["Objective", "REGISTRY", "TrainingParts", "causal_lm", "classification", "collator_for", "count_items",
+           "flattened", "get", "loss_for", "model_inputs", "of", "packed", "preference", "register", "train_rows",
+           "training_parts", "validation_metrics"]

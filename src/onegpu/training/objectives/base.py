@@ -39,7 +39,8 @@ class Objective:
         ``config.TASK_TRAITS``."""
         return causal_lm(self.task)
 
-    # The functions of :mod:`onegpu.training.loss` that count a micro-batch's items and give its loss, by name
+    # The functions of :mod:`onegpu.training.objectives.loss` that count a micro-batch's items and give its loss, by
+    # name
     # (looked up at each call); an objective with its own :meth:`count_items` and :meth:`loss` leaves them empty.
     items_fn = ""  # labels -> a 0-dim int64 tensor
     loss_fn = ""  # (outputs, labels, num_items_in_batch) -> a 0-dim tensor
@@ -57,7 +58,7 @@ class Objective:
     def _loss_function(name: str):
         if not name:
             raise NotImplementedError
-        from onegpu.training import loss
+        from onegpu.training.objectives import loss
         return getattr(loss, name)
 
     # Sequences one item puts through the model (a preference pair: 2); the step's examples count items.
@@ -78,7 +79,8 @@ class Objective:
 
     def pad_loss(self, model, inputs: dict):
         """A loss of 0 with a whole graph: :meth:`step_loss` times 0 for a micro-batch that only keeps several
-        processes' collectives in step (every row a repeat, :func:`onegpu.training.batches.collate_own`): its
+        processes' collectives in step (every row a repeat, :func:`onegpu.training.objectives.batches.collate_own`):
+        its
         backward adds exactly 0 to every gradient and nothing to the step's figures."""
         return self.step_loss(model, inputs, 1) * 0
 
@@ -133,7 +135,7 @@ class Objective:
     def test_figures(self, model, tokenizer, dataset, cfg, device: str) -> tuple[dict, list[int], list[int]]:
         """The test split's ``test_*`` figures (:meth:`heldout_metrics`) and the gold and predicted class ids
         (a classifier's, for its confusion matrix; empty lists otherwise)."""
-        from onegpu.training.heldout import TEST
+        from onegpu.training.objectives.heldout import TEST
         return self.heldout_metrics(model, tokenizer, dataset, cfg, device, TEST), [], []
 
     def result_line(self, metrics: dict) -> str:

@@ -1,10 +1,10 @@
 """Sequence classification (``model.task: sequence-classification``): one label per row, the items are
-the rows; cross-entropy over the classes (:func:`onegpu.training.loss.classification_loss`), accuracy and
-macro F1 held out (:mod:`onegpu.training.heldout`)."""
+the rows; cross-entropy over the classes (:func:`onegpu.training.objectives.loss.classification_loss`), accuracy and
+macro F1 held out (:mod:`onegpu.training.objectives.heldout`)."""
 from __future__ import annotations
 
-from onegpu.training.batches import keep_model_columns
 from onegpu.training.objectives.base import Objective
+from onegpu.training.objectives.batches import classifier_columns
 
 
 class SequenceClassification(Objective):
@@ -14,7 +14,7 @@ class SequenceClassification(Objective):
 
     def model_inputs(self, dsd):
         """``label`` renamed ``labels``; the other prepared columns (text, length) dropped."""
-        return keep_model_columns(dsd.rename_column("label", "labels"))
+        return classifier_columns(dsd)
 
     def collator(self, tokenizer, flattened: bool = False):
         """Each micro-batch padded to its longest row (``DataCollatorWithPadding``; nothing to flatten)."""
@@ -22,11 +22,11 @@ class SequenceClassification(Objective):
         return DataCollatorWithPadding(tokenizer)
 
     def heldout_metrics(self, model, tokenizer, dataset, cfg, device: str, prefix: str) -> dict:
-        from onegpu.training import heldout
+        from onegpu.training.objectives import heldout
         return heldout.classifier_metrics(model, tokenizer, dataset, cfg, device, prefix)[0]
 
     def test_figures(self, model, tokenizer, dataset, cfg, device: str) -> tuple[dict, list[int], list[int]]:
-        from onegpu.training import heldout
+        from onegpu.training.objectives import heldout
         return heldout.classifier_metrics(model, tokenizer, dataset, cfg, device, heldout.TEST)
 
     def result_line(self, metrics: dict) -> str:

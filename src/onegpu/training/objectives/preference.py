@@ -1,8 +1,8 @@
 """Preference tuning (``model.task: preference``): DPO and its kin on preference pairs
-(:mod:`onegpu.data.preference`), the loss and figures of :mod:`onegpu.training.dpo`, TRL's names.
+(:mod:`onegpu.data.preference`), the loss and figures of :mod:`onegpu.training.objectives.dpo`, TRL's names.
 
 The items are the pairs. A micro-batch is one forward of the policy over both answers of each pair
-(:class:`~onegpu.training.dpo.PreferenceCollator`, padded or padding-free) and one of the reference model
+(:class:`~onegpu.training.objectives.dpo.PreferenceCollator`, padded or padding-free) and one of the reference model
 over the same batch under ``torch.no_grad()`` in eval mode: a frozen copy of the model as built (before the
 first step; its parameters never train), or for LoRA the model itself with the adapter disabled (the base).
 :meth:`Preference.prepare_model` sets the reference up when the model is built
@@ -15,9 +15,9 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from onegpu.training import dpo, lm_head, precomputed
-from onegpu.training.dpo import PreferenceCollator
+from onegpu.training.objectives import dpo, lm_head, precomputed
 from onegpu.training.objectives.base import Objective
+from onegpu.training.objectives.dpo import PreferenceCollator
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # train.dpo.precompute_ref_log_probs (TRL's names)
@@ -96,7 +96,7 @@ class Preference(Objective):
         return -logps.sum() / (num_items_in_batch if num_items_in_batch is not None else max(labels.shape[0] // 2, 1))
 
     def step_loss(self, model, inputs: dict, num_items):
-        """One micro-batch's share of the step's loss (:func:`onegpu.training.dpo.step_share`): the policy's
+        """One micro-batch's share of the step's loss (:func:`onegpu.training.objectives.dpo.step_share`): the policy's
         forward with autograd, the reference's without, the per-pair losses of ``train.dpo``."""
         features = {k: v for k, v in inputs.items() if k not in ("labels", "ref_logps")}
         labels, seq, n = inputs["labels"], dpo.sequence_ids(inputs), _sequences(inputs)
@@ -131,13 +131,13 @@ class Preference(Objective):
                 "and an extra forward without autograd per micro-batch")
 
     def step_figures(self, model):
-        """A callable that returns the optimizer step's figures (:data:`onegpu.training.dpo.FIGURES`, TRL's
+        """A callable that returns the optimizer step's figures (:data:`onegpu.training.objectives.dpo.FIGURES`, TRL's
         names) as means over the step's pairs, all micro-batches and all processes (an all-reduce of sums:
         no padded duplicate counted), and starts the next step's; one host sync."""
         ref = reference_of(model)
 
         def take() -> dict:
-            from onegpu.training import distributed
+            from onegpu.training.parallel import distributed
             sums, ref.sums = ref.sums, None
             if sums is None:
                 return {}
@@ -167,10 +167,10 @@ class Preference(Objective):
     def reference_logps(self, model, features: dict, labels, seq, n: int):
         """The reference's sequence log-probabilities ``(n,)`` for the batch (no autograd, eval mode). A sharded
         frozen copy (``train.fsdp``) gives its gathered weights back after the scores
-        (:func:`onegpu.training.sharding.release`: it runs no backward that would)."""
+        (:func:`onegpu.training.parallel.sharding.release`: it runs no backward that would)."""
         import torch
 
-        from onegpu.training import sharding
+        from onegpu.training.parallel import sharding
         ref, inner = reference_of(model), _unwrapped(model)
         if ref.precomputed:
             raise RuntimeError("train.dpo.precompute_ref_log_probs: these rows carry no reference log-probabilities")
@@ -211,14 +211,14 @@ class Preference(Objective):
     def prepared_data(self, dsd, model, tokenizer, cfg):
         """``dsd`` with the reference's log-probabilities of every training and validation pair as columns
         (:data:`REF_COLUMNS`, float64) under ``train.dpo.precompute_ref_log_probs``: the reference stage's
-        (data/reference/, :mod:`onegpu.training.precomputed`) where they were scored for these pairs and
+        (data/reference/, :mod:`onegpu.training.objectives.precomputed`) where they were scored for these pairs and
         params, else scored here by ``model`` as built (it is the reference before the first step: a LoRA
         adapter's first state adds nothing), in eval mode without autograd; without the flag ``dsd``."""
         if not cfg.train.dpo.precompute_ref_log_probs:
             return dsd
         from datasets import DatasetDict
 
-        from onegpu.training import distributed
+        from onegpu.training.parallel import distributed
         start, was, dsd, whence = time.perf_counter(), model.training, DatasetDict(dict(dsd)), []
         model.eval()
         try:
@@ -247,14 +247,15 @@ class Preference(Objective):
         return PreferenceCollator(tokenizer.pad_token_id, flattened)
 
     def heldout_metrics(self, model, tokenizer, dataset, cfg, device: str, prefix: str) -> dict:
-        """The split's DPO loss (a mean over its pairs), TRL's figures (:data:`onegpu.training.dpo.FIGURES`,
+        """The split's DPO loss (a mean over its pairs), TRL's figures (:data:`onegpu.training.objectives.dpo.FIGURES`,
         means over the pairs), ``reference_accuracy`` (the reference's own pairwise accuracy: the share of pairs
         whose chosen answer it finds likelier, the baseline a trained policy must beat), ``pairs``, ``runtime``
         (s) and ``samples_per_second`` (pairs), each under ``prefix``; exact over the split (sums in float64,
         all-reduced over the processes, each reading its share)."""
         import torch
 
-        from onegpu.training import distributed, heldout
+        from onegpu.training.objectives import heldout
+        from onegpu.training.parallel import distributed
         ref = reference_of(model)
         model.to(device).eval()
         sums = torch.zeros(3 + len(dpo.FIGURES), dtype=torch.float64, device=device)  # loss, pairs, ref., figures
@@ -282,9 +283,9 @@ class Preference(Objective):
     def test_figures(self, model, tokenizer, dataset, cfg, device: str) -> tuple[dict, list[int], list[int]]:
         """:meth:`heldout_metrics` of the trained ``model`` (loaded from models/) against the reference training
         started from: its scores from the reference stage under ``train.dpo.precompute_ref_log_probs`` where
-        they were scored for these pairs and params (:func:`onegpu.training.precomputed.load`), else the
-        model itself, rebuilt (:func:`onegpu.training.precomputed.initial_model`)."""
-        from onegpu.training import heldout
+        they were scored for these pairs and params (:func:`onegpu.training.objectives.precomputed.load`), else the
+        model itself, rebuilt (:func:`onegpu.training.objectives.precomputed.initial_model`)."""
+        from onegpu.training.objectives import heldout
         logps = precomputed.load("test", dataset, cfg)[0] if precomputed.wanted(cfg) else None
         if logps is None:
             reference = Reference(precomputed.initial_model(cfg, tokenizer), cfg.train.dpo)

@@ -64,3 +64,57 @@ def training_parts(dsd, cfg: Config, tokenizer, with_length: bool = False) -> Tr
     objective = of(cfg)
     return TrainingParts(train_rows(dsd, cfg, with_length), objective.collator(tokenizer, flattened(cfg)),
                          objective.loss)
+
+
+def model_inputs(dsd, task: str = "sequence-classification"):
+    """The prepared dataset(s) reduced to the columns ``model.task`` ``task``'s model consumes (its
+    objective's :meth:`~onegpu.training.objectives.base.Objective.model_inputs`: a classifier's ``label``
+    renamed ``labels``; a causal LM's dropped, the collator makes token labels). Works on a
+    ``DatasetDict`` or a single ``Dataset``.
+
+    Raises:
+        ConfigError: no objective has that name.
+    """
+    return get(task).model_inputs(dsd)
+
+
+def collator_for(task: str, tokenizer, padding_free: bool = False):
+    """The micro-batch collator of ``model.task`` ``task``'s objective: padding per micro-batch, or (a
+    token-level objective, ``padding_free``) one flattened row per micro-batch
+    (:class:`~onegpu.training.objectives.batches.PaddingFreeCollator`).
+
+    Raises:
+        ConfigError: no objective has that name.
+    """
+    return get(task).collator(tokenizer, padding_free)
+
+
+def count_items(labels, task: str):
+    """Items (targets) in one micro-batch of ``model.task`` ``task``, as its objective counts them
+    (:func:`~onegpu.training.objectives.loss.count_examples`, :func:`~onegpu.training.objectives.loss.count_targets`):
+    a 0-dim int64 tensor on ``labels``' device.
+
+    Raises:
+        ConfigError: no objective has that name.
+    """
+    return get(task).count_items(labels)
+
+
+def loss_for(task: str):
+    """The loss function of ``model.task`` ``task``'s objective (signature ``(outputs, labels,
+    num_items_in_batch)``).
+
+    Raises:
+        ConfigError: no objective has that name.
+    """
+    return get(task).loss
+
+
+def validation_metrics(model, tokenizer, validation, cfg: Config, device: str) -> dict:
+    """The validation split's figures during training, under ``eval_``: a classifier's loss, accuracy and
+    macro F1, a causal LM's loss, perplexity and mean token accuracy (no generation: too slow per point),
+    exact over the split as the test split's are (the objective's
+    :meth:`~onegpu.training.objectives.base.Objective.heldout_metrics`,
+    :mod:`onegpu.training.objectives.heldout`). The model is left in eval mode (the caller puts it back)."""
+    from onegpu.training.objectives.heldout import EVAL
+    return of(cfg).heldout_metrics(model, tokenizer, validation, cfg, device, EVAL)

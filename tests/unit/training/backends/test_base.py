@@ -227,8 +227,8 @@ def test_accelerate_backend_and_recorder_import_no_hf_trainer():
 
     import onegpu.training
     root = Path(onegpu.training.__file__).parent
-    for rel in ("backends/accelerate.py", "recorder.py", "batches.py", "interrupt.py", "session.py", "tracked_run.py",
-                "run_tags.py", "closing_record.py", "prepared.py"):
+    for rel in ("backends/accelerate.py", "record/recorder.py", "objectives/batches.py", "lifecycle/interrupt.py",
+                "session.py", "tracked_run.py", "record/run_tags.py", "record/closing_record.py", "prepared.py"):
         names = set()
         for node in ast.walk(ast.parse((root / rel).read_text())):
             if isinstance(node, ast.ImportFrom):
@@ -290,7 +290,7 @@ def test_low_bit_adamw_takes_the_same_steps_on_both_backends(optim):
     """Trainer builds torchao's AdamW8bit/AdamW4bit by name, the accelerate backend with Trainer's kwargs: the
     same steps (run eagerly here, 2-4 s; the compiled step is the slow test below), and the same optimizer
     bytes, which are the estimate's: 89,600 (8-bit) / 113,664 (4-bit) fewer than fp32 AdamW's 8,043,544."""
-    from onegpu.training import autobatch
+    from onegpu.training.memory import autobatch
     from tests.unit.tiny import tiny_bert
     hf, acc, hf_mem, acc_mem = low_bit_pair(optim, compiled=False)
     adamw = run("accelerate", 4, 2, intermediate=128, compiled=False)

@@ -14,7 +14,7 @@ from onegpu import config
 from onegpu.models import loader
 from onegpu.training.backends import hf_trainer
 from onegpu.training.backends.base import TrainRequest
-from onegpu.training.batches import CausalLMCollator
+from onegpu.training.objectives.batches import CausalLMCollator
 
 
 def test_trainer_step_loss_equals_the_models_own_loss_over_the_effective_batch(tmp_path, monkeypatch):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from onegpu.training import objectives
-from onegpu.training.batches import CausalLMCollator, PaddingFreeCollator
+from onegpu.training.objectives.batches import CausalLMCollator, PaddingFreeCollator
 
 torch = pytest.importorskip("torch")
 OBJ = objectives.get("causal-lm")

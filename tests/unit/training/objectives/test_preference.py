@@ -11,8 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from onegpu.config import from_container  # noqa: E402
-from onegpu.training import dpo, objectives  # noqa: E402
-from onegpu.training.dpo import PreferenceCollator  # noqa: E402
+from onegpu.training import objectives  # noqa: E402
+from onegpu.training.objectives import dpo  # noqa: E402
+from onegpu.training.objectives.dpo import PreferenceCollator  # noqa: E402
 
 ROWS = [{"prompt_ids": [5, 6, 7], "chosen_ids": [8, 9], "rejected_ids": [10, 11, 12, 13]},
         {"prompt_ids": [14], "chosen_ids": [15, 16, 17], "rejected_ids": [18]},

@@ -25,9 +25,8 @@ def test_a_task_no_objective_has_fails_in_one_line_naming_those_that_exist():
 
 
 def test_a_third_objective_is_asked_not_branched_on(monkeypatch):
-    """A registered objective's own count and loss are what the shared helpers use (loss.count_items,
-    loss.loss_for): none of them falls back to the classifier's for a name it does not know."""
-    from onegpu.training import loss
+    """A registered objective's own count and loss are what the shared helpers use (objectives.count_items,
+    objectives.loss_for): none of them falls back to the classifier's for a name it does not know."""
 
     class Pairs(objectives.Objective):
         task = "pairs"
@@ -39,8 +38,8 @@ def test_a_third_objective_is_asked_not_branched_on(monkeypatch):
             return torch.tensor(0.25)
     monkeypatch.setitem(objectives.REGISTRY, "pairs", Pairs())
     labels = torch.tensor([0, 1, 2, 3, 4, 5])
-    assert int(loss.count_items(labels, "pairs")) == 3  # the classifier would count 6
-    assert float(loss.loss_for("pairs")(None, labels)) == 0.25
+    assert int(objectives.count_items(labels, "pairs")) == 3  # the classifier would count 6
+    assert float(objectives.loss_for("pairs")(None, labels)) == 0.25
     assert objectives.get("pairs").token_level is False  # no traits declared: not token-level
 
 
@@ -57,7 +56,7 @@ def test_the_training_parts_are_the_objectives_rows_collator_and_loss():
     """The classifier's parts: its model columns of the train split (``length`` kept when asked), its
     padding collator and its loss; the packed causal LM's: packed rows, the padding-free collator."""
     from onegpu.data import tokenize
-    from onegpu.training.batches import PaddingFreeCollator
+    from onegpu.training.objectives.batches import PaddingFreeCollator
     from tests.unit.tiny import dataset, tokenizer
     dsd = tokenize(dataset(12), tokenizer(), max_length=32)  # with prepare's `length` column
     parts = objectives.training_parts(dsd, from_container({}, source="test"), tokenizer(), with_length=True)
