@@ -52,7 +52,7 @@ def test_suite_passes_on_a_workspace_edited_by_dvc_exp_run(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{clone / 'src'}{os.pathsep}{clone}"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
-         "tests/unit/test_config.py", "tests/unit/test_cli.py"],
+         "tests/unit/config", "tests/unit/test_cli.py"],
         cwd=clone, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     code = ("import sys, yaml, pathlib, tempfile; from tests.integration.conftest import make_project; "

@@ -237,8 +237,8 @@ def _property(path: tuple[str, ...], attr: str) -> ast.FunctionDef | None:
     cls = SCHEMA.get(path)
     if cls is None or not isinstance(getattr(cls, attr, None), property):
         return None
-    config = _module("onegpu.config")
-    body = next(n for n in config.tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    section = _module(cls.__module__)  # the section's module of the config package
+    body = next(n for n in section.tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     return next(n for n in body.body if isinstance(n, ast.FunctionDef) and n.name == attr)
 
 
@@ -254,7 +254,7 @@ def _reads(m: _Module, fn: ast.AST, bound: dict, seen: set) -> set[str]:
     for node in ast.walk(fn):
         if isinstance(node, ast.Attribute) and (base := _path(node.value, env)) is not None:
             if (prop := _property(base, node.attr)) is not None:
-                out |= _reads(_module("onegpu.config"), prop, {"self": base}, seen)
+                out |= _reads(_module(SCHEMA[base].__module__), prop, {"self": base}, seen)
         path = _path(node, env) if isinstance(getattr(node, "ctx", None), ast.Load) else None
         if path is None:
             continue
@@ -303,7 +303,7 @@ def _module_reads(m: _Module, seen: set) -> set[str]:
 def params_read_by(stage: str) -> set[str]:
     """Dotted params keys that ``stage``'s code reads (the rule: test_each_stage_declares_every_param_...)."""
     out, seen = set(), set(CHECKS_ONLY.get(stage, ()))
-    for path in sorted(code_read_by(stage, packages=False) - {"src/onegpu/config.py"}):
+    for path in sorted(p for p in code_read_by(stage, packages=False) if not p.startswith("src/onegpu/config/")):
         out |= _module_reads(_module(".".join(Path(path).relative_to("src").with_suffix("").parts)), seen)
     return out
 
@@ -327,7 +327,7 @@ def test_each_stage_declares_every_param_its_code_reads(stage):
     - a section used any other way (handed to code outside onegpu or that this test does not follow, such
       as ``getattr(t, name)``, ``replace(cfg.train, ...)`` or a method; compared; returned) reads all of it.
 
-    Not reads: config.py's own functions, unless the stage's code calls them (``resolve(cfg)``): every stage
+    Not reads: the config package's own functions, unless the stage's code calls them (``resolve(cfg)``): every stage
     validates every section when it loads params.yaml, and a bad value stops it without changing any
     output; the whole config handed to code outside onegpu, which serialises it for the record
     (``flatten(cfg.to_dict())``: MLflow params, the equivalence key, the resume hash: they name a run, they

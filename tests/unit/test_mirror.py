@@ -10,9 +10,15 @@ SRC = REPO / "src" / "onegpu"
 UNIT = REPO / "tests" / "unit"
 
 _STAGE = "a thin stage entry point, run by the integration tests"
+_SECTION = ("a params section's declarations and combinations: tests/unit/config/test_checks.py (each rule and "
+            "combination through from_container), test_schema.py (declared once, in params.yaml)")
 EXEMPT = {
     # Package markers (``__init__.py``, any depth) are exempt by rule: they re-export their modules' names.
     "__main__.py": "`python -m onegpu`: calls cli.entry; tests/unit/test_cli.py and the integration tests",
+    "config/data.py": _SECTION,
+    "config/evaluate.py": _SECTION,
+    "config/model.py": _SECTION,
+    "config/tracking.py": _SECTION,
     "compare/records.py": "RunRecord: tests/unit/compare/test_verdict.py, test_groups.py (built by records.py)",
     "compare/summary.py": "one group in sentences: tests/unit/compare/test_groups.py, test_report.py",
     "models/packaged.py": "the GGUF conversion: tests/unit/training/objectives/test_batches.py, "

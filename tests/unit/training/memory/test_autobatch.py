@@ -6,7 +6,7 @@ import torch
 from datasets import Dataset
 
 from onegpu import config
-from onegpu.errors import UserError
+from onegpu.errors import ConfigError, UserError
 from onegpu.measure import memory
 from onegpu.models import loader
 from onegpu.training import objectives
@@ -105,7 +105,7 @@ def test_under_fsdp2_the_finder_counts_one_ranks_shards_for_each_micro_batch(tok
 
 
 def test_budget_is_required_on_cpu():
-    with pytest.raises(config.ConfigError, match="train.memory_budget_gib"):
+    with pytest.raises(ConfigError, match="train.memory_budget_gib"):
         autobatch.budget_bytes(None, "cpu")
     assert autobatch.budget_bytes(0.5, "cpu") == 2**29
 
