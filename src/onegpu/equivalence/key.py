@@ -124,9 +124,8 @@ def run_config_hash(cfg: Config, data_fingerprint: str = "") -> str:
     resumes with another micro-batch, accumulation and number of processes, the same training (every step takes
     the same examples). Whole weights load anywhere; a sharded checkpoint (``torch.distributed.checkpoint``)
     reshards on load (:func:`onegpu.training.lifecycle.resume.load_sharded_state`). ``train.fsdp`` is out: a
-    data-parallel
-    and a sharded run of one training find each other's checkpoints, and each refuses the other's layout in one
-    line (:func:`onegpu.training.session.check_resumable`)."""
+    data-parallel and a sharded run of one training find each other's checkpoints, and each refuses the other's layout
+    in one line (:func:`onegpu.training.session.check_resumable`)."""
     # train.num_machines, machine_rank, main_process_*: where the processes run; every machine computes the same hash.
     skip = ("tracking.", "evaluate.", "train.logging_steps", "train.save_steps", "train.eval_",
             "train.load_best_model_at_end", "train.metric_for_best_model", "train.greater_is_better",

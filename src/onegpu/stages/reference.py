@@ -3,8 +3,7 @@
 With ``model.task: preference`` and ``train.dpo.precompute_ref_log_probs`` (TRL's name), the model training
 starts from scores the chosen and rejected answer of every training, validation and test pair
 (:mod:`onegpu.training.objectives.precomputed`); train and evaluate read the scores instead of keeping a reference
-model.
-DVC re-runs this stage only when the model, the prepared data or the params that decide the scores change,
+model. DVC re-runs this stage only when the model, the prepared data or the params that decide the scores change,
 so a sweep of the learning rate, beta or the batch split scores the pairs once. Otherwise it writes
 data/reference/unused.json and loads nothing.
 """

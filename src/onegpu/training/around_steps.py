@@ -147,8 +147,7 @@ def recover(error, model, batches: list[dict], pieces: int, accum: int, step: in
             events: list[dict], objective) -> int:
     """After out-of-memory ``error`` at optimizer step ``step`` (``batches``: the micro-batches redone, each cut in
     ``pieces`` pieces; ``accum``: the accumulation): :func:`onegpu.training.lifecycle.oom.recover` (gradients dropped,
-    cache
-    freed, the event appended to ``events``) and ``objective``'s step restarted (its per-step figures again).
+    cache freed, the event appended to ``events``) and ``objective``'s step restarted (its per-step figures again).
     Returns the next number of pieces per micro-batch.
 
     Raises:
@@ -179,8 +178,7 @@ def empty_cache(step: int, every: int) -> bool:
 
 def stop_requested(stop, world: int, device) -> bool:
     """Whether a stop was requested (``stop``: a :class:`~onegpu.training.lifecycle.interrupt.GracefulStop`, or None)
-    on
-    this rank or, under several processes (``world``), on any rank: all stop after the same step. Under
+    on this rank or, under several processes (``world``), on any rank: all stop after the same step. Under
     several processes every rank must call it at the same point (one all-reduce on ``device``)."""
     requested = stop is not None and stop.requested is not None
     if world > 1:

@@ -134,8 +134,7 @@ def test_two_processes_are_one_in_float64_and_the_host_allocator_is_the_same_tra
 # An epoch's short last step under 2 processes: (backend, micro-batch, accumulation, rows) of each case. Accelerate
 # deals micro-batches of the epoch round-robin and fills the last ones with rows repeated from its start
 # (even_batches); each case's repeats are left out (training.objectives.batches.own_rows), and where a process has no
-# row of
-# its own its micro-batch weighs 0 (Objective.pad_loss).
+# row of its own its micro-batch weighs 0 (Objective.pad_loss).
 SHORT_CASES = {"trainer-4x1-14": ("trainer", 4, 1, 14),      # step 2: 4 + 2 own rows of 4 + 4
                "accelerate-4x1-10": ("accelerate", 4, 1, 10),  # step 2: 2 own rows + a micro-batch of repeats only
                "accelerate-2x2-14": ("accelerate", 2, 2, 14),  # step 2: 2 + 2 | 2 + repeats only

@@ -208,8 +208,8 @@ def test_the_estimate_says_what_a_validation_pass_adds_unless_the_run_does_not_v
 def test_under_fsdp_the_estimate_is_per_rank_and_says_so(monkeypatch, capsys):
     """train.fsdp.enabled over 2 processes: one header line says the figures are per rank of 2 under FSDP2; the
     params, grads and optimizer states are one rank's dim-0 shards (onegpu.training.parallel.sharding.per_rank_bytes
-    of the
-    model the stage built), plus the gathered weights, in every total; the activations are the unsharded run's."""
+    of the model the stage built), plus the gathered weights, in every total; the activations are the unsharded
+    run's."""
     from onegpu.formatting import mib
     from onegpu.models import loader
     from onegpu.stages import estimate as stage

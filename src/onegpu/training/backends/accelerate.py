@@ -225,8 +225,7 @@ def _prepare(accelerator, model, loader, cfg: Config, device_type: str):
 
 def _shard(accelerator, model, t, device_type: str):
     """``train.fsdp``: ``model`` sharded in place with FSDP2 (:func:`onegpu.training.parallel.sharding.shard`) and
-    given
-    accelerate's mixed-precision forward (``prepare_model`` in evaluation mode: autocast, no DDP wrapper).
+    given accelerate's mixed-precision forward (``prepare_model`` in evaluation mode: autocast, no DDP wrapper).
     Returns the plain skeleton (:func:`onegpu.training.parallel.sharding.meta_copy`) that ``models/`` is gathered
     into."""
     skeleton = sharding.meta_copy(model)

@@ -167,8 +167,7 @@ class ExactLossTrainer(Trainer):
     def _own_batches(self, raw: list[list[dict]], epoch_iterator, device) -> list[dict]:
         """A step's uncollated micro-batches collated without accelerate's repeated rows
         (:func:`onegpu.training.objectives.batches.own_rows`), on ``device``; those with no row of their own are kept
-        in
-        ``_pads`` (their loss weighs 0). Which micro-batch of the epoch comes next is counted here: at an
+        in ``_pads`` (their loss weighs 0). Which micro-batch of the epoch comes next is counted here: at an
         epoch's (or a resumed epoch's) first step from the optimizer steps done, as Trainer skips them."""
         args, accum, rows = self.args, self.args.gradient_accumulation_steps, len(self.train_dataset)
         if epoch_iterator is not self._epoch:

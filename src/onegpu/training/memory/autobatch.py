@@ -87,8 +87,7 @@ def find_micro_batch(model, dataset, collator, loss_fn, effective_batch_size: in
         states_at: micro-batch -> the bytes held beside the activations (params, grads, optimizer states); None:
             the whole model's (:func:`state_bytes_predicted`). Under FSDP2 one rank's, whose gradients depend on
             the accumulation each micro-batch implies (:func:`onegpu.training.parallel.sharding.per_rank_bytes`); such
-            a
-            probe is the breakdown on CUDA too (a measured step would hold the whole model's gradients).
+            a probe is the breakdown on CUDA too (a measured step would hold the whole model's gradients).
     Returns:
         (micro-batch, every probe tried, largest first).
     Raises:
@@ -248,8 +247,7 @@ def validation_term(model, probe: dict, rows: int) -> int:
     """Bytes a validation (or test) pass's output layer and loss hold at their peak beyond the model's states,
     for batches of ``rows`` rows like ``probe`` (one collated row, the longest of the split), under
     ``torch.no_grad()`` outside autocast as :mod:`onegpu.training.objectives.heldout` runs them: the whole logits,
-    their
-    float32 copy and their log-softmax (:func:`logits_bytes` per row), or under ``train.fused_lm_head`` one
+    their float32 copy and their log-softmax (:func:`logits_bytes` per row), or under ``train.fused_lm_head`` one
     tile's (:func:`onegpu.training.objectives.lm_head.eval_transient_bytes`). 0 for a classifier (its logits are a few
     numbers per row). The layers' own temporaries (one layer's at a time without autograd) are not counted."""
     from onegpu.training.objectives import lm_head

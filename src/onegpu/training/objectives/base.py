@@ -40,8 +40,7 @@ class Objective:
         return causal_lm(self.task)
 
     # The functions of :mod:`onegpu.training.objectives.loss` that count a micro-batch's items and give its loss, by
-    # name
-    # (looked up at each call); an objective with its own :meth:`count_items` and :meth:`loss` leaves them empty.
+    # name (looked up at each call); an objective with its own :meth:`count_items` and :meth:`loss` leaves them empty.
     items_fn = ""  # labels -> a 0-dim int64 tensor
     loss_fn = ""  # (outputs, labels, num_items_in_batch) -> a 0-dim tensor
 
@@ -80,8 +79,7 @@ class Objective:
     def pad_loss(self, model, inputs: dict):
         """A loss of 0 with a whole graph: :meth:`step_loss` times 0 for a micro-batch that only keeps several
         processes' collectives in step (every row a repeat, :func:`onegpu.training.objectives.batches.collate_own`):
-        its
-        backward adds exactly 0 to every gradient and nothing to the step's figures."""
+        its backward adds exactly 0 to every gradient and nothing to the step's figures."""
         return self.step_loss(model, inputs, 1) * 0
 
     def shard(self, model, shard_fn) -> None:

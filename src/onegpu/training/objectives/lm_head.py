@@ -20,8 +20,7 @@ In eval mode (evaluation, generation) and when the caller passes ``labels``, the
 
 Under ``train.fsdp`` (FSDP2) the output layer belongs to the root's group, which stays gathered from its forward
 to its backward (:func:`onegpu.training.parallel.sharding.shard`): read after the forward, ``lm_head.weight`` is the
-whole
-gathered parameter (a tied one the embedding's too), and its tiles' gradient is reduce-scattered with the
+whole gathered parameter (a tied one the embedding's too), and its tiles' gradient is reduce-scattered with the
 root's at the end of backward. Held-out scoring (:func:`hidden_states`) runs through the model's own call, so
 that the root's FSDP2 hooks gather it first. A sharded weight (a DTensor) here raises, never computes.
 """

@@ -55,8 +55,7 @@ def agree(checkpoint_dir, resume, sharded: bool = False) -> None:
     calls this before any work: which machines share machine 0's ``checkpoint_dir`` (sets :func:`own_folders`
     and :func:`writes_checkpoint`), and whether every machine found the same checkpoint ``resume`` (a
     :class:`~onegpu.training.lifecycle.resume.ResumePoint` or None). ``sharded``: ``train.fsdp.enabled``. A no-op on
-    one
-    machine.
+    one machine.
 
     Raises:
         ConfigError: the machines found different checkpoints, or ``sharded`` and a machine does not share machine

@@ -98,8 +98,7 @@ def per_rank_bytes(model, processes: int, accumulation: int, optim: str,
 
 def per_rank_estimate(model, est: dict, train) -> dict:
     """``onegpu estimate``'s ``est`` (:func:`onegpu.training.memory.autobatch.estimate`, bytes for the whole model)
-    for one
-    rank under ``train.fsdp`` (``train``: the TrainConfig): params, grads and optimizer states from
+    for one rank under ``train.fsdp`` (``train``: the TrainConfig): params, grads and optimizer states from
     :func:`per_rank_bytes` and each micro-batch's total with them and the gathered weights; the activations as they
     are (each rank runs its own micro-batch). Under ``per_device_train_batch_size: auto`` each micro-batch m has
     its own gradient_accumulation_steps, effective_batch_size / (m x N), so its own gradients. Adds ``ranks`` (N),

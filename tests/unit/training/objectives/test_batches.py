@@ -301,8 +301,7 @@ def _two_process_worker(rank: int, port: int, out_dir: str) -> None:
 def test_two_processes_take_the_one_process_steps_on_both_backends(tmp_path):
     """2 gloo processes x 2 x 2 (padding-free) = 1 process 2 x 4, on each backend, with the whole logits and
     with the fused LM head (:mod:`onegpu.training.objectives.lm_head`): the step's completion tokens are summed over
-    the
-    processes before each divides (trl PR #3538's bug: per-device means)."""
+    the processes before each divides (trl PR #3538's bug: per-device means)."""
     from tests.unit.training.parallel import test_distributed as td
     ranks = td._spawn(_two_process_worker, tmp_path)
     for backend in ("trainer", "accelerate", "trainer fused", "accelerate fused"):

@@ -1,6 +1,5 @@
 """onegpu.training.objectives.precomputed: the key of stored reference scores (the pairs and the params that decide
-them,
-not beta, the optimizer or LoRA), their round trip, the refusals of stored scores that are not these pairs'."""
+them, not beta, the optimizer or LoRA), their round trip, the refusals of stored scores that are not these pairs'."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,5 @@
 """train.fsdp's helpers (onegpu.training.parallel.sharding) in this process: which blocks are sharded, the plain
-skeleton,
-the gradient-sync context, the norm, and a one-process FSDP2 round trip (shard, gather into the skeleton).
+skeleton, the gradient-sync context, the norm, and a one-process FSDP2 round trip (shard, gather into the skeleton).
 
 FSDP2 over 2 gloo processes = 1 process in float64: tests/unit/training/parallel/test_distributed.py."""
 from __future__ import annotations
