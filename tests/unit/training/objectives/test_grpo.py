@@ -123,3 +123,55 @@ def test_bad_arguments_are_one_clear_error():
         grpo.micro_batch_loss(torch.zeros(1, 2), torch.ones(1, 2), "mean", grpo.StepCounts(1, 2, 1), 2)
     with pytest.raises(ValueError, match="reference"):
         grpo.per_token_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), beta=0.1)
+
+
+def _packaged_step(model, ids, mask, prompt_len: int, splits: list[int], loss_type: str):
+    """One GRPO step of the packaged model over fixed generations (``ids``: prompt + completion token ids,
+    right-padded to one length; ``mask``: 1 at completion tokens) in micro-batches of ``splits``: the summed
+    loss and each parameter's gradient (float64). Old-policy and reference log-probabilities are the model's
+    own shifted by fixed amounts, so the clip and the KL are both active."""
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0], dtype=torch.float64)
+    adv = grpo.advantages(rewards, 4)
+    shift = torch.linspace(-0.4, 0.4, mask.numel(), dtype=torch.float64).view_as(mask)
+    bounds = torch.tensor([0, *splits]).cumsum(0).tolist()
+    parts = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    counts = grpo.step_counts([mask[p] for p in parts])
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for p in parts:
+        logits = model(input_ids=ids[p]).logits  # right padding: no real token attends to it
+        logps = torch.log_softmax(logits[:, prompt_len - 1:-1], dim=-1).gather(
+            -1, ids[p, prompt_len:].unsqueeze(-1)).squeeze(-1)
+        old, ref = logps.detach() + shift[p], logps.detach() - shift[p]
+        loss = grpo.micro_batch_loss(grpo.per_token_loss(logps, old, adv[p], 0.2, 0.28, 0.04, ref), mask[p],
+                                     loss_type, counts, mask.shape[1])
+        loss.backward()
+        total += float(loss.detach())
+    return total, [q.grad.detach().clone() for q in model.parameters()]
+
+
+@pytest.mark.slow  # the packaged model: make test-all
+@pytest.mark.big_memory
+def test_on_the_packaged_chat_model_every_split_of_a_grpo_step_is_exact_in_float64():
+    """The packaged SmolLM2-135M-Instruct itself in float64 (its norms and attention too), one prompt's four
+    completions of 3 to 7 tokens: 4 x 1 = 2 x 2 = 1 + 3 for dapo, dr_grpo and grpo, the loss and every
+    parameter's gradient within 1e-12 (relative to the largest, at least 1)."""
+    from tests.unit.equivalence import float64 as f64
+    tokenizer = f64.chat_tokenizer()
+    prompt = tokenizer("What is 7 + 5?")["input_ids"]
+    completions = [tokenizer(t)["input_ids"] for t in (" 12", " The answer is 12.", " 13", " I think it is twelve")]
+    width = max(len(c) for c in completions)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([prompt + c + [pad] * (width - len(c)) for c in completions])
+    mask = torch.tensor([[1.0] * len(c) + [0.0] * (width - len(c)) for c in completions], dtype=torch.float64)
+    assert len({int(m.sum()) for m in mask}) >= 3  # uneven lengths: where grpo's and dapo's weights differ
+    model = f64.packaged_chat_model("eager").double().eval()
+    with f64.float64_throughout(model):
+        for loss_type in ("dapo", "dr_grpo", "grpo"):
+            one_loss, one_grads = _packaged_step(model, ids, mask, len(prompt), [4], loss_type)
+            scale = max(1.0, max(float(g.abs().max()) for g in one_grads))
+            for splits in ([2, 2], [1, 3]):
+                loss, grads = _packaged_step(model, ids, mask, len(prompt), splits, loss_type)
+                assert abs(loss - one_loss) < 1e-12, (loss_type, splits, loss, one_loss)
+                worst = max(float((g - w).abs().max()) for g, w in zip(grads, one_grads))
+                assert worst <= 1e-12 * scale, (loss_type, splits, worst, scale)
