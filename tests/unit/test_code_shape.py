@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.unit import import_graph
+
 REPO = Path(__file__).resolve().parents[2]
 MAX_FUNCTION, MAX_STAGE = 60, 80
 
@@ -54,57 +56,17 @@ def test_the_top_level_holds_at_most_11_modules_and_these():
     assert top == TOP_LEVEL and len(top) <= 11
 
 
-def _imports(src: Path) -> dict[str, set[str]]:
-    """Each module of ``src``/onegpu (dotted; a package by its ``__init__``) -> the onegpu modules it imports,
-    lazy and ``TYPE_CHECKING`` imports too: ``from P import m`` is module ``P.m`` when that is a module,
-    else ``P``."""
-    files = {".".join(f.relative_to(src).with_suffix("").parts).removesuffix(".__init__"): f
-             for f in (src / "onegpu").rglob("*.py")}
-    out: dict[str, set[str]] = {}
-    for name, f in files.items():
-        seen = set()
-        for node in ast.walk(ast.parse(f.read_text(), str(f))):
-            if isinstance(node, ast.Import):
-                seen |= {a.name for a in node.names if a.name in files}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in files:
-                seen |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
-                         for a in node.names}
-        out[name] = seen - {name}
-    return out
-
-
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            part = []
-            while (w := stack.pop()) != v:
-                part.append(w)
-            if part:
-                out.append(sorted([v, *part]))
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
+    """The strongly connected components of more than one module (networkx's), each sorted."""
+    import networkx as nx
+    g = nx.DiGraph([(a, b) for a, targets in graph.items() for b in targets])
+    return sorted(sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1)
 
 
 def test_no_modules_import_each_other_in_a_circle():
     """No set of modules imports itself round, counting lazy and ``TYPE_CHECKING`` imports (ARCHITECTURE.md's
     dependency rule): a circle is one concern split over files, or a helper asking the layer above it."""
-    assert _circles(_imports(REPO / "src")) == []
+    assert _circles(import_graph.graph()) == []
     # what the rule catches: a collator's helper asking the registry that imports it (the shape before rooms)
     planted = {"o.objectives": {"o.objectives.causal_lm"}, "o.objectives.causal_lm": {"o.batches"},
                "o.batches": {"o.objectives"}, "o.loss": {"o.batches"}}
@@ -129,7 +91,7 @@ def _upward(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_training_rooms_import_only_their_own_or_the_rooms_below():
-    assert _upward(_imports(REPO / "src")) == []
+    assert _upward(import_graph.graph()) == []
     # what the rule catches: FSDP2's per-rank prediction once took its state formula from the memory room
     planted = {"onegpu.training.parallel.sharding": {"onegpu.training.memory.autobatch", "onegpu.config"}}
     assert _upward(planted) == ["onegpu.training.parallel.sharding -> onegpu.training.memory.autobatch"]

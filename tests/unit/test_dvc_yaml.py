@@ -12,31 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.unit.import_graph import imports, module_file
+
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "src"
 STAGES = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
-
-
-def _file(module: str) -> Path:
-    p = SRC / Path(*module.split("."))
-    return p / "__init__.py" if p.is_dir() else p.with_suffix(".py")
-
-
-def _imports(path: Path) -> set[str]:
-    """onegpu modules that ``path`` imports anywhere (top level or inside functions), or names in a
-    string (``importlib.import_module("onegpu.training.backends.accelerate")``)."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.startswith("onegpu.")}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("onegpu"):
-            for a in node.names:
-                sub = f"{node.module}.{a.name}"
-                out.add(sub if _file(sub).is_file() else node.module)
-        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
-              and re.fullmatch(r"onegpu(\.\w+)+", node.value) and _file(node.value).is_file()):
-            out.add(node.value)
-    return out
 
 
 def code_read_by(stage: str, packages: bool = True) -> set[str]:
@@ -49,10 +29,10 @@ def code_read_by(stage: str, packages: bool = True) -> set[str]:
         m = todo.pop()
         if m not in seen:
             seen.add(m)
-            todo += _imports(_file(m))
+            todo += imports(module_file(m))
             if packages:
                 todo += [".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 1)]
-    return {_file(m).relative_to(REPO).as_posix() for m in seen if _file(m).name != "__init__.py"}
+    return {module_file(m).relative_to(REPO).as_posix() for m in seen if module_file(m).name != "__init__.py"}
 
 
 @pytest.mark.parametrize("stage", ["inputs", "prepare", "reference", "train", "evaluate"])
@@ -138,14 +118,14 @@ class _Module:
     """One onegpu module's AST: its functions by name, the onegpu modules and names it imports."""
 
     def __init__(self, name: str, source: str | None = None) -> None:
-        self.name, self.tree = name, ast.parse(_file(name).read_text() if source is None else source)
+        self.name, self.tree = name, ast.parse(module_file(name).read_text() if source is None else source)
         self.functions = {n.name: n for n in self.tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
         self.imports: dict[str, str] = {}  # local name -> "onegpu.mod" (a module) or "onegpu.mod:name"
         for node in ast.walk(self.tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("onegpu"):
                 for a in node.names:
                     sub = f"{node.module}.{a.name}"
-                    self.imports[a.asname or a.name] = sub if _file(sub).is_file() else f"{node.module}:{a.name}"
+                    self.imports[a.asname or a.name] = sub if module_file(sub).is_file() else f"{node.module}:{a.name}"
             elif isinstance(node, ast.Import):
                 self.imports |= {a.asname: a.name for a in node.names if a.asname and a.name.startswith("onegpu.")}
         self.parents = {c: p for p in ast.walk(self.tree) for c in ast.iter_child_nodes(p)}
