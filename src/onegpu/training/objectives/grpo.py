@@ -23,11 +23,6 @@ SCALE_REWARDS = ("group", "batch", "none")  # TRL's scale_rewards
 STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4), so a group of equal rewards has advantage 0
 
 
-def _std(x, dim=None):
-    """TRL's ``nanstd`` without NaNs: the Bessel-corrected standard deviation (``torch.std``'s), over ``dim``."""
-    return x.std(dim=dim, unbiased=True)
-
-
 def advantages(rewards, num_generations: int, scale_rewards: str = "group"):
     """Group-relative advantages: each completion's reward minus its group's mean, divided by the group's
     standard deviation + 1e-4 (``scale_rewards`` ``group``), the whole batch's (``batch``) or not at all
@@ -52,7 +47,8 @@ def advantages(rewards, num_generations: int, scale_rewards: str = "group"):
     centred = (groups - groups.mean(dim=1, keepdim=True)).reshape(-1)
     if scale_rewards == "none":
         return centred
-    std = _std(groups, dim=1).repeat_interleave(num_generations) if scale_rewards == "group" else _std(rewards)
+    # TRL's nanstd on values without NaN: the Bessel-corrected standard deviation, torch.std's default
+    std = groups.std(dim=1).repeat_interleave(num_generations) if scale_rewards == "group" else rewards.std()
     return centred / (std + STD_EPS)
 
 
