@@ -81,11 +81,16 @@ def render(tokenizer, prompt, completion, strict: bool = False) -> tuple[str, st
     return prompt + sep, completion + (tokenizer.eos_token or "")
 
 
+def last_text(value) -> str:
+    """The text of a prompt or completion in either of TRL's forms: a string as it is, a conversational one's
+    last message's ``content``."""
+    return value[-1]["content"] if isinstance(value, list) else value
+
+
 def shortened(prompt, tokenizer, over: int):
     """``prompt`` with its last message's text (or the string itself) ``over`` tokens shorter; None when
     nothing is left to cut."""
-    text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
-    ids = token_ids(tokenizer, text)
+    ids = token_ids(tokenizer, last_text(prompt))
     if not ids:
         return None
     cut = tokenizer.decode(ids[:max(len(ids) - over, 0)])

@@ -113,7 +113,7 @@ def tokenize_pairs(dsd, tokenizer, max_length: int):
         try:
             out = pair(tokenizer, ex["prompt"], ex["chosen"], ex["rejected"], max_length)
         except DataError as e:
-            start = ex["prompt"] if isinstance(ex["prompt"], str) else ex["prompt"][-1]["content"]
+            start = chat.last_text(ex["prompt"])
             raise DataError(f"{split} row {i} (prompt {start[:40]!r}): {e}") from None
         if out is None:
             return {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "truncated": False, "length": 0,

@@ -16,17 +16,11 @@ import importlib
 import re
 from collections.abc import Callable
 
+from onegpu.data.chat import last_text
 from onegpu.errors import ConfigError
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
-
-
-def text(completion) -> str:
-    """The text of one completion: a string as it is, a conversational completion's (last) message content."""
-    if isinstance(completion, str):
-        return completion
-    return completion[-1]["content"]
 
 
 def final_answer(completion: str, numeric: bool) -> str:
@@ -63,7 +57,7 @@ def correctness(prompts, completions, answer, **columns) -> list[float]:
     out = []
     for completion, want in zip(completions, answer):
         want = str(want).strip()
-        got = final_answer(text(completion), _number(want) is not None)
+        got = final_answer(last_text(completion), _number(want) is not None)
         out.append(1.0 if got and _same(got, want) else 0.0)
     return out
 
@@ -71,7 +65,7 @@ def correctness(prompts, completions, answer, **columns) -> list[float]:
 def think_format(prompts, completions, **columns) -> list[float]:
     """TRL's ``think_format_reward``: 1.0 where the completion opens with one ``<think>...</think>`` block."""
     from trl.rewards import think_format_reward
-    return think_format_reward([[{"content": text(c)}] for c in completions])
+    return think_format_reward([[{"content": last_text(c)}] for c in completions])
 
 
 REWARDS: dict[str, Callable] = {"correctness": correctness, "think_format": think_format}
