@@ -195,16 +195,20 @@ def _windows_text(variants: list[Variant], repeats: int, span: tuple[int, int], 
 
 def expected_time(windows: tuple[int, int], steps: int | None, runner: str, batch: str) -> str:
     """The batch's expected wall time in words: ``windows`` (the fewest and most) times the median wall
-    time of a row in this project's latest earlier batch with the same window and runner (its params may
-    differ: it says which batch); before any, that it is known after the first row."""
+    time of a baseline window in this project's latest earlier batch with the same window and runner (its
+    params may differ: it says which batch; the baseline, in every batch, compiles nothing, so a batch
+    of rows that met a cold compiler cache does not inflate it; no baseline: its median row); before any,
+    that it is known after the first row."""
     import statistics
     earlier = sorted(_manifest_dir().glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
     for f in earlier:
         m = json.loads(f.read_text())
         if m.get("batch") != batch and m.get("wall_s") and m.get("steps") == steps and m.get("runner") == runner:
-            per = statistics.median(m["wall_s"].values())
+            base = [w for n, w in m["wall_s"].items() if n == "baseline" or n.startswith("baseline-r")]
+            per = statistics.median(base or m["wall_s"].values())
             span = " to ".join(dict.fromkeys(duration(w * per) for w in windows))
-            return f"expected: about {span} (a row took a median {per:.1f} s in batch {m['batch']} here)"
+            return (f"expected: about {span} (a {'baseline window' if base else 'row'} took a median {per:.1f} s "
+                    f"in batch {m['batch']} here)")
     return "expected time: known after the first row (no earlier batch with this window here)"
 
 
@@ -257,6 +261,8 @@ def run(batch: str, rows: list[Variant], steps: int | None, params: str | None, 
         ran, interrupted = queue.run_rows(prefix(batch), rows, [] if steps is None else ["train"], force,
                                           window=window_args(steps))
     manifest = load_plan(batch)
+    if pool is not None:
+        manifest["ready_s"] = pool.ready_s  # the workers' start and data, before the rows (Pool.ready)
     manifest.setdefault("wall_s", {}).update({r.name.removeprefix(prefix(batch)): r.seconds for r in ran})
     manifest["stopped"] = manifest.get("stopped", []) + [r.name.removeprefix(prefix(batch)) for r in ran
                                                          if r.returncode is None]
@@ -360,9 +366,10 @@ def timing(manifest: dict, runs: dict[str, RunRecord]) -> list[str]:
     """The rows' cost in words, from the wall time of each row kept in the plan and its run's
     ``train_runtime``: the whole, and the per-row overhead that a row pays whatever its window (as
     ``dvc exp run --temp``: DVC's temporary clone, each stage's process start, the model's load and save;
-    in workers: the model's build and the MLflow run, the first row of a worker its start and the data's
-    preparation), and the seconds the rows' steps spent compiling (``step_compile_s``: warm-up, said apart
-    since no window's samples/s counts it). Empty before any row ran here (a queued batch)."""
+    in workers: the model's build and the MLflow run), the seconds the rows' steps spent compiling
+    (``step_compile_s``: warm-up, said apart since no window's samples/s counts it), and the workers' start
+    with the data's preparation before the rows (``ready_s``, :meth:`onegpu.tradeoffs.pool.Pool.ready`).
+    Empty before any row ran here (a queued batch)."""
     wall = manifest.get("wall_s", {})
     if not wall:
         return []
@@ -377,8 +384,11 @@ def timing(manifest: dict, runs: dict[str, RunRecord]) -> list[str]:
                    f"step; in no window's samples/s) in {sum(1 for c in compiled.values() if c)} of them")
     if pairs:
         over = sorted(w - t for w, t in pairs)
-        what = ("the model's build and its MLflow run (a worker's first row: its start and the data's preparation)"
-                if workers else "DVC's temporary clone, each stage's process start, model load and save")
+        what = ("the model's build and its MLflow run" if workers
+                else "DVC's temporary clone, each stage's process start, model load and save")
         out[0] += (f"; per row a median {over[len(over) // 2]:.1f} s (min {over[0]:.1f}, max {over[-1]:.1f}) "
                    f"beyond its training: {what}")
+    if manifest.get("ready_s"):
+        out[0] += (f"; before the rows, {manifest['ready_s']:.0f} s starting the workers (at once) and preparing "
+                   "the data")
     return out

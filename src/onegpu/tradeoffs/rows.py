@@ -56,10 +56,13 @@ def time_left(done: list[Ran], left: int) -> str:
     return f"about {duration(sum(r.seconds for r in done) / len(done) * left)} left"
 
 
-def one_at_a_time(prefix: str, rows: list[Variant], run: Callable[[str, Variant], int]) -> tuple[list[Ran], bool]:
+def one_at_a_time(prefix: str, rows: list[Variant], run: Callable[[str, Variant], int],
+                  before: Callable[[], float] | None = None) -> tuple[list[Ran], bool]:
     """Each of ``rows`` in order: print "row k of M" and the time left, then ``run(name, row)`` (``name``:
     ``<prefix><row name>``; returns the exit status; on a KeyboardInterrupt, :class:`Terminated` for
     SIGTERM, it stops its row and raises :class:`Stopped`). SIGTERM raises :class:`Terminated` meanwhile.
+    ``before()``: called first (the workers' start; it may raise :class:`Stopped` as ``run`` does); the
+    seconds it returns are printed when over one.
 
     Returns:
         ``(ran, interrupted)``: the rows that ran or were stopped, in order, and whether the batch was
@@ -68,6 +71,14 @@ def one_at_a_time(prefix: str, rows: list[Variant], run: Callable[[str, Variant]
     ran: list[Ran] = []
     old = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
+        if before is not None:
+            try:
+                waited = before()
+            except Stopped:
+                return ran, True
+            if waited >= 1.0:
+                print(f"workers ready: {waited:.1f} s (started at once: Python, torch, transformers, MLflow and the "
+                      "prepared data)", flush=True)
         for k, v in enumerate(rows, 1):
             name = f"{prefix}{v.name}"
             print(f"\nrow {k} of {len(rows)}: {name}  {v.set_text or '(your params)'}  "

@@ -89,11 +89,31 @@ def train_row(spec: dict, cache: dict) -> None:
     tracked_run.run(plan, tracker, dsd, name=spec["name"], probe=True, tokenizer=tokenizer)
 
 
+def get_ready(spec: dict, cache: dict) -> None:
+    """Before any row: import what training imports and prepare the data of ``spec``'s params and
+    ``overrides`` into ``cache``, so that the pool can start all its workers at once and no row's wall time
+    holds its worker's start (:meth:`onegpu.tradeoffs.pool.Pool.ready`).
+
+    Raises:
+        onegpu.errors.UserError: the params or data are refused (the row then says so itself).
+    """
+    import peft  # noqa: F401  (the first row's imports, paid here: peft, transformers' Trainer, MLflow's store)
+
+    from onegpu import tracking
+    from onegpu.config import load
+    from onegpu.training import tracked_run  # noqa: F401
+    from onegpu.training.backends import hf_trainer  # noqa: F401
+    cfg = load(spec["params"], spec["overrides"])
+    prepared(cfg, cache)
+    tracking.connect(cfg.tracking.experiment_name)
+
+
 def main(conn, offline: bool) -> None:
-    """The worker's loop: receive a row spec on ``conn`` (None: stop), train it, send back ``{"name",
-    "returncode", "seconds"}`` (returncode 0 trained, 2 refused, 1 failed, None stopped by Ctrl-C or
-    SIGINT, after which the worker ends). ``offline``: the model is local (no hub lookups, as the CLI).
-    The interpreter is tuned as the ``onegpu`` command's (:mod:`onegpu.interpreter`)."""
+    """The worker's loop: receive a row spec on ``conn`` (None: stop), train it (``"prepare"`` in it: only
+    :func:`get_ready`), send back ``{"name", "returncode", "seconds"}`` (returncode 0 trained or ready, 2
+    refused, 1 failed, None stopped by Ctrl-C or SIGINT, after which the worker ends). ``offline``: the
+    model is local (no hub lookups, as the CLI). The interpreter is tuned as the ``onegpu`` command's
+    (:mod:`onegpu.interpreter`)."""
     from onegpu import interpreter
     interpreter.start()
     if offline:
@@ -110,12 +130,13 @@ def main(conn, offline: bool) -> None:
             return
         t0, rc = time.monotonic(), 0
         try:
-            train_row(spec, cache)
+            (get_ready if spec.get("prepare") else train_row)(spec, cache)
         except KeyboardInterrupt:
             conn.send({"name": spec["name"], "returncode": None, "seconds": time.monotonic() - t0})
             return
         except UserError as e:
-            print(f"onegpu tradeoffs: {spec['name']}: error: {e}", flush=True)
+            if not spec.get("prepare"):  # a refused prepare is said by the row that needs it
+                print(f"onegpu tradeoffs: {spec['name']}: error: {e}", flush=True)
             rc = 2
         except Exception as e:  # its MLflow run says FAILED; the other rows still run
             print(f"onegpu tradeoffs: {spec['name']} failed: {type(e).__name__}: {e}", flush=True)

@@ -41,6 +41,20 @@ def test_the_data_is_prepared_once_per_key(params, monkeypatch):
     assert calls == [64, 32]
 
 
+def test_getting_ready_prepares_the_rows_data_and_opens_the_store(params, tmp_path, monkeypatch):
+    """Issue 64: what a worker's first row paid beyond its training (the data, MLflow's store) is paid
+    before the rows (Pool.ready), so the row that follows prepares nothing."""
+    calls, opened = [], []
+    monkeypatch.setattr("onegpu.data.check_input", lambda cfg: "text")
+    monkeypatch.setattr("onegpu.data.pipeline.prepare",
+                        lambda cfg, fmt, make: calls.append(cfg.data.max_length) or ("dsd", "tok", {}, None))
+    monkeypatch.setattr("onegpu.tracking.connect", opened.append)
+    cache: dict = {}
+    worker.get_ready({"params": params, "overrides": ["train.max_steps=6"]}, cache)
+    assert calls == [64] and opened == [load(params).tracking.experiment_name]
+    assert worker.prepared(load(params, ["train.bf16=true"]), cache) == ("dsd", "tok", {}) and calls == [64]
+
+
 def test_a_row_may_change_the_mixed_precision_of_the_row_before_it():
     """Accelerate keeps one state per process and its Accelerator refuses another mixed precision once it
     exists (the accelerate backend's bf16 row after its fp32 baseline): the worker resets it between rows."""
