@@ -43,12 +43,12 @@ def run(req: Request) -> list[Row]:
     queue, no MLflow store or runs); KeyboardInterrupt after a stopped batch's report."""
     if not Path("dvc.yaml").is_file():
         raise UserError("no dvc.yaml here: run onegpu tradeoffs from the project root")
-    cfg, batch, facts, interrupted, no_rows = req.cfg, req.batch, memory.device_facts(), False, req.queue_only
+    cfg, batch, facts, interrupted, queue_only = req.cfg, req.batch, memory.device_facts(), False, req.queue_only
 
     def runs_named(prefix: str) -> dict[str, compare.RunRecord]:  # the rows' runs so far, by row name
         return batches.finished_runs([compare.RunRecord(**d) for d in tracking.training_runs_named(
             tracking.open_existing(cfg.tracking.experiment_name), prefix)], prefix)
-    with workers.for_batch(cfg, req.params, facts, req.steps, no_rows or req.report_only, req.overrides) as pool:
+    with workers.for_batch(cfg, req.params, facts, req.steps, queue_only or req.report_only, req.overrides) as pool:
         if not req.report_only:
             batch, interrupted = batches.start(cfg, req.params, req.knobs, list(req.overrides), req.queue_only,
                                                facts, req.steps, req.repeats, pool, runs_named)
