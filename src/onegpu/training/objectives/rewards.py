@@ -12,7 +12,7 @@
 """
 from __future__ import annotations
 
-import importlib
+import pkgutil
 import re
 from collections.abc import Callable
 
@@ -79,12 +79,13 @@ def resolve(name: str, key: str = "train.grpo.reward_funcs") -> Callable:
     """
     if name in REWARDS:
         return REWARDS[name]
-    module, sep, attr = name.partition(":") if ":" in name else name.rpartition(".")
     allowed = f"use one of {', '.join(REWARDS)} or a dotted path to your function (package.module:function)"
-    if not sep or not module or not attr:
+    if "." not in name.strip(".:") and ":" not in name.strip(".:"):
         raise ConfigError(f"{key}: {name!r} is not a reward function; {allowed}")
     try:
-        fn = getattr(importlib.import_module(module), attr)
+        fn = pkgutil.resolve_name(name)  # both forms, package.module:function and package.module.function
+    except ValueError:
+        raise ConfigError(f"{key}: {name!r} is not a reward function; {allowed}") from None
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{key}: {name!r} cannot be imported ({type(e).__name__}: {e}); {allowed}") from None
     if not callable(fn):
