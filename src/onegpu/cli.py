@@ -104,7 +104,8 @@ def _tradeoffs(sub) -> None:
                                     "was measured.")
     _params(tr)
     tr.add_argument("--knobs", metavar="LIST", help=f"a comma-separated subset of the knobs {', '.join(KNOBS)} "
-                                                    "(default: all that apply)")
+                                                    "(default: all that apply; on a CPU the rows whose step "
+                                                    "compiles, torch.compile and torchao's AdamW, only when named)")
     tr.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a param for every experiment, the baseline too, as `dvc exp run -S` takes it "
                          "(repeatable), e.g. -S model.dropout=0 to see which knobs are exactly the same training")

@@ -17,7 +17,6 @@ from onegpu.config import Config
 from onegpu.errors import UserError
 from onegpu.measure import memory
 from onegpu.tradeoffs import batch as batches, pool as workers, queue, report
-from onegpu.tradeoffs.knobs import KNOBS
 from onegpu.tradeoffs.measurement import Row
 
 
@@ -26,7 +25,7 @@ class Request:
     """One ``onegpu tradeoffs`` (the command line's arguments; ``cli`` builds it)."""
     cfg: Config                      # the params file with ``overrides`` applied
     params: str = "params.yaml"
-    knobs: tuple[str, ...] = tuple(KNOBS)  # the rows: names of KNOBS
+    knobs: tuple[str, ...] | None = None  # the rows: names of knobs.KNOBS; None: knobs.plan's default set
     queue_only: bool = False         # queue the rows and stop
     report_only: bool = False        # report on ``batch`` (None: the latest); queue and run nothing
     batch: str | None = None

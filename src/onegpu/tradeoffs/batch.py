@@ -70,7 +70,7 @@ def variants_of(manifest: dict) -> list[Variant]:
             for v in manifest["variants"]]
 
 
-def plan(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str],
+def plan(cfg: Config, params: str, knobs: tuple[str, ...] | None, overrides: list[str],
          facts: DeviceFacts) -> tuple[list[Variant], list[str]]:
     """The batch's variants with the command's ``-S`` ``overrides`` first in each, and the knobs left out.
 
@@ -134,7 +134,7 @@ def _check_queue() -> None:
                         "or stop them (dvc queue kill ...)")
 
 
-def start(cfg: Config, params: str, knobs: tuple[str, ...], overrides: list[str], queue_only: bool,
+def start(cfg: Config, params: str, knobs: tuple[str, ...] | None, overrides: list[str], queue_only: bool,
           facts: DeviceFacts, steps: int | None = PROBE_STEPS, repeats: int | None = None,
           pool: Pool | None = None, fetch: Callable[[str], dict[str, RunRecord]] | None = None) -> tuple[str, bool]:
     """Plan, keep the batch's plan, and queue its experiments (``queue_only``) or run them one at a time

@@ -278,26 +278,43 @@ KNOBS: dict[str, Callable[[Config, DeviceFacts], list[Variant] | str]] = {
 }
 
 
-def plan(cfg: Config, facts: DeviceFacts, knobs: tuple[str, ...] = tuple(KNOBS)) -> tuple[list[Variant], list[str]]:
+# The overrides whose row compiles its step (inductor: C++ kernels on a CPU, tens of seconds in an environment
+# whose compiler cache is cold): on a CPU such rows run only when ``--knobs`` names their knob.
+COMPILING = frozenset({("train.torch_compile", "true"), ("train.optim", "adamw_torch_8bit"),
+                       ("train.optim", "adamw_torch_4bit")})
+
+
+def compiles(v: Variant) -> bool:
+    """Whether row ``v``'s optimizer step compiles (torch.compile, torchao's low-bit AdamW): :data:`COMPILING`."""
+    return any(o in COMPILING for o in v.overrides)
+
+
+def plan(cfg: Config, facts: DeviceFacts, knobs: tuple[str, ...] | None = None) -> tuple[list[Variant], list[str]]:
     """The baseline and the variants of each of ``knobs`` that applies.
 
     Args:
         cfg: the user's params (the baseline).
         facts: the machine (:func:`onegpu.measure.memory.device_facts`): TF32, fp16 and the 8-bit optimizer
             apply only with CUDA, bf16 needs a GPU that has it, 8-bit AdamW needs bitsandbytes.
-        knobs: the subset to plan (names of :data:`KNOBS`).
+        knobs: the subset to plan (names of :data:`KNOBS`); None: every knob, less, on a CPU, the rows whose
+            step compiles (:func:`compiles`: their first step compiles C++ kernels for longer than the other
+            rows train; ``--knobs compile,optimizer`` measures them).
     Returns:
         ``(variants, skipped)``: the baseline first, then the variants in the guide's order; ``skipped``
-        says for each left-out knob why (``"<knob>: <why>"``).
+        says for each left-out knob or row why (``"<knob>: <why>"``).
     """
     out, skipped = [Variant("baseline", "baseline", (), SAME, "your params.yaml")], []
     for name, knob in KNOBS.items():
-        if name in knobs:
+        if knobs is None or name in knobs:
             got = knob(cfg, facts)
             if isinstance(got, str):
                 skipped.append(f"{name}: {got}")
-            else:
-                out.extend(got)
+                continue
+            later = [v.name for v in got if knobs is None and not facts.cuda and compiles(v)]
+            if later:
+                skipped.append(f"{name}: {', '.join(later)} left out on a CPU unless --knobs names {name} (the "
+                               "step compiles C++ kernels first: tens of seconds the first time in an environment)")
+            out.extend(v for v in got if v.name not in later)
     return out, skipped
 
 
@@ -309,14 +326,15 @@ def with_overrides(variants: list[Variant], common: list[tuple[str, str]]) -> li
     return [Variant(v.name, v.knob, (*tuple(common), *v.overrides), v.expect, v.what) for v in variants]
 
 
-def parse_knobs(text: str | None) -> tuple[str, ...]:
-    """``--knobs split,precision,...`` as a tuple of :data:`KNOBS` names (None: all of them).
+def parse_knobs(text: str | None) -> tuple[str, ...] | None:
+    """``--knobs split,precision,...`` as a tuple of :data:`KNOBS` names (None: None, the default set of
+    :func:`plan`).
 
     Raises:
         UserError: an unknown name or an empty list.
     """
     if text is None:
-        return tuple(KNOBS)
+        return None
     knobs = tuple(k.strip() for k in text.split(",") if k.strip())
     bad = [k for k in knobs if k not in KNOBS]
     if bad or not knobs:

@@ -26,15 +26,37 @@ def _names(variants):
 def test_plan_on_cpu_for_the_defaults():
     variants, skipped = knobs.plan(_cfg(), CPU)
     assert _names(variants) == ["baseline", "split-16x1", "checkpointing", "bf16", "adamw_torch_fused", "adafactor",
-                                "attn-eager", "compile", "cpu-allocator-system", "lora"]
+                                "attn-eager", "cpu-allocator-system", "lora"]
     by = {v.name: v for v in variants}
     assert by["split-16x1"].set_args == ["-S", "train.per_device_train_batch_size=16",
                                          "-S", "train.gradient_accumulation_steps=1"]
     assert by["baseline"].set_args == []
     assert by["lora"].set_args == ["-S", "model.lora.r=8"]  # the dotted form a user types
     # tf32: a no-op on CPU; padding-free, packing and the fused LM head: causal LM only
-    assert [s.split(":")[0] for s in skipped] == ["tf32", "padding_free", "packing", "fused_lm_head",
+    # compile: on a CPU only when --knobs names it (its step compiles C++ kernels first)
+    assert [s.split(":")[0] for s in skipped] == ["tf32", "compile", "padding_free", "packing", "fused_lm_head",
                                                   "activation_offloading", "reference", "sharding"]
+    assert skipped[1].startswith("compile: compile left out on a CPU unless --knobs names compile (the step compiles")
+
+
+def test_rows_whose_step_compiles_run_on_a_cpu_only_when_their_knob_is_named():
+    """On a CPU the default set leaves out torch.compile and torchao's low-bit AdamW and says so; naming the
+    knob (or a GPU) plans them; the row that turns compiling off compiles nothing and stays."""
+    cpu = config.DeviceFacts(packages=frozenset({"torchao"}))
+    variants, skipped = knobs.plan(_cfg(), cpu)
+    assert not {"compile", "adamw_torch_8bit", "adamw_torch_4bit"} & set(_names(variants))
+    assert "adamw_torch_fused" in _names(variants) and "adafactor" in _names(variants)
+    assert [s for s in skipped if s.startswith(("optimizer", "compile"))] == [
+        "optimizer: adamw_torch_8bit, adamw_torch_4bit left out on a CPU unless --knobs names optimizer (the step "
+        "compiles C++ kernels first: tens of seconds the first time in an environment)",
+        "compile: compile left out on a CPU unless --knobs names compile (the step compiles C++ kernels first: "
+        "tens of seconds the first time in an environment)"]
+    named, skipped = knobs.plan(_cfg(), cpu, knobs=("optimizer", "compile"))
+    assert _names(named) == ["baseline", "adamw_torch_fused", "adafactor", "adamw_torch_8bit", "adamw_torch_4bit",
+                             "compile"] and skipped == []
+    gpu = config.DeviceFacts(cuda=True, gpus=1, bf16=True, packages=frozenset({"torchao"}))
+    assert {"compile", "adamw_torch_8bit", "adamw_torch_4bit"} <= set(_names(knobs.plan(_cfg(), gpu)[0]))
+    assert "no-compile" in _names(knobs.plan(_cfg(torch_compile=True), cpu)[0])
 
 
 def test_plan_on_cuda_adds_tf32_fp16_and_8bit():
@@ -125,7 +147,7 @@ def test_every_variant_validates_and_its_key_matches_what_it_expects():
 
 
 def test_parse_knobs():
-    assert parse_knobs(None) == tuple(knobs.KNOBS)
+    assert parse_knobs(None) is None  # the default set: knobs.plan's
     assert parse_knobs("split, lora") == ("split", "lora")
     with pytest.raises(UserError, match="unknown foo; choose from split,checkpointing"):
         parse_knobs("split,foo")
