@@ -7,7 +7,8 @@ time, the windows it ran (of the most its plan allowed), the baseline's spread o
 report's min-max: what decides whether anything can be recommended) and the recommendation. torch.compile
 and torchao's low-bit AdamW compile in their first step through inductor, whose on-disk cache outlives the
 command: those rows' step 1 seconds are printed (a few seconds when inductor's cache held their graphs, tens
-of seconds when it compiled them: once per machine), not a guess from the cache folder holding files.
+of seconds when it compiled them: once per environment), not a guess from the cache folder holding files. On
+a CPU the default batch leaves those rows out (``--knobs`` names them): the column is then empty.
 
 Targets (tests/README.md keeps none: they are here): the default job within 120 s, the 10x longer job
 within 1.3x of it, the baseline's spread within +-10%.

@@ -19,8 +19,8 @@ NEXT = """Next:
                      a sweep: queue one line per micro-batch split, then run them one at a time
   onegpu compare     which runs trained the same model with another split, and what each cost
   onegpu tradeoffs   the guide's knobs measured on these params (6 steps per knob, more rounds only where
-                     they can change the answer; the default job: 2 min on a 2-core CPU, 3 the first
-                     time in a new environment: compiling) and what is faster
+                     they can change the answer; the default job: 2 min on a 2-core CPU, where the
+                     rows that compile run only with --knobs) and what is faster
   dvc exp show --only-changed --drop 'Created|State|Executor|models|data/|src/|model.dropout|test_loss|train_mem'
                      the sweep as a table (README.md: A sweep)"""
 
