@@ -53,12 +53,14 @@ def advantages(rewards, num_generations: int, scale_rewards: str = "group"):
 
 
 def per_token_loss(logps, old_logps, advantage, epsilon: float = 0.2, epsilon_high: float | None = None,
-                   beta: float = 0.0, ref_logps=None):
+                   beta: float = 0.0, ref_logps=None, use_bias_correction_kl: bool = True):
     """The clipped surrogate per completion token, plus ``beta`` x the KL to a reference (TRL's token-level
     importance sampling):
 
         ratio = exp(logps - old_logps);  loss = -min(ratio x A, clip(ratio, 1 - epsilon, 1 + epsilon_high) x A)
-        KL    = exp(ref - logps) - (ref - logps) - 1   (Schulman's k3 estimator, per token)
+        KL    = exp(ref - logps) - (ref - logps) - 1   (Schulman's k3 estimator, per token),
+                x ratio under ``use_bias_correction_kl`` (TRL's default: the unbiased reverse-KL gradient,
+                DeepSeek-V3.2; the ratio carries gradient even where it is 1)
 
     Args:
         logps: ``(sequences, completion_length)`` float log-probabilities of the completion tokens under the
@@ -68,6 +70,7 @@ def per_token_loss(logps, old_logps, advantage, epsilon: float = 0.2, epsilon_hi
         epsilon, epsilon_high: the clip range (``epsilon_high`` None: ``epsilon``, TRL's default).
         beta: the KL coefficient (0: no reference, TRL's default).
         ref_logps: the reference model's log-probabilities, ``logps``' shape; needed when ``beta`` is not 0.
+        use_bias_correction_kl: multiply the KL by the ratio (TRL's ``use_bias_correction_kl``, default True).
     Returns:
         ``(sequences, completion_length)`` per-token losses (padding positions included: the mask is applied
         by :func:`micro_batch_loss`).
@@ -83,7 +86,8 @@ def per_token_loss(logps, old_logps, advantage, epsilon: float = 0.2, epsilon_hi
         if ref_logps is None:
             raise ValueError("beta is not 0: the reference model's log-probabilities are needed")
         delta = ref_logps - logps
-        loss = loss + beta * (torch.exp(delta) - delta - 1)
+        kl = torch.exp(delta) - delta - 1
+        loss = loss + beta * (kl * ratio if use_bias_correction_kl else kl)
     return loss
 
 

@@ -27,6 +27,7 @@ class Settings:
     beta: float = 0.0
     scale_rewards: str = "group"
     num_iterations: int = 1
+    use_bias_correction_kl: bool = True  # the KL term times the importance ratio (TRL's default)
     reward_weights: tuple[float, ...] | None = None  # None: 1.0 each
 
 
@@ -199,13 +200,17 @@ def micro_batch_loss(model, batch: StepBatch, rows: slice, step: grpo.StepCounts
     ref = batch.ref_logps[rows] if batch.ref_logps is not None else None
     adv = batch.advantages[rows].to(logps.dtype)
     mask = batch.gens.completion_mask[rows]
-    token_loss = grpo.per_token_loss(logps, old, adv, settings.epsilon, settings.epsilon_high, settings.beta, ref)
+    token_loss = grpo.per_token_loss(logps, old, adv, settings.epsilon, settings.epsilon_high, settings.beta, ref,
+                                     settings.use_bias_correction_kl)
     if figures is not None:
         with torch.no_grad():
-            delta = None if ref is None else ref - logps
-            kl = None if delta is None else torch.exp(delta) - delta - 1
+            ratio = torch.exp(logps - old)
+            kl = None
+            if ref is not None:  # TRL's logged kl: the per-token term as the loss has it (times the ratio)
+                kl = torch.exp(ref - logps) - (ref - logps) - 1
+                kl = kl * ratio if settings.use_bias_correction_kl else kl
             high = settings.epsilon if settings.epsilon_high is None else settings.epsilon_high
-            figures.add(torch.exp(logps - old), adv, mask, settings.epsilon, high, kl)
+            figures.add(ratio, adv, mask, settings.epsilon, high, kl)
     return grpo.micro_batch_loss(token_loss, mask, settings.loss_type, step, s.max_completion_length)
 
 
