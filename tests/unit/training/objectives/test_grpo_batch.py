@@ -168,3 +168,48 @@ def test_num_iterations_takes_the_old_policys_log_probs_once():
         once = grpo_batch.build(policy, ["p0", "p1"], PROMPTS, COLUMNS, FUNCS, _settings(beta=0.0), _decode, PAD,
                                 EOS, seed=5)
     assert once.old_logps is None and once.ref_logps is None
+
+
+def test_in_float32_every_split_is_the_same_step_within_1e_6(fixed):
+    """The same step in float32 (the model and the batch's log-probabilities cast): the splits agree to
+    float32's rounding, 1e-6 relative in the loss and the gradient."""
+    policy, batch = fixed
+    p32 = _tiny_llama(0).float()
+    p32.load_state_dict(policy.state_dict())
+    b32 = dataclasses.replace(batch, advantages=batch.advantages.float(), old_logps=batch.old_logps.float(),
+                              ref_logps=batch.ref_logps.float())
+    for loss_type in ("dapo", "dr_grpo", "grpo"):
+        whole_loss, whole_grad, _ = _step(p32, b32, [8], loss_type)
+        assert whole_grad.dtype == torch.float32
+        for name, splits in SPLITS.items():
+            loss, grad, _ = _step(p32, b32, splits, loss_type)
+            assert loss == pytest.approx(whole_loss, rel=1e-6), (loss_type, name)
+            assert float((grad - whole_grad).norm() / whole_grad.norm()) < 1e-6, (loss_type, name)
+
+
+@pytest.mark.slow  # the packaged model: make test-all
+@pytest.mark.big_memory
+def test_on_the_packaged_chat_model_its_own_sampled_completions_give_the_same_step_for_every_split():
+    """The packaged SmolLM2-135M-Instruct in float64 samples two chat prompts' four completions each (up to 8
+    tokens, seeded); 8 x 1 = 2 x 4 = 5 + 3 for dapo and grpo (dr_grpo is dapo's sum over another constant),
+    loss and gradient within 1e-12. The old policy's and the reference's log-probabilities are the model's
+    own shifted by fixed amounts, so the clip and the KL both act."""
+    from tests.unit.equivalence import float64 as f64
+    tok = f64.chat_tokenizer()
+    prompts = ["What is 7 + 5? Answer with a number.", "Name the capital of France."]
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                   return_dict=False) for p in prompts]
+    model = f64.packaged_chat_model("eager").double()
+    settings = grpo_batch.Settings(sampling=generation.Sampling(4, 8, 1.0), num_iterations=2)
+    with f64.float64_throughout(model):
+        batch = grpo_batch.build(model, prompts, ids, {}, {"length": length_reward}, settings, tok.decode,
+                                 tok.pad_token_id, [tok.eos_token_id], seed=1)
+    shift = torch.linspace(-0.4, 0.4, batch.old_logps.numel(), dtype=torch.float64).view_as(batch.old_logps)
+    batch = dataclasses.replace(batch, old_logps=batch.old_logps + shift, ref_logps=batch.old_logps - shift)
+    for loss_type in ("dapo", "grpo"):
+        whole_loss, whole_grad, figs = _step(model, batch, [8], loss_type)
+        assert figs["clip_ratio/region_mean"] > 0 and figs["kl"] > 0
+        for name in ("2 x 4", "5 + 3"):
+            loss, grad, _ = _step(model, batch, SPLITS[name], loss_type)
+            assert loss == pytest.approx(whole_loss, rel=REL, abs=1e-15), (loss_type, name)
+            assert float((grad - whole_grad).norm() / whole_grad.norm()) < REL, (loss_type, name)
