@@ -187,7 +187,7 @@ def test_tradeoffs_help_names_every_knob(capsys):
         cli.main(["tradeoffs", "--help"])
     assert stop.value.code == 0
     description, options = " ".join(capsys.readouterr().out.split()).split(" options: ")
-    knobs_help = options[options.index("--knobs LIST"):options.index("(default: all that apply)")]
+    knobs_help = options[options.index("--knobs LIST"):options.index("(default: all that apply")]
     for text in (description, knobs_help):
         assert set(KNOBS) <= set(re.findall(r"\w+", text)), text
 
