@@ -23,10 +23,21 @@ SCALE_REWARDS = ("group", "batch", "none")  # TRL's scale_rewards
 STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4), so a group of equal rewards has advantage 0
 
 
+def nanstd(x, dim=None):
+    """TRL's ``nanstd``: the Bessel-corrected standard deviation over the values that are not NaN (NaN for one
+    value). TRL computes the factor ``count / (count - 1)`` as an integer tensor's division, in float32; here
+    it is in ``x``'s dtype (a relative 4e-8 apart for 6 values in float64)."""
+    import torch
+    mean = torch.nanmean(x, dim=dim, keepdim=dim is not None)
+    n = (~torch.isnan(x)).sum(dim=dim) if dim is not None else (~torch.isnan(x)).sum()
+    return torch.sqrt(torch.nanmean((x - mean) ** 2, dim=dim) * n / (n - 1))
+
+
 def advantages(rewards, num_generations: int, scale_rewards: str = "group"):
     """Group-relative advantages: each completion's reward minus its group's mean, divided by the group's
     standard deviation + 1e-4 (``scale_rewards`` ``group``), the whole batch's (``batch``) or not at all
-    (``none``).
+    (``none``). A NaN reward (no reward function could score the completion) is left out of its group's mean
+    and deviation (TRL's ``nanmean``, :func:`nanstd`) and gets advantage 0.
 
     Args:
         rewards: ``(prompts * num_generations,)`` float tensor, a prompt's completions contiguous (TRL's order).
@@ -38,18 +49,19 @@ def advantages(rewards, num_generations: int, scale_rewards: str = "group"):
         ValueError: ``num_generations`` below 2, ``rewards`` not a whole number of groups, or an unknown
             ``scale_rewards``.
     """
+    import torch
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got {scale_rewards!r}")
     if num_generations < 2 or rewards.numel() % num_generations:
         raise ValueError(f"{rewards.numel()} rewards are not whole groups of num_generations={num_generations} "
                          "(at least 2)")
     groups = rewards.view(-1, num_generations)
-    centred = (groups - groups.mean(dim=1, keepdim=True)).reshape(-1)
-    if scale_rewards == "none":
-        return centred
-    # TRL's nanstd on values without NaN: the Bessel-corrected standard deviation, torch.std's default
-    std = groups.std(dim=1).repeat_interleave(num_generations) if scale_rewards == "group" else rewards.std()
-    return centred / (std + STD_EPS)
+    centred = (groups - torch.nanmean(groups, dim=1, keepdim=True)).reshape(-1)
+    if scale_rewards == "group":
+        centred = centred / (nanstd(groups, dim=1).repeat_interleave(num_generations) + STD_EPS)
+    elif scale_rewards == "batch":
+        centred = centred / (nanstd(rewards) + STD_EPS)
+    return torch.nan_to_num(centred, nan=0.0)
 
 
 def per_token_loss(logps, old_logps, advantage, epsilon: float = 0.2, epsilon_high: float | None = None,

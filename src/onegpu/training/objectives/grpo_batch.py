@@ -31,37 +31,6 @@ class Settings:
     reward_weights: tuple[float, ...] | None = None  # None: 1.0 each
 
 
-def nanstd(x, dim=None):
-    """TRL's ``nanstd``: the Bessel-corrected standard deviation over the values that are not NaN (NaN for one
-    value). TRL computes the factor ``count / (count - 1)`` as an integer tensor's division, in float32; here
-    it is in ``x``'s dtype (a relative 4e-8 apart for 6 values in float64)."""
-    import torch
-    mean = torch.nanmean(x, dim=dim, keepdim=dim is not None)
-    n = (~torch.isnan(x)).sum(dim=dim) if dim is not None else (~torch.isnan(x)).sum()
-    return torch.sqrt(torch.nanmean((x - mean) ** 2, dim=dim) * n / (n - 1))
-
-
-def group_advantages(total, num_generations: int, scale_rewards: str):
-    """:func:`onegpu.training.objectives.grpo.advantages` where some rewards are NaN (unscorable): TRL's
-    ``nanmean`` / ``nanstd`` per group, and advantage 0 for a NaN reward.
-
-    Args:
-        total: ``(rows,)`` float, a prompt's ``num_generations`` completions contiguous; NaN: unscorable.
-    Returns:
-        ``(rows,)`` advantages, ``total``'s dtype.
-    """
-    import torch
-    if not torch.isnan(total).any():
-        return grpo.advantages(total, num_generations, scale_rewards)
-    groups = total.view(-1, num_generations)
-    centred = (groups - torch.nanmean(groups, dim=1, keepdim=True)).reshape(-1)
-    if scale_rewards == "group":
-        centred = centred / (nanstd(groups, dim=1).repeat_interleave(num_generations) + grpo.STD_EPS)
-    elif scale_rewards == "batch":
-        centred = centred / (nanstd(total) + grpo.STD_EPS)
-    return torch.nan_to_num(centred, nan=0.0)
-
-
 @dataclass
 class StepBatch:
     """One optimizer step's completions, scored, with what the loss needs of them.
@@ -134,7 +103,7 @@ def build(model, prompts: list, prompt_ids: list[list[int]], columns: dict[str, 
     texts = [decode(ids[:n]) for ids, n in zip(gens.completion_ids.tolist(), gens.lengths.tolist())]
     per_func, total = _score(funcs, prompts, texts, columns, settings.reward_weights, s.num_generations)
     dtype = next(model.parameters()).dtype
-    adv = group_advantages(total, s.num_generations, settings.scale_rewards)
+    adv = grpo.advantages(total, s.num_generations, settings.scale_rewards)
     old = ref = None
     with torch.no_grad():
         if settings.num_iterations > 1:
@@ -153,38 +122,40 @@ def counts(batch: StepBatch, splits: list[slice]) -> grpo.StepCounts:
 
 @dataclass
 class Figures:
-    """The step's sums for TRL's per-step figures (:meth:`add` per micro-batch, :meth:`values` at its end)."""
-    tokens: float = 0.0
-    kl: float = 0.0
-    low: float = 0.0
-    high: float = 0.0
-    low_seq: list[float] = field(default_factory=list)
-    high_seq: list[float] = field(default_factory=list)
+    """The step's sums for TRL's per-step figures: :meth:`add` per micro-batch keeps them on the device (no host
+    sync in the step's loop), :meth:`values` reads them once at the step's end."""
+    sums: list = field(default_factory=list)  # per micro-batch: (tokens, kl, low-clipped, high-clipped) tensors
+    low_seq: list = field(default_factory=list)  # per micro-batch: each sequence's low-clipped share
+    high_seq: list = field(default_factory=list)
 
     def add(self, ratio, advantage, mask, epsilon: float, epsilon_high: float, kl=None) -> None:
         """One micro-batch: ``ratio`` and ``mask`` ``(rows, length)``, ``advantage`` ``(rows,)``, ``kl`` per token."""
+        import torch
         m = mask.to(ratio.dtype)
         a = advantage.unsqueeze(1)
         low = ((ratio < 1 - epsilon) & (a < 0)).to(ratio.dtype) * m
         high = ((ratio > 1 + epsilon_high) & (a > 0)).to(ratio.dtype) * m
         per_seq = m.sum(-1).clamp(min=1.0)
-        self.tokens += float(m.sum())
-        self.low += float(low.sum())
-        self.high += float(high.sum())
-        self.low_seq += (low.sum(-1) / per_seq).tolist()
-        self.high_seq += (high.sum(-1) / per_seq).tolist()
-        if kl is not None:
-            self.kl += float((kl * m).sum())
+        self.sums.append(torch.stack([m.sum(), (kl * m).sum() if kl is not None else m.new_zeros(()),
+                                      low.sum(), high.sum()]))
+        self.low_seq.append(low.sum(-1) / per_seq)
+        self.high_seq.append(high.sum(-1) / per_seq)
 
     def values(self, beta: float) -> dict[str, float]:
-        """``kl`` (when ``beta`` is not 0) and ``clip_ratio/*`` over the whole step's completion tokens."""
-        n = max(self.tokens, 1.0)
-        out = {"clip_ratio/low_mean": self.low / n, "clip_ratio/high_mean": self.high / n,
-               "clip_ratio/region_mean": (self.low + self.high) / n,
-               "clip_ratio/low_min": min(self.low_seq, default=0.0),
-               "clip_ratio/high_max": max(self.high_seq, default=0.0)}
+        """``kl`` (when ``beta`` is not 0) and ``clip_ratio/*`` over the whole step's completion tokens (one
+        host read)."""
+        import torch
+        if not self.sums:
+            return {}
+        sums = torch.stack(self.sums).double().sum(0)
+        seq = torch.stack([torch.cat(self.low_seq).min(), torch.cat(self.high_seq).max()]).double()
+        (tokens, kl, low, high), (low_min, high_max) = sums.tolist(), seq.tolist()
+        n = max(tokens, 1.0)
+        out = {"clip_ratio/low_mean": low / n, "clip_ratio/high_mean": high / n,
+               "clip_ratio/region_mean": (low + high) / n, "clip_ratio/low_min": low_min,
+               "clip_ratio/high_max": high_max}
         if beta != 0.0:
-            out["kl"] = self.kl / n
+            out["kl"] = kl / n
         return out
 
 
@@ -222,10 +193,10 @@ def step_figures(batch: StepBatch, num_generations: int) -> dict[str, float]:
     out = {}
     for i, name in enumerate(batch.names):
         out[f"rewards/{name}/mean"] = float(torch.nanmean(batch.per_func[:, i]))
-        out[f"rewards/{name}/std"] = float(nanstd(batch.per_func[:, i]))
+        out[f"rewards/{name}/std"] = float(grpo.nanstd(batch.per_func[:, i]))
     out["reward"] = float(torch.nanmean(batch.total))
-    out["reward_std"] = float(nanstd(batch.total))
-    group_std = nanstd(batch.total.view(-1, num_generations), dim=1)
+    out["reward_std"] = float(grpo.nanstd(batch.total))
+    group_std = grpo.nanstd(batch.total.view(-1, num_generations), dim=1)
     out["frac_reward_zero_std"] = float(torch.isclose(group_std, torch.zeros_like(group_std)).double().mean())
     lengths = batch.gens.lengths.double()
     out["completions/mean_length"] = float(lengths.mean())

@@ -110,25 +110,25 @@ def test_a_group_split_across_micro_batches_keeps_its_whole_groups_advantages(fi
     """Rows 5..7 (the second group's last three) alone would centre on their own mean: the batch's
     advantages are the whole group's whatever the micro-batch holds."""
     _, batch = fixed
-    whole = grpo_batch.group_advantages(batch.total, 4, "group")
+    whole = grpo.advantages(batch.total, 4, "group")
     assert torch.equal(batch.advantages, whole)
     part = batch.total[5:8]
-    local = (part - torch.nanmean(part)) / (grpo_batch.nanstd(part) + grpo.STD_EPS)
+    local = (part - torch.nanmean(part)) / (grpo.nanstd(part) + grpo.STD_EPS)
     assert not torch.allclose(local, whole[5:8])  # what a split-first computation would have given
 
 
 def test_unscorable_completions_are_left_out_of_their_group_and_get_no_advantage():
     from trl.trainer.utils import nanstd as trl_nanstd
     total = torch.tensor([1.0, float("nan"), 0.0, 0.5, 1.0, 1.0, 0.0, float("nan")], dtype=torch.float64)
-    adv = grpo_batch.group_advantages(total, 4, "group")
+    adv = grpo.advantages(total, 4, "group")
     assert adv[1] == 0 and adv[7] == 0
     g = total.view(2, 4)
     want = (g - torch.nanmean(g, dim=1, keepdim=True)) / (trl_nanstd(g, dim=1).unsqueeze(1) + 1e-4)
     assert torch.allclose(adv, torch.nan_to_num(want, nan=0.0).reshape(-1), rtol=0, atol=1e-15)
     # TRL's Bessel factor count / (count - 1) is an integer tensor's true division: float32, 1.2000000477 for
     # 6 values; here 1.2 in float64. The groups above agree to 1e-15 as each has 3 values (3 / 2 is exact).
-    assert float(grpo_batch.nanstd(total)) == pytest.approx(float(trl_nanstd(total)), rel=1e-7)
-    assert float(grpo_batch.nanstd(total)) == pytest.approx(float(total[~total.isnan()].std()), rel=1e-15)
+    assert float(grpo.nanstd(total)) == pytest.approx(float(trl_nanstd(total)), rel=1e-7)
+    assert float(grpo.nanstd(total)) == pytest.approx(float(total[~total.isnan()].std()), rel=1e-15)
 
 
 def test_the_scores_and_step_figures_follow_trls_definitions(fixed):
