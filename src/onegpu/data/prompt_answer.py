@@ -17,7 +17,7 @@ are dropped and counted too.
 from __future__ import annotations
 
 from onegpu.config import Config
-from onegpu.data import chat, files, formats, tokens
+from onegpu.data import chat, files, prompt_completion, tokens
 from onegpu.data.base import Rows
 from onegpu.data.instructions import InstructionReader
 from onegpu.errors import DataError
@@ -41,17 +41,6 @@ def sections() -> Rows:
         prompts.append(f"{SECTIONS_INSTRUCTION}{head.strip()}\n\n{first}" if head.strip() else "")
     labels = [label for label, _ in found]
     return Rows({"prompt": prompts, "answer": list(labels)}, labels, root.resolve().as_uri(), bad)
-
-
-def _prompt(value, where: str, source: str):
-    if value is None:
-        return ""
-    if isinstance(value, list):
-        return formats.messages_cell(value, where, source, "prompt")
-    if not isinstance(value, str):
-        raise DataError(f"data.source={source!r}: {where}: the prompt cell is a {type(value).__name__}; it must be "
-                        "a string or a list of {role, content} messages")
-    return value.strip()
 
 
 def _answer(value, where: str, source: str) -> str:
@@ -112,7 +101,7 @@ class PromptAnswerReader(InstructionReader):
 
     def cells(self, record: dict, where: str, cfg: Config, csv_text: bool) -> dict:
         source = cfg.data.source
-        return {"prompt": _prompt(record.get("prompt"), where, source),
+        return {"prompt": prompt_completion.cell(record.get("prompt"), "prompt", where, source),
                 "answer": _answer(record.get("answer"), where, source)}
 
     def empty(self, row: dict, label: str) -> str | None:

@@ -32,7 +32,7 @@ def headlines() -> Rows:
                 bad)
 
 
-def _cell(value, column: str, where: str, source: str):
+def cell(value, column: str, where: str, source: str):
     """A prompt/completion cell: a string (stripped) or a conversational list of messages.
 
     Raises:
@@ -58,7 +58,7 @@ class PromptCompletionReader(InstructionReader):
         return headlines() if cfg.data.source == PACKAGED_HEADLINES else self.read_table(cfg)
 
     def cells(self, record: dict, where: str, cfg: Config, csv_text: bool) -> dict:
-        return {c: _cell(record.get(c), c, where, cfg.data.source) for c in self.columns}
+        return {c: cell(record.get(c), c, where, cfg.data.source) for c in self.columns}
 
     def empty(self, row: dict, label: str) -> str | None:
         return "empty_prompt" if not row["prompt"] else "empty_completion" if not row["completion"] else None

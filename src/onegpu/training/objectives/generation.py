@@ -49,13 +49,13 @@ def left_padded(prompts: list[list[int]], pad_token_id: int, num_generations: in
         ValueError: no prompts, an empty prompt, or ``num_generations`` below 1.
     """
     import torch
+    from torch.nn.utils.rnn import pad_sequence
     if not prompts or any(len(p) == 0 for p in prompts) or num_generations < 1:
         raise ValueError(f"{len(prompts)} prompt(s), each needing a token, and num_generations={num_generations} "
                          "(at least 1)")
-    width = max(len(p) for p in prompts)
-    rows = [p for p in prompts for _ in range(num_generations)]
-    ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in rows], dtype=torch.long)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
+    rows = [torch.tensor(p, dtype=torch.long) for p in prompts for _ in range(num_generations)]
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_token_id, padding_side="left")
+    mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_value=0, padding_side="left")
     return ids, mask
 
 
