@@ -8,7 +8,6 @@ from dataclasses import asdict
 from typing import Any
 
 from onegpu.config.data import PACKAGED_DATA, PACKAGED_HEADLINES, PACKAGED_PAIRS, check_data
-from onegpu.config.grpo import check_grpo
 from onegpu.config.knobs import fail
 from onegpu.config.layout import flatten
 from onegpu.config.model import TASK_TRAITS, causal_lm, check_model, token_level
@@ -124,6 +123,5 @@ def validate(cfg: Config, source: str = "params") -> None:
             COMBINATIONS[section](values, source)
     _check_sft(cfg, source)
     _check_dpo(cfg, source)
-    check_grpo(cfg, source)
     _check_validation(cfg, source)
     _check_fsdp(cfg, source)
