@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from onegpu.config.data import PACKAGED_DATA, PACKAGED_HEADLINES, PACKAGED_PAIRS, check_data
+from onegpu.config.grpo import check_grpo
 from onegpu.config.knobs import fail
 from onegpu.config.layout import flatten
 from onegpu.config.model import TASK_TRAITS, causal_lm, check_model, token_level
@@ -92,7 +93,9 @@ def _check_validation(cfg: Config, source: str) -> None:
         if on and t.eval_strategy == "no":
             fail(source, f"train.{key}", "needs validation points; set train.eval_strategy: steps (or epoch)")
     allowed = TASK_EVAL_METRICS[cfg.model.task]
-    if t.metric_for_best_model not in allowed:
+    used = t.load_best_model_at_end or t.early_stopping_patience is not None
+    # (the default, eval_loss, stands unused for a task without it: GRPO's validation is a pass rate)
+    if t.metric_for_best_model not in allowed and (used or t.metric_for_best_model != "eval_loss"):
         fail(source, "train.metric_for_best_model", f"{t.metric_for_best_model} is not a figure of "
               f"{cfg.model.task}; use one of {', '.join(allowed)}")
 
@@ -123,5 +126,6 @@ def validate(cfg: Config, source: str = "params") -> None:
             COMBINATIONS[section](values, source)
     _check_sft(cfg, source)
     _check_dpo(cfg, source)
+    check_grpo(cfg, source)
     _check_validation(cfg, source)
     _check_fsdp(cfg, source)

@@ -14,7 +14,10 @@ PACKAGED_HEADLINES = "bbcnews-headlines"
 # The same articles as preference pairs: chosen = the article's headline, rejected = another article's of the
 # same topic (onegpu.data.preference).
 PACKAGED_PAIRS = "bbcnews-headline-pairs"
-PACKAGED_SOURCES = (PACKAGED_DATA, PACKAGED_HEADLINES, PACKAGED_PAIRS)
+# The same articles as prompts with a verifiable answer: the headline and first paragraph -> the BBC News section
+# (onegpu.data.prompt_answer; GRPO's demonstration set).
+PACKAGED_SECTIONS = "bbcnews-sections"
+PACKAGED_SOURCES = (PACKAGED_DATA, PACKAGED_HEADLINES, PACKAGED_PAIRS, PACKAGED_SECTIONS)
 # File types data.source may name.
 TABLE_SUFFIXES = (".csv", ".jsonl", ".parquet")
 
@@ -23,7 +26,8 @@ TABLE_SUFFIXES = (".csv", ".jsonl", ".parquet")
 class DataConfig:
     source: str = knob(PACKAGED_DATA, key=IN_KEY, help=(
         "bbcnews (packaged BBC News) | bbcnews-headlines (article -> headline) | bbcnews-headline-pairs "
-        "(preference pairs), a .csv/.jsonl/.parquet file or a <label>/*.txt folder"))
+        "(preference pairs) | bbcnews-sections (article -> its section), a .csv/.jsonl/.parquet file or a "
+        "<label>/*.txt folder"))
     text_column: str = knob("text", key=IN_KEY, help="for .csv/.jsonl/.parquet sources")
     label_column: str = knob("label", key=IN_KEY, help="for .csv/.jsonl/.parquet sources")
     max_length: int = knob(64, key=IN_KEY, help="tokens per example after truncation",
@@ -61,8 +65,8 @@ def check_data(d: DataConfig, source: str) -> None:
     if d.validation_size + d.test_size >= 0.9:
         fail(source, "data.test_size", "data.validation_size + data.test_size must leave at least 10% "
               f"for training, got {d.validation_size} + {d.test_size}")
-    allowed = (f"'{PACKAGED_DATA}', '{PACKAGED_HEADLINES}', '{PACKAGED_PAIRS}', a .csv, .jsonl or .parquet file, "
-               "or a directory of <label>/*.txt files")
+    allowed = (f"'{PACKAGED_DATA}', '{PACKAGED_HEADLINES}', '{PACKAGED_PAIRS}', '{PACKAGED_SECTIONS}', a .csv, .jsonl "
+               "or .parquet file, or a directory of <label>/*.txt files")
     if not d.source:
         fail(source, "data.source", f"must be {allowed}")
     if (d.source not in PACKAGED_SOURCES and not d.source.lower().endswith(TABLE_SUFFIXES)

@@ -31,6 +31,8 @@ TASK_TRAITS = {
     # DPO and its kin: the items are preference pairs; TRL's metric names (rewards/*).
     "preference": TaskTraits(False, True, ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"),
                              reference=True),
+    # GRPO: the items are completions the policy samples each step for prompts with a verifiable answer.
+    "grpo": TaskTraits(False, True, ("eval_pass_rate",)),
 }
 TASKS = tuple(TASK_TRAITS)
 

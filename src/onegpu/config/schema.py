@@ -7,6 +7,7 @@ from dataclasses import Field, asdict, dataclass, field, fields
 
 from onegpu.config.data import DataConfig
 from onegpu.config.evaluate import EvaluateConfig
+from onegpu.config.grpo import GRPOConfig
 from onegpu.config.knobs import OutOfKey, Rule
 from onegpu.config.model import LoraConfig, ModelConfig
 from onegpu.config.tracking import TrackingConfig
@@ -32,7 +33,7 @@ SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "train": 
 
 # Mappings inside a section, by dotted name, and the dataclass of each.
 SUBSECTIONS: dict[str, type] = {"model.lora": LoraConfig, "train.gradient_checkpointing_kwargs": CheckpointingKwargs,
-                                "train.dpo": DPOConfig, "train.fsdp": FSDPConfig}
+                                "train.dpo": DPOConfig, "train.grpo": GRPOConfig, "train.fsdp": FSDPConfig}
 
 
 def declarations(leaves: bool = True) -> dict[str, Field]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from onegpu.config.grpo import GRPOConfig
 from onegpu.config.knobs import (
     CHOOSES,
     EACH_KEY,
@@ -53,7 +54,7 @@ EVAL_STRATEGIES = ("no", "steps", "epoch")
 # train.metric_for_best_model: the validation figures (onegpu.training.objectives.heldout) that can rank validation
 # points.
 BEST_METRICS = ("eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity", "eval_mean_token_accuracy",
-                "eval_rewards/accuracies", "eval_rewards/margins")
+                "eval_rewards/accuracies", "eval_rewards/margins", "eval_pass_rate")
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "sft", "sigmoid_norm")  # TRL 1.16's definitions
 
 
@@ -231,6 +232,8 @@ class TrainConfig:
                      "instead of all positions' at once (other summation order)"))
     dpo: DPOConfig = knob(default_factory=DPOConfig, key=EACH_KEY, help=(
         "preference tuning (model.task: preference), TRL's DPOConfig names"))
+    grpo: GRPOConfig = knob(default_factory=GRPOConfig, key=EACH_KEY, help=(
+        "GRPO on prompts with a verifiable answer (model.task: grpo), TRL's GRPOConfig names"))
     fsdp: FSDPConfig = knob(default_factory=FSDPConfig, key=EACH_KEY, help=(
         "FSDP2 sharding over the processes (torch's fully_shard), accelerate's FSDP plugin names"))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from onegpu.config import PACKAGED_HEADLINES, PACKAGED_PAIRS, Config, causal_lm, token_level
+from onegpu.config import PACKAGED_HEADLINES, PACKAGED_PAIRS, PACKAGED_SECTIONS, Config, causal_lm, token_level
 from onegpu.data import files, formats
 from onegpu.errors import DataError
 
@@ -23,7 +23,7 @@ def _table_format(cfg: Config, path: Path) -> str:
     columns, first = files.header(path)
     fmt = formats.detect(columns) if causal_lm(task) else formats.TEXT
     listed = ", ".join(map(str, columns))
-    if fmt == formats.TEXT and task != "preference":  # (preference: _check_pairs names what is missing)
+    if fmt == formats.TEXT and task not in _PAIRED:  # (preference, grpo: _check_pairs names what is missing)
         needed = [("data.text_column", d.text_column)] + (
             [("data.label_column", d.label_column)] if not token_level(task) else [])
         for key, col in needed:
@@ -37,34 +37,49 @@ def _table_format(cfg: Config, path: Path) -> str:
     return fmt
 
 
+# The tasks that train on one format alone, and that format (the other way round too): its columns in words and
+# the packaged source of it.
+_PAIRED = {"preference": (formats.PREFERENCE, "chosen and rejected columns (and a prompt column, or the prompt "
+                                              "inside both)", PACKAGED_PAIRS),
+           "grpo": (formats.PROMPT_ANSWER, "prompt and answer columns (the answer the reward functions check)",
+                    PACKAGED_SECTIONS)}
+
+
 def _check_pairs(cfg: Config, fmt: str) -> None:
-    """Raises DataError when preference data and ``model.task: preference`` do not come together."""
+    """Raises DataError when preference data and ``model.task: preference`` (or prompt-answer data and
+    ``model.task: grpo``) do not come together."""
     source, task = cfg.data.source, cfg.model.task
-    if task == "preference" and fmt != formats.PREFERENCE:
-        raise DataError(f"model.task is preference, but data.source={source!r} is {fmt} data: preference tuning "
-                        "needs chosen and rejected columns (and a prompt column, or the prompt inside both), e.g. "
-                        f"data.source: {PACKAGED_PAIRS}")
-    if fmt == formats.PREFERENCE and task != "preference":
-        raise DataError(f"data.source={source!r} is preference data (chosen and rejected columns), which "
-                        f"model.task: preference trains on, but model.task is {task}")
+    if task in _PAIRED and fmt != _PAIRED[task][0]:
+        needs, packaged = _PAIRED[task][1:]
+        raise DataError(f"model.task is {task}, but data.source={source!r} is {fmt} data: {task} needs {needs}, "
+                        f"e.g. data.source: {packaged}")
+    for other, (own, needs, _) in _PAIRED.items():
+        if fmt == own and task != other:
+            raise DataError(f"data.source={source!r} is {fmt} data ({needs}), which model.task: {other} trains on, "
+                            f"but model.task is {task}")
+
+
+_PACKAGED = {PACKAGED_HEADLINES: formats.PROMPT_COMPLETION, PACKAGED_PAIRS: formats.PREFERENCE,
+             PACKAGED_SECTIONS: formats.PROMPT_ANSWER}  # the packaged sources that are not plain text
 
 
 def check_input(cfg: Config) -> str:
     """Check ``data.source`` and its columns against the task and the loss keys; return its format
-    (:data:`~onegpu.data.formats.TEXT`, ``PROMPT_COMPLETION``, ``MESSAGES`` or ``PREFERENCE``).
+    (:data:`~onegpu.data.formats.TEXT`, ``PROMPT_COMPLETION``, ``MESSAGES``, ``PREFERENCE`` or ``PROMPT_ANSWER``).
 
     Raises:
         DataError: the source is missing or of the wrong kind (:func:`~onegpu.data.files.check_source`);
             a column the task needs is missing; a first ``messages`` cell that is not a list of role/content
             (or has no assistant turn under ``data.assistant_only_loss``); preference data without
-            ``model.task: preference`` or the other way round; ``data.completion_only_loss: true``
+            ``model.task: preference`` or the other way round (prompt-answer data and ``model.task: grpo`` too);
+            ``data.completion_only_loss: true``
             on data without completions; ``data.assistant_only_loss: true`` on data without ``messages``.
     """
     d = cfg.data
     files.check_source(d)
     kind = files.source_kind(d.source)
-    if d.source in (PACKAGED_HEADLINES, PACKAGED_PAIRS):
-        fmt = formats.PROMPT_COMPLETION if d.source == PACKAGED_HEADLINES else formats.PREFERENCE
+    if d.source in _PACKAGED:
+        fmt = _PACKAGED[d.source]
     elif kind in ("package", "directory"):
         fmt = formats.TEXT
     else:

@@ -16,22 +16,25 @@ import json
 from onegpu.errors import DataError
 
 TEXT, PROMPT_COMPLETION, MESSAGES, PREFERENCE = "text", "prompt-completion", "messages", "preference"
+PROMPT_ANSWER = "prompt-answer"  # TRL's prompt-only rows with a verifiable answer (GRPO's)
 ROLES = ("system", "user", "assistant", "tool")
 # Each format's data columns: a reader keeps them as columns through the splits and tokenization.
 COLUMNS = {TEXT: ("text",), PROMPT_COMPLETION: ("prompt", "completion"), MESSAGES: ("messages",),
-           PREFERENCE: ("prompt", "chosen", "rejected")}
+           PREFERENCE: ("prompt", "chosen", "rejected"), PROMPT_ANSWER: ("prompt", "answer")}
 # Why a row read from the source is not used, per format, in the order they are tested (a row counts once;
 # the last of an instruction format's is counted by tokenization).
 DROP_REASONS = {TEXT: ("empty_text", "empty_label", "duplicate"),
                 PROMPT_COMPLETION: ("empty_prompt", "empty_completion", "duplicate", "completion_too_long"),
                 MESSAGES: ("empty_messages", "duplicate", "no_target_after_truncation"),
                 PREFERENCE: ("empty_prompt", "empty_chosen", "empty_rejected", "identical_answers", "duplicate",
-                             "answer_too_long")}
+                             "answer_too_long"),
+                PROMPT_ANSWER: ("empty_prompt", "empty_answer", "duplicate", "prompt_too_long")}
 
 
 def detect(columns) -> str:
     """:data:`PREFERENCE` for ``chosen`` and ``rejected`` columns, :data:`MESSAGES` when a ``messages`` column
-    exists, :data:`PROMPT_COMPLETION` for ``prompt`` and ``completion`` columns, else :data:`TEXT`."""
+    exists, :data:`PROMPT_COMPLETION` for ``prompt`` and ``completion`` columns, :data:`PROMPT_ANSWER` for
+    ``prompt`` and ``answer`` columns (no completion), else :data:`TEXT`."""
     cols = set(columns)
     if {"chosen", "rejected"} <= cols:
         return PREFERENCE
@@ -39,6 +42,8 @@ def detect(columns) -> str:
         return MESSAGES
     if {"prompt", "completion"} <= cols:
         return PROMPT_COMPLETION
+    if {"prompt", "answer"} <= cols:
+        return PROMPT_ANSWER
     return TEXT
 
 

@@ -16,7 +16,7 @@ are dropped and counted too.
 """
 from __future__ import annotations
 
-from onegpu.config import Config
+from onegpu.config import PACKAGED_SECTIONS, Config
 from onegpu.data import chat, files, prompt_completion, tokens
 from onegpu.data.base import Rows
 from onegpu.data.instructions import InstructionReader
@@ -94,10 +94,9 @@ class PromptAnswerReader(InstructionReader):
     format = "prompt-answer"
     columns = COLUMNS
     drop_reasons = DROP_REASONS
-    packaged = "packaged:bbcnews-sections"
 
     def read(self, cfg: Config) -> Rows:
-        return sections() if cfg.data.source == self.packaged else self.read_table(cfg)
+        return sections() if cfg.data.source == PACKAGED_SECTIONS else self.read_table(cfg)
 
     def cells(self, record: dict, where: str, cfg: Config, csv_text: bool) -> dict:
         source = cfg.data.source

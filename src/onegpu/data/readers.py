@@ -6,11 +6,12 @@ one line here; prepare and the estimate's sample take it from :data:`READERS`.
 """
 from __future__ import annotations
 
-from onegpu.data import formats, messages, preference, prompt_completion, text
+from onegpu.data import formats, messages, preference, prompt_answer, prompt_completion, text
 from onegpu.data.base import Reader
 
 READERS: dict[str, Reader] = {formats.TEXT: text.READER, formats.PROMPT_COMPLETION: prompt_completion.READER,
-                              formats.MESSAGES: messages.READER, formats.PREFERENCE: preference.READER}
+                              formats.MESSAGES: messages.READER, formats.PREFERENCE: preference.READER,
+                              formats.PROMPT_ANSWER: prompt_answer.READER}
 
 
 def reader(fmt: str) -> Reader:

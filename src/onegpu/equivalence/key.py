@@ -58,11 +58,12 @@ def _drop_sft_defaults(flat: dict) -> None:
 
 
 def _drop_other_objectives(flat: dict, task: str) -> None:
-    """``train.dpo.*`` shape a preference run's loss only: left out of other runs' keys and hashes (so theirs
-    stay what they were before the section existed)."""
-    if task != "preference":
-        for k in [k for k in flat if k == "train.dpo" or k.startswith("train.dpo.")]:
-            flat.pop(k)
+    """``train.dpo.*`` shape a preference run's loss only, ``train.grpo.*`` a GRPO run's: left out of other runs'
+    keys and hashes (so theirs stay what they were before the section existed)."""
+    for section, owner in (("train.dpo", "preference"), ("train.grpo", "grpo")):
+        if task != owner:
+            for k in [k for k in flat if k == section or k.startswith(section + ".")]:
+                flat.pop(k)
 
 
 # The checkpointing granularity at its defaults (today's behaviour): left out of the run-config hash.

@@ -118,9 +118,12 @@ def offload_context(model, enabled: bool):
     return activation_offloading.context(model, enabled)
 
 
-def activation_probe(rows, collator, t, task: str) -> tuple[dict, Callable]:
+def activation_probe(rows, collator, t, task: str) -> tuple[dict, Callable] | None:
     """``(batch, loss_fn)`` for :func:`begin`: the first micro-batch of ``rows`` collated by ``collator``
-    (:func:`onegpu.training.objectives.batches.probe_batch`, the sampler's RNG untouched) and ``task``'s loss."""
+    (:func:`onegpu.training.objectives.batches.probe_batch`, the sampler's RNG untouched) and ``task``'s loss;
+    None where the objective's rows are not what a micro-batch trains on (GRPO's prompt indices)."""
+    if not objectives.get(task).probes_activations:
+        return None
     return probe_batch(rows, collator, t.per_device_train_batch_size), loss_for(task)
 
 

@@ -387,3 +387,74 @@ def dpo_run(micro: int = 8, accum: int = 1, pairs: int = 8, steps: int = 2, fuse
     return train(model, chat_tokenizer(), data, train_cfg,
                  {**PREFERENCE, **({"lora": {"r": 4, "alpha": 8.0}} if lora else {})},
                  {"source": "pairs.jsonl", "padding_free": padding_free}, dtype=dtype, oom_injector=oom_injector)
+
+
+# -- GRPO: prompts with an answer, the step's completions sampled in the step --
+
+GRPO = {"task": "grpo", "name_or_path": None}
+
+
+def text_reward(prompts, completions, answer, **columns) -> list[float]:
+    """A reward that varies within every group of a random model's completions: the share of the completion's
+    characters that are letters from the first half of the alphabet (tests only; ``train.grpo.reward_funcs``
+    takes it by dotted path)."""
+    return [sum(c.isalpha() and c.lower() < "n" for c in text) / max(len(text), 1) for text in completions]
+
+
+TEXT_REWARD = "tests.unit.equivalence.float64:text_reward"
+
+
+@functools.cache
+def grpo_data(n: int = 4, max_length: int = 64):
+    """``n`` arithmetic prompts with their answers, tokenized as prepare does
+    (:func:`onegpu.data.prompt_answer.tokenize_prompts`)."""
+    from datasets import ClassLabel, Dataset, DatasetDict
+
+    from onegpu.data.prompt_answer import tokenize_prompts
+    prompts = [f"What is {i} + {2 * i + 1}? " + " ".join(WORDS[:1 + (3 * i) % 7]) for i in range(n)]
+    ds = Dataset.from_dict({"prompt": prompts, "answer": [str(3 * i + 1) for i in range(n)], "label": ["text"] * n})
+    out, dropped, _ = tokenize_prompts(DatasetDict(train=ds.cast_column("label", ClassLabel(names=["text"]))),
+                                       chat_tokenizer(), max_length)
+    assert dropped == 0
+    return out
+
+
+def grpo_config(train_cfg: dict, grpo: dict | None = None):
+    """``train_cfg`` with :func:`grpo_run`'s ``train.grpo`` (4 completions a prompt, 6 tokens each,
+    :data:`TEXT_REWARD`; ``grpo`` overrides) and no validation, as a GRPO run's Config and the ``train`` dict."""
+    grpo = {"num_generations": 4, "max_completion_length": 6, "reward_funcs": [TEXT_REWARD], **(grpo or {})}
+    train_cfg = {"grpo": grpo, "eval_strategy": "no", "learning_rate": 1e-1, **train_cfg}
+    return from_container({"model": GRPO, "data": {"source": "prompts.jsonl"}, "train": train_cfg},
+                          source="test"), train_cfg
+
+
+def grpo_model(cfg, prompts: int, fused: bool = True, dtype=torch.float64):
+    """``(model, data)``: the hidden-32 Llama of the packaged tokenizer's vocabulary
+    (tests/unit/training/objectives/test_batches.py) in ``dtype``, set up for ``cfg`` as the stage sets it (the
+    objective's ``prepare_model`` and ``prepared_data``), and :func:`grpo_data` of ``prompts`` prompts."""
+    from onegpu.training import objectives
+    from onegpu.training.objectives import lm_head
+    from tests.unit.training.objectives.test_batches import tiny_llama
+    model = tiny_llama()
+    # One token in 8 ends a completion (a random model's completions then end at uneven lengths, so a group's
+    # advantages do not cancel in the loss; the tokenizer's EOS stays one of them).
+    model.generation_config.eos_token_id = list(range(0, model.config.vocab_size, 8))
+    if fused:
+        lm_head.attach(model)
+    model = model.to(dtype)
+    if dtype == torch.float64:
+        float64_norms(model)
+    objective = objectives.get("grpo")
+    objective.prepare_model(model, cfg)
+    return model, objective.prepared_data(grpo_data(prompts), model, chat_tokenizer(), cfg)
+
+
+def grpo_run(micro: int = 8, accum: int = 1, prompts: int = 2, steps: int = 2, fused: bool = True,
+             backend: str = "trainer", grpo: dict | None = None, rows: int | None = None, dtype=torch.float64,
+             **train_cfg) -> Run:
+    """``steps`` optimizer steps of GRPO (:func:`grpo_model`, :func:`grpo_config`), ``prompts`` prompts of 4
+    completions each per step (``rows`` prompts of data, default ``prompts x steps``)."""
+    cfg, train_cfg = grpo_config({"backend": backend, "per_device_train_batch_size": micro,
+                                  "gradient_accumulation_steps": accum, "max_steps": steps, **train_cfg}, grpo)
+    model, data = grpo_model(cfg, rows or prompts * steps, fused, dtype)
+    return train(model, chat_tokenizer(), data, train_cfg, GRPO, {"source": "prompts.jsonl"}, dtype=dtype)

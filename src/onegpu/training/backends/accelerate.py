@@ -185,7 +185,8 @@ def _build(req: TrainRequest) -> _Loop:
     rows, collator = parts.rows, parts.collator
     # Several processes: rows uncollated, the loop leaves out accelerate's repeats and collates (_epoch_steps).
     loader = DataLoader(
-        rows, batch_size=t.per_device_train_batch_size, sampler=RandomSampler(rows),
+        rows, batch_size=t.per_device_train_batch_size,
+        sampler=objectives.of(cfg).sampler(rows, cfg) or RandomSampler(rows),
         drop_last=False, collate_fn=collator if t.num_processes == 1 else rows_as_they_are,
         num_workers=t.dataloader_num_workers,
         pin_memory=cuda if t.dataloader_pin_memory is None else t.dataloader_pin_memory,
@@ -337,6 +338,7 @@ def _run(lp: _Loop, req: TrainRequest, recorder: StepRecorder, start: int) -> No
                 # Only now: a fresh DataLoader iterator draws its base seed from the global RNG at its
                 # first batch, which the uninterrupted run did before step 1. Dropout then matches.
                 load_rng(resume.path)
+            micro_batches = objective.step_batches(lp.model, micro_batches, step + 1)  # (GRPO: generations)
             # The step's items over all ranks: each rank's loss is its share of the whole step's mean.
             own = [b for i, b in enumerate(micro_batches) if i not in pads]  # (pads: repeats only)
             num_items = around_steps.step_items(objective, own, device)

@@ -122,8 +122,9 @@ class ExactLossTrainer(Trainer):
 
     def __init__(self, *args, task: str = "sequence-classification", counter: BatchCounter | None = None,
                  oom_retry: bool = False, oom_injector=None, activation_offloading: bool = False, collate=None,
-                 **kwargs):
+                 sampler=None, **kwargs):
         super().__init__(*args, compute_loss_func=loss_for(task), **kwargs)
+        self.sampler = sampler  # the objective's (GRPO's groups); None: Trainer's RandomSampler
         # Several processes: the DataLoader hands rows uncollated; ``collate`` collates them (_own_batches)
         self.collate, self._epoch, self._next, self._pads, self._padding = collate, None, 0, set(), False
         # train.activation_offloading: each micro-batch's forward and backward in it, as SFTTrainer does
@@ -137,6 +138,10 @@ class ExactLossTrainer(Trainer):
         self.pieces = 1  # pieces per micro-batch (more after out-of-memory recoveries)
         self._step_inputs: list = []
         self._inputs_step = -1
+
+    def _get_train_sampler(self, train_dataset=None):
+        """The objective's sampler (:meth:`~onegpu.training.objectives.base.Objective.sampler`), else Trainer's."""
+        return self.sampler if self.sampler is not None else super()._get_train_sampler(train_dataset)
 
     def _save_checkpoint(self, model, trial) -> None:
         """Trainer's checkpoint, a full disk said in one line naming the folder (:func:`onegpu.paths.writing`)."""
@@ -159,6 +164,8 @@ class ExactLossTrainer(Trainer):
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.collate is not None:
             batch_samples = self._own_batches(batch_samples, epoch_iterator, device)
+        if batch_samples:  # the objective's own micro-batches of the step (GRPO: its generations)
+            batch_samples = self.objective.step_batches(self.model, batch_samples, self.state.global_step + 1)
         if not batch_samples or "labels" not in batch_samples[0]:
             return batch_samples, None
         own = [b for b in batch_samples if id(b) not in self._pads]
@@ -408,7 +415,7 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
         model=req.model, args=args, train_dataset=train_ds, data_collator=rows_as_they_are if several else collator,
         processing_class=req.tokenizer, task=task, oom_retry=t.oom_retry,
         oom_injector=req.oom_injector, activation_offloading=t.activation_offloading,
-        collate=collator if several else None)
+        collate=collator if several else None, sampler=objectives.of(cfg).sampler(train_ds, cfg))
     steps = around_steps.new_recorder(cfg, req.sink, args.device, trainer.model)
     trainer.counter, steps.events = steps.counter, trainer.oom_events
     if resume is not None:

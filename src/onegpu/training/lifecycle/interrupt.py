@@ -152,13 +152,13 @@ def _say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-MAKE_TARGET = "ONEGPU_MAKE_TARGET"  # the Makefile's run, sft and dpo recipes set it to their target's name
+MAKE_TARGET = "ONEGPU_MAKE_TARGET"  # the Makefile's run, sft, dpo and grpo recipes set it to their target's name
 
 
 def resume_command() -> str:
     """The command that resumes this stage's stopped training, as the user started it: ``make run`` /
-    ``make sft`` / ``make dpo`` (the recipe sets ``ONEGPU_MAKE_TARGET``; with make's ``MAKELEVEL`` alone a
-    ``dvc repro`` is ``make run``'s), ``dvc repro``, the same ``dvc exp run`` (DVC sets
+    ``make sft`` / ``make dpo`` / ``make grpo`` (the recipe sets ``ONEGPU_MAKE_TARGET``; with make's
+    ``MAKELEVEL`` alone a ``dvc repro`` is ``make run``'s), ``dvc repro``, the same ``dvc exp run`` (DVC sets
     ``DVC_EXP_NAME``; a queued or ``--temp`` one runs in ``<repo>/.dvc/tmp/exps/``), or ``onegpu train``."""
     target = os.environ.get(MAKE_TARGET)
     if os.environ.get("DVC_EXP_NAME"):

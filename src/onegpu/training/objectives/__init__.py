@@ -10,7 +10,7 @@ agree).
 """
 from __future__ import annotations
 
-from onegpu.training.objectives import causal_lm, classification, preference
+from onegpu.training.objectives import causal_lm, classification, preference, reinforcement
 from onegpu.training.objectives.base import Objective, TrainingParts
 from onegpu.training.objectives.registry import (
     REGISTRY,
@@ -28,10 +28,10 @@ from onegpu.training.objectives.registry import (
     validation_metrics,
 )
 
-for _module in (classification, causal_lm, preference):
+for _module in (classification, causal_lm, preference, reinforcement):
     register(_module.OBJECTIVE)
 del _module
 
 __all__ = ["Objective", "REGISTRY", "TrainingParts", "causal_lm", "classification", "collator_for", "count_items",
-           "flattened", "get", "loss_for", "model_inputs", "of", "packed", "preference", "register", "train_rows",
-           "training_parts", "validation_metrics"]
+           "flattened", "get", "loss_for", "model_inputs", "of", "packed", "preference", "register", "reinforcement",
+           "train_rows", "training_parts", "validation_metrics"]

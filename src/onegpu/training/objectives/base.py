@@ -66,6 +66,21 @@ class Objective:
     # reference model, say); HF Trainer's backend then calls it instead of its own forward and loss function.
     own_forward = False
 
+    # Whether the activation probe (the first micro-batch's forward and backward before step 1,
+    # :func:`onegpu.training.around_steps.activation_probe`) measures this objective's training rows.
+    probes_activations = True
+
+    def sampler(self, rows, cfg):
+        """The training rows' sampler (an iterable of indices with ``__len__`` and ``set_epoch``); None: Trainer's
+        shuffling ``RandomSampler``, reseeded per epoch."""
+        return None
+
+    def step_batches(self, model, micro_batches: list[dict], step: int) -> list[dict]:
+        """One optimizer step's micro-batches (collated, on the device) as ``model`` trains on them at optimizer
+        step ``step`` (from 1): the loader's own, but for an objective that makes them in the step (GRPO's
+        generations); the same number, before they are counted."""
+        return micro_batches
+
     def count_batch(self, inputs: dict):
         """The items of one collated micro-batch: :meth:`count_items` of its ``labels``."""
         return self.count_items(inputs["labels"])
@@ -92,6 +107,11 @@ class Objective:
 
     def run_tags(self, model) -> dict[str, str]:
         """MLflow tags the objective adds to the training run of ``model`` (as built), once it has trained."""
+        return {}
+
+    def run_tables(self, model) -> dict[str, dict[str, list]]:
+        """MLflow tables (artifact file -> column -> values) the objective adds to the training run of ``model``
+        once it has trained (``MlflowClient.log_table``; none here)."""
         return {}
 
     def restart_step(self, model) -> None:

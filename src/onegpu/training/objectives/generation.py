@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from onegpu.training.objectives import lm_head
+
 
 @dataclass(frozen=True)
 class Generations:
@@ -39,6 +41,14 @@ class Generations:
     def lengths(self):
         """``(rows,)`` int64: each completion's tokens (its EOS included)."""
         return self.completion_mask.sum(dim=1)
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    """The ids that end a completion: the tokenizer's EOS and the model's generation config's (one or a list)."""
+    found = [tokenizer.eos_token_id]
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    found += configured if isinstance(configured, list) else [configured]
+    return list(dict.fromkeys(i for i in found if i is not None))
 
 
 def left_padded(prompts: list[list[int]], pad_token_id: int, num_generations: int = 1):
@@ -123,7 +133,7 @@ def sample(model, prompts: list[list[int]], sampling: Sampling, pad_token_id: in
     return Generations(ids, mask, completion.masked_fill(cmask == 0, pad_token_id), cmask, truncated)
 
 
-def token_logps(model, gens: Generations, temperature: float = 1.0, rows: slice | None = None):
+def token_logps(model, gens: Generations, temperature: float = 1.0, rows=None):
     """Each completion token's log-probability under ``model`` at the sampling temperature: log-softmax of the
     logits / ``temperature`` at the position before it (TRL's), over the prompt and the completion (with grad
     when grad is on).
@@ -132,7 +142,11 @@ def token_logps(model, gens: Generations, temperature: float = 1.0, rows: slice 
         model: the causal LM (policy, old policy or reference).
         gens: :class:`Generations`.
         temperature: the sampling temperature (> 0).
-        rows: the rows to score (a micro-batch); None: all.
+        rows: the rows to score (a micro-batch: a slice or an index tensor); None: all.
+    A train-mode model under the fused LM head (:func:`onegpu.training.objectives.lm_head.attach`) returns its hidden
+    states; the completion positions' logits are then projected here (:func:`~onegpu.training.objectives.lm_head.
+    last_logits`), as the model's own forward would.
+
     Returns:
         ``(rows, completion_length)`` float in the logits' dtype (float32 for bf16/fp16 logits); padding
         positions hold the pad token's log-probability (the loss masks them).
@@ -143,7 +157,10 @@ def token_logps(model, gens: Generations, temperature: float = 1.0, rows: slice 
     ids = torch.cat([gens.prompt_ids[rows], completion], dim=1)
     mask = torch.cat([gens.prompt_mask[rows], gens.completion_mask[rows]], dim=1)
     length = completion.size(1)
-    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=length + 1).logits[:, :-1]
+    if model.training and lm_head.attached(getattr(model, "module", model)):  # the fused head: hidden states
+        logits = lm_head.last_logits(model(input_ids=ids, attention_mask=mask), length + 1)[:, :-1]
+    else:
+        logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=length + 1).logits[:, :-1]
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
     logps = (logits / temperature).log_softmax(dim=-1)

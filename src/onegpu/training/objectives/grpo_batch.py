@@ -115,8 +115,9 @@ def build(model, prompts: list, prompt_ids: list[list[int]], columns: dict[str, 
                      old, ref, tuple(funcs), texts)
 
 
-def counts(batch: StepBatch, splits: list[slice]) -> grpo.StepCounts:
-    """The step's :class:`~onegpu.training.objectives.grpo.StepCounts` for micro-batches ``splits`` of ``batch``."""
+def counts(batch: StepBatch, splits: list) -> grpo.StepCounts:
+    """The step's :class:`~onegpu.training.objectives.grpo.StepCounts` for micro-batches ``splits`` of ``batch`` (each
+    a slice or an index tensor of its rows)."""
     return grpo.step_counts([batch.gens.completion_mask[r] for r in splits])
 
 
@@ -159,11 +160,11 @@ class Figures:
         return out
 
 
-def micro_batch_loss(model, batch: StepBatch, rows: slice, step: grpo.StepCounts, settings: Settings,
+def micro_batch_loss(model, batch: StepBatch, rows, step: grpo.StepCounts, settings: Settings,
                      figures: Figures | None = None):
-    """Micro-batch ``rows`` of ``batch``: its share of the step's loss (a 0-dim tensor with grad, summed
-    over the step's micro-batches: the step's loss, :func:`onegpu.training.objectives.grpo.micro_batch_loss`),
-    its figures added to ``figures``."""
+    """Micro-batch ``rows`` of ``batch`` (a slice or an index tensor): its share of the step's loss (a 0-dim tensor
+    with grad, summed over the step's micro-batches: the step's loss, :func:`onegpu.training.objectives.grpo.
+    micro_batch_loss`), its figures added to ``figures``."""
     import torch
     s = settings.sampling
     logps = generation.token_logps(model, batch.gens, s.temperature, rows)

@@ -289,6 +289,17 @@ def target_scores(outputs: HiddenStates, labels):
     return nll, hits
 
 
+def last_logits(outputs: HiddenStates, keep: int):
+    """The logits of the last ``keep`` positions of a forward's :class:`HiddenStates`, ``(rows, keep, vocab)`` in the
+    model's dtype: its output layer and logit transform (:func:`logit_transform`) applied as the model's own
+    forward with ``logits_to_keep=keep`` applies them (whole logits of those positions, not tiles: GRPO's
+    log-probabilities at a sampling temperature, :func:`onegpu.training.objectives.generation.token_logps`)."""
+    import torch.nn.functional as F
+    head = _output_layer(outputs.model)
+    scale, softcap = logit_transform(outputs.model.config)
+    return _transform(F.linear(outputs.hidden[:, -keep:], head.weight, head.bias), scale, softcap)
+
+
 def transient_bytes(targets: int, vocab: int, hidden: int, head_trains: bool) -> int:
     """Bytes :func:`target_nll` allocates beyond what it saves for backward, at its peak (the backward of
     its largest tile), for ``targets`` target positions, on any device and in any precision.
