@@ -75,6 +75,7 @@ class Start:
     device: object
     mixed_precision: str
     every: int
+    words: tuple[str, str] = ("examples", "training examples")  # the objective's (Objective.start_words)
 
     def line(self) -> str:
         """The terminal line before the first step, one wording for both backends.
@@ -84,8 +85,9 @@ class Start:
         to MLflow``.
         """
         procs = f" x {self.world} processes" if self.world > 1 else ""
-        return (f"train: {self.steps} optimizer steps of {self.micro * self.accum * self.world} examples "
-                f"({self.micro} x {self.accum}{procs}), {self.rows} training examples in {self.epochs} epoch(s); "
+        items, rows = self.words
+        return (f"train: {self.steps} optimizer steps of {self.micro * self.accum * self.world} {items} "
+                f"({self.micro} x {self.accum}{procs}), {self.rows} {rows} in {self.epochs} epoch(s); "
                 f"the {self.backend} backend on {self.device}, mixed precision {self.mixed_precision}; "
                 f"progress every {self.every} steps, every step goes to MLflow")
 

@@ -19,7 +19,8 @@ def test_config_accepts_a_directory_source_and_refuses_other_files(tmp_path, mon
     validate(cfg)
     cfg.data.source = "notes.txt"
     with pytest.raises(ConfigError, match=r"data.source: must be 'bbcnews', 'bbcnews-headlines', "
-                                          r"'bbcnews-headline-pairs', a .csv, .jsonl or .parquet file, or a directory"):
+                                          r"'bbcnews-headline-pairs', 'bbcnews-sections', a .csv, .jsonl or "
+                                          r".parquet file, or a directory"):
         validate(cfg)
 
 

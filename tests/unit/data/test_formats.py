@@ -14,8 +14,12 @@ def test_the_format_comes_from_the_columns_in_trls_order():
     assert formats.detect(["prompt", "chosen", "rejected", "completion"]) == formats.PREFERENCE
     assert formats.detect(["chosen", "rejected"]) == formats.PREFERENCE  # the implicit prompt
     assert formats.detect(["prompt", "chosen"]) == formats.TEXT
+    assert formats.detect(["prompt", "answer", "label"]) == formats.PROMPT_ANSWER  # GRPO's
+    assert formats.detect(["prompt", "completion", "answer"]) == formats.PROMPT_COMPLETION  # a completion: SFT's
+    assert formats.detect(["answer", "text"]) == formats.TEXT
     assert set(formats.COLUMNS) == set(formats.DROP_REASONS) == {formats.TEXT, formats.PROMPT_COMPLETION,
-                                                                 formats.MESSAGES, formats.PREFERENCE}
+                                                                 formats.MESSAGES, formats.PREFERENCE,
+                                                                 formats.PROMPT_ANSWER}
 
 
 def test_is_conversational_is_trls_test():

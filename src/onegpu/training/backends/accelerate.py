@@ -304,7 +304,8 @@ def train(req: TrainRequest) -> tuple[object, StepRecorder]:
                                              lp.total_steps, lp.steps_per_epoch, req.checkpoint_dir)
     around_steps.announce(around_steps.Start(
         "accelerate", lp.total_steps, t.per_device_train_batch_size, t.gradient_accumulation_steps, t.num_processes,
-        len(lp.train_set), lp.epochs, lp.accelerator.device, lp.accelerator.mixed_precision, t.logging_steps), t.optim)
+        len(lp.train_set), lp.epochs, lp.accelerator.device, lp.accelerator.mixed_precision, t.logging_steps,
+        objectives.of(cfg).start_words(cfg)), t.optim)
     start = 0
     if resume is not None:  # weights, optimizer, scheduler; the data position and RNG in _run
         if lp.skeleton is not None:  # train.fsdp: every process loads its shards (torch.distributed.checkpoint)

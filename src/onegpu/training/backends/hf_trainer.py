@@ -334,7 +334,8 @@ class Progress(TrainerCallback):
         _, _, epochs = around_steps.schedule(len(train_dataloader), self.cfg)
         around_steps.announce(around_steps.Start(
             "trainer", state.max_steps, args.train_batch_size, args.gradient_accumulation_steps, args.world_size,
-            self.rows, epochs, args.device, t.mixed_precision, t.logging_steps), args.optim)
+            self.rows, epochs, args.device, t.mixed_precision, t.logging_steps,
+            objectives.of(self.cfg).start_words(self.cfg)), args.optim)
 
     def on_log(self, args, state, control, logs=None, **kw):
         step = state.global_step

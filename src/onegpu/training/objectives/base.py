@@ -75,6 +75,11 @@ class Objective:
         shuffling ``RandomSampler``, reseeded per epoch."""
         return None
 
+    def start_words(self, cfg) -> tuple[str, str]:
+        """What the start line calls a step's items and the training rows
+        (:class:`onegpu.training.around_steps.Start`)."""
+        return "examples", "training examples"
+
     def step_batches(self, model, micro_batches: list[dict], step: int) -> list[dict]:
         """One optimizer step's micro-batches (collated, on the device) as ``model`` trains on them at optimizer
         step ``step`` (from 1): the loader's own, but for an objective that makes them in the step (GRPO's

@@ -117,10 +117,6 @@ def _decode(tokenizer):
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _row_index(_, i: int) -> dict:
-    return {ROW: i}
-
-
 def _micro_batches(batch, sizes: list[int]) -> list[dict]:
     """The step's generations cut into micro-batches of ``sizes`` rows: the prompt and completion tokens, their
     mask, ``labels`` (the completion tokens, -100 elsewhere: what the step counts) and ``grpo_rows`` (their rows of
@@ -159,6 +155,10 @@ class GRPO(Objective):
     def sampler(self, rows, cfg):
         """:class:`GroupSampler` over ``rows``, seeded ``train.seed``."""
         return GroupSampler(len(rows), cfg.train.grpo.num_generations, cfg.train.seed)
+
+    def start_words(self, cfg) -> tuple[str, str]:
+        """A step's items are completions; the rows are prompts, each drawn ``num_generations`` times."""
+        return "completions", f"training prompts ({cfg.train.grpo.num_generations} completions each an epoch)"
 
     def prepare_model(self, model, cfg) -> None:
         """The policy's :class:`Run`: the settings and the reward functions, resolved before any step.
@@ -233,8 +233,10 @@ class GRPO(Objective):
 
     def model_inputs(self, dsd):
         """Each split's rows as their index (``row``) alone."""
-        cols = dsd.column_names if hasattr(dsd, "features") else dsd["train"].column_names
-        return dsd.map(_row_index, with_indices=True, remove_columns=cols)
+        from datasets import Dataset, DatasetDict
+        if hasattr(dsd, "features"):
+            return Dataset.from_dict({ROW: list(range(len(dsd)))})
+        return DatasetDict({s: Dataset.from_dict({ROW: list(range(len(d)))}) for s, d in dsd.items()})
 
     def collator(self, tokenizer, flattened: bool = False):
         return RowCollator()

@@ -320,7 +320,8 @@ def progress_line(step: int, total: int, rows: list[dict], device, evals: list[d
     this step's): loss, throughput over the last row, step time, peak memory and the time left.
 
     Example: ``step 20/32 | loss 1.2034 | eval_loss 1.3120 (step 16) | 41.3 samples/s | 0.39 s/step | peak 1.69 GiB
-    RSS | 5 s left`` (the latest validation point, ``evals``, when there is one).
+    RSS | 5 s left`` (the latest validation point, ``evals``, when there is one: its first of
+    :data:`PROGRESS_EVALS`).
     Memory is the step's peak: the CUDA allocator's on a GPU, the process RSS on a CPU (:mod:`onegpu.measure.memory`).
     Time left: mean step time of this process's rows after its first that did not compile (warm-up, as in
     :func:`steady_samples_per_second`: compilation, such as torchao's optimizer step) x steps to go; of the
@@ -331,10 +332,14 @@ def progress_line(step: int, total: int, rows: list[dict], device, evals: list[d
     steady = [r for r in rows[1:] if not warm_up(r)] or rows[1:] or rows
     mean = sum(r["step_time_s"] for r in steady) / len(steady)
     left = max(total - step, 0) * mean
-    latest = f" | eval_loss {evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})" if evals else ""
+    shown = next((k for k in PROGRESS_EVALS if evals and k in evals[-1]), None)  # (GRPO's: a pass rate)
+    latest = f" | {shown} {evals[-1][shown]:.4f} (step {evals[-1]['step']})" if shown else ""
     return (f"step {step}/{total} | loss {row['loss']:.4f}{latest} | {row.get('samples_per_second', 0):.1f} "
             f"samples/s | {row['step_time_s']:.2f} s/step | peak {gib(row.get('mem_peak_bytes', 0))} {where} | "
             f"{duration(left)} left")
+
+
+PROGRESS_EVALS = ("eval_loss", "eval_pass_rate")  # the validation figure a progress line shows, the first there is
 
 
 def first_step_note(optim) -> str | None:

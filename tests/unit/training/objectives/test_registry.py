@@ -21,7 +21,7 @@ def test_a_task_no_objective_has_fails_in_one_line_naming_those_that_exist():
     with pytest.raises(ConfigError) as e:
         objectives.get("dpo")
     assert str(e.value) == ("model.task: 'dpo' is not an objective onegpu trains; use one of "
-                            "sequence-classification | causal-lm | preference")
+                            "sequence-classification | causal-lm | preference | grpo")
 
 
 def test_a_third_objective_is_asked_not_branched_on(monkeypatch):
