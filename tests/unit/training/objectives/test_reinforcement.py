@@ -43,7 +43,8 @@ def test_a_steps_micro_batches_are_its_generations_cut_as_drawn_and_counted_by_c
     cfg, _ = float64.grpo_config({"per_device_train_batch_size": 3, "gradient_accumulation_steps": 4,
                                   "logging_steps": 2})
     model, _ = float64.grpo_model(cfg, 4)
-    drawn = [{"row": torch.tensor(r)} for r in ([1, 1, 1], [1, 3, 3], [3, 3, 0], [0, 0, 0])]  # 3 groups of 4, cut across
+    # 3 groups of 4 (prompts 1, 3, 0), micro-batches of 3 cutting across them
+    drawn = [{"row": torch.tensor(r)} for r in ([1, 1, 1], [1, 3, 3], [3, 3, 0], [0, 0, 0])]
     batches = OBJECTIVE.step_batches(model, drawn, step=1)
     run = reinforcement.run_of(model)
     assert [int(b["input_ids"].shape[0]) for b in batches] == [3, 3, 3, 3]
