@@ -87,13 +87,15 @@ dpo: install
 	$(BIN)/onegpu summary
 
 # The GRPO example (docs/grpo.md): LoRA GRPO on the packaged SmolLM2-135M-Instruct with the packaged sections
-# (article -> its BBC News section, checked by the correctness reward), 4 completions a prompt; one DVC
-# experiment, then the summary: the trained policy's held-out pass rate against the starting model's own.
+# (article -> its BBC News section: correctness checks the final answer, answer_mentioned gives partial credit),
+# 4 completions a prompt, 8 steps; one DVC experiment, then the summary: the trained policy's held-out pass
+# rate against the starting model's own.
 GRPO := -S data.source=bbcnews-sections -S model.task=grpo -S model.name_or_path=packaged:SmolLM2-135M-Instruct \
-        -S model.lora.r=8 -S data.max_length=192 -S data.max_train_samples=32 -S data.max_eval_samples=16 \
-        -S train.per_device_train_batch_size=8 -S train.gradient_accumulation_steps=1 -S train.learning_rate=5e-5 \
-        -S train.grpo.num_generations=4 -S train.grpo.max_completion_length=16 -S train.eval_steps=0.5 \
-        -S train.logging_steps=4 -S evaluate.per_device_eval_batch_size=16
+        -S model.lora.r=8 -S data.max_length=192 -S data.max_train_samples=16 -S data.max_eval_samples=16 \
+        -S train.per_device_train_batch_size=8 -S train.gradient_accumulation_steps=1 -S train.learning_rate=2e-4 \
+        -S train.grpo.num_generations=4 -S train.grpo.max_completion_length=16 -S train.grpo.temperature=0.7 \
+        -S 'train.grpo.reward_funcs=[correctness,answer_mentioned]' -S train.eval_steps=0.5 \
+        -S train.logging_steps=2 -S evaluate.per_device_eval_batch_size=16
 grpo: install
 	PYTHONUNBUFFERED=1 ONEGPU_MAKE_TARGET=grpo $(BIN)/dvc exp run -n grpo-smollm2-sections $(GRPO) $(FILTERED)
 	$(BIN)/onegpu summary

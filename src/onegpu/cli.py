@@ -158,9 +158,20 @@ def _run_stage(args, cfg) -> None:
     import importlib
     stage = importlib.import_module(f"onegpu.stages.{args.command}")
     if args.command == "estimate":
+        _measured_by("estimate", cfg)
         stage.run(cfg, args.micro_batches, args.budget_gib)
     else:
         stage.run(cfg)
+
+
+def _measured_by(command: str, cfg) -> None:
+    """Raises UserError (one line, exit 2, before any work) where ``onegpu <command>`` cannot measure the task's
+    objective yet (:attr:`~onegpu.training.objectives.base.Objective.not_measured_yet`: GRPO's generations)."""
+    from onegpu.errors import UserError
+    from onegpu.training import objectives
+    why = objectives.of(cfg).not_measured_yet
+    if why:
+        raise UserError(f"model.task {cfg.model.task} is not measured by onegpu {command} yet: {why}")
 
 
 def _run_ui(args, cfg) -> int:
@@ -186,6 +197,7 @@ def _run_tradeoffs(args, cfg) -> None:
     from onegpu.tradeoffs.batch import PROBE_STEPS
     if args.full and args.steps:
         raise UserError("--steps and --full exclude each other: a probe window of N steps, or the whole job")
+    _measured_by("tradeoffs", cfg)
     tradeoffs.run(tradeoffs.Request(
         cfg, args.params, parse_knobs(args.knobs), queue_only=args.queue_only, report_only=args.report,
         batch=args.batch, combine=not args.no_combine, out_dir=args.out, overrides=tuple(args.overrides),

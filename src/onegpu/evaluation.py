@@ -17,7 +17,7 @@ from onegpu.training.objectives.heldout import TEST, Prediction, causal_lm_metri
 __all__ = ["Prediction", "causal_lm_metrics", "classifier_metrics", "predict"]  # held-out figures, re-exported
 
 # The evaluate stage's last line: where to look next after a plain `dvc repro` (`make run` adds its summary).
-NEXT = ("evaluate: next: `onegpu ui` (this run's loss and eval_loss per step, every run side by side), "
+NEXT = ("evaluate: next: `onegpu ui` (this run's loss and validation figures per step, every run side by side), "
         "`onegpu compare` (which runs trained the same, step by step, and what each cost)")
 SHOWN = 3  # generations the evaluate stage prints (instruction data); all are in the run's generations.json
 

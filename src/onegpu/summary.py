@@ -46,6 +46,9 @@ def text(cfg=None) -> str:
     if "test_rewards/accuracies" in ev:  # preference: the trained policy against where it started
         test += (f" | reward accuracy {ev['test_rewards/accuracies']:.3f} (the reference's own pairwise accuracy "
                  f"{ev['test_reference_accuracy']:.3f}) | margin {ev['test_rewards/margins']:.4f}")
+    if "test_pass_rate" in ev:  # grpo: the trained policy against the model it started from
+        test += (f"pass rate {ev['test_pass_rate']:.3f} (the starting model's {ev['test_start_pass_rate']:.3f}) | "
+                 f"reward {ev['test_reward']:.3f} (the starting model's {ev['test_start_reward']:.3f})")
     train = [f"loss {tr['train_loss']:.4f}" if "train_loss" in tr else None,
              f"{tr['train_samples_per_second']:.1f} samples/s{' (under outside load)' if METRIC in tr else ''}"
              if "train_samples_per_second" in tr else None,

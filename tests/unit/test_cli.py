@@ -204,3 +204,22 @@ def test_tradeoffs_steps_and_full_exclude_each_other(tmp_path, monkeypatch, caps
     monkeypatch.chdir(tmp_path)
     assert cli.main(["tradeoffs", "--steps", "4", "--full"]) == 2
     assert "--steps and --full exclude each other" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["estimate"], ["tradeoffs"]])
+def test_a_grpo_run_is_not_estimated_or_traded_off_yet_in_one_line(tmp_path, monkeypatch, capsys, command):
+    """A GRPO step's cost is mostly its generations', which neither command models: exit 2 before any work."""
+    from onegpu import cli
+    path = defaults.write_params(tmp_path)
+    params = yaml.safe_load(path.read_text())
+    params["model"]["task"], params["data"]["source"] = "grpo", "bbcnews-sections"
+    params["train"]["per_device_train_batch_size"] = 8
+    path.write_text(yaml.safe_dump(params))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(command) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"onegpu {command[0]}: error: model.task grpo is not measured by onegpu {command[0]} yet: a GRPO "
+                   "step's time and memory are "
+                   "mostly its generations' (sampled inside the step), which neither the estimate nor the tradeoffs "
+                   "rows model; train with an integer train.per_device_train_batch_size and read the run's "
+                   "generation_seconds and peak in MLflow"], err

@@ -45,7 +45,7 @@ class GRPOConfig:
     use_bias_correction_kl: bool = knob(True, key=IN_KEY,
                                         help="the KL term times the importance ratio (TRL's default)")
     reward_funcs: list[str] = knob(default_factory=lambda: ["correctness"], key=IN_KEY, help=(
-        "correctness | think_format | package.module:function (TRL's signature); their rewards are summed"),
+        "correctness | answer_mentioned | think_format | package.module:function (TRL's signature); summed"),
         rule=(_names, "must be a non-empty list of distinct names, got {v}"))
     reward_weights: list[float] | None = knob(None, key=IN_KEY, help="one weight per reward function; null = 1 each")
 

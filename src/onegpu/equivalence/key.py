@@ -80,7 +80,8 @@ def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = 
 
     Everything in params.yaml except :data:`NOT_IN_EQUIVALENCE_KEY` (values listed in
     :data:`SAME_AS_IN_KEY` replaced by the value they compute the same as), plus the resolved effective batch
-    size and the prepared data's content fingerprint (so two runs on different data files never match).
+    size and the prepared data's content fingerprint (so two runs on different data files never match); for GRPO's
+    ``bnpo`` loss, whose value depends on the split, the resolved micro-batch and accumulation too.
     """
     flat = {k: v for k, v in flatten(cfg.to_dict()).items() if k not in NOT_IN_EQUIVALENCE_KEY}
     # LoRA trains other parameters: model.lora.* are in the key. Off (null or r: 0) adds nothing, so
@@ -96,6 +97,9 @@ def equivalence_fields(cfg: Config, resolved: Resolved, data_fingerprint: str = 
         for k in MODEL_FROM_CONFIG_KEYS:
             flat.pop(k, None)
     flat[RESOLVED_EFFECTIVE_BATCH] = resolved.effective_batch_size
+    if cfg.model.task == "grpo" and cfg.train.grpo.loss_type == "bnpo":  # TRL's mean of micro-batch token means:
+        flat[RESOLVED_MICRO_BATCH] = resolved.per_device_train_batch_size  # another split, another training
+        flat[RESOLVED_ACCUMULATION] = resolved.gradient_accumulation_steps
     flat["data.fingerprint"] = data_fingerprint
     return flat
 

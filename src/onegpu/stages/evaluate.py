@@ -18,10 +18,10 @@ from onegpu.errors import DataError
 from onegpu.measure import memory
 from onegpu.models import loader
 
-# metrics/eval.json (`dvc exp show`, `dvc metrics diff`): the headline figures only; test_f1_macro,
-# runtime, throughput, memory and row/token counts are in the MLflow run.
+# metrics/eval.json (`dvc exp show`, `dvc metrics diff`): the headline figures only (the rest: the MLflow run).
 HEADLINE = ("test_loss", "test_accuracy", "test_perplexity", "test_rouge_l", "test_rewards/accuracies",
-            "test_reference_accuracy", "test_rewards/margins")
+            "test_reference_accuracy", "test_rewards/margins", "test_pass_rate", "test_start_pass_rate",
+            "test_reward", "test_start_reward")
 
 
 def run(cfg: Config) -> dict:

@@ -209,3 +209,15 @@ def test_resolved_params_name_the_layout():
     assert eqkey.resolved_params(config.resolve(cfg, 2)) == {
         "resolved.per_device_train_batch_size": 8, "resolved.gradient_accumulation_steps": 2,
         "resolved.effective_batch_size": 32, "resolved.world_size": 2}
+
+
+@pytest.mark.parametrize("loss_type,same", [("dapo", True), ("grpo", True), ("bnpo", False)])
+def test_grpos_split_is_the_same_training_but_under_bnpo(raw, loss_type, same):
+    """dapo, dr_grpo and grpo divide by the step's counts (test_same_training_grpo.py proves 8 x 1 = 2 x 4);
+    TRL's bnpo averages micro-batch token means, so another split is another training: in its key."""
+    raw["model"].update(task="grpo", name_or_path=None)
+    raw["data"]["source"] = "bbcnews-sections"
+    raw["train"]["grpo"] = {"num_generations": 4, "loss_type": loss_type}
+    a = _key(raw, per_device_train_batch_size=8, gradient_accumulation_steps=1)
+    b = _key(raw, per_device_train_batch_size=2, gradient_accumulation_steps=4)
+    assert (a == b) is same

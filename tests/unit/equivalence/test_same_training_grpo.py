@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 from tests.unit.equivalence import float64  # noqa: E402
 
-FIGURES = ("reward", "reward_std", f"rewards/{float64.TEXT_REWARD}/mean", "completions/mean_length",
+FIGURES = ("reward", "reward_std", "rewards/text_reward/mean", "completions/mean_length",
            "completions/clipped_ratio", "clip_ratio/region_mean")
 
 

@@ -66,6 +66,8 @@ class Objective:
     # reference model, say); HF Trainer's backend then calls it instead of its own forward and loss function.
     own_forward = False
 
+    # Why ``onegpu estimate`` and ``onegpu tradeoffs`` cannot measure this objective yet (None: they can).
+    not_measured_yet: str | None = None
     # Whether the activation probe (the first micro-batch's forward and backward before step 1,
     # :func:`onegpu.training.around_steps.activation_probe`) measures this objective's training rows.
     probes_activations = True

@@ -151,6 +151,9 @@ class GRPO(Objective):
     task = "grpo"
     own_forward = True
     probes_activations = False  # the rows are indices; the step's memory is its generations' (not probed yet)
+    not_measured_yet = ("a GRPO step's time and memory are mostly its generations' (sampled inside the step), which "
+                        "neither the estimate nor the tradeoffs rows model; train with an integer "
+                        "train.per_device_train_batch_size and read the run's generation_seconds and peak in MLflow")
 
     def sampler(self, rows, cfg):
         """:class:`GroupSampler` over ``rows``, seeded ``train.seed``."""

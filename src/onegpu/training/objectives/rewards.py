@@ -6,7 +6,8 @@
 ``completions`` are strings (TRL's standard form) or one-message lists of ``{"role", "content"}`` dicts
 (its conversational form); ``columns`` are the dataset's other columns, one value per completion (e.g.
 ``answer``); None is "cannot score this one" (TRL leaves it out of the group's mean). Built in:
-``correctness`` (the completion's final answer against the row's ``answer``) and ``think_format``
+``correctness`` (the completion's final answer against the row's ``answer``), ``answer_mentioned`` (the
+answer anywhere in it: partial credit) and ``think_format``
 (TRL's ``trl.rewards.think_format_reward``); a user's own by dotted path (``package.module:function`` or
 ``package.module.function``), resolved before any work (:func:`resolve`).
 """
@@ -62,13 +63,27 @@ def correctness(prompts, completions, answer, **columns) -> list[float]:
     return out
 
 
+def answer_mentioned(prompts, completions, answer, **columns) -> list[float]:
+    """Partial credit: 1.0 where the row's ``answer`` appears in the completion as a whole word or number
+    (case-insensitive), wherever it is, else 0.0. Lenient by design (a completion naming every candidate
+    passes it): a signal for a small model that names the answer in a sentence before it learns the format
+    :func:`correctness` checks; the held-out pass rate stays :func:`correctness`'s."""
+    out = []
+    for completion, want in zip(completions, answer):
+        want = " ".join(str(want).split())
+        found = bool(want) and re.search(rf"(?<!\w){re.escape(want)}(?!\w)", last_text(completion), re.IGNORECASE)
+        out.append(1.0 if found else 0.0)
+    return out
+
+
 def think_format(prompts, completions, **columns) -> list[float]:
     """TRL's ``think_format_reward``: 1.0 where the completion opens with one ``<think>...</think>`` block."""
     from trl.rewards import think_format_reward
     return think_format_reward([[{"content": last_text(c)}] for c in completions])
 
 
-REWARDS: dict[str, Callable] = {"correctness": correctness, "think_format": think_format}
+REWARDS: dict[str, Callable] = {"correctness": correctness, "answer_mentioned": answer_mentioned,
+                                "think_format": think_format}
 
 
 def resolve(name: str, key: str = "train.grpo.reward_funcs") -> Callable:

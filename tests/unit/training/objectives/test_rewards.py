@@ -16,6 +16,14 @@ def test_correctness_reads_the_final_answer_as_a_number_or_as_text():
         1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
 
 
+def test_answer_mentioned_finds_the_answer_as_a_word_anywhere():
+    completions = ["This article is about a Sports show.", "sportsman of the year", "12 apples", "112", "",
+                   [{"role": "assistant", "content": "it is tech, surely"}]]
+    answers = ["sports", "sports", "12", "12", "tech", "tech"]
+    assert rewards.answer_mentioned(prompts=[""] * 6, completions=completions, answer=answers) == [
+        1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+
+
 def test_conversational_completions_are_scored_by_their_content():
     conversational = [[{"role": "assistant", "content": "<think>5 + 7</think> 12"}],
                       [{"role": "assistant", "content": "12"}]]
@@ -32,7 +40,7 @@ def test_a_users_function_by_dotted_path_and_the_built_in_names():
 
 
 @pytest.mark.parametrize("name, words", [
-    ("exactness", "is not a reward function; use one of correctness, think_format"),
+    ("exactness", "is not a reward function; use one of correctness, answer_mentioned, think_format"),
     ("no_such_package.module:fn", "cannot be imported (ModuleNotFoundError"),
     ("onegpu.training.objectives.rewards:nothing", "cannot be imported (AttributeError"),
     ("onegpu.training.objectives.rewards:REWARDS", "is a dict, not a function"),
