@@ -14,7 +14,7 @@ from onegpu.config import Config
 from onegpu.equivalence.key import run_config_hash
 from onegpu.measure import outside_load
 from onegpu.models import lora
-from onegpu.training import prepared, session, tracked_run
+from onegpu.training import objectives, prepared, session, tracked_run
 from onegpu.training.parallel import distributed, machines
 from onegpu.training.record import recorder
 
@@ -25,10 +25,9 @@ HEADLINE = ("train_loss", "train_samples_per_second", "train_mem_peak_bytes")
 # plots/train_steps.csv: one row per optimizer step (dvc.yaml's plots: loss, memory in MiB, speed).
 STEP_COLUMNS = ["step", "loss", "grad_norm", "learning_rate", "step_time_s", "samples_per_second",
                 "tokens_per_second", "mem_peak_bytes", "mem_peak_mib"]
-# plots/eval_steps.csv: one row per validation point (dvc.yaml's loss chart draws eval_loss beside the
-# training loss); a figure the task has not is left empty. The header alone with train.eval_strategy: no.
+# plots/eval_steps.csv: a row per validation point (the loss chart draws eval_loss); a figure the task lacks is empty.
 EVAL_COLUMNS = ["step", "eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity", "eval_mean_token_accuracy",
-                "eval_runtime", "eval_mem_peak_bytes"]
+                "eval_pass_rate", "eval_runtime", "eval_mem_peak_bytes"]
 
 
 def run(cfg: Config) -> dict:
@@ -47,7 +46,8 @@ def run(cfg: Config) -> dict:
     with distributed.failure_note():
         result = tracked_run.run(plan, tracker, prepared.load_processed(), save=_write_outputs if main else None)
     distributed.print_main(recorder.closing_line(result.summary, result.plan.resolved, result.plan.device,
-                                                 result.plan.budget, result.run_id))
+                                                 result.plan.budget, result.run_id,
+                                                 objectives.of(cfg).start_words(cfg)[0]))
     return result.summary
 
 

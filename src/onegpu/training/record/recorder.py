@@ -353,12 +353,14 @@ def first_step_note(optim) -> str | None:
             "the time left and the steady-state throughput leave out the steps that compile")
 
 
-def closing_line(summary: dict, layout, device: str, budget: int | None, run_id: str) -> str:
+def closing_line(summary: dict, layout, device: str, budget: int | None, run_id: str,
+                 items: str = "examples") -> str:
     """The train stage's last line: optimizer steps, the batch layout (a :class:`onegpu.config.Resolved`),
     ``train_loss``, time, peak memory (:func:`peak_text`), device and MLflow run, from the recorder's
-    ``summary`` (:meth:`StepRecorder.summary`); ``budget``: the ``auto`` budget in bytes, or None."""
+    ``summary`` (:meth:`StepRecorder.summary`); ``budget``: the ``auto`` budget in bytes, or None; ``items``: what
+    a step holds (the objective's :meth:`~onegpu.training.objectives.base.Objective.start_words`)."""
     r = layout
-    return (f"train: {summary.get('train_steps', 0)} optimizer steps of {r.effective_batch_size} examples "
+    return (f"train: {summary.get('train_steps', 0)} optimizer steps of {r.effective_batch_size} {items} "
             f"({r.per_device_train_batch_size} x {r.gradient_accumulation_steps}"
             f"{f' x {r.world_size} processes' if r.world_size > 1 else ''}), "
             f"train_loss {summary.get('train_loss', float('nan')):.4f}, {summary.get('train_runtime', 0):.1f} s, "
