@@ -51,6 +51,7 @@ def new_recorder(cfg: Config, sink: Callable[[dict, int], None], device, model) 
     objective = objectives.of(cfg)
     recorder = StepRecorder(sink, device, BatchCounter(objective.sequences_per_item))
     recorder.figures = objective.step_figures(model)
+    recorder.tables = objective.run_tables(model)  # (live: the checkpoints keep them, a resume refills them)
     recorder.breakdown.update(objective.memory_terms(model))
     return recorder
 

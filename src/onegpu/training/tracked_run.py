@@ -138,7 +138,8 @@ def _run(plan: TrainPlan, tracker, dsd, run_id: str, rows: list, stop: GracefulS
             load.stop()
         tracker.set_tags(run_id, objectives.of(plan.cfg).run_tags(built_model))  # e.g. DPO's reference
         for artifact, table in objectives.of(plan.cfg).run_tables(built_model).items():  # GRPO's completions
-            tracker.log_table(run_id, table, artifact)
+            if table:
+                tracker.log_table(run_id, table, artifact)
         summary = log_results(plan, tracker, run_id, buffer, model, steps)
         spec = record.logged_model(plan.cfg, plan.key, tracking.run_name() or config_name(plan.cfg))
         if steps.best is not None:  # the model holds the best point's weights, not the last's

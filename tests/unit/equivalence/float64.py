@@ -428,14 +428,15 @@ def grpo_config(train_cfg: dict, grpo: dict | None = None):
                           source="test"), train_cfg
 
 
-def grpo_model(cfg, prompts: int, fused: bool = True, dtype=torch.float64):
+def grpo_model(cfg, prompts: int, fused: bool = True, dtype=torch.float64, packaged: bool = False):
     """``(model, data)``: the hidden-32 Llama of the packaged tokenizer's vocabulary
-    (tests/unit/training/objectives/test_batches.py) in ``dtype``, set up for ``cfg`` as the stage sets it (the
-    objective's ``prepare_model`` and ``prepared_data``), and :func:`grpo_data` of ``prompts`` prompts."""
+    (tests/unit/training/objectives/test_batches.py; ``packaged``: the packaged SmolLM2-135M-Instruct itself) in
+    ``dtype``, set up for ``cfg`` as the stage sets it (the objective's ``prepare_model`` and ``prepared_data``),
+    and :func:`grpo_data` of ``prompts`` prompts."""
     from onegpu.training import objectives
     from onegpu.training.objectives import lm_head
     from tests.unit.training.objectives.test_batches import tiny_llama
-    model = tiny_llama()
+    model = packaged_chat_model() if packaged else tiny_llama()
     # One token in 8 ends a completion (a random model's completions then end at uneven lengths, so a group's
     # advantages do not cancel in the loss; the tokenizer's EOS stays one of them).
     model.generation_config.eos_token_id = list(range(0, model.config.vocab_size, 8))
@@ -451,10 +452,11 @@ def grpo_model(cfg, prompts: int, fused: bool = True, dtype=torch.float64):
 
 def grpo_run(micro: int = 8, accum: int = 1, prompts: int = 2, steps: int = 2, fused: bool = True,
              backend: str = "trainer", grpo: dict | None = None, rows: int | None = None, dtype=torch.float64,
-             **train_cfg) -> Run:
+             packaged: bool = False, **train_cfg) -> Run:
     """``steps`` optimizer steps of GRPO (:func:`grpo_model`, :func:`grpo_config`), ``prompts`` prompts of 4
-    completions each per step (``rows`` prompts of data, default ``prompts x steps``)."""
+    completions each per step (``rows`` prompts of data, default ``prompts x steps``; ``packaged``: the packaged
+    SmolLM2-135M-Instruct)."""
     cfg, train_cfg = grpo_config({"backend": backend, "per_device_train_batch_size": micro,
                                   "gradient_accumulation_steps": accum, "max_steps": steps, **train_cfg}, grpo)
-    model, data = grpo_model(cfg, rows or prompts * steps, fused, dtype)
+    model, data = grpo_model(cfg, rows or prompts * steps, fused, dtype, packaged)
     return train(model, chat_tokenizer(), data, train_cfg, GRPO, {"source": "prompts.jsonl"}, dtype=dtype)

@@ -77,7 +77,7 @@ def test_the_splits_agree_in_float32_within_1e_6_at_step_1_and_1e_5_later():
 def test_a_stopped_and_resumed_run_is_the_uninterrupted_one(tmp_path, monkeypatch, backend):
     """Stopped during step 2 of 4 (6 prompts: 3 steps an epoch, so step 4 is the next epoch's) and resumed from
     its checkpoint: steps 3 and 4 sample the same completions and train the same (loss, grad_norm and TRL's figures
-    within 1e-12 in float64)."""
+    within 1e-12 in float64), and the completions table holds every step's rows once, as the uninterrupted run's."""
     import importlib
 
     from onegpu.training.backends import base
@@ -85,7 +85,7 @@ def test_a_stopped_and_resumed_run_is_the_uninterrupted_one(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     cfg, _ = float64.grpo_config({"backend": backend, "per_device_train_batch_size": 4,
                                   "gradient_accumulation_steps": 2, "max_steps": 4, "optim": "sgd",
-                                  "max_grad_norm": 0.0, "seed": 3})
+                                  "max_grad_norm": 0.0, "seed": 3, "logging_steps": 1})
     module = importlib.import_module(base.REGISTRY[backend])
 
     def run(sink, **kw):
@@ -93,12 +93,30 @@ def test_a_stopped_and_resumed_run_is_the_uninterrupted_one(tmp_path, monkeypatc
         with float64.float64_throughout(model):
             return module.train(base.TrainRequest(model, float64.chat_tokenizer(), data, cfg, sink, **kw))
     whole = []
-    run(lambda m, s: whole.append(m))
+    _, whole_steps = run(lambda m, s: whole.append(m))
     _, resume = tiny.interrupt_at_step_2(run, tmp_path / "ckpt")
     assert resume is not None and resume.step == 2
     rest = []
-    run(lambda m, s: rest.append(m), checkpoint_dir=tmp_path / "ckpt", resume=resume)
+    _, rest_steps = run(lambda m, s: rest.append(m), checkpoint_dir=tmp_path / "ckpt", resume=resume)
     assert len(whole) == 4 and len(rest) == 2
+    # the completions table: the stopped run's steps kept in the checkpoint, the resumed steps' the same samples
+    [(name, table)] = rest_steps.tables.items()
+    assert table == whole_steps.tables[name] and table["step"] == [s for s in range(1, 5) for _ in range(8)]
     for r, s in zip(rest, whole[2:]):
         for k in ("loss", "grad_norm", *FIGURES):
             assert abs(r[k] - s[k]) <= 1e-12 * max(1.0, abs(s[k])), (k, r[k], s[k])
+
+
+@pytest.mark.slow  # the packaged model: make test-all
+@pytest.mark.big_memory
+def test_on_the_packaged_chat_model_a_grpo_step_split_is_exact_in_float64():
+    """The packaged SmolLM2-135M-Instruct itself, one step of one prompt's 4 completions (sampled from it in the
+    step), 4 x 1 on the Trainer against 2 x 2 on the Accelerate loop: loss, grad_norm and every parameter's
+    gradient within 1e-12 (the loss, rounding around 0 or not, within 1e-15 absolute)."""
+    whole = float64.grpo_run(4, 1, prompts=1, steps=1, packaged=True)
+    split = float64.grpo_run(2, 2, prompts=1, steps=1, packaged=True, backend="accelerate")
+    assert whole.rows[0]["grad_norm"] > 0
+    assert [r["targets"] for r in split.rows] == [r["targets"] for r in whole.rows]
+    d = float64.distance(split, whole)
+    assert max(d["grad_norm"], d["gradient"]) <= float64.REL, d
+    assert abs(split.rows[0]["loss"] - whole.rows[0]["loss"]) <= max(float64.REL * abs(whole.rows[0]["loss"]), 1e-15)

@@ -31,7 +31,8 @@ class ResumePoint:
     ``path``: the ``checkpoint-N`` folder; ``step``: optimizer steps done (N); ``rows``: the step rows
     recorded so far (:class:`onegpu.training.record.recorder.StepRecorder`); ``breakdown``: the memory breakdown
     (bytes); ``events``: out-of-memory recoveries; ``evals``: the validation points so far
-    (:attr:`onegpu.training.record.recorder.StepRecorder.evals`); ``run_id``: the MLflow run that wrote it (None when
+    (:attr:`onegpu.training.record.recorder.StepRecorder.evals`); ``tables``: the objective's tables so far
+    (:attr:`~onegpu.training.record.recorder.StepRecorder.tables`); ``run_id``: the MLflow run that wrote it (None when
     unknown); ``micro_batch``, ``accumulation``, ``num_processes``: the split it was trained with (None when not
     recorded); ``sharded``: the number of processes whose shards it holds (None: whole weights).
     """
@@ -41,6 +42,7 @@ class ResumePoint:
     breakdown: dict = field(default_factory=dict)
     events: list = field(default_factory=list)
     evals: list = field(default_factory=list)
+    tables: dict = field(default_factory=dict)
     run_id: str | None = None
     micro_batch: int | None = None
     sharded: int | None = None
@@ -54,7 +56,8 @@ class ResumePoint:
             return int(state[key]) if state.get(key) else None
         return cls(path=path, step=int(state["step"]), rows=list(state.get("rows", [])),
                    breakdown=dict(state.get("breakdown", {})), events=list(state.get("events", [])),
-                   evals=list(state.get("evals", [])), run_id=state.get("run_id") or None,
+                   evals=list(state.get("evals", [])), tables=dict(state.get("tables", {})),
+                   run_id=state.get("run_id") or None,
                    micro_batch=number("micro_batch"), sharded=number("sharded"),
                    accumulation=number("gradient_accumulation_steps"),
                    num_processes=number("num_processes") or number("sharded"))
@@ -101,7 +104,7 @@ def complete(checkpoint: str, step: int, recorder, meta: dict) -> None:
     from onegpu.paths import write_json_atomic
     write_json_atomic(os.path.join(checkpoint, STATE_FILE), {
         "step": step, "rows": recorder.rows, "breakdown": recorder.breakdown, "events": recorder.events,
-        "evals": recorder.evals, **meta})
+        "evals": recorder.evals, **({"tables": recorder.tables} if getattr(recorder, "tables", None) else {}), **meta})
     for old in glob.glob(os.path.join(os.path.dirname(checkpoint), "checkpoint-*")):
         if os.path.abspath(old) != os.path.abspath(checkpoint):
             shutil.rmtree(old, ignore_errors=True)

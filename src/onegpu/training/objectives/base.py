@@ -118,7 +118,9 @@ class Objective:
 
     def run_tables(self, model) -> dict[str, dict[str, list]]:
         """MLflow tables (artifact file -> column -> values) the objective adds to the training run of ``model``
-        once it has trained (``MlflowClient.log_table``; none here)."""
+        once it has trained (``MlflowClient.log_table``; none here): the live dicts it fills while training, which
+        the checkpoints keep and a resume refills in place (:attr:`onegpu.training.record.recorder.StepRecorder.
+        tables`)."""
         return {}
 
     def restart_step(self, model) -> None:

@@ -143,8 +143,9 @@ def _add_rows(run: Run, step: int, prompts: list[int]) -> None:
     columns = {"step": [step] * b.rows, "prompt": [chat_text(run.prompts[i]) for i in prompts for _ in range(g)],
                "completion": list(b.texts), **{name: b.per_func[:, j].tolist() for j, name in enumerate(b.names)},
                "reward": b.total.tolist(), "advantage": b.advantages.double().tolist()}
-    for k, v in columns.items():
-        run.table.setdefault(k, []).extend(v)
+    merged = {k: run.table.get(k, []) + v for k, v in columns.items()}  # in this column order, also after a resume
+    run.table.clear()  # (in place: the recorder holds this dict, StepRecorder.tables)
+    run.table.update(merged)
 
 
 class GRPO(Objective):
@@ -227,9 +228,9 @@ class GRPO(Objective):
         return take
 
     def run_tables(self, model) -> dict[str, dict[str, list]]:
-        """:data:`COMPLETIONS_TABLE`: the completions sampled at step 1 and every ``train.logging_steps``-th step."""
-        table = run_of(model).table
-        return {COMPLETIONS_TABLE: table} if table else {}
+        """:data:`COMPLETIONS_TABLE`: the completions sampled at step 1 and every ``train.logging_steps``-th step
+        (the live dict the step appends to)."""
+        return {COMPLETIONS_TABLE: run_of(model).table}
 
     def restart_step(self, model) -> None:
         run_of(model).figures = grpo_batch.Figures()

@@ -7,14 +7,16 @@
 (its conversational form); ``columns`` are the dataset's other columns, one value per completion (e.g.
 ``answer``); None is "cannot score this one" (TRL leaves it out of the group's mean). Built in:
 ``correctness`` (the completion's final answer against the row's ``answer``), ``answer_mentioned`` (the
-answer anywhere in it: partial credit) and ``think_format``
-(TRL's ``trl.rewards.think_format_reward``); a user's own by dotted path (``package.module:function`` or
-``package.module.function``), resolved before any work (:func:`resolve`).
+answer anywhere in it: partial credit) and ``think_format`` (TRL's ``trl.rewards.think_format_reward``); a
+user's own by dotted path (``package.module:function`` or ``package.module.function``: an installed package or a
+module in the project folder), resolved before any work (:func:`resolve`).
 """
 from __future__ import annotations
 
+import os
 import pkgutil
 import re
+import sys
 from collections.abc import Callable
 
 from onegpu.data.chat import last_text
@@ -97,6 +99,8 @@ def resolve(name: str, key: str = "train.grpo.reward_funcs") -> Callable:
     allowed = f"use one of {', '.join(REWARDS)} or a dotted path to your function (package.module:function)"
     if "." not in name.strip(".:") and ":" not in name.strip(".:"):
         raise ConfigError(f"{key}: {name!r} is not a reward function; {allowed}")
+    if os.getcwd() not in sys.path:  # a module in the project folder (the stages run there; a console script's
+        sys.path.append(os.getcwd())  # sys.path starts at its bin folder)
     try:
         fn = pkgutil.resolve_name(name)  # both forms, package.module:function and package.module.function
     except ValueError:

@@ -135,15 +135,22 @@ class StepRecorder:
         self.validation = None
         # The objective's own per-step metrics (Objective.step_figures: DPO's rewards/*), taken by log(); None: none.
         self.figures = None
+        # The objective's tables (artifact -> column -> values: GRPO's sampled completions), its live dicts: the
+        # checkpoints keep them and a resume refills them in place (Objective.run_tables).
+        self.tables: dict[str, dict[str, list]] = {}
         self.evals: list[dict] = []
         self.stopped_early: str | None = None  # early stopping's sentence, once it stopped the run
         self.best: dict | None = None  # the validation point whose weights the model holds (load_best_model_at_end)
 
     def restore(self, point) -> None:
-        """Continue from a checkpoint: its step rows, memory breakdown and out-of-memory events
-        (``point``: a :class:`onegpu.training.lifecycle.resume.ResumePoint`)."""
+        """Continue from a checkpoint: its step rows, validation points, tables, memory breakdown and out-of-memory
+        events (``point``: a :class:`onegpu.training.lifecycle.resume.ResumePoint`)."""
         self.rows = list(point.rows)
         self.evals = list(point.evals)
+        for name, columns in point.tables.items():  # in place: the objective appends to these dicts
+            live = self.tables.setdefault(name, {})
+            live.clear()
+            live.update({k: list(v) for k, v in columns.items()})
         self.breakdown.update(point.breakdown)
         self.events.extend(point.events)
 

@@ -66,3 +66,15 @@ def test_score_calls_each_function_as_trl_does_and_checks_what_it_returns():
         rewards.score({"short": lambda prompts, completions, **c: [1.0]}, ["p", "p"], ["a", "b"], {})
     with pytest.raises(ConfigError, match="one float \\(or None\\) per completion"):
         rewards.score({"text": lambda prompts, completions, **c: ["yes", "no"]}, ["p", "p"], ["a", "b"], {})
+
+
+def test_a_module_in_the_project_folder_is_found_as_a_stage_finds_it(tmp_path, monkeypatch):
+    """The stages run in the project folder, from a console script whose sys.path starts at its bin folder."""
+    import sys
+    (tmp_path / "my_rewards_for_test.py").write_text("def short(prompts, completions, **kw):\n"
+                                                     "    return [1.0 if len(c) < 5 else 0.0 for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    fn = rewards.resolve("my_rewards_for_test:short")
+    assert fn(prompts=["", ""], completions=["ok", "too long"]) == [1.0, 0.0]
+    sys.modules.pop("my_rewards_for_test", None)
