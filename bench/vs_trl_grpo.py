@@ -172,6 +172,12 @@ def train_arm(arm: Arm, batches, digests: list[str]) -> dict:
     return {"rows": rows, "peak_bytes": _peak(arm.device, base), "device": arm.device}
 
 
+def run_line(r: dict) -> str:
+    """One repetition's progress line: its losses, peak and step times."""
+    return (f"losses {[round(x['loss'], 6) for x in r['rows']]}, peak {r['peak_bytes'] / 2**20:.0f} MiB, steps "
+            f"{[round(x['step_time_s'], 2) for x in r['rows']]} s")
+
+
 def report_lines(args, runs: dict, digests: list[str], load: list[float], model: str) -> list[str]:
     """The Markdown: the per-step table of both arms, their largest differences, peak and step time."""
     from onegpu.formatting import markdown_table, mib
@@ -203,9 +209,9 @@ def report_lines(args, runs: dict, digests: list[str], load: list[float], model:
 def main() -> None:
     import torch
 
-    from bench.arms import release_memory
+    from bench.arms import release_memory, rotated, run_reps
     from bench.reporting import report
-    from bench.vs_trl import alternate, bench_args, model_name
+    from bench.vs_trl import bench_args, model_name
     from onegpu.models import loader
     args = bench_args(__doc__, lr=2e-4)
     cfg = grpo_cfg(args)
@@ -221,7 +227,13 @@ def main() -> None:
         del arm
         release_memory()
         return result
-    runs, load = alternate(args, list(ARMS), one)
+    load = [os.getloadavg()[0]]
+
+    def timed(name: str) -> dict:
+        result = one(name)
+        load.append(os.getloadavg()[0])
+        return result
+    runs = run_reps(args, lambda rep: rotated(list(ARMS), rep), timed, run_line, clean=False)
     report("vs_trl_grpo", args, "onegpu's GRPO step and TRL's GRPOTrainer on the same generations and micro-batches",
            report_lines(args, runs, digests, load, model_name(args, path)), {"digests": digests, "runs": runs})
 
