@@ -175,14 +175,15 @@ class Arm:
 
 
 def base_model(cfg, tok, path):
-    """The job's model as both arms start it: seeded, LoRA applied, no KV cache, dropout off."""
+    """The job's model as both arms start it: seeded, LoRA applied (for ``model.task``), no KV cache, dropout off
+    (bench/vs_trl_grpo.py's arms too)."""
     import transformers
 
     from onegpu.models import loader, lora
     transformers.set_seed(cfg.train.seed)
     model = loader.build_causal_lm(path, tok, cfg.model, cfg.data.max_length, 0.0)
     if cfg.model.lora_adapters is not None:
-        model = lora.apply(model, cfg.model.lora_adapters, "preference")
+        model = lora.apply(model, cfg.model.lora_adapters, cfg.model.task)
     loader.no_kv_cache(model)
     return model
 

@@ -138,20 +138,6 @@ class Arm:
         return loss, sum(values) / len(values)
 
 
-def base_model(cfg, tok, path):
-    """The job's model as both arms start it: seeded, LoRA applied, no KV cache, dropout off (as
-    bench/vs_trl_dpo.py builds its arms')."""
-    import transformers
-
-    from onegpu.models import loader, lora
-    transformers.set_seed(cfg.train.seed)
-    model = loader.build_causal_lm(path, tok, cfg.model, cfg.data.max_length, 0.0)
-    if cfg.model.lora_adapters is not None:
-        model = lora.apply(model, cfg.model.lora_adapters, "grpo")
-    loader.no_kv_cache(model)
-    return model
-
-
 def train_arm(arm: Arm, batches, digests: list[str]) -> dict:
     """The steps of ``arm`` on ``batches``: its per-step loss, grad_norm, figure and wall time, and its peak."""
     import torch
@@ -212,6 +198,7 @@ def main() -> None:
     from bench.arms import release_memory, rotated, run_reps
     from bench.reporting import report
     from bench.vs_trl import bench_args, model_name
+    from bench.vs_trl_dpo import base_model
     from onegpu.models import loader
     args = bench_args(__doc__, lr=2e-4)
     cfg = grpo_cfg(args)

@@ -51,20 +51,21 @@ def test_schedule_counts_steps_as_trainer_does(train, expected):
     assert around_steps.schedule(5, cfg)[1] == 3  # the epoch's last step takes the one left over
 
 
-def test_the_recorder_takes_the_objectives_sequences_figures_and_memory_terms(monkeypatch):
+def test_the_recorder_takes_the_objectives_sequences_figures_tables_and_memory_terms(monkeypatch):
     from onegpu.training import objectives
     figures = lambda: {"rewards/margins": 1.0}  # noqa: E731
+    tables = {"completions.json": {"step": [1]}}
     stub = SimpleNamespace(sequences_per_item=2, step_figures=lambda model: figures,
-                           memory_terms=lambda model: {"mem_reference_bytes": 7})
+                           memory_terms=lambda model: {"mem_reference_bytes": 7}, run_tables=lambda model: tables)
     monkeypatch.setattr(objectives, "of", lambda cfg: stub)
     rec = around_steps.new_recorder(from_container({}, source="test"), lambda m, s: None, "cpu", object())
     assert rec.counter.per_example == 2 and rec.figures is figures and rec.device == "cpu"
-    assert rec.breakdown == {"mem_reference_bytes": 7}
+    assert rec.breakdown == {"mem_reference_bytes": 7} and rec.tables is tables  # the live dicts
 
 
-def test_the_classifiers_recorder_has_no_figures_of_its_own():
+def test_the_classifiers_recorder_has_no_figures_or_tables_of_its_own():
     rec = around_steps.new_recorder(from_container({}, source="test"), lambda m, s: None, "cpu", object())
-    assert rec.figures is None and rec.breakdown == {} and rec.counter.per_example == 1
+    assert rec.figures is None and rec.breakdown == {} and rec.counter.per_example == 1 and rec.tables == {}
 
 
 @pytest.mark.parametrize(("on", "by_framework", "enabled"), [(False, False, False), (True, True, False),
