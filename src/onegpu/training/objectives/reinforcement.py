@@ -181,11 +181,18 @@ class GRPO(Objective):
 
     def step_batches(self, model, micro_batches: list[dict], step: int) -> list[dict]:
         """The step's prompts (every ``num_generations``-th drawn row) sampled, scored and given their advantages
-        over whole groups (seed ``train.seed`` and ``step``), then cut into micro-batches of the sizes drawn."""
+        over whole groups (seed ``train.seed`` and ``step``), then cut into micro-batches of the sizes drawn.
+
+        Raises:
+            RuntimeError: the drawn rows are not whole groups in a row (a sampler other than :class:`GroupSampler`).
+        """
         run = run_of(model)
         start, s = time.perf_counter(), run.settings
-        sizes = [int(b[ROW].shape[0]) for b in micro_batches]
-        rows = [i for b in micro_batches for i in b[ROW].tolist()][::s.sampling.num_generations]
+        sizes, g = [int(b[ROW].shape[0]) for b in micro_batches], s.sampling.num_generations
+        drawn = [i for b in micro_batches for i in b[ROW].tolist()]
+        if len(drawn) % g or any(drawn[k] != drawn[k - k % g] for k in range(len(drawn))):
+            raise RuntimeError(f"optimizer step {step} drew {drawn}: not whole groups of {g} (GroupSampler's order)")
+        rows = drawn[::g]
         tok, policy = run.tokenizer, lm_head._inner(getattr(model, "module", model))
         run.batch = grpo_batch.build(
             getattr(model, "module", model), [run.prompts[i] for i in rows], [run.prompt_ids[i] for i in rows],

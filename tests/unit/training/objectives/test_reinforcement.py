@@ -61,6 +61,13 @@ def test_a_steps_micro_batches_are_its_generations_cut_as_drawn_and_counted_by_c
     assert list(OBJECTIVE.run_tables(model)) == [reinforcement.COMPLETIONS_TABLE]
 
 
+def test_a_step_of_rows_that_are_not_whole_groups_is_refused():
+    cfg, _ = float64.grpo_config({"per_device_train_batch_size": 4})
+    model, _ = float64.grpo_model(cfg, 2)
+    with pytest.raises(RuntimeError, match="not whole groups of 4"):
+        OBJECTIVE.step_batches(model, [{"row": torch.tensor([0, 0, 1, 1])}], step=1)
+
+
 def test_the_same_step_samples_the_same_completions_and_another_step_others():
     cfg, _ = float64.grpo_config({"per_device_train_batch_size": 4})
     model, _ = float64.grpo_model(cfg, 2)
