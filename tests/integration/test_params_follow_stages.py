@@ -21,7 +21,9 @@ OTHER = {"model.task": "sequence-classification", "model.name_or_path": "gpt2", 
          "train.effective_batch_size": 8, "train.max_steps": 5, "train.memory_budget_gib": 1.5,
          "train.dataloader_pin_memory": True, "data.source": "bbcnews-headlines", "train.eval_strategy": "epoch",
          "train.metric_for_best_model": "eval_mean_token_accuracy", "train.greater_is_better": True,
-         "train.dpo.loss_type": ["hinge"], "train.dpo.loss_weights": [0.5], "train.main_process_ip": "10.0.0.1"}
+         "train.dpo.loss_type": ["hinge"], "train.dpo.loss_weights": [0.5], "train.main_process_ip": "10.0.0.1",
+         "train.grpo.loss_type": "grpo", "train.grpo.scale_rewards": "batch", "train.grpo.top_p": 0.9,
+         "train.grpo.reward_funcs": ["answer_mentioned"], "train.grpo.reward_weights": [2.0]}
 # Keys whose other value is valid only with another key changed too (config.validate's combinations): the
 # params file that `dvc status` reads changes the key alone, the one onegpu validates both.
 COMPANION = {"model.task": {"model.name_or_path": "gpt2"}, "train.torch_compile_mode": {"train.torch_compile": True},
