@@ -14,6 +14,13 @@ NOTE_TAG = "mlflow.note.content"  # the run's description, Markdown, on the top 
 # (metric, panel title, scale of the values, unit); memory in MiB, speed in examples per second.
 PANELS = (("loss", "loss", 1.0, ""), ("grad_norm", "grad_norm", 1.0, ""),
           ("mem_peak_bytes", "memory", 1 / 2**20, "MiB"), ("samples_per_second", "speed", 1.0, "samples/s"))
+REWARD_PANEL = ("reward", "reward", 1.0, "")  # first, for a run whose steps log a reward (GRPO's)
+VALIDATION = {"loss": "eval_loss", "reward": "eval_reward"}  # a panel's validation points, where rows have them
+
+
+def panels(rows: list[tuple[int, dict]]) -> tuple:
+    """The figure's panels for the sink's ``rows``: :data:`PANELS`, after :data:`REWARD_PANEL` when they log one."""
+    return (REWARD_PANEL, *PANELS) if series(rows, "reward")[0] else PANELS
 
 
 def series(rows: list[tuple[int, dict]], metric: str) -> tuple[list[int], list[float]]:
@@ -25,7 +32,7 @@ def series(rows: list[tuple[int, dict]], metric: str) -> tuple[list[int], list[f
 
 
 def _last(metric: str, values: list[float], scale: float, unit: str) -> str:
-    """The panel's headline: first -> last value (loss, grad_norm), the peak (memory) or the mean (speed)."""
+    """The panel's headline: first -> last value (reward, loss, grad_norm), the peak (memory) or the mean (speed)."""
     if not values:
         return "not measured"
     if metric == "mem_peak_bytes":
@@ -37,10 +44,10 @@ def _last(metric: str, values: list[float], scale: float, unit: str) -> str:
 
 def plot_steps(rows: list[tuple[int, dict]], title: str, note: str = "", thumbnail: bool = False,
                short: bool = False):
-    """A strip of :data:`PANELS` side by side over the optimizer steps of ``rows``, each titled with its
-    headline figure (last loss and grad_norm, peak memory, mean speed), under ``title`` and ``note``
-    (e.g. ``stopped after 3 optimizer steps``, the outside load): 14 x 2.7 inches at 100 dpi. The loss
-    panel also draws the validation points (``eval_loss``) where ``rows`` have them.
+    """A strip of :func:`panels` side by side over the optimizer steps of ``rows``, each titled with its
+    headline figure (first and last reward, loss and grad_norm, peak memory, mean speed), under ``title`` and
+    ``note`` (e.g. ``stopped after 3 optimizer steps``, the outside load): 14 x 2.7 inches at 100 dpi. The loss
+    and reward panels also draw the validation points (``eval_loss``, ``eval_reward``) where ``rows`` have them.
     ``thumbnail``: the same curves as sparklines (no axes' numbers), 825 x 78 pixels, without the title:
     MLflow's run description shows 100 px before "Show more", and an image at its own size
     (:func:`description`); ``short``: 54 pixels high, under a line of text in that description.
@@ -50,8 +57,9 @@ def plot_steps(rows: list[tuple[int, dict]], title: str, note: str = "", thumbna
     from matplotlib.ticker import MaxNLocator
     size, dpi, font = ((11, 0.72 if short else 1.04), 75, 9) if thumbnail else ((14, 2.7), 100, 10)
     fig = Figure(figsize=size, dpi=dpi, facecolor=FACE)
-    axes = fig.subplots(1, len(PANELS))
-    for ax, (metric, label, scale, unit) in zip(axes, PANELS):
+    shown = panels(rows)
+    axes = fig.subplots(1, len(shown))
+    for ax, (metric, label, scale, unit) in zip(axes, shown):
         steps, values = series(rows, metric)
         if steps:
             ax.plot(steps, [v * scale for v in values], marker="o" if len(steps) <= 40 else None,
@@ -59,8 +67,8 @@ def plot_steps(rows: list[tuple[int, dict]], title: str, note: str = "", thumbna
         else:
             ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
         heading = f"{label}: {_last(metric, values, scale, unit)}"
-        if metric == "loss" and (evals := series(rows, "eval_loss"))[0]:  # the validation points beside it
-            ax.plot(*evals, marker="s", markersize=4, linewidth=1.4, linestyle="--", label="eval_loss")
+        if metric in VALIDATION and (evals := series(rows, VALIDATION[metric]))[0]:  # the validation points
+            ax.plot(*evals, marker="s", markersize=4, linewidth=1.4, linestyle="--", label=VALIDATION[metric])
             heading += f"; eval {evals[1][-1]:.4g}"
             if not thumbnail:
                 ax.legend(["training step", "validation"], fontsize=font - 2)
