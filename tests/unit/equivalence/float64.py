@@ -452,11 +452,12 @@ def grpo_model(cfg, prompts: int, fused: bool = True, dtype=torch.float64, packa
 
 def grpo_run(micro: int = 8, accum: int = 1, prompts: int = 2, steps: int = 2, fused: bool = True,
              backend: str = "trainer", grpo: dict | None = None, rows: int | None = None, dtype=torch.float64,
-             packaged: bool = False, **train_cfg) -> Run:
+             packaged: bool = False, oom_injector=None, **train_cfg) -> Run:
     """``steps`` optimizer steps of GRPO (:func:`grpo_model`, :func:`grpo_config`), ``prompts`` prompts of 4
     completions each per step (``rows`` prompts of data, default ``prompts x steps``; ``packaged``: the packaged
     SmolLM2-135M-Instruct)."""
     cfg, train_cfg = grpo_config({"backend": backend, "per_device_train_batch_size": micro,
                                   "gradient_accumulation_steps": accum, "max_steps": steps, **train_cfg}, grpo)
     model, data = grpo_model(cfg, rows or prompts * steps, fused, dtype, packaged)
-    return train(model, chat_tokenizer(), data, train_cfg, GRPO, {"source": "prompts.jsonl"}, dtype=dtype)
+    return train(model, chat_tokenizer(), data, train_cfg, GRPO, {"source": "prompts.jsonl"}, dtype=dtype,
+                 oom_injector=oom_injector)

@@ -53,6 +53,26 @@ def test_the_splits_of_a_step_are_one_training_in_float64(split, loss_type):
     assert_same(float64.grpo_run(**split, grpo={"loss_type": loss_type}), baseline(loss_type))
 
 
+@pytest.mark.parametrize("backend", ["trainer", "accelerate"])
+def test_an_out_of_memory_retry_is_the_same_step_figures_included(backend):
+    """An injected out-of-memory error in step 1's second micro-batch (4 x 2): the step is redone in pieces of 2
+    completions, on the generations already sampled (no new sampling), and is the step without the error, its
+    figures counted once."""
+    calls = []
+
+    def injector(step: int, rows: int) -> bool:
+        calls.append((step, rows))
+        return len(calls) == 2
+    run = float64.grpo_run(4, 2, steps=1, backend=backend, oom_injector=injector)
+    assert (1, 2) in calls  # the retry ran in pieces of 2 completions
+    whole = float64.grpo_run(4, 2, steps=1, backend=backend)
+    assert [r["targets"] for r in run.rows] == [r["targets"] for r in whole.rows]
+    d = float64.distance(run, whole)
+    assert max(d["grad_norm"], d["gradient"]) <= float64.REL, d
+    for k in ("loss", *FIGURES):
+        assert abs(run.rows[0][k] - whole.rows[0][k]) <= 1e-12 * max(1.0, abs(whole.rows[0][k])), k
+
+
 def test_bnpo_moves_with_the_split_by_a_measured_amount():
     """TRL's bnpo (each micro-batch's token mean, averaged over the micro-batches) is dapo in one micro-batch and
     another loss once the step is split (its docs say so): 2 x 4 moves its step-1 gradient by more than 1%."""
