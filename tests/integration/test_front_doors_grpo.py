@@ -73,6 +73,9 @@ def test_make_grpo_stopped_by_ctrl_c_resumes_to_the_uninterrupted_training(proje
         assert [s for s, _ in resumed] == [s for s, _ in ref] == list(range(1, STEPS + 1)), key
         assert [v for _, v in resumed] == pytest.approx([v for _, v in ref], abs=1e-6), key
     assert len({v for _, v in _history(project, last, "reward")}) > 1
-    tables = [json.loads(Path(client(p).download_artifacts(r.info.run_id, "completions.json")).read_text())
-              for p, r in ((project, last), (reference, whole))]
+    tables = []
+    for name, p, r in (("resumed", project, last), ("whole", reference, whole)):
+        (tmp_path / name).mkdir()  # (MLflow's default destination is a new temporary folder it leaves behind)
+        tables.append(json.loads(Path(client(p).download_artifacts(r.info.run_id, "completions.json",
+                                                                   str(tmp_path / name))).read_text()))
     assert tables[0]["data"] == tables[1]["data"] and len(tables[0]["data"]) == 8 * STEPS  # every step logged
