@@ -58,6 +58,10 @@ def test_make_grpo_stopped_by_ctrl_c_resumes_to_the_uninterrupted_training(proje
         assert "`make grpo` again (the same `dvc exp run`) resumes it" in term.output, term.output
         [first] = _train_runs(project)
         assert first.info.status == "KILLED" and _loss_steps(project, first) == list(range(1, stopped + 1))
+        (tmp_path / "stopped").mkdir()  # the stopped run keeps the completions of the steps it trained
+        kept = json.loads(Path(client(project).download_artifacts(first.info.run_id, "completions.json",
+                                                                   str(tmp_path / "stopped"))).read_text())
+        assert [row[0] for row in kept["data"]] == [s for s in range(1, stopped + 1) for _ in range(8)]
         assert term.run(MAKE_GRPO) == 0, term.output[-3000:]
         assert "resuming from" in term.output and "pass rate" in term.output
     finally:

@@ -129,7 +129,7 @@ def _run(plan: TrainPlan, tracker, dsd, run_id: str, rows: list, stop: GracefulS
         for point in (plan.resume.evals if plan.resume else []):  # and its validation points
             sink({k: v for k, v in point.items() if k != "step"}, point["step"])
         tracker.set_tags(run_id, {"cpu_allocator": host_allocator.apply(plan.cfg.train.cpu_allocator, plan.device)})
-        with tracker.system_metrics(run_id):
+        with tracker.system_metrics(run_id), _tables_logged(tracker, run_id, plan.cfg, model):
             load.start()
             t0 = time.perf_counter()
             built_model = model
@@ -137,9 +137,6 @@ def _run(plan: TrainPlan, tracker, dsd, run_id: str, rows: list, stop: GracefulS
             train_s = time.perf_counter() - t0
             load.stop()
         tracker.set_tags(run_id, objectives.of(plan.cfg).run_tags(built_model))  # e.g. DPO's reference
-        for artifact, table in objectives.of(plan.cfg).run_tables(built_model).items():  # GRPO's completions
-            if table:
-                tracker.log_table(run_id, table, artifact)
         summary = log_results(plan, tracker, run_id, buffer, model, steps)
         spec = record.logged_model(plan.cfg, plan.key, tracking.run_name() or config_name(plan.cfg))
         if steps.best is not None:  # the model holds the best point's weights, not the last's
@@ -151,6 +148,25 @@ def _run(plan: TrainPlan, tracker, dsd, run_id: str, rows: list, stop: GracefulS
             save(result)
             tracker.log_model(run_id, result.model_spec)
     return result
+
+
+@contextlib.contextmanager
+def _tables_logged(tracker, run_id: str, cfg, model):
+    """Around the training of ``model`` (as built): the objective's tables (GRPO's completions,
+    :meth:`~onegpu.training.objectives.base.Objective.run_tables`) logged into the run when it ends, however it
+    ends, so a stopped or failed run keeps the rows of the steps it trained; on an error, a failure to log them
+    is not raised over it."""
+    def log() -> None:
+        for artifact, table in objectives.of(cfg).run_tables(model).items():
+            if table:
+                tracker.log_table(run_id, table, artifact)
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            log()
+        raise
+    log()
 
 
 # The splits a training run reads, and their MLflow dataset contexts (Tracker.log_data_inputs: prepare's
