@@ -117,8 +117,11 @@ def build(model, prompts: list, prompt_ids: list[list[int]], columns: dict[str, 
 
 def counts(batch: StepBatch, splits: list) -> grpo.StepCounts:
     """The step's :class:`~onegpu.training.objectives.grpo.StepCounts` for micro-batches ``splits`` of ``batch`` (each
-    a slice or an index tensor of its rows)."""
-    return grpo.step_counts([batch.gens.completion_mask[r] for r in splits])
+    a slice or an index tensor of its rows); one host read."""
+    import torch
+    masks = [batch.gens.completion_mask[r] for r in splits]
+    tokens = int(torch.stack([m.sum() for m in masks]).sum())
+    return grpo.StepCounts(sum(int(m.shape[0]) for m in masks), tokens, len(masks))
 
 
 @dataclass
@@ -199,9 +202,9 @@ def step_figures(batch: StepBatch, num_generations: int) -> dict[str, float]:
     out["reward_std"] = float(grpo.nanstd(batch.total))
     group_std = grpo.nanstd(batch.total.view(-1, num_generations), dim=1)
     out["frac_reward_zero_std"] = float(torch.isclose(group_std, torch.zeros_like(group_std)).double().mean())
-    lengths = batch.gens.lengths.double()
-    out["completions/mean_length"] = float(lengths.mean())
-    out["completions/min_length"] = float(lengths.min())
-    out["completions/max_length"] = float(lengths.max())
-    out["completions/clipped_ratio"] = float(batch.gens.truncated.double().mean())
+    lengths = batch.gens.lengths.double()  # (on the device: one host read for the four)
+    mean, low, high, clipped = torch.stack([lengths.mean(), lengths.min(), lengths.max(),
+                                            batch.gens.truncated.double().mean()]).tolist()
+    out.update({"completions/mean_length": mean, "completions/min_length": low, "completions/max_length": high,
+                "completions/clipped_ratio": clipped})
     return out
