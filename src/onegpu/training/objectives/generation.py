@@ -98,9 +98,10 @@ class Sampling:
 
 
 def sample(model, prompts: list[list[int]], sampling: Sampling, pad_token_id: int, eos_token_ids: list[int],
-           seed: int) -> Generations:
+           seed: int | None) -> Generations:
     """``sampling.num_generations`` completions of each prompt from ``model``, drawn from generator state
-    ``seed`` alone (the caller's RNG state is left as it was).
+    ``seed`` alone (the caller's RNG state is left as it was); ``seed`` None: greedy (no sampling, no RNG: the
+    held-out figures', :mod:`onegpu.training.objectives.heldout_generation`).
 
     Args:
         model: a ``transformers`` causal LM (``generate``), in eval mode or not (dropout is switched off here
@@ -117,14 +118,16 @@ def sample(model, prompts: list[list[int]], sampling: Sampling, pad_token_id: in
     device = next(model.parameters()).device
     ids, mask = left_padded(prompts, pad_token_id, sampling.num_generations)
     ids, mask = ids.to(device), mask.to(device)
-    config = GenerationConfig(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                              top_k=sampling.top_k, max_new_tokens=sampling.max_completion_length,
+    drawn = {} if seed is None else {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                     "top_k": sampling.top_k}
+    config = GenerationConfig(do_sample=seed is not None, **drawn, max_new_tokens=sampling.max_completion_length,
                               pad_token_id=pad_token_id, eos_token_id=list(eos_token_ids))
     training = model.training
     model.eval()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-            torch.manual_seed(seed)
+            if seed is not None:
+                torch.manual_seed(seed)
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     finally:
         model.train(training)

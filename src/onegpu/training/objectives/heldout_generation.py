@@ -13,23 +13,10 @@ from onegpu.training.objectives import generation, rewards
 
 def greedy(model, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int, eos_token_ids: list[int]):
     """One greedy completion of each prompt: :class:`~onegpu.training.objectives.generation.Generations` (one
-    row per prompt); ``model``'s mode is restored."""
-    import torch
-    from transformers import GenerationConfig
-    device = next(model.parameters()).device
-    ids, mask = generation.left_padded(prompts, pad_token_id)
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
-                              eos_token_id=list(eos_token_ids))
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
-    finally:
-        model.train(training)
-    completion = out[:, ids.size(1):]
-    cmask, truncated = generation.completion_mask(completion, eos_token_ids)
-    return generation.Generations(ids, mask, completion.masked_fill(cmask == 0, pad_token_id), cmask, truncated)
+    row per prompt; :func:`~onegpu.training.objectives.generation.sample` without a seed); ``model``'s mode is
+    restored."""
+    return generation.sample(model, prompts, generation.Sampling(1, max_new_tokens), pad_token_id, eos_token_ids,
+                             seed=None)
 
 
 def figures(model, tokenizer, dataset, cfg, device: str, prefix: str, funcs: dict) -> dict:
